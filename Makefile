@@ -1,0 +1,41 @@
+# duetime — two commands on a fresh machine: `make run` and `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/python -m pip
+STAMP   := $(VENV)/.installed
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+
+.PHONY: run test lint format bench bench-sim clean setup
+
+setup: $(STAMP)
+
+# torch first, from the CPU wheel on local disk, pinned by constraints.txt so that
+# nothing installed later can swap it for a CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/duetime demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy src
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
+
+bench-sim: $(STAMP)
+	$(BIN)/duetime bench sim
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,2 @@
+"""duetime: predictable LLM serving."""
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Shared core: requests, sequences, snapshots, decisions and the Policy protocol."""

@@ -1,0 +1,161 @@
+"""Step-cost models: how long one engine step takes, in closed form.
+
+One linear family covers both forms the papers use and the profiles we fit::
+
+    t = c0 + c_prefill·[P > 0] + a1·P + a2·A + b·D + d·KV + s·W
+
+P  prefill tokens in the step,
+A  Σ n_i·(past_i + n_i) over prefill chunks (attention work; N² for a whole prompt),
+D  sequences decoding one token,
+KV KV-cache tokens those decoders attend to,
+W  tokens swapped in or out during the step.
+
+TimeBill (Eq. 5–6): prefill ``aN² + bN + c`` and decode ``p·N_kv + q`` are
+``c0=q, c_prefill=c−q, a1=b, a2=a, d=p``. The batch form of Vidur and of the
+Amin/Amax paper, ``c + a·P + b·D + d·KV``, sets the rest to zero.
+
+Because the model is linear in KV, k pure-decode steps of a fixed batch are an
+arithmetic series; :meth:`LinearStepCost.decode_span` and
+:meth:`LinearStepCost.decode_steps_within` let the simulator jump over them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class CostModel(Protocol):
+    """What an executor and a policy need to know about step time."""
+
+    def step_time(
+        self, prefill_tokens: int, prefill_attn: float, decode_seqs: int, kv_tokens: int
+    ) -> float:
+        """Seconds for one step of the given shape."""
+        ...
+
+    def decode_span(self, k: int, decode_seqs: int, kv_tokens: int) -> float:
+        """Seconds for k pure-decode steps of a fixed batch starting at ``kv_tokens``."""
+        ...
+
+    def decode_steps_within(self, horizon: float, decode_seqs: int, kv_tokens: int) -> int:
+        """Largest k with ``decode_span(k) <= horizon``."""
+        ...
+
+
+class CostModelError(ValueError):
+    """A cost model or profile file is invalid."""
+
+
+_COEFFS = ("c0", "c_prefill", "a1", "a2", "b", "d", "s")
+
+
+@dataclass(slots=True, frozen=True)
+class LinearStepCost:
+    """The linear step-cost family above; coefficients in seconds per unit."""
+
+    c0: float = 0.0
+    c_prefill: float = 0.0
+    a1: float = 0.0
+    a2: float = 0.0
+    b: float = 0.0
+    d: float = 0.0
+    s: float = 0.0
+    name: str = "linear"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for k in _COEFFS:
+            v = getattr(self, k)
+            if not math.isfinite(v) or v < 0:
+                raise CostModelError(f"cost coefficient {k} must be finite and >= 0, got {v}")
+        if self.c0 <= 0 and self.b <= 0:
+            raise CostModelError("a decode step must cost something: need c0 > 0 or b > 0")
+
+    # --- constructors ---------------------------------------------------------
+    @classmethod
+    def timebill(cls, a: float, b: float, c: float, p: float, q: float) -> LinearStepCost:
+        """TimeBill's ETE: prefill ``aN² + bN + c``, decode step ``p·N_kv + q``."""
+        return cls(c0=q, c_prefill=max(c - q, 0.0), a1=b, a2=a, d=p, name="timebill")
+
+    @classmethod
+    def batch(cls, c: float, a: float, b: float, d: float) -> LinearStepCost:
+        """Batch form: ``c + a·P + b·D + d·KV``."""
+        return cls(c0=c, a1=a, b=b, d=d, name="batch")
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> LinearStepCost:
+        """Read a profile JSON (``{"name", "coefficients": {...}, "source", ...}``)."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CostModelError(f"{path}: profile file not found") from None
+        except json.JSONDecodeError as e:
+            raise CostModelError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("coefficients"), dict):
+            raise CostModelError(f"{path}: expected an object with a 'coefficients' object")
+        coeffs = raw["coefficients"]
+        unknown = set(coeffs) - set(_COEFFS)
+        if unknown:
+            raise CostModelError(f"{path}: unknown coefficient(s) {sorted(unknown)}")
+        try:
+            values = {k: float(coeffs.get(k, 0.0)) for k in _COEFFS}
+        except (TypeError, ValueError):
+            raise CostModelError(f"{path}: coefficients must be numbers") from None
+        meta = {k: v for k, v in raw.items() if k not in ("coefficients", "name")}
+        try:
+            return cls(**values, name=str(raw.get("name", path.stem)), meta=meta)
+        except CostModelError as e:
+            raise CostModelError(f"{path}: {e}") from None
+
+    def to_profile(self) -> dict[str, Any]:
+        d = asdict(self)
+        meta = d.pop("meta")
+        name = d.pop("name")
+        return {"name": name, "coefficients": d, **meta}
+
+    # --- costs ----------------------------------------------------------------
+    def step_time(
+        self,
+        prefill_tokens: int,
+        prefill_attn: float,
+        decode_seqs: int,
+        kv_tokens: int,
+        swap_tokens: int = 0,
+    ) -> float:
+        t = self.c0 + self.a1 * prefill_tokens + self.a2 * prefill_attn
+        t += self.b * decode_seqs + self.d * kv_tokens + self.s * swap_tokens
+        if prefill_tokens > 0:
+            t += self.c_prefill
+        return t
+
+    def prefill_time(self, n: int) -> float:
+        """One whole prompt of n tokens alone (TimeBill's t_prefill)."""
+        return self.step_time(n, float(n) * n, 0, 0)
+
+    def decode_span(self, k: int, decode_seqs: int, kv_tokens: int) -> float:
+        # step i (0-based) attends kv_tokens + i·D tokens:
+        # Σ_{i<k} (C + d·(KV + i·D)) = k·(C + d·KV) + d·D·k(k−1)/2
+        base = self.c0 + self.b * decode_seqs + self.d * kv_tokens
+        return k * base + self.d * decode_seqs * k * (k - 1) / 2.0
+
+    def decode_steps_within(self, horizon: float, decode_seqs: int, kv_tokens: int) -> int:
+        if horizon <= 0:
+            return 0
+        base = self.c0 + self.b * decode_seqs + self.d * kv_tokens
+        g = self.d * decode_seqs  # growth of the step time per step
+        if g <= 0:
+            return int(horizon / base * (1 + 1e-12))
+        # g/2·k² + (base − g/2)·k − horizon <= 0
+        bq = base - g / 2.0
+        k = int((-bq + math.sqrt(bq * bq + 2.0 * g * horizon)) / g)
+        # guard against rounding either way
+        while k > 0 and self.decode_span(k, decode_seqs, kv_tokens) > horizon * (1 + 1e-12):
+            k -= 1
+        while self.decode_span(k + 1, decode_seqs, kv_tokens) <= horizon * (1 + 1e-12):
+            k += 1
+        return k

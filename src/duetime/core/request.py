@@ -1,0 +1,131 @@
+"""What a client asks for, and what only the executor knows about it.
+
+A :class:`Request` is the public part: everything a policy may look at. A
+:class:`Job` pairs it with the hidden ground truth (the true output length and
+segment lengths) that an executor needs to play a workload back. Keeping the
+truth outside ``Request`` is how we guarantee that no policy can peek at it: an
+"oracle" policy gets the truth only through an oracle *predictor* that fills
+``Request.predicted``, exactly like a learned predictor would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class LengthPrediction:
+    """A predicted number of output tokens: a point estimate and an interval.
+
+    ``lo <= point <= hi``; ``confidence`` in [0, 1] says how much the predictor
+    trusts itself (1 for an oracle). Policies of the Amin/Amax family consume
+    the interval, TimeBill consumes the point (and a WCET derived from it).
+    """
+
+    point: float
+    lo: float
+    hi: float
+    confidence: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.lo <= self.point <= self.hi):
+            raise ValueError(f"prediction must satisfy lo <= point <= hi, got {self}")
+        if self.lo < 0:
+            raise ValueError(f"predicted lengths must be >= 0, got lo={self.lo}")
+
+    @classmethod
+    def exact(cls, n: float) -> LengthPrediction:
+        """A degenerate interval: what an oracle knows."""
+        return cls(point=n, lo=n, hi=n, confidence=1.0)
+
+
+@dataclass(slots=True, frozen=True)
+class TimeUtility:
+    """TimelyLLM's time-utility function, Eq. 1: ``TUF(t) = min(β, α·(t − ERT) + β)``.
+
+    ``t`` is the response time in seconds (from arrival), ``ert`` the expected
+    response time, ``beta`` the utility when on time and ``alpha`` (<= 0) the
+    slope after ERT. Utility is not clipped below zero: the paper lets late
+    answers cost utility, which is what makes the urgency visible.
+    """
+
+    ert: float
+    beta: float = 1.0
+    alpha: float = -2.0
+
+    def __call__(self, t: float) -> float:
+        return min(self.beta, self.alpha * (t - self.ert) + self.beta)
+
+    def later_segment(self) -> TimeUtility:
+        """TUF1: same α and β, ERT = 0 (the next segment is wanted at once)."""
+        return TimeUtility(ert=0.0, beta=self.beta, alpha=self.alpha)
+
+
+@dataclass(slots=True)
+class Request:
+    """A generation request as a policy sees it. Times are seconds on the executor's clock.
+
+    ``deadline`` is absolute; use :attr:`time_budget` for the relative form.
+    ``max_tokens`` caps generation (TimeBill's ``N_max``). ``prompt_token_ids``
+    is only needed by the real engine; the simulator works from ``prompt_len``.
+    """
+
+    rid: int
+    arrival: float
+    prompt_len: int
+    max_tokens: int = 4096
+    deadline: float | None = None
+    priority: int = 0
+    tuf: TimeUtility | None = None
+    predicted: LengthPrediction | None = None
+    klass: str = "default"
+    prompt_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1:
+            raise ValueError(f"request {self.rid}: prompt_len must be >= 1, got {self.prompt_len}")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.rid}: max_tokens must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.arrival) or self.arrival < 0:
+            raise ValueError(f"request {self.rid}: arrival must be finite and >= 0")
+
+    @property
+    def time_budget(self) -> float | None:
+        """Deadline relative to arrival, or None."""
+        return None if self.deadline is None else self.deadline - self.arrival
+
+
+@dataclass(slots=True)
+class Job:
+    """A request plus the ground truth an executor needs to play it back.
+
+    ``output_len`` is the true number of tokens the answer has (the simulator
+    stops there; the real engine, with ``ignore_eos``, does too).
+    ``segments`` splits ``output_len`` into TimelyLLM segments; after segment
+    ``k`` the client is busy for ``segment_gaps[k]`` seconds (robot action,
+    reading) before it wants segment ``k + 1``. An empty ``segments`` means one
+    segment.
+    """
+
+    request: Request
+    output_len: int
+    segments: tuple[int, ...] = field(default=())
+    segment_gaps: tuple[float, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        rid = self.request.rid
+        if self.output_len < 1:
+            raise ValueError(f"job {rid}: output_len must be >= 1, got {self.output_len}")
+        if self.segments:
+            if sum(self.segments) != self.output_len or min(self.segments) < 1:
+                raise ValueError(
+                    f"job {rid}: segments {self.segments} must be >= 1 and sum to "
+                    f"output_len={self.output_len}"
+                )
+            if len(self.segment_gaps) not in (0, len(self.segments) - 1):
+                raise ValueError(
+                    f"job {rid}: need len(segments) - 1 = {len(self.segments) - 1} gaps, "
+                    f"got {len(self.segment_gaps)}"
+                )

@@ -1,0 +1,42 @@
+"""The engine state a policy sees. Identical in shape for the simulator and the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from duetime.core.sequence import Seq
+
+if TYPE_CHECKING:
+    from duetime.core.cost import CostModel
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """State at one scheduling point. Read-only for policies.
+
+    ``waiting`` is ordered by the policy's own ``waiting_key`` (executors keep
+    it sorted), ``running`` and ``suspended`` in admission order;
+    ``prefilling`` is the subset of ``running`` whose prefill is unfinished
+    (chunked prefill in progress). The lists are
+    the executor's live containers, not copies (a copy per step would cost more
+    than the step): never mutate them. ``kv_free`` and ``kv_capacity`` count
+    tokens. ``cost`` is the executor's step-cost model (the fitted profile on
+    the real engine), so a policy can estimate execution times the same way in
+    both executors. ``max_num_seqs`` and ``max_batch_tokens`` are the engine's
+    limits on sequences per step and tokens per step; ``num_decoding`` is how many
+    RUNNING sequences have finished prefill and will decode in the next step.
+    """
+
+    now: float
+    waiting: Sequence[Seq]
+    running: Sequence[Seq]
+    prefilling: Sequence[Seq]
+    suspended: Sequence[Seq]
+    kv_capacity: int
+    kv_free: int
+    max_num_seqs: int
+    max_batch_tokens: int
+    num_decoding: int = 0
+    cost: CostModel | None = None

@@ -1,0 +1,144 @@
+"""The generic queue scheduler every simple policy is built from.
+
+A policy here is three small choices (STYLE.md): the *order* of the waiting
+queue (``waiting_key``), which running sequence to give up when memory runs
+out (``victim_key``, largest first), and whether admission stops at the first
+request that does not fit (head-of-line blocking, as vLLM's FCFS does). The
+loop below turns them into a :class:`Decision`:
+
+1. make room for the next decode step (one KV token per decoder), preempting
+   victims; a sequence that cannot fit even alone is cancelled;
+2. resume suspended sequences that are ready (segment gaps over, swapped out),
+   oldest key first, while memory allows;
+3. continue unfinished (chunked) prefills, then admit waiting sequences in
+   queue order while memory, ``max_num_seqs`` and the step token budget allow.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Any
+
+from duetime.core.decision import Decision, PreemptMode
+from duetime.core.sequence import Seq
+from duetime.core.snapshot import EngineSnapshot
+
+
+class QueuePolicy:
+    """Base class: FCFS order, newest-first victims, chunked prefill, HOL blocking."""
+
+    name = "queue"
+    default_predictor: str | None = None
+
+    def __init__(
+        self,
+        *,
+        chunked_prefill: bool = True,
+        head_of_line_blocking: bool = True,
+        preempt_mode: PreemptMode = "recompute",
+        admit_headroom: int = 0,
+    ) -> None:
+        self.chunked_prefill = chunked_prefill
+        self.head_of_line_blocking = head_of_line_blocking
+        self.preempt_mode: PreemptMode = preempt_mode
+        self.admit_headroom = admit_headroom
+
+    # --- the three choices --------------------------------------------------
+    def waiting_key(self, seq: Seq) -> Any:
+        return seq.req.arrival
+
+    def victim_key(self, seq: Seq, now: float) -> Any:
+        """Larger = preempted first. Default: the most recently admitted (vLLM)."""
+        return seq.order
+
+    def admissible(self, seq: Seq, snap: EngineSnapshot) -> bool:
+        """Extra admission rule (deadline checks, predicted-length checks)."""
+        return True
+
+    # --- the generic loop ---------------------------------------------------
+    def schedule(self, snap: EngineSnapshot) -> Decision:
+        dec = Decision(preempt_mode=self.preempt_mode)
+        free = snap.kv_free
+        decoders = snap.num_decoding
+        n_seqs = len(snap.running)
+
+        if decoders > free:
+            free, decoders, n_seqs = self._make_room(snap, dec, free, decoders, n_seqs)
+        free -= decoders  # the next step writes one KV token per decoder
+
+        free, decoders, n_seqs = self._resume_ready(snap, dec, free, decoders, n_seqs)
+
+        budget = snap.max_batch_tokens - decoders
+        for seq in snap.prefilling:
+            if budget <= 0:
+                break
+            if seq.rid not in dec.preempt and seq.rid not in dec.cancel:
+                n = min(seq.prefill_remaining, budget, free)
+                if n <= 0:
+                    continue
+                if n < seq.prefill_remaining and not self.chunked_prefill:
+                    continue
+                dec.prefill.append((seq.rid, n))
+                budget -= n
+                free -= n
+
+        for seq in snap.waiting:
+            if n_seqs >= snap.max_num_seqs or budget <= 0:
+                break
+            need = seq.prefill_target
+            # Admit only when the whole prompt fits (plus one token to decode),
+            # so an admitted prefill never stalls for memory halfway.
+            fits = need + 1 + self.admit_headroom <= free
+            if fits and self.admissible(seq, snap):
+                n = min(need, budget)
+                if n < need and not self.chunked_prefill:
+                    fits = False
+                else:
+                    dec.prefill.append((seq.rid, n))
+                    budget -= n
+                    free -= need
+                    n_seqs += 1
+                    continue
+            if self.head_of_line_blocking:
+                break
+        return dec
+
+    def _make_room(
+        self, snap: EngineSnapshot, dec: Decision, free: int, decoders: int, n_seqs: int
+    ) -> tuple[int, int, int]:
+        now = snap.now
+        candidates = list(snap.running)
+        # The default victim key is the admission order: compare it in C.
+        if type(self).victim_key is QueuePolicy.victim_key:
+            key: Any = attrgetter("order")
+        else:
+            key = lambda s: self.victim_key(s, now)  # noqa: E731
+        while decoders > free and candidates:
+            # Usually one victim is enough: a max() per victim beats sorting the batch.
+            v = max(candidates, key=key)
+            candidates.remove(v)
+            if n_seqs == 1 and v.kv_tokens + 1 > snap.kv_capacity:
+                dec.cancel.append(v.rid)  # cannot fit even alone: give up, do not livelock
+            else:
+                dec.preempt.append(v.rid)
+            free += v.kv_tokens
+            decoders -= 1 if v.prefill_done else 0
+            n_seqs -= 1
+        return free, decoders, n_seqs
+
+    def _resume_ready(
+        self, snap: EngineSnapshot, dec: Decision, free: int, decoders: int, n_seqs: int
+    ) -> tuple[int, int, int]:
+        if not snap.suspended:
+            return free, decoders, n_seqs
+        ready = [s for s in snap.suspended if s.ready_at <= snap.now]
+        ready.sort(key=lambda s: (self.waiting_key(s), s.order))
+        for s in ready:
+            need = 1 + (s.kv_tokens if s.kv_offloaded else 0)
+            if n_seqs >= snap.max_num_seqs or need > free:
+                break
+            dec.resume.append(s.rid)
+            free -= need
+            decoders += 1
+            n_seqs += 1
+        return free, decoders, n_seqs

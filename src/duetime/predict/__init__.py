@@ -1,0 +1,1 @@
+"""Predictors: response length, execution time, throughput."""

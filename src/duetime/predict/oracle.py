@@ -1,0 +1,78 @@
+"""Length predictors that see the truth: the oracle, and the oracle with a set error.
+
+They run on the executor side (they are handed the :class:`Job`, which holds
+the hidden length) and write ``Request.predicted``; policies then read the
+prediction exactly as they would read a learned one. That keeps "oracle" a
+property of the experiment, never of the policy.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from duetime.core.request import Job, LengthPrediction
+
+
+class JobPredictor(Protocol):
+    """Annotates a job's request with a length prediction before it is scheduled."""
+
+    name: str
+
+    def predict_job(self, job: Job) -> LengthPrediction: ...
+
+
+class OraclePredictor:
+    """Knows the true output length exactly."""
+
+    name = "oracle"
+
+    def predict_job(self, job: Job) -> LengthPrediction:
+        return LengthPrediction.exact(float(job.output_len))
+
+
+class NoisyOraclePredictor:
+    """The truth times a log-normal error of set size, with an interval that covers it.
+
+    The point is ``o · exp(ε)``, ``ε ~ N(0, σ²)`` with ``σ = rel_error``; the
+    interval is ``point · exp(∓z·σ)`` with ``z`` the normal quantile for
+    ``coverage`` (so it covers the truth with that probability). Seeded.
+    """
+
+    name = "noisy"
+
+    def __init__(self, rel_error: float = 0.3, coverage: float = 0.9, seed: int = 0) -> None:
+        if rel_error < 0:
+            raise ValueError(f"rel_error must be >= 0, got {rel_error}")
+        if not 0 < coverage < 1:
+            raise ValueError(f"coverage must be in (0, 1), got {coverage}")
+        from scipy.stats import norm
+
+        self.rel_error = rel_error
+        self.z = float(norm.ppf(0.5 + coverage / 2))
+        self._rng = np.random.default_rng(seed)
+
+    def predict_job(self, job: Job) -> LengthPrediction:
+        sigma = self.rel_error
+        point = max(1.0, job.output_len * float(np.exp(self._rng.normal(0.0, sigma))))
+        lo = max(1.0, point * float(np.exp(-self.z * sigma)))
+        hi = point * float(np.exp(self.z * sigma))
+        return LengthPrediction(
+            point=point, lo=min(lo, point), hi=hi, confidence=max(0.0, 1.0 - sigma)
+        )
+
+
+def make_job_predictor(spec: str | None, seed: int = 0) -> JobPredictor | None:
+    """``None``/"none", "oracle", "noisy" or "noisy:0.5" (relative error)."""
+    if spec is None or spec == "none":
+        return None
+    if spec == "oracle":
+        return OraclePredictor()
+    if spec.startswith("noisy"):
+        _, _, err = spec.partition(":")
+        try:
+            return NoisyOraclePredictor(rel_error=float(err) if err else 0.3, seed=seed)
+        except ValueError as e:
+            raise ValueError(f"bad predictor {spec!r}: {e}") from None
+    raise ValueError(f"unknown predictor {spec!r}; use none, oracle, noisy or noisy:<rel_error>")

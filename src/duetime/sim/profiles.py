@@ -1,0 +1,52 @@
+"""Shipped step-cost profiles and how to pick one by name or path."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from duetime.core.cost import CostModelError, LinearStepCost
+from duetime.sim.simulator import SimConfig
+
+DEFAULT_PROFILE = "a100-llama2-7b"
+
+
+def builtin_profiles() -> list[str]:
+    """Names of the profiles shipped in ``duetime/data/profiles``."""
+    root = resources.files("duetime") / "data" / "profiles"
+    return sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def profile_path(name_or_path: str) -> Path:
+    """A shipped profile's path by name, or the given file path."""
+    p = Path(name_or_path)
+    if p.suffix == ".json" or p.exists():
+        return p
+    root = resources.files("duetime") / "data" / "profiles"
+    cand = Path(str(root / f"{name_or_path}.json"))
+    if not cand.exists():
+        raise CostModelError(
+            f"unknown profile {name_or_path!r}; shipped: {', '.join(builtin_profiles())} "
+            "(or give a path to a profile JSON)"
+        )
+    return cand
+
+
+def load_profile(name_or_path: str = DEFAULT_PROFILE) -> tuple[LinearStepCost, SimConfig]:
+    """The cost model of a profile and the engine limits it records (defaults otherwise)."""
+    path = profile_path(name_or_path)
+    cost = LinearStepCost.from_profile(path)
+    raw = json.loads(path.read_text())
+    cfg = SimConfig()
+    for key, attr in (
+        ("kv_capacity_tokens", "kv_capacity"),
+        ("max_num_seqs", "max_num_seqs"),
+        ("max_batch_tokens", "max_batch_tokens"),
+    ):
+        if key in raw:
+            try:
+                setattr(cfg, attr, int(raw[key]))
+            except (TypeError, ValueError):
+                raise CostModelError(f"{path}: {key} must be an integer") from None
+    return cost, cfg
