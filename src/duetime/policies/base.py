@@ -135,6 +135,9 @@ class QueuePolicy:
         ready.sort(key=lambda s: (self.waiting_key(s), s.order))
         for s in ready:
             need = 1 + (s.kv_tokens if s.kv_offloaded else 0)
+            if s.kv_tokens + 1 > snap.kv_capacity:
+                dec.cancel.append(s.rid)  # cannot take another token even alone
+                continue
             if n_seqs >= snap.max_num_seqs or need > free:
                 break
             dec.resume.append(s.rid)

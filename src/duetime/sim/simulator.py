@@ -55,6 +55,8 @@ class SimResult:
     preemptions: int
     wall_s: float
     kv_peak: int
+    tokens_generated: int = 0
+    mean_in_system: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
 
 
@@ -96,6 +98,8 @@ class Simulator:
         self.preemptions = 0
         self.counters: dict[str, int] = {"rejected": 0, "cancelled": 0, "swaps": 0}
         self.n_done = 0  # finished + cancelled
+        self.tokens_generated = 0  # every output token the modelled engine produced
+        self._area = 0.0  # ∫ (requests in system) dt, measured independently of the records
 
     # --- running sums -------------------------------------------------------
     def _dec_kv(self) -> int:
@@ -330,10 +334,11 @@ class Simulator:
         swap = self._pending_swap
         self._pending_swap = 0
         dt = self.cost.step_time(p_tokens, attn, self._n_dec, self._dec_kv(), swap)
-        self.now += dt
+        self._advance(dt)
         self.engine_steps += 1
         if self._n_dec:
             self.clock.steps += 1
+            self.tokens_generated += self._n_dec
         self._static_kv += p_tokens
         self._track_peak()
         for seq, n in chunks:
@@ -342,6 +347,7 @@ class Simulator:
                 continue
             # Prefill done: it produced one token; KV holds prefill_target tokens.
             del self.prefilling[seq.rid]
+            self.tokens_generated += 1
             self._static_kv -= seq.prefilled
             rec = self.records[seq.rid]
             if seq.first_token_time is None:
@@ -376,11 +382,16 @@ class Simulator:
         dt = self.cost.decode_span(k, d, kv)
         if swap:
             dt += self.cost.step_time(0, 0.0, 0, 0, swap) - self.cost.step_time(0, 0.0, 0, 0)
-        self.now += dt
+        self._advance(dt)
         self.clock.steps += k
         self.engine_steps += k
+        self.tokens_generated += k * d
         self._track_peak()
         self._finish_due()
+
+    def _advance(self, dt: float) -> None:
+        self._area += (len(self.running) + len(self.waiting) + len(self.suspended)) * dt
+        self.now += dt
 
     def _track_peak(self) -> None:
         used = self.kv_used
@@ -398,6 +409,7 @@ class Simulator:
         i = 0
         wake: float = math.inf
         done_seen = 0
+        idle_calls = 0
         max_time = self.cfg.max_time
         while True:
             while i < n_jobs and pending[i].request.arrival <= self.now:
@@ -416,7 +428,7 @@ class Simulator:
             if not self.running and not self.waiting and not self.suspended:
                 if i >= n_jobs:
                     break
-                self.now = max(self.now, pending[i].request.arrival)
+                self.now = max(self.now, pending[i].request.arrival)  # idle: nothing in system
                 continue
             if self.now >= max_time:
                 break
@@ -442,20 +454,32 @@ class Simulator:
             chunks = self._apply(dec)
             self._check_limits(chunks)
 
+            if chunks or self._n_dec:
+                idle_calls = 0
             if chunks:
                 self._prefill_step(chunks)
             elif self._n_dec:
                 self._decode_run(min(next_event, max_time))
             elif self._pending_swap:
                 self._prefill_step([])
-            else:
+            elif self.running or self.waiting or self.suspended:
+                if not dec.is_empty():
+                    # The decision changed state without running a step (a suspend,
+                    # say): ask again at once, but not forever.
+                    idle_calls += 1
+                    if idle_calls > 10_000:
+                        raise SimulationError(
+                            f"policy {self.policy.name!r} changed state 10,000 times "
+                            "without letting the engine run a step"
+                        )
+                    continue
                 if next_event == math.inf:
                     raise SimulationError(
                         f"policy {self.policy.name!r} scheduled nothing with "
                         f"{len(self.waiting)} waiting and {len(self.suspended)} suspended "
                         "requests and no future event: the run would never end"
                     )
-                self.now = max(self.now, next_event)
+                self._advance(max(next_event - self.now, 0.0))
             if progress is not None and self.n_done - done_seen >= 1000:
                 done_seen = self.n_done
                 progress(done_seen, n_jobs)
@@ -470,6 +494,8 @@ class Simulator:
             preemptions=self.preemptions,
             wall_s=time.perf_counter() - t0,
             kv_peak=self.kv_peak,
+            tokens_generated=self.tokens_generated,
+            mean_in_system=self._area / self.now if self.now > 0 else 0.0,
             counters=dict(self.counters),
         )
 
