@@ -57,6 +57,7 @@ class SimResult:
     kv_peak: int
     tokens_generated: int = 0
     mean_in_system: float = 0.0
+    mean_running: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
 
 
@@ -100,6 +101,7 @@ class Simulator:
         self.n_done = 0  # finished + cancelled
         self.tokens_generated = 0  # every output token the modelled engine produced
         self._area = 0.0  # ∫ (requests in system) dt, measured independently of the records
+        self._area_run = 0.0  # ∫ (running sequences) dt
 
     # --- running sums -------------------------------------------------------
     def _dec_kv(self) -> int:
@@ -390,7 +392,9 @@ class Simulator:
         self._finish_due()
 
     def _advance(self, dt: float) -> None:
-        self._area += (len(self.running) + len(self.waiting) + len(self.suspended)) * dt
+        n_run = len(self.running)
+        self._area += (n_run + len(self.waiting) + len(self.suspended)) * dt
+        self._area_run += n_run * dt
         self.now += dt
 
     def _track_peak(self) -> None:
@@ -496,6 +500,7 @@ class Simulator:
             kv_peak=self.kv_peak,
             tokens_generated=self.tokens_generated,
             mean_in_system=self._area / self.now if self.now > 0 else 0.0,
+            mean_running=self._area_run / self.now if self.now > 0 else 0.0,
             counters=dict(self.counters),
         )
 

@@ -1,0 +1,1 @@
+"""Benchmarks: one module per reproduced result, plus performance benchmarks."""

@@ -1,0 +1,289 @@
+"""The `duetime` command line.
+
+Every command that measures takes ``--json PATH`` and writes figures named
+with their units. Bad input (a malformed trace, an unknown policy or profile,
+a bad number) prints one line naming what is wrong and exits with code 2,
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="duetime",
+    help="Predictable LLM serving: simulate, schedule and serve with deadlines.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks (speed targets live here, never in tests).")
+app.add_typer(bench_app, name="bench")
+
+out = Console()
+err = Console(stderr=True)
+
+JsonOpt = Annotated[
+    Path | None, typer.Option("--json", help="Write the figures to this JSON file.")
+]
+PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot here.")]
+
+
+def _fail(msg: str) -> NoReturn:
+    err.print(f"[bold red]error:[/] {msg}", highlight=False)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Turn the errors users cause into one line and exit code 2."""
+    from duetime.core.cost import CostModelError
+    from duetime.core.policy import PolicyError
+    from duetime.sim.simulator import SimulationError
+    from duetime.workloads import TraceError
+
+    try:
+        yield
+    except (TraceError, CostModelError, PolicyError, SimulationError, ValueError) as e:
+        _fail(str(e))
+    except FileNotFoundError as e:
+        _fail(f"{e.filename}: file not found")
+
+
+def _progress(total: int, label: str) -> tuple[Any, Callable[[int, int], None]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    prog = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    )
+    task = prog.add_task(label, total=total)
+    return prog, lambda done, n: prog.update(task, completed=done, total=n)
+
+
+@app.command()
+def sim(
+    policy: Annotated[str, typer.Option(help="Policy name (see `duetime policies`).")] = "fcfs",
+    workload: Annotated[str, typer.Option(help="sharegpt, synthetic, or a JSONL trace path.")] = (
+        "sharegpt"
+    ),
+    requests: Annotated[int, typer.Option(min=1, help="Number of requests.")] = 2000,
+    rate: Annotated[float, typer.Option(min=0.0, help="Arrival rate, requests/s.")] = 4.0,
+    arrival: Annotated[str, typer.Option(help="poisson or gamma.")] = "poisson",
+    cv: Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
+        "a100-llama2-7b"
+    ),
+    predictor: Annotated[
+        str, typer.Option(help="policy (its default), none, oracle, noisy, noisy:<err>.")
+    ] = "policy",
+    deadline_scale: Annotated[
+        float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
+    ] = None,
+    kv_capacity: Annotated[int | None, typer.Option(help="Override KV tokens.")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="Override batch cap.")] = None,
+    save_trace: Annotated[Path | None, typer.Option(help="Save the workload as JSONL.")] = None,
+    json_path: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """Simulate one workload through one policy."""
+    from duetime.experiment import SimSpec, build_jobs, run_spec
+    from duetime.metrics import render_table, write_json
+
+    with _user_errors():
+        spec = SimSpec(
+            policy=policy,
+            workload=workload,
+            requests=requests,
+            rate=rate,
+            arrival=arrival,
+            cv=cv,
+            seed=seed,
+            profile=profile,
+            predictor=predictor,
+            deadline_scale=deadline_scale,
+            kv_capacity=kv_capacity,
+            max_num_seqs=max_num_seqs,
+        )
+        jobs = build_jobs(spec)
+        if save_trace is not None:
+            from duetime.workloads import write_trace
+
+            write_trace(save_trace, jobs)
+        prog, cb = _progress(len(jobs), f"simulating {policy}")
+        with prog:
+            result, row = run_spec(spec, jobs, progress=cb)
+    out.print(render_table([(policy, row)]))
+    out.print(
+        f"simulated {result.sim_time:,.1f} s in {result.wall_s:.2f} s wall "
+        f"({result.engine_steps:,} steps, {result.preemptions:,} preemptions)"
+    )
+    if json_path is not None:
+        write_json(json_path, {"spec": spec.to_dict(), "summary": row})
+    if plot is not None:
+        from duetime.metrics.run_plot import plot_latency_cdf
+
+        plot_latency_cdf({policy: result.records}, plot)
+
+
+@app.command()
+def sweep(
+    policies: Annotated[str, typer.Option(help="Comma-separated policy names.")] = "fcfs,edf",
+    rates: Annotated[str, typer.Option(help="Comma-separated arrival rates.")] = "2,4,8",
+    seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0",
+    workload: Annotated[str, typer.Option(help="sharegpt, synthetic or a trace.")] = "sharegpt",
+    requests: Annotated[int, typer.Option(min=1)] = 2000,
+    arrival: Annotated[str, typer.Option()] = "poisson",
+    profile: Annotated[str, typer.Option()] = "a100-llama2-7b",
+    deadline_scale: Annotated[float | None, typer.Option()] = None,
+    workers: Annotated[int, typer.Option(min=1, help="Parallel workers.")] = 2,
+    use_ray: Annotated[bool, typer.Option("--ray", help="Run on a Ray cluster.")] = False,
+    metrics: Annotated[str, typer.Option(help="Metrics to plot.")] = (
+        "e2e_p90_s,ttft_p90_s,deadline_hit_rate,throughput_tok_s"
+    ),
+    json_path: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """Policies × rates × seeds, in parallel (process pool, or Ray with --ray)."""
+    from duetime.experiment import SimSpec
+    from duetime.metrics import plot_sweep, render_table, write_json
+    from duetime.sweep import run_sweep
+
+    with _user_errors():
+        try:
+            rate_list = [float(r) for r in rates.split(",")]
+            seed_list = [int(s) for s in seeds.split(",")]
+        except ValueError:
+            _fail(f"--rates and --seeds must be comma-separated numbers, got {rates!r}, {seeds!r}")
+        specs = [
+            SimSpec(
+                policy=p.strip(),
+                workload=workload,
+                requests=requests,
+                rate=r,
+                arrival=arrival,
+                seed=s,
+                profile=profile,
+                deadline_scale=deadline_scale,
+            )
+            for p in policies.split(",")
+            for r in rate_list
+            for s in seed_list
+        ]
+        prog, cb = _progress(len(specs), "sweep")
+        with prog:
+            rows = run_sweep(
+                specs, workers=workers, backend="ray" if use_ray else "process", progress=cb
+            )
+    for r in rate_list:
+        out.print(
+            render_table(
+                [
+                    (f"{row['policy']}@{r:g}/s s{row['seed']}", row)
+                    for row in rows
+                    if row["rate"] == r
+                ]
+            )
+        )
+    if json_path is not None:
+        write_json(json_path, {"rows": rows})
+    if plot is not None:
+        plot_sweep(
+            rows, x="rate", y=[m.strip() for m in metrics.split(",")], hue="policy", path=plot
+        )
+
+
+@app.command()
+def demo(
+    requests: Annotated[int, typer.Option(min=1)] = 2000,
+    rate: Annotated[float, typer.Option()] = 16.0,
+    out_dir: Annotated[Path, typer.Option("--out", help="Where JSON and PNG go.")] = Path("out"),
+) -> None:
+    """ShareGPT through FCFS and EDF on the GPU-like profile, with deadlines: table + plot."""
+    from duetime.experiment import SimSpec, build_jobs, run_spec
+    from duetime.metrics import render_table, write_json
+    from duetime.metrics.run_plot import plot_latency_cdf
+
+    rows = []
+    records = {}
+    with _user_errors():
+        for policy in ("fcfs", "edf"):
+            spec = SimSpec(policy=policy, requests=requests, rate=rate, deadline_scale=8.0)
+            result, row = run_spec(spec, build_jobs(spec))
+            rows.append((policy, row))
+            records[policy] = result.records
+    out.print(
+        f"[bold]duetime demo[/]: {requests} ShareGPT requests at {rate:g} req/s on the "
+        "a100-llama2-7b profile; deadline = arrival + 8 × time alone"
+    )
+    out.print(render_table(rows))
+    write_json(out_dir / "demo.json", dict(rows))
+    plot_latency_cdf(records, out_dir / "demo.png")
+    out.print(f"wrote {out_dir / 'demo.json'} and {out_dir / 'demo.png'}")
+
+
+@bench_app.command("sim")
+def bench_sim(
+    requests: Annotated[int, typer.Option(min=1)] = 100_000,
+    seed: Annotated[int, typer.Option()] = 0,
+    target_running: Annotated[float, typer.Option(help="Sequences to keep running.")] = 128.0,
+    json_path: JsonOpt = None,
+) -> None:
+    """Simulator speed at 100k ShareGPT requests (target: <= 10 s wall)."""
+    from duetime.bench import sim_speed
+    from duetime.metrics import write_json
+
+    with _user_errors():
+        fig = sim_speed.run(requests=requests, seed=seed, target_running=target_running)
+    out.print(
+        f"{fig['requests']:,} requests, {fig['policy']}, profile {fig['profile']}, "
+        f"rate {fig['rate_req_s']:.2f} req/s, mean running {fig['mean_running']:.1f}\n"
+        f"wall {fig['wall_s']:.2f} s (target <= {fig['target_wall_s']:.0f} s) for "
+        f"{fig['sim_span_s']:,.0f} s simulated: "
+        f"{fig['sim_speedup_x']:,.0f}x faster than real time\n"
+        f"{fig['engine_steps']:,} engine steps = {fig['steps_per_s']:,.0f} steps/s "
+        f"({fig['us_per_step']:.1f} us/step), {fig['requests_per_s']:,.0f} requests/s; "
+        f"workload build {fig['workload_build_s']:.2f} s, rate calibration "
+        f"{fig['rate_calibration_s']:.1f} s (pilot runs, not counted in wall)"
+    )
+    if json_path is not None:
+        write_json(json_path, fig)
+
+
+@app.command()
+def policies() -> None:
+    """List the registered policies."""
+    from duetime.policies import available_policies
+
+    for name in available_policies():
+        out.print(name)
+
+
+@app.command()
+def profiles() -> None:
+    """List the shipped step-cost profiles."""
+    from duetime.sim.profiles import builtin_profiles
+
+    for name in builtin_profiles():
+        out.print(name)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
