@@ -1,0 +1,127 @@
+"""The command line: happy paths write what they promise, bad input exits 2 with one clear line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from duetime.cli import app
+
+runner = CliRunner()
+
+
+def _invoke(*args: str) -> tuple[int, str]:
+    res = runner.invoke(app, list(args))
+    return res.exit_code, res.output
+
+
+def test_sim_synthetic_writes_json_and_plot(tmp_path: Path) -> None:
+    j, p = tmp_path / "r.json", tmp_path / "r.png"
+    code, output = _invoke(
+        "sim", "--workload", "synthetic", "--requests", "300", "--rate", "20",
+        "--policy", "edf", "--deadline-scale", "5", "--json", str(j), "--plot", str(p),
+    )  # fmt: skip
+    assert code == 0, output
+    payload = json.loads(j.read_text())
+    assert payload["summary"]["requests"] == 300
+    assert payload["summary"]["completed"] == 300
+    assert payload["spec"]["policy"] == "edf"
+    assert 0.0 <= payload["summary"]["deadline_hit_rate"] <= 1.0
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_save_trace_then_replay_gives_the_same_result(tmp_path: Path) -> None:
+    trace, a, b = tmp_path / "t.jsonl", tmp_path / "a.json", tmp_path / "b.json"
+    common = ["--requests", "150", "--rate", "10", "--policy", "fcfs"]
+    code, out = _invoke("sim", "--workload", "synthetic", *common, "--save-trace", str(trace),
+                        "--json", str(a))  # fmt: skip
+    assert code == 0, out
+    code, out = _invoke("sim", "--workload", str(trace), *common, "--json", str(b))
+    assert code == 0, out
+    sa, sb = json.loads(a.read_text())["summary"], json.loads(b.read_text())["summary"]
+    assert sa["e2e_mean_s"] == pytest.approx(sb["e2e_mean_s"], rel=1e-9)
+
+
+def test_bad_trace_line_exits_2_naming_line_and_field(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(
+        '{"rid": 0, "arrival": 0.0, "prompt_len": 10, "output_len": 5}\n'
+        '{"rid": 1, "arrival": 0.5, "prompt_len": -3, "output_len": 5}\n'
+    )
+    code, output = _invoke("sim", "--workload", str(trace))
+    assert code == 2
+    assert "bad.jsonl:2" in output
+    assert "prompt_len" in output
+    assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--policy", "nope"], "known policies"),
+        (["--profile", "nope"], "unknown profile"),
+        (["--arrival", "weibull"], "unknown arrival"),
+        (["--workload", "/does/not/exist.jsonl"], "exist.jsonl"),
+        (["--predictor", "psychic"], "unknown predictor"),
+    ],
+)
+def test_bad_options_exit_2(args: list[str], needle: str) -> None:
+    code, output = _invoke("sim", "--requests", "10", "--workload", "synthetic", *args)
+    assert code == 2, output
+    assert needle in output
+    assert "Traceback" not in output
+
+
+def test_profile_file_errors_are_clear(tmp_path: Path) -> None:
+    bad = tmp_path / "p.json"
+    bad.write_text('{"coefficients": {"c0": -1}}')
+    code, output = _invoke("sim", "--requests", "10", "--workload", "synthetic",
+                           "--profile", str(bad))  # fmt: skip
+    assert code == 2
+    assert "c0" in output
+
+
+def test_sweep_process_pool_rows_and_plot(tmp_path: Path) -> None:
+    j, p = tmp_path / "s.json", tmp_path / "s.png"
+    code, output = _invoke(
+        "sweep", "--policies", "fcfs,edf", "--rates", "5,20", "--seeds", "0,1",
+        "--workload", "synthetic", "--requests", "200", "--deadline-scale", "4",
+        "--workers", "2", "--json", str(j), "--plot", str(p),
+    )  # fmt: skip
+    assert code == 0, output
+    rows = json.loads(j.read_text())["rows"]
+    assert len(rows) == 8
+    assert {(r["policy"], r["rate"], r["seed"]) for r in rows} == {
+        (pol, rate, s) for pol in ("fcfs", "edf") for rate in (5.0, 20.0) for s in (0, 1)
+    }
+    # higher load, higher latency: a sweep that could not show this would be broken
+    fcfs = {r["rate"]: r["e2e_mean_s"] for r in rows if r["policy"] == "fcfs" and r["seed"] == 0}
+    assert fcfs[20.0] > fcfs[5.0]
+    assert p.stat().st_size > 10_000
+
+
+def test_sweep_on_local_ray() -> None:
+    ray = pytest.importorskip("ray")
+    from duetime.experiment import SimSpec
+    from duetime.sweep import run_sweep
+
+    specs = [
+        SimSpec(policy=p, workload="synthetic", requests=100, rate=10) for p in ("fcfs", "edf")
+    ]
+    try:
+        rows = run_sweep(specs, workers=2, backend="ray")
+    finally:
+        ray.shutdown()
+    serial = run_sweep(specs, backend="serial")
+    assert [r["e2e_mean_s"] for r in rows] == [r["e2e_mean_s"] for r in serial]
+
+
+def test_policies_and_profiles_list() -> None:
+    code, output = _invoke("policies")
+    assert code == 0
+    assert {"fcfs", "edf", "sjf", "spf"} <= set(output.split())
+    code, output = _invoke("profiles")
+    assert "a100-llama2-7b" in output
