@@ -1,0 +1,51 @@
+"""Workloads: who asks for what, and when.
+
+- :mod:`.sharegpt`: ShareGPT pair lengths, recovered from the truncated bundled file, cached.
+- :mod:`.sources`: length sources (ShareGPT, synthetic) and the caps they honour.
+- :mod:`.arrivals`: Poisson, gamma, trace and all-at-once arrival processes.
+- :mod:`.builder`: ``build_jobs`` ties the three together, with optional deadlines.
+- :mod:`.trace`: JSONL trace files, written atomically, read with line-exact errors.
+"""
+
+from duetime.workloads.arrivals import AllAtOnce, ArrivalProcess, Gamma, Poisson, TraceArrivals
+from duetime.workloads.builder import Deadlines, build_jobs
+from duetime.workloads.sharegpt import (
+    ShareGPTLengths,
+    ShareGPTStats,
+    load_sharegpt_lengths,
+    read_pairs,
+)
+from duetime.workloads.sources import (
+    LengthCaps,
+    LengthSample,
+    LengthSource,
+    ShareGPTPrompt,
+    ShareGPTSource,
+    SyntheticSource,
+    load_sharegpt_prompts,
+)
+from duetime.workloads.trace import TraceError, read_trace, write_trace
+
+__all__ = [
+    "AllAtOnce",
+    "ArrivalProcess",
+    "Deadlines",
+    "Gamma",
+    "LengthCaps",
+    "LengthSample",
+    "LengthSource",
+    "Poisson",
+    "ShareGPTLengths",
+    "ShareGPTPrompt",
+    "ShareGPTSource",
+    "ShareGPTStats",
+    "SyntheticSource",
+    "TraceArrivals",
+    "TraceError",
+    "build_jobs",
+    "load_sharegpt_lengths",
+    "load_sharegpt_prompts",
+    "read_pairs",
+    "read_trace",
+    "write_trace",
+]

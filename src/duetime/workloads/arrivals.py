@@ -1,0 +1,93 @@
+"""When requests arrive: Poisson, gamma (bursty), a fixed trace, or all at once.
+
+Each process is a few lines behind one method, ``times(n, rng)``, returning
+``n`` sorted absolute times in seconds. Randomness comes only from the
+``numpy.random.Generator`` passed in, so a seed fixes the workload. A renewal
+process's first arrival is one inter-arrival gap after ``start``, not at it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class ArrivalProcess(Protocol):
+    """Produces arrival times; the only seam the builder needs."""
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """``n`` non-decreasing absolute arrival times (float64 seconds)."""
+        ...
+
+
+def _check_rate(rate: float) -> None:
+    if not rate > 0:  # also rejects NaN
+        raise ValueError(f"rate must be > 0 requests/s (math.inf: all at start), got {rate}")
+
+
+@dataclass(frozen=True, slots=True)
+class Poisson:
+    """Exponential gaps with mean ``1 / rate``: independent clients, the usual serving baseline."""
+
+    rate: float
+    start: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_rate(self.rate)
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return self.start + np.cumsum(rng.exponential(1.0 / self.rate, size=n))
+
+
+@dataclass(frozen=True, slots=True)
+class Gamma:
+    """Gamma gaps with mean ``1 / rate`` and coefficient of variation ``cv``.
+
+    ``cv`` > 1 is burstier than Poisson, < 1 more regular, and ``cv = 1`` is
+    exactly Poisson (shape 1). Shape ``k = 1 / cv²``, scale ``1 / (rate·k)``.
+    """
+
+    rate: float
+    cv: float = 1.0
+    start: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_rate(self.rate)
+        if not self.cv > 0:
+            raise ValueError(f"cv must be > 0, got {self.cv}")
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        shape = 1.0 / self.cv**2
+        return self.start + np.cumsum(rng.gamma(shape, 1.0 / (self.rate * shape), size=n))
+
+
+@dataclass(frozen=True, slots=True)
+class TraceArrivals:
+    """Replays recorded times (sorted on the way in); asking for more than it holds is an error."""
+
+    at: tuple[float, ...]
+
+    def __init__(self, at: Sequence[float]) -> None:
+        values = tuple(sorted(float(t) for t in at))
+        if any(not math.isfinite(t) or t < 0 for t in values):
+            raise ValueError("trace arrival times must be finite and >= 0")
+        object.__setattr__(self, "at", values)
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        if n > len(self.at):
+            raise ValueError(f"the trace holds {len(self.at)} arrival times, {n} were asked for")
+        return np.asarray(self.at[:n], dtype=np.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class AllAtOnce:
+    """Every request arrives at ``at``: an offline batch, for throughput runs."""
+
+    at: float = 0.0
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.full(n, self.at, dtype=np.float64)

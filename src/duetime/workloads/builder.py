@@ -1,0 +1,92 @@
+"""Turn a length source, an arrival process and a seed into the ``list[Job]`` every executor plays.
+
+Deadlines, when asked for, follow one rule (:class:`Deadlines`):
+``deadline = arrival + slo_scale * (ttft_s + tpot_s * L)``: ``slo_scale`` times
+what a client expecting a first token within ``ttft_s`` and one token every
+``tpot_s`` after it would wait. ``L`` is the job's true ``output_len`` (the
+usual "SLO scale x reference latency" setup, always attainable for a fast
+enough server), or its public ``max_tokens`` when a deadline must not hint at
+the true length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from duetime.core.request import Job, Request
+from duetime.workloads.arrivals import ArrivalProcess, Poisson
+from duetime.workloads.sources import LengthCaps, LengthSource, ShareGPTSource, sampling_rng
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """``deadline = arrival + slo_scale * (ttft_s + tpot_s * L)``; see the module docstring."""
+
+    slo_scale: float = 1.0
+    ttft_s: float = 1.0
+    tpot_s: float = 0.05
+    basis: Literal["output_len", "max_tokens"] = "output_len"
+
+    def __post_init__(self) -> None:
+        if min(self.slo_scale, self.ttft_s, self.tpot_s) < 0 or self.slo_scale == 0:
+            raise ValueError(f"deadline parameters must be >= 0 and slo_scale > 0: {self}")
+
+    def budget(self, output_len: int, max_tokens: int) -> float:
+        """Seconds from arrival to deadline."""
+        tokens = output_len if self.basis == "output_len" else max_tokens
+        return self.slo_scale * (self.ttft_s + self.tpot_s * tokens)
+
+
+def build_jobs(
+    n: int,
+    *,
+    source: LengthSource | None = None,
+    arrivals: ArrivalProcess | None = None,
+    seed: int = 0,
+    caps: LengthCaps | None = None,
+    max_tokens: int = 4096,
+    deadlines: Deadlines | None = None,
+    with_prompt_ids: bool = False,
+) -> list[Job]:
+    """``n`` jobs with rids ``0..n-1`` in arrival order.
+
+    ``source`` defaults to ShareGPT, ``arrivals`` to Poisson at 1 request/s.
+    Every output fits ``max_tokens`` (it caps the sampled outputs and becomes
+    each request's ``max_tokens``). ``with_prompt_ids`` fills
+    ``Request.prompt_token_ids`` for the real engine; ``prompt_len`` is then
+    the length of those ids. The same ``seed`` gives the same jobs.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    source = source if source is not None else ShareGPTSource.default()
+    arrivals = arrivals if arrivals is not None else Poisson(rate=1.0)
+    caps = (caps or LengthCaps()).limit_output(max_tokens)
+    sample = source.sample(n, sampling_rng(seed), caps)
+    times = np.sort(np.asarray(arrivals.times(n, np.random.default_rng([seed, 1])), dtype=float))
+    if times.shape != (n,):
+        raise ValueError(f"arrival process gave {times.shape} times, expected ({n},)")
+    ids = (
+        source.prompt_token_ids(sample, np.random.default_rng([seed, 2]))
+        if with_prompt_ids
+        else None
+    )
+
+    jobs = []
+    for rid in range(n):
+        arrival, output_len = float(times[rid]), int(sample.output_len[rid])
+        deadline = None
+        if deadlines is not None:
+            deadline = arrival + deadlines.budget(output_len, max_tokens)
+        request = Request(
+            rid=rid,
+            arrival=arrival,
+            prompt_len=len(ids[rid]) if ids is not None else int(sample.prompt_len[rid]),
+            max_tokens=max_tokens,
+            deadline=deadline,
+            prompt_token_ids=ids[rid] if ids is not None else None,
+        )
+        jobs.append(Job(request=request, output_len=output_len))
+    return jobs

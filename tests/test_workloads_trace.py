@@ -1,0 +1,142 @@
+"""JSONL traces: exact error locations, round trip, atomic writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from duetime.core.request import Job, Request, TimeUtility
+from duetime.workloads.trace import TraceError, read_trace, write_trace
+
+GOOD = {"rid": 0, "arrival": 0.5, "prompt_len": 10, "output_len": 4}
+
+
+def _write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _line(**fields: object) -> str:
+    return json.dumps({**GOOD, **fields})
+
+
+def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
+    jobs = [
+        Job(Request(rid=0, arrival=0.0, prompt_len=7), output_len=3),
+        Job(
+            Request(
+                rid=1,
+                arrival=0.1 + 0.2,  # not exactly representable: must survive unchanged
+                prompt_len=100,
+                max_tokens=64,
+                deadline=2.75,
+                priority=-3,
+                klass="robot",
+                tuf=TimeUtility(ert=1.5, beta=2.0, alpha=-0.5),
+            ),
+            output_len=60,
+            segments=(20, 30, 10),
+            segment_gaps=(0.25, 1.0),
+        ),
+    ]
+    path = tmp_path / "t.jsonl"
+    assert write_trace(path, jobs) == 2
+    back = read_trace(path)
+    assert back == jobs
+
+
+def test_lines_are_sorted_by_arrival_and_rids_kept(tmp_path: Path) -> None:
+    path = _write_lines(
+        tmp_path / "t.jsonl",
+        [_line(rid=7, arrival=3.0), _line(rid=2, arrival=1.0), _line(rid=5, arrival=3.0)],
+    )
+    jobs = read_trace(path)
+    assert [j.request.rid for j in jobs] == [2, 7, 5]  # ties keep file order
+
+
+BAD_LINES = [
+    (_line(prompt_len=0), "field 'prompt_len': must be >= 1, got 0"),
+    (_line(output_len=-2), "field 'output_len': must be >= 1, got -2"),
+    (_line(prompt_len=3.0), "field 'prompt_len': must be an integer, got 3.0"),
+    (_line(prompt_len="3"), "field 'prompt_len': must be an integer, got \"3\""),
+    (_line(arrival=-1), "field 'arrival': must be >= 0"),
+    (_line(arrival="soon"), "field 'arrival': must be a number"),
+    (
+        '{"rid": 0, "arrival": NaN, "prompt_len": 1, "output_len": 1}',
+        "field 'arrival': must be a finite",
+    ),
+    (json.dumps({"rid": 0, "arrival": 0, "output_len": 1}), "field 'prompt_len': required field"),
+    (_line(promt_len=5), "field 'promt_len': unknown field"),
+    (_line(rid=-1), "field 'rid': must be >= 0"),
+    (_line(tuf={"beta": 1.0}), "field 'tuf.ert': required field"),
+    (_line(tuf={"ert": 1.0, "alpha": 0.5}), "field 'tuf.alpha': must be <= 0"),
+    (_line(output_len=5, segments=[2, 0, 3]), "field 'segments[1]': must be >= 1"),
+    (_line(output_len=5, segments=[2, 2]), "field 'segments': must sum to output_len (5)"),
+    (_line(output_len=5, segments=[2, 3], segment_gaps=[1, 2]), "field 'segment_gaps': needs"),
+    (_line(segment_gaps=[1.0]), "field 'segment_gaps': given without segments"),
+    (_line(arrival=5.0, deadline=4.0), "field 'deadline': must be >= arrival (5.0)"),
+    (_line(output_len=9, max_tokens=8), "field 'output_len': 9 exceeds max_tokens 8"),
+    (_line(output_len=5000), "exceeds max_tokens 4096 (the default; give max_tokens)"),
+    (_line(klass=""), "field 'klass': must not be empty"),
+    ('{"rid": 0, "arrival": 0,', "invalid JSON: "),
+    ("[1, 2]", "expected a JSON object, got list"),
+]
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_LINES)
+def test_bad_line_names_file_line_and_field(tmp_path: Path, bad: str, message: str) -> None:
+    # line 3 is bad; the blank line 2 still counts in the numbering
+    path = _write_lines(tmp_path / "trace.jsonl", [_line(rid=10), "", bad, _line(rid=11)])
+    with pytest.raises(TraceError) as caught:
+        read_trace(path)
+    text = str(caught.value)
+    assert text.startswith(f"{path}:3: ")
+    assert message in text
+
+
+def test_duplicate_rid_names_both_lines(tmp_path: Path) -> None:
+    path = _write_lines(tmp_path / "t.jsonl", [_line(rid=4), _line(rid=5), _line(rid=4)])
+    with pytest.raises(
+        TraceError, match=r"t\.jsonl:3: field 'rid': duplicate rid 4 \(first on line 1\)"
+    ):
+        read_trace(path)
+
+
+def test_missing_and_non_utf8_files(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match=r"nope\.jsonl: cannot read: No such file"):
+        read_trace(tmp_path / "nope.jsonl")
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b'{"rid": 0}\n\xff\xfe\n')
+    with pytest.raises(TraceError, match=r"bin\.jsonl: not UTF-8"):
+        read_trace(binary)
+
+
+def test_empty_trace_reads_as_no_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    write_trace(path, [])
+    assert path.read_text() == ""
+    assert read_trace(path) == []
+
+
+def _jobs_then_crash(n: int):
+    for rid in range(n):
+        yield Job(Request(rid=rid, arrival=float(rid), prompt_len=5), output_len=2)
+    raise RuntimeError("disk on fire")
+
+
+def test_failed_write_keeps_old_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(path, [Job(Request(rid=99, arrival=0.0, prompt_len=1), output_len=1)])
+    before = path.read_bytes()
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        write_trace(path, _jobs_then_crash(3))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
+def test_failed_write_to_new_path_creates_nothing(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError):
+        write_trace(tmp_path / "new.jsonl", _jobs_then_crash(2))
+    assert list(tmp_path.iterdir()) == []
