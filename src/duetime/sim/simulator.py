@@ -19,18 +19,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from duetime.core.cost import CostModel, LinearStepCost
-from duetime.core.decision import Decision
-from duetime.core.policy import Policy, PolicyError
+from duetime.core.executor import ExecutorCore, ExecutorError
+from duetime.core.policy import Policy
 from duetime.core.record import RequestRecord
 from duetime.core.request import Job
-from duetime.core.sequence import DecodeClock, Seq, SeqStatus
-from duetime.core.snapshot import EngineSnapshot
-from duetime.core.waiting import WaitingQueue
+from duetime.core.sequence import Seq
 from duetime.predict.oracle import JobPredictor
 
-
-class SimulationError(RuntimeError):
-    """The simulation cannot make progress (a policy that never schedules, say)."""
+SimulationError = ExecutorError  # the simulator's name for it
 
 
 @dataclass(slots=True)
@@ -61,7 +57,7 @@ class SimResult:
     counters: dict[str, int] = field(default_factory=dict)
 
 
-class Simulator:
+class Simulator(ExecutorCore):
     """Plays a list of jobs through a policy on a modelled engine."""
 
     def __init__(
@@ -71,260 +67,26 @@ class Simulator:
         config: SimConfig | None = None,
         predictor: JobPredictor | None = None,
     ) -> None:
-        self.policy = policy
-        self.cost = cost
         self.cfg = config or SimConfig()
-        self.predictor = predictor
-        self.clock = DecodeClock()
-        self.now = 0.0
-        self.waiting = WaitingQueue(policy.waiting_key)
-        self.running: dict[int, Seq] = {}
-        self.prefilling: dict[int, Seq] = {}  # running with prefill unfinished
-        self.suspended: dict[int, Seq] = {}
-        self.seqs: dict[int, Seq] = {}
-        self.records: dict[int, RequestRecord] = {}
-        self._jobs: dict[int, Job] = {}
-        self._stop_heap: list[tuple[int, int, int, Seq]] = []  # (stop_step, order, epoch, seq)
-        self._timers: list[float] = []  # ready_at of suspended sequences and policy wake-ups
-        # Running sums, re-based whenever the decoding set changes.
-        self._n_dec = 0  # decoding sequences
-        self._dec_kv_base = 0  # Σ kv of decoders at step _dec_mark
-        self._dec_mark = 0
-        self._static_kv = 0  # device KV of non-decoding holders (prefilling, suspended)
-        self._order = 0
-        self._pending_swap = 0
-        self.kv_peak = 0
-        self.engine_steps = 0
-        self.policy_calls = 0
-        self.preemptions = 0
-        self.counters: dict[str, int] = {"rejected": 0, "cancelled": 0, "swaps": 0}
-        self.n_done = 0  # finished + cancelled
-        self.tokens_generated = 0  # every output token the modelled engine produced
+        super().__init__(
+            policy,
+            kv_capacity=self.cfg.kv_capacity,
+            max_num_seqs=self.cfg.max_num_seqs,
+            max_batch_tokens=self.cfg.max_batch_tokens,
+            predictor=predictor,
+        )
+        self.cost = cost
         self._area = 0.0  # ∫ (requests in system) dt, measured independently of the records
         self._area_run = 0.0  # ∫ (running sequences) dt
 
-    # --- running sums -------------------------------------------------------
-    def _dec_kv(self) -> int:
-        return self._dec_kv_base + self._n_dec * (self.clock.steps - self._dec_mark)
+    def step_cost_model(self) -> LinearStepCost | None:
+        return self.cost if isinstance(self.cost, LinearStepCost) else None
 
-    def _rebase(self) -> None:
-        self._dec_kv_base = self._dec_kv()
-        self._dec_mark = self.clock.steps
-
-    @property
-    def kv_used(self) -> int:
-        return self._static_kv + self._dec_kv()
-
-    def _start_decoding(self, seq: Seq) -> None:
-        self._rebase()
-        seq._start_decoding()
-        self._n_dec += 1
-        self._dec_kv_base += seq.kv_tokens
-        stop = self._stop_point(seq)
-        heapq.heappush(
-            self._stop_heap, (self.clock.steps + stop - seq.generated, seq.order, seq._epoch, seq)
-        )
-
-    def _stop_decoding(self, seq: Seq) -> None:
-        self._rebase()
-        self._dec_kv_base -= seq.kv_tokens
-        self._n_dec -= 1
-        seq._stop_decoding()
-
-    def _stop_point(self, seq: Seq) -> int:
-        """Generated-token count at which the sequence next stops (segment end or done)."""
-        return seq.segment_end
-
-    # --- arrivals ---------------------------------------------------------------
-    def _admit_arrival(self, job: Job) -> None:
-        req = job.request
-        if req.rid in self.seqs:
-            raise SimulationError(f"duplicate request id {req.rid}")
-        if self.predictor is not None and req.predicted is None:
-            req.predicted = self.predictor.predict_job(job)
-        seq = Seq(req, self.clock, self._order)
-        self._order += 1
-        target = min(job.output_len, req.max_tokens)
-        self._jobs[req.rid] = job
-        seq.segment_end = min(job.segments[0], target) if job.segments else target
-        self.seqs[req.rid] = seq
-        rec = RequestRecord(request=req, target_tokens=target)
-        self.records[req.rid] = rec
-        if req.prompt_len + 1 > self.cfg.kv_capacity:
-            # Can never fit: refuse at once, as vLLM rejects prompts over max_model_len.
-            seq.status = SeqStatus.CANCELLED
-            rec.cancelled_at = self.now
-            self.counters["rejected"] += 1
-            self.n_done += 1
-            return
-        self.waiting.push(seq)
-
-    # --- applying a decision -------------------------------------------------------
-    def _get(self, rid: int, what: str) -> Seq:
-        seq = self.seqs.get(rid)
-        if seq is None:
-            raise PolicyError(f"policy {self.policy.name!r}: {what} of unknown request {rid}")
-        return seq
-
-    def _release(self, seq: Seq) -> None:
-        """Take a sequence out of running/suspended and free its device KV."""
-        if seq.status is SeqStatus.RUNNING:
-            if seq.decoding:
-                self._stop_decoding(seq)
-            else:
-                self._static_kv -= seq.kv_tokens
-                del self.prefilling[seq.rid]
-            del self.running[seq.rid]
-        elif seq.status is SeqStatus.SUSPENDED:
-            if not seq.kv_offloaded:
-                self._static_kv -= seq.kv_tokens
-            del self.suspended[seq.rid]
-        elif seq.status is SeqStatus.WAITING:
-            self.waiting.remove(seq)
-
-    def _apply(self, dec: Decision) -> list[tuple[Seq, int]]:
-        name = self.policy.name
-        for rid in dec.cancel:
-            seq = self._get(rid, "cancel")
-            if seq.status >= SeqStatus.FINISHED:
-                raise PolicyError(f"policy {name!r}: cancel of {seq.status.name} request {rid}")
-            self._release(seq)
-            seq.status = SeqStatus.CANCELLED
-            self.records[rid].cancelled_at = self.now
-            self.records[rid].output_tokens = seq.generated
-            self.counters["cancelled"] += 1
-            self.n_done += 1
-        for rid in dec.preempt:
-            seq = self._get(rid, "preempt")
-            if seq.status not in (SeqStatus.RUNNING, SeqStatus.SUSPENDED):
-                raise PolicyError(f"policy {name!r}: preempt of {seq.status.name} request {rid}")
-            kv = seq.kv_tokens
-            self._release(seq)
-            self.preemptions += 1
-            seq.num_preemptions += 1
-            if dec.preempt_mode == "swap" and seq.prefill_done:
-                seq.status = SeqStatus.SUSPENDED
-                seq.kv_offloaded = True
-                self.suspended[rid] = seq
-                self._pending_swap += kv
-                self.counters["swaps"] += 1
-            else:  # recompute: recompute prompt + generated tokens later
-                seq.status = SeqStatus.WAITING
-                seq.prefill_target = seq.req.prompt_len + seq.generated
-                seq.prefilled = 0
-                seq.kv_evicted = 0
-                seq.kv_offloaded = False
-                self.waiting.push(seq)
-        for rid in dec.suspend:
-            seq = self._get(rid, "suspend")
-            if seq.status is not SeqStatus.RUNNING or not seq.prefill_done:
-                raise PolicyError(f"policy {name!r}: suspend of non-decoding request {rid}")
-            self._stop_decoding(seq)
-            del self.running[rid]
-            self._static_kv += seq.kv_tokens
-            seq.status = SeqStatus.SUSPENDED
-            self.suspended[rid] = seq
-        for rid in dec.resume:
-            seq = self._get(rid, "resume")
-            if seq.status is not SeqStatus.SUSPENDED:
-                raise PolicyError(f"policy {name!r}: resume of {seq.status.name} request {rid}")
-            del self.suspended[rid]
-            if seq.kv_offloaded:
-                seq.kv_offloaded = False
-                self._pending_swap += seq.kv_tokens
-            else:
-                self._static_kv -= seq.kv_tokens
-            seq.status = SeqStatus.RUNNING
-            self.running[rid] = seq
-            self._start_decoding(seq)
-        for rid, alpha in dec.evict.items():
-            seq = self._get(rid, "evict")
-            if not (0.0 <= alpha < 1.0):
-                raise PolicyError(f"policy {name!r}: eviction ratio {alpha} not in [0, 1)")
-            if seq.status not in (SeqStatus.RUNNING, SeqStatus.SUSPENDED) or not seq.prefill_done:
-                raise PolicyError(f"policy {name!r}: evict on request {rid} without a full KV")
-            n = int(alpha * seq.kv_tokens)
-            seq.kv_evicted += n
-            if seq.decoding:
-                self._rebase()
-                self._dec_kv_base -= n
-            elif not seq.kv_offloaded:
-                self._static_kv -= n
-            self.records[rid].kv_evicted_ratio = alpha
-        chunks: list[tuple[Seq, int]] = []
-        for rid, n in dec.prefill:
-            seq = self._get(rid, "prefill")
-            if seq.status is SeqStatus.WAITING:
-                self.waiting.remove(seq)
-                seq.status = SeqStatus.RUNNING
-                self.running[rid] = seq
-                self.prefilling[rid] = seq
-            elif seq.status is not SeqStatus.RUNNING or seq.prefill_done:
-                raise PolicyError(f"policy {name!r}: prefill of request {rid} in {seq!r}")
-            n = seq.prefill_remaining if n <= 0 else min(n, seq.prefill_remaining)
-            chunks.append((seq, n))
-        return chunks
-
-    def _check_limits(self, chunks: list[tuple[Seq, int]]) -> None:
-        name = self.policy.name
-        p_tokens = sum(n for _, n in chunks)
-        if p_tokens + self._n_dec > self.cfg.max_batch_tokens:
-            raise PolicyError(
-                f"policy {name!r}: step has {p_tokens} prefill + {self._n_dec} decode tokens, "
-                f"over max_batch_tokens={self.cfg.max_batch_tokens}"
-            )
-        if len(self.running) > self.cfg.max_num_seqs:
-            raise PolicyError(
-                f"policy {name!r}: {len(self.running)} running sequences, "
-                f"over max_num_seqs={self.cfg.max_num_seqs}"
-            )
-        need = self.kv_used + p_tokens + self._n_dec
-        if need > self.cfg.kv_capacity:
-            raise PolicyError(
-                f"policy {name!r}: next step needs {need} KV tokens, "
-                f"capacity is {self.cfg.kv_capacity} (at t={self.now:.3f}s)"
-            )
-
-    # --- steps ------------------------------------------------------------------
-    def _finish_due(self) -> bool:
-        """Handle every decoder whose stop point has been reached. True if any."""
-        heap = self._stop_heap
-        steps = self.clock.steps
-        any_done = False
-        while heap and heap[0][0] <= steps:
-            _, _, epoch, seq = heapq.heappop(heap)
-            if not seq.decoding or seq._epoch != epoch:
-                continue  # stale: preempted, suspended or re-started since
-            any_done = True
-            self._reach_stop(seq)
-        return any_done
-
-    def _reach_stop(self, seq: Seq) -> None:
-        rec = self.records[seq.rid]
-        job = self._jobs[seq.rid]
-        target = rec.target_tokens
-        self._stop_decoding(seq)
-        del self.running[seq.rid]
-        rec.segment_done.append(self.now)
-        if seq.generated >= target:
-            seq.status = SeqStatus.FINISHED
-            self.n_done += 1
-            rec.finish = self.now
-            rec.output_tokens = seq.generated
-            rec.num_preemptions = seq.num_preemptions
-            return
-        # Segment boundary: keep KV, wait for the client to want the next segment.
-        k = seq.segment_index
-        gap = job.segment_gaps[k] if k < len(job.segment_gaps) else 0.0
-        seq.segment_index = k + 1
-        nxt = job.segments[k + 1] if k + 1 < len(job.segments) else target
-        seq.segment_end = min(seq.segment_end + nxt, target)
-        seq.ready_at = self.now + gap
-        rec.segment_ready.append(seq.ready_at)
-        seq.status = SeqStatus.SUSPENDED
-        self._static_kv += seq.kv_tokens
-        self.suspended[seq.rid] = seq
-        heapq.heappush(self._timers, seq.ready_at)
+    def _advance(self, dt: float) -> None:
+        n_run = len(self.running)
+        self._area += (n_run + len(self.waiting) + len(self.suspended)) * dt
+        self._area_run += n_run * dt
+        self.now += dt
 
     def _prefill_step(self, chunks: list[tuple[Seq, int]]) -> None:
         """One step with prefill chunks (and every decoder taking one token)."""
@@ -335,31 +97,8 @@ class Simulator:
             attn += n * (seq.prefilled + n)
         swap = self._pending_swap
         self._pending_swap = 0
-        dt = self.cost.step_time(p_tokens, attn, self._n_dec, self._dec_kv(), swap)
-        self._advance(dt)
-        self.engine_steps += 1
-        if self._n_dec:
-            self.clock.steps += 1
-            self.tokens_generated += self._n_dec
-        self._static_kv += p_tokens
-        self._track_peak()
-        for seq, n in chunks:
-            seq.prefilled += n
-            if seq.prefilled < seq.prefill_target:
-                continue
-            # Prefill done: it produced one token; KV holds prefill_target tokens.
-            del self.prefilling[seq.rid]
-            self.tokens_generated += 1
-            self._static_kv -= seq.prefilled
-            rec = self.records[seq.rid]
-            if seq.first_token_time is None:
-                seq.first_token_time = self.now
-                rec.first_token = self.now
-            seq._set_generated(seq.prefill_target - seq.req.prompt_len + 1)
-            # Join the decoders; one whose stop is already reached (a one-token
-            # answer, a segment of one) is popped by _finish_due right below.
-            self._start_decoding(seq)
-        self._finish_due()
+        self._advance(self.cost.step_time(p_tokens, attn, self._n_dec, self._dec_kv(), swap))
+        self._after_step(chunks)
 
     def _decode_run(self, horizon_time: float) -> None:
         """Advance pure-decode steps up to the next event."""
@@ -391,17 +130,6 @@ class Simulator:
         self._track_peak()
         self._finish_due()
 
-    def _advance(self, dt: float) -> None:
-        n_run = len(self.running)
-        self._area += (n_run + len(self.waiting) + len(self.suspended)) * dt
-        self._area_run += n_run * dt
-        self.now += dt
-
-    def _track_peak(self) -> None:
-        used = self.kv_used
-        if used > self.kv_peak:
-            self.kv_peak = used
-
     # --- main loop ---------------------------------------------------------------
     def run(
         self, jobs: Iterable[Job], progress: Callable[[int, int], None] | None = None
@@ -417,7 +145,7 @@ class Simulator:
         max_time = self.cfg.max_time
         while True:
             while i < n_jobs and pending[i].request.arrival <= self.now:
-                self._admit_arrival(pending[i])
+                self.admit_arrival(pending[i])
                 i += 1
             timers = self._timers
             while timers and timers[0] <= self.now:
@@ -437,19 +165,7 @@ class Simulator:
             if self.now >= max_time:
                 break
 
-            snap = EngineSnapshot(
-                now=self.now,
-                waiting=self.waiting,  # type: ignore[arg-type]
-                running=self.running.values(),  # type: ignore[arg-type]
-                prefilling=self.prefilling.values(),  # type: ignore[arg-type]
-                suspended=self.suspended.values(),  # type: ignore[arg-type]
-                kv_capacity=self.cfg.kv_capacity,
-                kv_free=self.cfg.kv_capacity - self.kv_used,
-                max_num_seqs=self.cfg.max_num_seqs,
-                max_batch_tokens=self.cfg.max_batch_tokens,
-                num_decoding=self._n_dec,
-                cost=self.cost if isinstance(self.cost, LinearStepCost) else None,
-            )
+            snap = self.snapshot()
             dec = self.policy.schedule(snap)
             self.policy_calls += 1
             if dec.wake_at is not None and dec.wake_at > self.now:

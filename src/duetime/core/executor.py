@@ -1,0 +1,403 @@
+"""The state machine both executors share: queues, admission, decisions, stops, KV accounting.
+
+The simulator and the real engine differ only in how a step happens (a cost
+model vs. a forward pass) and in what time is (virtual vs. the wall clock).
+Everything a policy can observe — the queues, the sequences' counts, free KV
+memory, the order decisions are applied in and what is legal — lives here, so
+the two executors cannot drift apart.
+
+KV accounting is in tokens and lazy: decoding sequences read their counts off
+the shared :class:`DecodeClock`, and the executor keeps running sums
+(``_n_dec`` decoders whose KV summed to ``_dec_kv_base`` at step
+``_dec_mark``; ``_static_kv`` for every other holder). Subclasses with real
+memory (the engine) mirror each change through the ``_on_*`` hooks.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from duetime.core.decision import Decision
+from duetime.core.policy import Policy, PolicyError
+from duetime.core.record import RequestRecord
+from duetime.core.request import Job
+from duetime.core.sequence import DecodeClock, Seq, SeqStatus
+from duetime.core.snapshot import EngineSnapshot
+from duetime.core.waiting import WaitingQueue
+
+
+class ExecutorError(RuntimeError):
+    """The run cannot make progress (a policy that never schedules, say)."""
+
+
+class ExecutorCore:
+    """Queues, sequences and records of one run; applies decisions and detects stops."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        kv_capacity: int,
+        max_num_seqs: int,
+        max_batch_tokens: int,
+        predictor: object | None = None,
+    ) -> None:
+        self.policy = policy
+        self.kv_capacity = kv_capacity
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.predictor = predictor
+        self.clock = DecodeClock()
+        self.now = 0.0
+        self.waiting = WaitingQueue(policy.waiting_key)
+        self.running: dict[int, Seq] = {}
+        self.prefilling: dict[int, Seq] = {}  # running with prefill unfinished
+        self.suspended: dict[int, Seq] = {}
+        self.seqs: dict[int, Seq] = {}
+        self.records: dict[int, RequestRecord] = {}
+        self._jobs: dict[int, Job] = {}
+        self._stop_heap: list[tuple[int, int, int, Seq]] = []  # (stop_step, order, epoch, seq)
+        self._timers: list[float] = []  # ready_at of suspended sequences
+        self._n_dec = 0
+        self._dec_kv_base = 0
+        self._dec_mark = 0
+        self._static_kv = 0
+        self._order = 0
+        self._pending_swap = 0  # tokens to move in/out in the next step (costed by the executor)
+        self.kv_peak = 0
+        self.engine_steps = 0
+        self.policy_calls = 0
+        self.preemptions = 0
+        self.counters: dict[str, int] = {"rejected": 0, "cancelled": 0, "swaps": 0}
+        self.n_done = 0  # finished + cancelled
+        self.tokens_generated = 0  # every output token produced
+
+    # --- hooks for executors with real memory (no-ops here) --------------------
+    def _on_admit(self, seq: Seq) -> None:
+        """A WAITING sequence is about to get KV memory (its first prefill chunk)."""
+
+    def _on_drop_kv(self, seq: Seq) -> None:
+        """The sequence's KV is gone for good (finish, cancel, recompute preemption)."""
+
+    def _on_swap_out(self, seq: Seq) -> None:
+        """The sequence's KV leaves device memory but is kept."""
+
+    def _on_swap_in(self, seq: Seq) -> None:
+        """An offloaded sequence's KV comes back."""
+
+    def _on_evict(self, seq: Seq, n_tokens: int, alpha: float) -> None:
+        """``n_tokens`` of the sequence's KV were evicted at ratio ``alpha``."""
+
+    def _on_segment_end(self, seq: Seq) -> None:
+        """The sequence reached a segment boundary and is now SUSPENDED."""
+
+    # --- policy interface ------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(
+            now=self.now,
+            waiting=self.waiting,  # type: ignore[arg-type]
+            running=self.running.values(),  # type: ignore[arg-type]
+            prefilling=self.prefilling.values(),  # type: ignore[arg-type]
+            suspended=self.suspended.values(),  # type: ignore[arg-type]
+            kv_capacity=self.kv_capacity,
+            kv_free=self.kv_capacity - self.kv_used,
+            max_num_seqs=self.max_num_seqs,
+            max_batch_tokens=self.max_batch_tokens,
+            num_decoding=self._n_dec,
+            cost=self.step_cost_model(),
+        )
+
+    def step_cost_model(self):  # type: ignore[no-untyped-def]
+        """The cost model policies may use to estimate times (None if unknown)."""
+        return
+
+    @property
+    def in_system(self) -> int:
+        return len(self.running) + len(self.waiting) + len(self.suspended)
+
+    # --- running sums -------------------------------------------------------
+    def _dec_kv(self) -> int:
+        return self._dec_kv_base + self._n_dec * (self.clock.steps - self._dec_mark)
+
+    def _rebase(self) -> None:
+        self._dec_kv_base = self._dec_kv()
+        self._dec_mark = self.clock.steps
+
+    @property
+    def kv_used(self) -> int:
+        return self._static_kv + self._dec_kv()
+
+    def _start_decoding(self, seq: Seq) -> None:
+        self._rebase()
+        seq._start_decoding()
+        self._n_dec += 1
+        self._dec_kv_base += seq.kv_tokens
+        stop = self._stop_point(seq)
+        heapq.heappush(
+            self._stop_heap, (self.clock.steps + stop - seq.generated, seq.order, seq._epoch, seq)
+        )
+
+    def _stop_decoding(self, seq: Seq) -> None:
+        self._rebase()
+        self._dec_kv_base -= seq.kv_tokens
+        self._n_dec -= 1
+        seq._stop_decoding()
+
+    def _stop_point(self, seq: Seq) -> int:
+        """Generated-token count at which the sequence next stops (segment end or done)."""
+        return seq.segment_end
+
+    # --- arrivals ---------------------------------------------------------------
+    def admit_arrival(self, job: Job) -> None:
+        req = job.request
+        if req.rid in self.seqs:
+            raise ExecutorError(f"duplicate request id {req.rid}")
+        if self.predictor is not None and req.predicted is None:
+            req.predicted = self.predictor.predict_job(job)
+        seq = Seq(req, self.clock, self._order)
+        self._order += 1
+        target = min(job.output_len, req.max_tokens)
+        self._jobs[req.rid] = job
+        seq.segment_end = min(job.segments[0], target) if job.segments else target
+        self.seqs[req.rid] = seq
+        rec = RequestRecord(request=req, target_tokens=target)
+        self.records[req.rid] = rec
+        if req.prompt_len + 1 > self.kv_capacity:
+            # Can never fit: refuse at once, as vLLM rejects prompts over max_model_len.
+            seq.status = SeqStatus.CANCELLED
+            rec.cancelled_at = self.now
+            self.counters["rejected"] += 1
+            self.n_done += 1
+            return
+        self.waiting.push(seq)
+
+    # --- applying a decision -------------------------------------------------------
+    def _get(self, rid: int, what: str) -> Seq:
+        seq = self.seqs.get(rid)
+        if seq is None:
+            raise PolicyError(f"policy {self.policy.name!r}: {what} of unknown request {rid}")
+        return seq
+
+    def _release(self, seq: Seq) -> None:
+        """Take a sequence out of running/suspended and free its device KV."""
+        if seq.status is SeqStatus.RUNNING:
+            if seq.decoding:
+                self._stop_decoding(seq)
+            else:
+                self._static_kv -= seq.kv_tokens
+                del self.prefilling[seq.rid]
+            del self.running[seq.rid]
+        elif seq.status is SeqStatus.SUSPENDED:
+            if not seq.kv_offloaded:
+                self._static_kv -= seq.kv_tokens
+            del self.suspended[seq.rid]
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+
+    def _apply(self, dec: Decision) -> list[tuple[Seq, int]]:
+        name = self.policy.name
+        for rid in dec.cancel:
+            seq = self._get(rid, "cancel")
+            if seq.status >= SeqStatus.FINISHED:
+                raise PolicyError(f"policy {name!r}: cancel of {seq.status.name} request {rid}")
+            self._release(seq)
+            if seq.status is not SeqStatus.WAITING or seq.kv_offloaded:
+                self._on_drop_kv(seq)
+            seq.status = SeqStatus.CANCELLED
+            self.records[rid].cancelled_at = self.now
+            self.records[rid].output_tokens = seq.generated
+            self.counters["cancelled"] += 1
+            self.n_done += 1
+        for rid in dec.preempt:
+            seq = self._get(rid, "preempt")
+            if seq.status not in (SeqStatus.RUNNING, SeqStatus.SUSPENDED):
+                raise PolicyError(f"policy {name!r}: preempt of {seq.status.name} request {rid}")
+            kv = seq.kv_tokens
+            self._release(seq)
+            self.preemptions += 1
+            seq.num_preemptions += 1
+            if dec.preempt_mode == "swap" and seq.prefill_done:
+                self._on_swap_out(seq)
+                seq.status = SeqStatus.SUSPENDED
+                seq.kv_offloaded = True
+                self.suspended[rid] = seq
+                self._pending_swap += kv
+                self.counters["swaps"] += 1
+            elif dec.preempt_mode == "restart":
+                self._on_drop_kv(seq)
+                self._restart(seq)
+            else:  # recompute: recompute prompt + generated tokens later
+                self._on_drop_kv(seq)
+                seq.status = SeqStatus.WAITING
+                seq.prefill_target = seq.req.prompt_len + seq.generated
+                seq.prefilled = 0
+                seq.kv_evicted = 0
+                seq.kv_offloaded = False
+                self.waiting.push(seq)
+        for rid in dec.suspend:
+            seq = self._get(rid, "suspend")
+            if seq.status is not SeqStatus.RUNNING or not seq.prefill_done:
+                raise PolicyError(f"policy {name!r}: suspend of non-decoding request {rid}")
+            self._stop_decoding(seq)
+            del self.running[rid]
+            self._static_kv += seq.kv_tokens
+            seq.status = SeqStatus.SUSPENDED
+            self.suspended[rid] = seq
+        for rid in dec.resume:
+            seq = self._get(rid, "resume")
+            if seq.status is not SeqStatus.SUSPENDED:
+                raise PolicyError(f"policy {name!r}: resume of {seq.status.name} request {rid}")
+            del self.suspended[rid]
+            if seq.kv_offloaded:
+                self._on_swap_in(seq)
+                seq.kv_offloaded = False
+                self._pending_swap += seq.kv_tokens
+            else:
+                self._static_kv -= seq.kv_tokens
+            seq.status = SeqStatus.RUNNING
+            self.running[rid] = seq
+            self._start_decoding(seq)
+        for rid, alpha in dec.evict.items():
+            seq = self._get(rid, "evict")
+            if not (0.0 <= alpha < 1.0):
+                raise PolicyError(f"policy {name!r}: eviction ratio {alpha} not in [0, 1)")
+            if seq.status not in (SeqStatus.RUNNING, SeqStatus.SUSPENDED) or not seq.prefill_done:
+                raise PolicyError(f"policy {name!r}: evict on request {rid} without a full KV")
+            n = int(alpha * seq.kv_tokens)
+            self._on_evict(seq, n, alpha)
+            seq.kv_evicted += n
+            if seq.decoding:
+                self._rebase()
+                self._dec_kv_base -= n
+            elif not seq.kv_offloaded:
+                self._static_kv -= n
+            self.records[rid].kv_evicted_ratio = alpha
+        chunks: list[tuple[Seq, int]] = []
+        for rid, n in dec.prefill:
+            seq = self._get(rid, "prefill")
+            if seq.status is SeqStatus.WAITING:
+                self._on_admit(seq)
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.RUNNING
+                self.running[rid] = seq
+                self.prefilling[rid] = seq
+            elif seq.status is not SeqStatus.RUNNING or seq.prefill_done:
+                raise PolicyError(f"policy {name!r}: prefill of request {rid} in {seq!r}")
+            n = seq.prefill_remaining if n <= 0 else min(n, seq.prefill_remaining)
+            chunks.append((seq, n))
+        return chunks
+
+    def _restart(self, seq: Seq) -> None:
+        """Discard a released sequence's output: it waits to run again from its prompt."""
+        rec = self.records[seq.rid]
+        job = self._jobs[seq.rid]
+        seq.status = SeqStatus.WAITING
+        seq._set_generated(0)
+        seq.prefill_target = seq.req.prompt_len
+        seq.prefilled = 0
+        seq.kv_evicted = 0
+        seq.kv_offloaded = False
+        seq.first_token_time = rec.first_token = None  # the tokens sent so far are void
+        seq.segment_index = 0
+        seq.segment_end = min(job.segments[0], rec.target_tokens) if job.segments else (
+            rec.target_tokens
+        )
+        rec.segment_done.clear()
+        rec.segment_ready.clear()
+        self.counters["restarts"] = self.counters.get("restarts", 0) + 1
+        self.waiting.push(seq)
+
+    def _check_limits(self, chunks: list[tuple[Seq, int]]) -> None:
+        name = self.policy.name
+        p_tokens = sum(n for _, n in chunks)
+        if p_tokens + self._n_dec > self.max_batch_tokens:
+            raise PolicyError(
+                f"policy {name!r}: step has {p_tokens} prefill + {self._n_dec} decode tokens, "
+                f"over max_batch_tokens={self.max_batch_tokens}"
+            )
+        if len(self.running) > self.max_num_seqs:
+            raise PolicyError(
+                f"policy {name!r}: {len(self.running)} running sequences, "
+                f"over max_num_seqs={self.max_num_seqs}"
+            )
+        need = self.kv_used + p_tokens + self._n_dec
+        if need > self.kv_capacity:
+            raise PolicyError(
+                f"policy {name!r}: next step needs {need} KV tokens, "
+                f"capacity is {self.kv_capacity} (at t={self.now:.3f}s)"
+            )
+
+    # --- steps ------------------------------------------------------------------
+    def _finish_due(self) -> bool:
+        """Handle every decoder whose stop point has been reached. True if any."""
+        heap = self._stop_heap
+        steps = self.clock.steps
+        any_done = False
+        while heap and heap[0][0] <= steps:
+            _, _, epoch, seq = heapq.heappop(heap)
+            if not seq.decoding or seq._epoch != epoch:
+                continue  # stale: preempted, suspended or re-started since
+            any_done = True
+            self._reach_stop(seq)
+        return any_done
+
+    def _reach_stop(self, seq: Seq) -> None:
+        rec = self.records[seq.rid]
+        job = self._jobs[seq.rid]
+        target = rec.target_tokens
+        self._stop_decoding(seq)
+        del self.running[seq.rid]
+        rec.segment_done.append(self.now)
+        if seq.generated >= target:
+            seq.status = SeqStatus.FINISHED
+            self._on_drop_kv(seq)
+            self.n_done += 1
+            rec.finish = self.now
+            rec.output_tokens = seq.generated
+            rec.num_preemptions = seq.num_preemptions
+            return
+        # Segment boundary: keep KV, wait for the client to want the next segment.
+        k = seq.segment_index
+        gap = job.segment_gaps[k] if k < len(job.segment_gaps) else 0.0
+        seq.segment_index = k + 1
+        nxt = job.segments[k + 1] if k + 1 < len(job.segments) else target
+        seq.segment_end = min(seq.segment_end + nxt, target)
+        seq.ready_at = self.now + gap
+        rec.segment_ready.append(seq.ready_at)
+        seq.status = SeqStatus.SUSPENDED
+        self._static_kv += seq.kv_tokens
+        self.suspended[seq.rid] = seq
+        heapq.heappush(self._timers, seq.ready_at)
+        self._on_segment_end(seq)
+
+    def _after_step(self, chunks: list[tuple[Seq, int]]) -> None:
+        """Book one executed step: decoders took a token, chunks advanced their prefill."""
+        self.engine_steps += 1
+        if self._n_dec:
+            self.clock.steps += 1
+            self.tokens_generated += self._n_dec
+        p_tokens = sum(n for _, n in chunks)
+        self._static_kv += p_tokens
+        self._track_peak()
+        for seq, n in chunks:
+            seq.prefilled += n
+            if seq.prefilled < seq.prefill_target:
+                continue
+            # Prefill done: it produced one token; KV holds prefill_target tokens.
+            del self.prefilling[seq.rid]
+            self.tokens_generated += 1
+            self._static_kv -= seq.prefilled
+            rec = self.records[seq.rid]
+            if seq.first_token_time is None:
+                seq.first_token_time = self.now
+                rec.first_token = self.now
+            seq._set_generated(seq.prefill_target - seq.req.prompt_len + 1)
+            # Join the decoders; one whose stop is already reached (a one-token
+            # answer, a segment of one) is popped by _finish_due right below.
+            self._start_decoding(seq)
+        self._finish_due()
+
+    def _track_peak(self) -> None:
+        used = self.kv_used
+        if used > self.kv_peak:
+            self.kv_peak = used
