@@ -11,9 +11,13 @@ from duetime.core.request import Request
 class RequestRecord:
     """Timestamps and counts for one finished or cancelled request.
 
-    Times are absolute seconds on the executor's clock. ``segment_done``
-    holds the time each TimelyLLM segment completed (one entry for an
-    unsegmented request). ``finish`` is None when the request was cancelled.
+    Times are absolute seconds on the executor's clock. ``segment_done[k]``
+    is when TimelyLLM segment ``k`` completed (one entry for an unsegmented
+    request). ``segment_ready[k]`` is when the client wanted segment
+    ``k + 1`` (the end of the gap after segment ``k``), so a completed request
+    has one fewer ready time than done times and segment ``k``'s waiting time
+    is ``segment_done[k] − segment_ready[k − 1]``. ``finish`` is None when the
+    request was cancelled.
     """
 
     request: Request

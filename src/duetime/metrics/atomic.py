@@ -1,0 +1,34 @@
+"""Replace a file in one step, so a reader sees the old content or the new, never half."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
+    """Yield a temporary path beside ``target``; on success rename it over ``target``.
+
+    The temporary file lives in the same directory so that ``os.replace`` is a
+    rename within one filesystem (atomic on POSIX and Windows). If the body
+    raises, the temporary file is removed and ``target`` is left as it was.
+    Parent directories are created. ``mode`` replaces mkstemp's private 0600:
+    results are meant to be read by others.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # the bytes must be on disk before the name points at them
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

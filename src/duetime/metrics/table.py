@@ -1,0 +1,77 @@
+"""A terminal table of one or more summaries: metrics as rows, runs (policies) as columns.
+
+Metrics-as-rows reads well because there are many more metrics than
+policies in a comparison, the metric names are long and the policy names
+short, and a row lets the eye compare policies on one metric side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from rich.table import Table
+
+Value = float | int | None
+SummaryLike = Mapping[str, Value]
+
+DEFAULT_KEYS: tuple[str, ...] = (
+    "requests",
+    "completed",
+    "cancelled",
+    "ttft_p90_s",
+    "tbt_p90_s",
+    "e2e_p50_s",
+    "e2e_p90_s",
+    "throughput_tok_s",
+    "goodput_req_s",
+    "deadline_hit_rate",
+    "tel_s",
+    "time_utility_mean",
+)
+
+
+def render_table(
+    summaries: SummaryLike | Mapping[str, SummaryLike] | Sequence[tuple[str, SummaryLike]],
+    *,
+    keys: Sequence[str] | None = None,
+    title: str | None = None,
+) -> Table:
+    """Build a :class:`rich.table.Table`; print it with ``rich.console.Console().print``.
+
+    ``summaries`` is one summary, a ``{label: summary}`` mapping (e.g. the
+    output of :func:`summarize_by_class`) or a list of ``(label, summary)``
+    pairs. ``keys`` picks and orders the rows (default :data:`DEFAULT_KEYS`);
+    a key a summary lacks, or whose value is None, shows as an em dash.
+    """
+    columns = _as_columns(summaries)
+    table = Table(title=title)
+    table.add_column("metric", style="bold")
+    for label, _ in columns:
+        table.add_column(label, justify="right")
+    for key in keys if keys is not None else DEFAULT_KEYS:
+        table.add_row(key, *(format_value(s.get(key)) for _, s in columns))
+    return table
+
+
+def format_value(v: object) -> str:
+    """Four significant digits for floats, integers in full, ``—`` for missing."""
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:d}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _as_columns(
+    summaries: SummaryLike | Mapping[str, SummaryLike] | Sequence[tuple[str, SummaryLike]],
+) -> list[tuple[str, SummaryLike]]:
+    if isinstance(summaries, Mapping):
+        values = list(summaries.values())
+        if values and all(isinstance(v, Mapping) for v in values):
+            return [(str(k), v) for k, v in summaries.items()]  # type: ignore[misc]
+        return [("value", summaries)]  # type: ignore[list-item]
+    return [(str(label), s) for label, s in summaries]

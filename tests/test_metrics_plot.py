@@ -1,0 +1,62 @@
+"""plot_sweep writes a real PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from duetime.metrics import plot_sweep
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def sweep_rows() -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for policy, slope in (("fcfs", 1.0), ("edf", 0.5)):
+        for rate in (1.0, 2.0, 4.0):
+            for seed in range(3):
+                rows.append(
+                    {
+                        "policy": policy,
+                        "rate": rate,
+                        "seed": seed,
+                        "e2e_p90_s": slope * rate + 0.1 * seed,
+                        "goodput_req_s": rate / (1 + slope) if seed else None,
+                    }
+                )
+    return rows
+
+
+def test_plot_sweep_writes_valid_png(tmp_path: Path) -> None:
+    path = tmp_path / "plots" / "sweep.png"
+    out = plot_sweep(
+        sweep_rows(), x="rate", y=["e2e_p90_s", "goodput_req_s"], hue="policy", path=path
+    )
+    assert out == path
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 10_000
+    assert [p.name for p in path.parent.iterdir()] == ["sweep.png"]  # no temp file left
+
+
+def test_plot_sweep_draws_one_subplot_per_metric(tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    one = imread(plot_sweep(sweep_rows(), tmp_path / "one.png", y="e2e_p90_s"))
+    two = imread(plot_sweep(sweep_rows(), tmp_path / "two.png", y=["e2e_p90_s", "goodput_req_s"]))
+    assert one.shape[0] == two.shape[0]
+    assert two.shape[1] > 1.5 * one.shape[1]
+
+
+def test_plot_sweep_handles_categorical_x(tmp_path: Path) -> None:
+    rows = [
+        {"policy": p, "model": m, "tel_s": i} for i, (p, m) in enumerate([("a", "s"), ("a", "l")])
+    ]
+    path = plot_sweep(rows, tmp_path / "cat.png", x="model", y=["tel_s"])
+    assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_plot_sweep_needs_a_metric(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="metric"):
+        plot_sweep(sweep_rows(), tmp_path / "x.png", y=[])
