@@ -71,6 +71,7 @@ class ExecutorCore:
         self.counters: dict[str, int] = {"rejected": 0, "cancelled": 0, "swaps": 0}
         self.n_done = 0  # finished + cancelled
         self.tokens_generated = 0  # every output token produced
+        self.prefill_tokens = 0  # every prompt (or recomputed) token run through prefill
 
     # --- hooks for executors with real memory (no-ops here) --------------------
     def _on_admit(self, seq: Seq) -> None:
@@ -377,6 +378,7 @@ class ExecutorCore:
             self.clock.steps += 1
             self.tokens_generated += self._n_dec
         p_tokens = sum(n for _, n in chunks)
+        self.prefill_tokens += p_tokens
         self._static_kv += p_tokens
         self._track_peak()
         for seq, n in chunks:

@@ -1,0 +1,13 @@
+"""Suite-wide settings.
+
+Tiny test models are dominated by per-op overhead, and `make test` runs two
+pytest workers on a 2-core machine: letting torch spawn its own threads on top
+oversubscribes the cores and made the engine tests ~17x slower. One thread per
+worker is the fast setting here (speed itself is measured by `duetime bench`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+torch.set_num_threads(1)
