@@ -1,0 +1,101 @@
+"""Fitting step-cost models: known coefficients come back; bad input is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duetime.core.cost import LinearStepCost
+from duetime.predict.ete import (
+    StepSample,
+    evaluate,
+    fit_batch_cost,
+    fit_timebill,
+    split_samples,
+)
+
+TRUE = LinearStepCost(c0=0.006, c_prefill=0.002, a1=4e-4, a2=2e-8, b=3e-4, d=2e-7)
+
+
+def _samples(noise: float, seed: int = 0) -> list[StepSample]:
+    rng = np.random.default_rng(seed)
+    out = []
+
+    def add(p: int, past: int, dseq: int, kv: int, kind: str) -> None:
+        attn = float(p * (past + p))
+        t = TRUE.step_time(p, attn, dseq, kv) * (1 + noise * rng.standard_normal())
+        out.append(StepSample(p, attn, dseq, kv, t, kind))
+
+    for n in (16, 64, 128, 256, 512, 1024, 2048):
+        add(n, 0, 0, 0, "prefill")
+    for d in (1, 4, 16, 64):
+        for ctx in (64, 512, 2048):
+            add(0, 0, d, d * ctx, "decode")
+    for n, d in ((128, 8), (512, 16), (64, 32)):
+        add(n, 0, d, d * 300, "mixed")
+    return out
+
+
+def test_batch_fit_recovers_exact_coefficients_without_noise() -> None:
+    fit = fit_batch_cost(_samples(0.0))
+    for name in ("c0", "c_prefill", "a1", "a2", "b", "d"):
+        assert getattr(fit, name) == pytest.approx(getattr(TRUE, name), rel=1e-3, abs=1e-10)
+
+
+def test_noisy_fit_has_small_heldout_mape() -> None:
+    samples = _samples(0.02, seed=1) + _samples(0.02, seed=2)
+    train, test = split_samples(samples, 0.25, seed=0)
+    cost = fit_batch_cost(train)
+    ete = fit_timebill(train)
+    m = evaluate(cost, ete, test)
+    assert m["batch_model_mape_pct"] is not None
+    assert m["batch_model_mape_pct"] < 5.0
+    # and it is a real check: a wrong model is far off
+    wrong = LinearStepCost(c0=0.05)
+    assert evaluate(wrong, ete, test)["batch_model_mape_pct"] > 50.0
+
+
+def test_timebill_fit_matches_its_closed_forms() -> None:
+    ete = fit_timebill(_samples(0.0))
+    assert ete.a == pytest.approx(TRUE.a2, rel=1e-6)
+    assert ete.b == pytest.approx(TRUE.a1, rel=1e-6)
+    assert ete.c == pytest.approx(TRUE.c0 + TRUE.c_prefill, rel=1e-6)
+    # batch-1 decode: q = c0 + b, p = d
+    assert ete.p == pytest.approx(TRUE.d, rel=1e-6)
+    assert ete.q == pytest.approx(TRUE.c0 + TRUE.b, rel=1e-6)
+    # e2e: prefill + (N-1) steps attending N, N+1, ... tokens
+    n, o = 300, 20
+    direct = ete.prefill(n) + sum(ete.decode_step(n + i) for i in range(o - 1))
+    assert ete.e2e(n, o) == pytest.approx(direct, rel=1e-12)
+    assert ete.e2e(n, o, keep_ratio=0.5) < ete.e2e(n, o)
+
+
+def test_too_few_samples_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="at least 6"):
+        fit_batch_cost(_samples(0.0)[:3])
+    with pytest.raises(ValueError, match="prefill"):
+        fit_timebill([s for s in _samples(0.0) if s.kind != "prefill"])
+
+
+def test_profile_of_a_tiny_engine_loads_into_the_simulator(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from duetime.engine.profile import ProfileGrid, measure_steps, profile_payload
+    from duetime.engine.testing import engine_from_hf, tiny_hf_model
+    from duetime.sim.profiles import load_profile
+
+    model = engine_from_hf(tiny_hf_model(seed=0))
+    samples = measure_steps(model, ProfileGrid.quick())
+    kinds = {s.kind for s in samples}
+    assert kinds == {"prefill", "decode", "mixed"}
+    assert all(s.seconds > 0 for s in samples)
+    payload = profile_payload(
+        samples, name="tiny", source="test", kv_capacity_tokens=999,
+        max_num_seqs=7, max_batch_tokens=321,
+    )  # fmt: skip
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(payload))
+    cost, cfg = load_profile(str(path))
+    assert (cfg.kv_capacity, cfg.max_num_seqs, cfg.max_batch_tokens) == (999, 7, 321)
+    assert cost.step_time(0, 0.0, 1, 10) > 0
+    assert payload["heldout"]["batch_model_mape_pct"] is not None
