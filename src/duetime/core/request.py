@@ -69,6 +69,8 @@ class Request:
     ``deadline`` is absolute; use :attr:`time_budget` for the relative form.
     ``max_tokens`` caps generation (TimeBill's ``N_max``). ``prompt_token_ids``
     is only needed by the real engine; the simulator works from ``prompt_len``.
+    ``prompt_text`` is the prompt as the client sent it, for predictors that
+    read text (the learned length predictor); optional, like the ids.
     """
 
     rid: int
@@ -82,6 +84,7 @@ class Request:
     klass: str = "default"
     prompt_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = True
+    prompt_text: str | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:

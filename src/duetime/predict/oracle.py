@@ -64,15 +64,30 @@ class NoisyOraclePredictor:
 
 
 def make_job_predictor(spec: str | None, seed: int = 0) -> JobPredictor | None:
-    """``None``/"none", "oracle", "noisy" or "noisy:0.5" (relative error)."""
+    """``None``/"none", "oracle", "noisy", "noisy:0.5" (relative error), "interval:…"
+    (the Amin/Amax paper's intervals, see :mod:`duetime.predict.intervals`) or
+    "learned[:path]" (the trained response-length predictor, see
+    :mod:`duetime.predict.length_predictor`)."""
     if spec is None or spec == "none":
         return None
     if spec == "oracle":
         return OraclePredictor()
+    if spec.startswith("interval:"):
+        from duetime.predict.intervals import make_interval_predictor
+
+        return make_interval_predictor(spec)
+    if spec == "learned" or spec.startswith("learned:"):
+        # TimeBill's RLP from the prompt text (never the truth); see predict/length_predictor.py
+        from duetime.predict.length_predictor import make_learned_predictor
+
+        return make_learned_predictor(spec)
     if spec.startswith("noisy"):
         _, _, err = spec.partition(":")
         try:
             return NoisyOraclePredictor(rel_error=float(err) if err else 0.3, seed=seed)
         except ValueError as e:
             raise ValueError(f"bad predictor {spec!r}: {e}") from None
-    raise ValueError(f"unknown predictor {spec!r}; use none, oracle, noisy or noisy:<rel_error>")
+    raise ValueError(
+        f"unknown predictor {spec!r}; use none, oracle, noisy, noisy:<rel_error>, interval:… "
+        "or learned[:path]"
+    )

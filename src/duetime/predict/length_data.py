@@ -1,0 +1,97 @@
+"""The RLP's data: ShareGPT prompts with the length of the answer the dataset records.
+
+The answers in ShareGPT were written by the model that is the "target LLM"
+here (TimeBill distils the target model's own lengths), so the label of a
+prompt is the Gemma-3 token count of its recorded answer (``output_len``).
+
+Splits are by conversation: ShareGPT V3 cut long chats into elements named
+``<id>_0``, ``<id>_1``, ..., which share a user and topic, so all elements of
+one ``<id>`` land in the same split. The split is a seeded permutation of those
+groups: train / val (early stopping, readout choice) / calib (conformal
+scores only) / test (every reported number).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from duetime.workloads.sharegpt import ShareGPTLengths
+
+SPLITS = ("train", "val", "calib", "test")
+DEFAULT_FRACTIONS = (0.7, 0.1, 0.1, 0.1)
+_PART = re.compile(r"_\d+$")
+
+
+def conversation_groups(conv_id: np.ndarray) -> np.ndarray:
+    """Group label per row: the conversation id without its ``_<k>`` part suffix."""
+    return np.asarray([_PART.sub("", str(c)) for c in conv_id])
+
+
+def split_rows(
+    groups: np.ndarray,
+    seed: int = 0,
+    fractions: tuple[float, ...] = DEFAULT_FRACTIONS,
+    eligible: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Row indices of each split; every group lands in exactly one split. Seeded.
+
+    ``eligible`` (a boolean mask) drops rows before splitting.
+    """
+    if len(fractions) != len(SPLITS) or abs(sum(fractions) - 1) > 1e-9 or min(fractions) < 0:
+        raise ValueError(f"need {len(SPLITS)} fractions >= 0 summing to 1, got {fractions}")
+    rows = np.arange(len(groups)) if eligible is None else np.flatnonzero(eligible)
+    uniq, inverse = np.unique(groups[rows], return_inverse=True)
+    order = np.random.default_rng([seed, 7]).permutation(len(uniq))
+    rank = np.empty(len(uniq), dtype=np.int64)
+    rank[order] = np.arange(len(uniq))
+    edges = np.round(np.cumsum((0.0, *fractions)) * len(uniq)).astype(np.int64)
+    which = np.searchsorted(edges, rank[inverse], side="right") - 1
+    return {name: rows[which == i] for i, name in enumerate(SPLITS)}
+
+
+@dataclass(slots=True, eq=False)
+class LengthData:
+    """Everything the RLP and its baselines learn from, one row per ShareGPT pair."""
+
+    emb: np.ndarray  # (n, dim) prompt embeddings
+    prompt_len: np.ndarray  # Gemma tokens, <bos> included (as Request.prompt_len)
+    output_len: np.ndarray  # Gemma tokens of the recorded answer
+    splits: dict[str, np.ndarray]
+    encoder: str
+    dataset: str
+
+    def part(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(emb, prompt_len, output_len) of one split."""
+        rows = self.splits[name]
+        return self.emb[rows], self.prompt_len[rows], self.output_len[rows]
+
+    def subset(self, n: int, seed: int = 0) -> LengthData:
+        """At most ``n`` rows of each split (for quick tests), seeded."""
+        rng = np.random.default_rng([seed, 11])
+        splits = {
+            k: np.sort(rng.choice(v, size=min(n, len(v)), replace=False))
+            for k, v in self.splits.items()
+        }
+        return LengthData(
+            self.emb, self.prompt_len, self.output_len, splits, self.encoder, self.dataset
+        )
+
+
+def from_sharegpt(
+    lengths: ShareGPTLengths,
+    emb: np.ndarray,
+    *,
+    max_len: int,
+    seed: int = 0,
+    encoder: str = "",
+    dataset: str = "",
+) -> LengthData:
+    """Rows whose answer fits ``max_len`` (N_model), split by conversation."""
+    eligible = (lengths.output_len >= 1) & (lengths.output_len <= max_len)
+    splits = split_rows(conversation_groups(lengths.conv_id), seed, eligible=eligible)
+    return LengthData(
+        emb, lengths.prompt_len, lengths.output_len, splits, encoder=encoder, dataset=dataset
+    )

