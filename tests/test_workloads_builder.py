@@ -132,3 +132,26 @@ def test_real_sharegpt_jobs_carry_their_prompts_token_ids() -> None:
         assert job.request.prompt_len == len(ids) == prompt.prompt_len
         assert job.output_len == prompt.output_len
         assert 4 <= job.request.prompt_len <= 1024
+
+
+def test_sharegpt_jobs_can_carry_prompt_text_for_text_predictors() -> None:
+    from duetime.predict.oracle import make_job_predictor
+    from duetime.workloads import build_jobs
+
+    jobs = build_jobs(5, seed=3, with_prompt_text=True)
+    assert all(j.request.prompt_text for j in jobs)
+    plain = build_jobs(5, seed=3)
+    assert [j.request.prompt_len for j in jobs] == [j.request.prompt_len for j in plain]
+    pred = make_job_predictor("learned")
+    assert pred is not None
+    p = pred.predict_job(jobs[0])
+    assert p.lo <= p.point <= p.hi
+
+
+def test_prompt_text_on_synthetic_workloads_is_refused() -> None:
+    import pytest
+
+    from duetime.workloads import SyntheticSource, build_jobs
+
+    with pytest.raises(ValueError, match="ShareGPT"):
+        build_jobs(3, source=SyntheticSource(), with_prompt_text=True)

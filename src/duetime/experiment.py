@@ -68,7 +68,14 @@ def build_jobs(spec: SimSpec) -> list[Job]:
     if spec.workload == "synthetic":
         source = wl.SyntheticSource(prompt_len=(16, 1024), output_len=(16, 512))
     caps = wl.LengthCaps(max_total_len=spec.max_context)
-    return wl.build_jobs(spec.requests, source=source, arrivals=arrivals, seed=spec.seed, caps=caps)
+    return wl.build_jobs(
+        spec.requests,
+        source=source,
+        arrivals=arrivals,
+        seed=spec.seed,
+        caps=caps,
+        with_prompt_text=spec.workload == "sharegpt" and spec.predictor.startswith("learned"),
+    )
 
 
 def assign_deadlines(jobs: list[Job], cost: LinearStepCost, scale: float) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from duetime.core.request import Job, Request
 from duetime.workloads.arrivals import ArrivalProcess, Poisson
+from duetime.workloads.sharegpt import read_pairs
 from duetime.workloads.sources import LengthCaps, LengthSource, ShareGPTSource, sampling_rng
 
 
@@ -50,6 +51,7 @@ def build_jobs(
     max_tokens: int = 4096,
     deadlines: Deadlines | None = None,
     with_prompt_ids: bool = False,
+    with_prompt_text: bool = False,
 ) -> list[Job]:
     """``n`` jobs with rids ``0..n-1`` in arrival order.
 
@@ -57,7 +59,9 @@ def build_jobs(
     Every output fits ``max_tokens`` (it caps the sampled outputs and becomes
     each request's ``max_tokens``). ``with_prompt_ids`` fills
     ``Request.prompt_token_ids`` for the real engine; ``prompt_len`` is then
-    the length of those ids. The same ``seed`` gives the same jobs.
+    the length of those ids. ``with_prompt_text`` fills ``Request.prompt_text``
+    (ShareGPT only) for predictors that read text. The same ``seed`` gives the
+    same jobs.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -73,6 +77,11 @@ def build_jobs(
         if with_prompt_ids
         else None
     )
+    texts: list[str] | None = None
+    if with_prompt_text:
+        if not isinstance(source, ShareGPTSource) or sample.rows is None:
+            raise ValueError("prompt texts exist only for ShareGPT workloads")
+        texts = [prompt for prompt, _ in read_pairs(source.lengths, sample.rows)]
 
     jobs = []
     for rid in range(n):
@@ -87,6 +96,7 @@ def build_jobs(
             max_tokens=max_tokens,
             deadline=deadline,
             prompt_token_ids=ids[rid] if ids is not None else None,
+            prompt_text=texts[rid] if texts is not None else None,
         )
         jobs.append(Job(request=request, output_len=output_len))
     return jobs
