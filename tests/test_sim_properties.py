@@ -115,7 +115,9 @@ def _run(jobs: list[Job], cfg: SimConfig, name: str, seed: int) -> Any:
     return Simulator(policy, SIMPLE_COST, cfg, predictor).run(fresh)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
 @given(scenarios())
 def test_invariants(scenario: tuple[list[Job], SimConfig, str, int]) -> None:
     jobs, cfg, name, seed = scenario

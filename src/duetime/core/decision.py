@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-PreemptMode = Literal["recompute", "swap"]
+PreemptMode = Literal["recompute", "swap", "restart"]
 
 
 @dataclass(slots=True)
@@ -22,12 +22,14 @@ class Decision:
     becomes RUNNING) or a RUNNING sequence whose prefill is unfinished.
     ``preempt`` frees a RUNNING/SUSPENDED sequence's KV; with ``recompute`` it
     re-prefills prompt + generated tokens later, with ``swap`` its KV is copied
-    out and back (costed by the executor). ``suspend`` keeps KV but stops
-    decoding; ``resume`` undoes it. ``evict`` maps rid → ratio α ∈ [0, 1) of the
-    sequence's current KV to drop (TimeBill). ``wake_at`` asks to be called
-    again at that time even if nothing else happens (deadline timers); executors
-    always call again on arrivals, completions, segment ends and memory
-    pressure.
+    out and back (costed by the executor), with ``restart`` its output is
+    discarded and it starts over from the prompt (the "cancellation" of the
+    Amin/Amax paper: generated = 0, the whole answer is produced again).
+    ``suspend`` keeps KV but stops decoding; ``resume`` undoes it. ``evict``
+    maps rid → ratio α ∈ [0, 1) of the sequence's current KV to drop
+    (TimeBill). ``wake_at`` asks to be called again at that time even if
+    nothing else happens (deadline timers); executors always call again on
+    arrivals, completions, segment ends and memory pressure.
     """
 
     prefill: list[tuple[int, int]] = field(default_factory=list)

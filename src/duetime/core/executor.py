@@ -89,6 +89,9 @@ class ExecutorCore:
     def _on_evict(self, seq: Seq, n_tokens: int, alpha: float) -> None:
         """``n_tokens`` of the sequence's KV were evicted at ratio ``alpha``."""
 
+    def _on_restart(self, seq: Seq) -> None:
+        """The sequence's output was discarded; it will start again from its prompt."""
+
     def _on_segment_end(self, seq: Seq) -> None:
         """The sequence reached a segment boundary and is now SUSPENDED."""
 
@@ -300,12 +303,12 @@ class ExecutorCore:
         seq.kv_offloaded = False
         seq.first_token_time = rec.first_token = None  # the tokens sent so far are void
         seq.segment_index = 0
-        seq.segment_end = min(job.segments[0], rec.target_tokens) if job.segments else (
-            rec.target_tokens
-        )
+        target = rec.target_tokens
+        seq.segment_end = min(job.segments[0], target) if job.segments else target
         rec.segment_done.clear()
         rec.segment_ready.clear()
         self.counters["restarts"] = self.counters.get("restarts", 0) + 1
+        self._on_restart(seq)
         self.waiting.push(seq)
 
     def _check_limits(self, chunks: list[tuple[Seq, int]]) -> None:

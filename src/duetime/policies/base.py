@@ -86,6 +86,10 @@ class QueuePolicy:
             if n_seqs >= snap.max_num_seqs or budget <= 0:
                 break
             need = seq.prefill_target
+            if need + 1 > snap.kv_capacity:
+                # Grew (before a recompute preemption) past what memory can ever hold.
+                dec.cancel.append(seq.rid)
+                continue
             # Admit only when the whole prompt fits (plus one token to decode),
             # so an admitted prefill never stalls for memory halfway.
             fits = need + 1 + self.admit_headroom <= free
@@ -101,7 +105,23 @@ class QueuePolicy:
                     continue
             if self.head_of_line_blocking:
                 break
+        if not (dec.prefill or dec.resume or decoders or dec.cancel or dec.preempt):
+            self._break_deadlock(snap, dec)
         return dec
+
+    def _break_deadlock(self, snap: EngineSnapshot, dec: Decision) -> None:
+        """Nothing can run: idle KV holders (suspended, half-prefilled) fill the memory
+        that the work in front of them needs. Release one so the next call can progress."""
+        prefilling = list(snap.prefilling)
+        parked = [s for s in snap.suspended if not s.kv_offloaded]
+        ready = [s for s in parked if s.ready_at <= snap.now]
+        blocked = bool(snap.waiting) or bool(prefilling) or bool(ready)
+        holders = prefilling + parked
+        if not holders or not blocked:
+            return
+        now = snap.now
+        victim = max(holders, key=lambda s: self.victim_key(s, now))
+        dec.preempt.append(victim.rid)
 
     def _make_room(
         self, snap: EngineSnapshot, dec: Decision, free: int, decoders: int, n_seqs: int

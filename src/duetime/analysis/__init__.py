@@ -1,0 +1,1 @@
+"""Closed-form models from the papers: what the simulator's numbers are checked against."""

@@ -1,0 +1,197 @@
+"""The scheduler shared by H-SF, Amax, Amin and A_ℓ (Chen, Ye, Zhou 2025, arXiv:2508.14544).
+
+All four are one loop with a different *assumed output length*:
+
+1. give up the sequences the policy no longer wants (A_ℓ's promotion);
+2. if the next step needs more KV than is free, cancel sequences, in the
+   policy's victim order, until it fits (a paper "cancellation": the job
+   restarts from scratch, ``preempt_mode="restart"``);
+3. admit waiting sequences in queue order (smallest assumed length first)
+   while each one, run for its assumed length, keeps every future step within
+   memory next to the running ones run for theirs (Eq. 3, see
+   :mod:`duetime.policies.future_memory`); one that does not fit is skipped
+   (A_ℓ stops there instead, as the paper's queue does);
+4. if one that did not fit would fit after a few steps with no other event,
+   ask to be woken then: the paper's scheduler acts at every step, ours at
+   events.
+
+A subclass sets :meth:`assumed_len`; the ordering key and the victim order
+follow from it. Policies read only ``Request.predicted`` and the counts of a
+sequence, never the hidden true length.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from duetime.core.decision import Decision
+from duetime.core.sequence import Seq
+from duetime.core.snapshot import EngineSnapshot
+from duetime.policies.base import QueuePolicy
+from duetime.policies.future_memory import FutureMemory, tiebreak
+
+
+def lower_bound(seq: Seq) -> int:
+    """The predicted interval's lower end as a whole number of tokens (>= 1)."""
+    p = seq.req.predicted
+    return 1 if p is None else max(1, math.ceil(p.lo - 1e-9))
+
+
+def upper_bound(seq: Seq) -> int:
+    """The predicted interval's upper end as a whole number of tokens (>= 1); max_tokens if none."""
+    p = seq.req.predicted
+    if p is None:
+        return seq.req.max_tokens
+    return max(1, math.floor(p.hi + 1e-9))
+
+
+class LookaheadPolicy(QueuePolicy):
+    """Shortest assumed length first, admitting only what fits for its whole assumed life."""
+
+    name = "lookahead"
+    sorted_by_length = True  # the waiting queue is in ascending assumed length
+
+    def __init__(self, *, seed: int = 0, max_skip: int = 64, **kwargs: Any) -> None:
+        # Skip a request that does not fit and try the next: with uneven prompts a
+        # long one at the head would otherwise idle the memory the rest could use.
+        kwargs.setdefault("head_of_line_blocking", False)
+        kwargs.setdefault("chunked_prefill", False)
+        kwargs.setdefault("preempt_mode", "restart")
+        super().__init__(**kwargs)
+        self.seed = seed
+        self.max_skip = max_skip  # requests skipped per scheduling point before giving up
+
+    # --- the choice a subclass makes -----------------------------------------
+    def assumed_len(self, seq: Seq) -> int:
+        """Output tokens the policy assumes ``seq`` produces in all (> generated)."""
+        raise NotImplementedError
+
+    def waiting_key(self, seq: Seq) -> Any:
+        return (self.assumed_len(seq), tiebreak(self.seed, seq.rid))
+
+    def victim_key(self, seq: Seq, now: float) -> Any:
+        """Larger = cancelled first. Default: the most recently admitted."""
+        return seq.order
+
+    def give_up(self, snap: EngineSnapshot) -> list[Seq]:
+        """Running sequences to cancel before anything else (none by default)."""
+        return []
+
+    def on_cancel(self, seq: Seq) -> None:
+        """Called for each sequence this policy restarts, before the decision is applied."""
+
+    def next_wake(self, snap: EngineSnapshot) -> int | None:
+        """Steps until the policy wants to look again for its own reasons (None: no reason)."""
+        return None
+
+    # --- the loop ----------------------------------------------------------------
+    def schedule(self, snap: EngineSnapshot) -> Decision:
+        dec = Decision(preempt_mode=self.preempt_mode)
+        free, decoders, n_seqs = snap.kv_free, snap.num_decoding, len(snap.running)
+        gone: set[int] = set()
+
+        def cancel(seq: Seq) -> None:
+            nonlocal free, decoders, n_seqs
+            kv = seq.kv_tokens
+            if n_seqs == 1 and kv + 1 > snap.kv_capacity:
+                dec.cancel.append(seq.rid)  # cannot take one more token even alone
+            else:
+                self.on_cancel(seq)
+                dec.preempt.append(seq.rid)
+            gone.add(seq.rid)
+            free += kv
+            decoders -= 1 if seq.prefill_done else 0
+            n_seqs -= 1
+
+        for seq in self.give_up(snap):
+            cancel(seq)
+        if decoders > free:
+            now = snap.now
+            victims = sorted(
+                (s for s in snap.running if s.rid not in gone),
+                key=lambda s: self.victim_key(s, now),
+                reverse=True,
+            )
+            for v in victims:
+                if decoders <= free:
+                    break
+                cancel(v)
+
+        # The running set, each for the rest of its assumed life.
+        used = snap.kv_capacity - snap.kv_free
+        rs: list[int] = []
+        cs: list[int] = []
+        dec_kv = 0
+        assumed = self.assumed_len
+        for s in snap.running:
+            kv = s.kv_tokens
+            used -= kv
+            if s.rid in gone:
+                continue
+            rs.append(assumed(s) - s.generated)
+            if s.prefilled >= s.prefill_target:  # prefill_done, without the property call
+                cs.append(kv + 1)
+                dec_kv += kv
+            else:
+                cs.append(s.prefill_target)
+        mem = FutureMemory(snap.kv_capacity, static=used)
+        mem.extend(rs, cs)
+
+        free -= decoders
+        budget = snap.max_batch_tokens - decoders
+        for seq in snap.prefilling:  # chunked prefills in progress (none unless enabled)
+            if seq.rid not in gone and budget > 0:
+                n = min(seq.prefill_remaining, budget, free)
+                if n > 0:
+                    dec.prefill.append((seq.rid, n))
+                    budget -= n
+                    free -= n
+
+        missed: list[tuple[int, int]] = []  # (r, c) of the first few that did not fit
+        misses = 0
+        for seq in snap.waiting:
+            if n_seqs >= snap.max_num_seqs:
+                break
+            need = seq.prefill_target
+            r = self.assumed_len(seq) - seq.generated
+            room = min(mem.allowance(r), free, budget)
+            alone = n_seqs == 0 and not dec.prefill  # nothing else could ever make room
+            if need <= room or (alone and need <= free and need <= budget):
+                dec.prefill.append((seq.rid, need))
+                mem.add(r, need)
+                budget -= need
+                free -= need
+                n_seqs += 1
+                continue
+            if len(missed) < 2:
+                missed.append((r, need))
+            if self.head_of_line_blocking:
+                break
+            # The queue is in ascending assumed length and the room only shrinks
+            # with it: once not even one token fits, nothing further down will.
+            misses += 1
+            if (self.sorted_by_length and room < 1) or misses >= self.max_skip:
+                break
+
+        if not dec.prefill:
+            waits = [self.next_wake(snap)]
+            if n_seqs < snap.max_num_seqs:
+                waits += [mem.earliest_start(r, c) for r, c in missed]
+            j = min((w for w in waits if w is not None), default=None)
+            if j is not None:
+                dec.wake_at = _step_time(snap, j, decoders, dec_kv)
+        return dec
+
+
+def _step_time(snap: EngineSnapshot, j: int, decoders: int, kv: int) -> float | None:
+    """A time inside the j-th step from now, for a fixed batch.
+
+    Executors run every step that ends before a wake-up plus the one that
+    crosses it, so waking mid-step stops them after exactly ``j`` steps.
+    """
+    cost = snap.cost
+    if cost is None or decoders <= 0:
+        return None
+    before = cost.decode_span(j - 1, decoders, kv)
+    return snap.now + (before + cost.decode_span(j, decoders, kv)) / 2
