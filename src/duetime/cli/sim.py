@@ -1,76 +1,21 @@
-"""The `duetime` command line.
-
-Every command that measures takes ``--json PATH`` and writes figures named
-with their units. Bad input (a malformed trace, an unknown policy or profile,
-a bad number) prints one line naming what is wrong and exits with code 2,
-without a traceback.
-"""
+"""Simulation commands: `duetime sim`, `sweep`, `demo`, `policies`, `profiles`."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated
 
 import typer
-from rich.console import Console
 
-app = typer.Typer(
-    name="duetime",
-    help="Predictable LLM serving: simulate, schedule and serve with deadlines.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+from duetime.cli.common import (
+    JsonOpt,
+    PlotOpt,
+    _fail,
+    _progress,
+    _user_errors,
+    app,
+    out,
 )
-bench_app = typer.Typer(help="Benchmarks (speed targets live here, never in tests).")
-app.add_typer(bench_app, name="bench")
-
-out = Console()
-err = Console(stderr=True)
-
-JsonOpt = Annotated[
-    Path | None, typer.Option("--json", help="Write the figures to this JSON file.")
-]
-PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot here.")]
-
-
-def _fail(msg: str) -> NoReturn:
-    err.print(f"[bold red]error:[/] {msg}", highlight=False)
-    raise typer.Exit(2)
-
-
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """Turn the errors users cause into one line and exit code 2."""
-    from duetime.core.cost import CostModelError
-    from duetime.core.policy import PolicyError
-    from duetime.sim.simulator import SimulationError
-    from duetime.workloads import TraceError
-
-    try:
-        yield
-    except (TraceError, CostModelError, PolicyError, SimulationError, ValueError) as e:
-        _fail(str(e))
-    except FileNotFoundError as e:
-        _fail(f"{e.filename}: file not found")
-
-
-def _progress(total: int, label: str) -> tuple[Any, Callable[[int, int], None]]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    prog = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=not sys.stderr.isatty(),
-    )
-    task = prog.add_task(label, total=total)
-    return prog, lambda done, n: prog.update(task, completed=done, total=n)
 
 
 @app.command()
@@ -235,34 +180,6 @@ def demo(
     out.print(f"wrote {out_dir / 'demo.json'} and {out_dir / 'demo.png'}")
 
 
-@bench_app.command("sim")
-def bench_sim(
-    requests: Annotated[int, typer.Option(min=1)] = 100_000,
-    seed: Annotated[int, typer.Option()] = 0,
-    target_running: Annotated[float, typer.Option(help="Sequences to keep running.")] = 128.0,
-    json_path: JsonOpt = None,
-) -> None:
-    """Simulator speed at 100k ShareGPT requests (target: <= 10 s wall)."""
-    from duetime.bench import sim_speed
-    from duetime.metrics import write_json
-
-    with _user_errors():
-        fig = sim_speed.run(requests=requests, seed=seed, target_running=target_running)
-    out.print(
-        f"{fig['requests']:,} requests, {fig['policy']}, profile {fig['profile']}, "
-        f"rate {fig['rate_req_s']:.2f} req/s, mean running {fig['mean_running']:.1f}\n"
-        f"wall {fig['wall_s']:.2f} s (target <= {fig['target_wall_s']:.0f} s) for "
-        f"{fig['sim_span_s']:,.0f} s simulated: "
-        f"{fig['sim_speedup_x']:,.0f}x faster than real time\n"
-        f"{fig['engine_steps']:,} engine steps = {fig['steps_per_s']:,.0f} steps/s "
-        f"({fig['us_per_step']:.1f} us/step), {fig['requests_per_s']:,.0f} requests/s; "
-        f"workload build {fig['workload_build_s']:.2f} s, rate calibration "
-        f"{fig['rate_calibration_s']:.1f} s (pilot runs, not counted in wall)"
-    )
-    if json_path is not None:
-        write_json(json_path, fig)
-
-
 @app.command()
 def policies() -> None:
     """List the registered policies."""
@@ -279,11 +196,3 @@ def profiles() -> None:
 
     for name in builtin_profiles():
         out.print(name)
-
-
-def main() -> None:  # pragma: no cover - console entry point
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -1,0 +1,177 @@
+"""Benchmark commands (`duetime bench ...`): speed and reproduced results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from duetime.cli.common import (
+    JsonOpt,
+    PlotOpt,
+    _user_errors,
+    bench_app,
+    out,
+)
+
+
+@bench_app.command("sim")
+def bench_sim(
+    requests: Annotated[int, typer.Option(min=1)] = 100_000,
+    seed: Annotated[int, typer.Option()] = 0,
+    target_running: Annotated[float, typer.Option(help="Sequences to keep running.")] = 128.0,
+    json_path: JsonOpt = None,
+) -> None:
+    """Simulator speed at 100k ShareGPT requests (target: <= 10 s wall)."""
+    from duetime.bench import sim_speed
+    from duetime.metrics import write_json
+
+    with _user_errors():
+        fig = sim_speed.run(requests=requests, seed=seed, target_running=target_running)
+    out.print(
+        f"{fig['requests']:,} requests, {fig['policy']}, profile {fig['profile']}, "
+        f"rate {fig['rate_req_s']:.2f} req/s, mean running {fig['mean_running']:.1f}\n"
+        f"wall {fig['wall_s']:.2f} s (target <= {fig['target_wall_s']:.0f} s) for "
+        f"{fig['sim_span_s']:,.0f} s simulated: "
+        f"{fig['sim_speedup_x']:,.0f}x faster than real time\n"
+        f"{fig['engine_steps']:,} engine steps = {fig['steps_per_s']:,.0f} steps/s "
+        f"({fig['us_per_step']:.1f} us/step), {fig['requests_per_s']:,.0f} requests/s; "
+        f"workload build {fig['workload_build_s']:.2f} s, rate calibration "
+        f"{fig['rate_calibration_s']:.1f} s (pilot runs, not counted in wall)"
+    )
+    if json_path is not None:
+        write_json(json_path, fig)
+
+
+@bench_app.command("predict-length")
+def bench_predict_length(
+    model: Annotated[
+        list[Path] | None, typer.Option(help="Model file(s); default: both shipped models.")
+    ] = None,
+    coverage: Annotated[float, typer.Option(help="Nominal interval coverage.")] = 0.9,
+    infer_prompts: Annotated[int, typer.Option(min=1, help="Prompts to time.")] = 200,
+    json_path: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """Response-length predictor vs baselines: MAE, RMSE, R², coverage, p50/p99 latency."""
+    from duetime.bench import predict_length as bench
+    from duetime.metrics import write_json
+    from duetime.predict.length_fit import SHIPPED_MODELS, shipped_model_path
+
+    models = model or [shipped_model_path(name) for name in SHIPPED_MODELS]
+    with _user_errors():
+        fig = bench.run(models, coverage=coverage, infer_prompts=infer_prompts)
+    rows = [
+        (Path(fig["model"]).stem, fig),
+        *((Path(o["model"]).stem, o) for o in fig["other_models"]),
+    ]
+    from rich.table import Table
+
+    for name, f in rows:
+        table = Table(
+            title=f"{name}: {f['encoder']}, readout {f['readout']}, {f['test_rows']} test"
+        )
+        for col in ("predictor", "MAE", "RMSE", "R²", "bucket acc", "cover", "width"):
+            table.add_column(col, justify="left" if col == "predictor" else "right")
+        for label, m in [("RLP", f), *f["baselines"].items()]:
+            cov = m.get("coverage_90", m.get("coverage", float("nan")))
+            table.add_row(
+                label,
+                f"{m['mae_tokens']:.1f}",
+                f"{m['rmse_tokens']:.1f}",
+                f"{m['r2']:.3f}",
+                f"{m['bucket_acc']:.3f}",
+                f"{cov:.3f}",
+                f"{m['interval_width_tokens']:.0f}",
+            )
+        out.print(table)
+        met = {k: "met" if v else "NOT met" for k, v in f["targets_met"].items()}
+        out.print(
+            f"MAE / best baseline ({f['best_baseline']}) = {f['mae_ratio_vs_best_baseline']:.3f}"
+            f" (<= 0.8: {met['mae_ratio']})\n"
+            f"{coverage:.0%} interval coverage {f['coverage_90']:.3f}"
+            f" (>= 0.88: {met['coverage_90']})"
+            f"\ninference p50 {f['infer_p50_ms']:.1f} ms, p99 {f['infer_p99_ms']:.1f} ms"
+            f" (<= 20 ms: {met['infer_p99_ms']})"
+        )
+    if plot is not None:
+        bench.plot(fig, plot)
+    if json_path is not None:
+        write_json(json_path, {k: v for k, v in fig.items() if not k.startswith("_")})
+
+
+@bench_app.command("amin")
+def bench_amin(
+    requests: Annotated[int, typer.Option(min=1, help="ShareGPT requests.")] = 2000,
+    kv_capacity: Annotated[int, typer.Option(min=1, help="KV memory M, tokens.")] = 111_000,
+    profile: Annotated[str, typer.Option(help="Step-cost profile of the linear setting.")] = (
+        "a100-llama2-7b"
+    ),
+    seed: Annotated[int, typer.Option()] = 0,
+    workers: Annotated[int, typer.Option(min=1, help="Parallel workers.")] = 2,
+    two_point: Annotated[
+        bool, typer.Option(help="Also check A_ℓ and Amin on two-point lengths.")
+    ] = True,
+    json_path: JsonOpt = None,
+    plot: PlotOpt = Path("out/bench-amin.png"),
+) -> None:
+    """Amax / Amin vs H-SF per prediction-interval construction (Chen, Ye, Zhou 2025)."""
+    from duetime.bench import amin as bench
+    from duetime.metrics import write_json
+
+    with _user_errors():
+        fig = bench.run(requests, seed, kv_capacity, profile, workers, two_point)
+    w = fig["workload"]
+    out.print(
+        f"{w['requests']:,} ShareGPT requests at t = 0 (prompt mean {w['prompt_tokens_mean']:.0f}, "
+        f"output mean {w['output_tokens_mean']:.0f} tokens, <= 1,000); the paper used "
+        f"LMSYS-Chat-1M; unit = 1 step per time unit, linear = profile {profile}"
+    )
+    out.print(bench.table(fig))
+    if fig["two_point"]:
+        out.print(bench.two_point_table(fig))
+    out.print(f"wall {fig['wall_s']:.1f} s")
+    if plot is not None:
+        bench.plot(fig, plot)
+    if json_path is not None:
+        write_json(json_path, fig)
+
+
+@bench_app.command("deferred-prefill")
+def bench_deferred_prefill(
+    requests: Annotated[int, typer.Option(min=1, help="Requests per simulated run.")] = 2000,
+    capacity: Annotated[int, typer.Option(min=1, help="Batch capacity C.")] = 256,
+    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
+        "a100-llama2-7b"
+    ),
+    seed: Annotated[int, typer.Option()] = 0,
+    workers: Annotated[int, typer.Option(min=1, help="Parallel workers.")] = 2,
+    json_path: JsonOpt = None,
+    plot: PlotOpt = Path("out/bench-deferred-prefill.png"),
+) -> None:
+    """Throughput vs departure threshold K: analytic (Theorem 1) and simulated."""
+    from duetime.bench import deferred_prefill as bench
+    from duetime.metrics import write_json
+
+    with _user_errors():
+        fig = bench.run(requests, capacity, profile, seed, workers)
+    out.print(bench.table(fig))
+    adv = fig["advice"]
+    out.print(
+        f"analytic K* = {adv['k_star']} (approximation: {adv['k_star_approx']}), "
+        f"ρ(K*) = {adv['throughput_k_star_req_s']:.3f} req/s, "
+        f"{adv['gain_vs_k1_pct']:+.1f} % vs K = 1"
+    )
+    for curve, s in fig["summary"].items():
+        out.print(
+            f"{curve}: best K = {s['k_best']}, {s['gain_best_vs_k1_pct']:+.1f} % throughput and "
+            f"{s['completion_change_best_vs_k1_pct']:+.1f} % completion time vs K = 1; "
+            f"analytic ρ(K*) {s['analytic_k_star_throughput_vs_best_pct']:+.1f} % of the best; "
+            f"max |error| vs Theorem 1 {s['max_abs_error_vs_theorem1_pct']:.1f} %"
+        )
+    out.print(f"real engine: not measured yet; wall {fig['wall_s']:.1f} s")
+    if plot is not None:
+        bench.plot(fig, plot)
+    if json_path is not None:
+        write_json(json_path, fig)

@@ -1,0 +1,126 @@
+"""Real-engine commands: `duetime profile` and `duetime validate`."""
+
+from __future__ import annotations
+
+import platform
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from duetime.cli.common import app
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+@app.command()
+def profile(
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or int8 weights.")] = "bf16",
+    threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
+    quick: Annotated[bool, typer.Option(help="A small grid (smoke test).")] = False,
+    out: Annotated[Path, typer.Option("--out", help="Profile JSON to write.")] = Path(
+        "out/gemma3-270m-cpu.json"
+    ),
+    kv_capacity: Annotated[int, typer.Option(help="KV tokens recorded in the profile.")] = 32_768,
+    max_num_seqs: Annotated[int, typer.Option()] = 64,
+    max_batch_tokens: Annotated[int, typer.Option()] = 2048,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+) -> None:
+    """Time real engine steps and fit the step-cost models (TimeBill ETE + batch form)."""
+    from duetime.cli import _progress, _user_errors
+    from duetime.cli import out as console
+    from duetime.engine import load_model
+    from duetime.engine.profile import ProfileGrid, measure_steps, profile_payload
+    from duetime.metrics import write_json
+
+    with _user_errors():
+        if dtype not in ("fp32", "bf16", "int8"):
+            raise ValueError(f"--dtype must be fp32, bf16 or int8, got {dtype!r}")
+        _set_threads(threads)
+        t0 = time.perf_counter()
+        model = load_model(dtype=dtype)  # type: ignore[arg-type]
+        load_s = time.perf_counter() - t0
+        grid = ProfileGrid.quick() if quick else ProfileGrid()
+        prog, cb = _progress(1, "profiling")
+        t0 = time.perf_counter()
+        with prog:
+            samples = measure_steps(model, grid, progress=cb)
+        measure_s = time.perf_counter() - t0
+        name = f"gemma3-270m-cpu-{dtype}-t{threads}"
+        source = (
+            f"measured by `duetime profile` on {platform.node()} ({platform.machine()}, "
+            f"{threads} torch threads, {dtype}) at "
+            f"{datetime.now(UTC).isoformat(timespec='seconds')}: {len(samples)} timed steps"
+        )
+        payload = profile_payload(
+            samples,
+            name=name,
+            source=source,
+            kv_capacity_tokens=kv_capacity,
+            max_num_seqs=max_num_seqs,
+            max_batch_tokens=max_batch_tokens,
+        )
+        write_json(out, payload)
+    held = payload["heldout"]
+    assert isinstance(held, dict)
+    report = {
+        "profile": str(out),
+        "load_s": load_s,
+        "measure_s": measure_s,
+        "samples": len(samples),
+        "batch_model_mape_pct": held["batch_model_mape_pct"],
+        "ete_prefill_mape_pct": held["ete_prefill_mape_pct"],
+        "ete_decode_mape_pct": held["ete_decode_mape_pct"],
+    }
+    console.print(
+        f"profiled {len(samples)} steps in {measure_s:.1f} s (model load {load_s:.1f} s); "
+        f"held-out MAPE: batch model {held['batch_model_mape_pct']:.2f} %, "
+        f"TimeBill prefill {held['ete_prefill_mape_pct']:.2f} %, "
+        f"decode {held['ete_decode_mape_pct']:.2f} % (target <= 5 %)\nwrote {out}"
+    )
+    if json_path is not None:
+        write_json(json_path, report)
+
+
+@app.command()
+def validate(
+    profile: Annotated[str, typer.Option(help="Profile JSON from `duetime profile`.")] = (
+        "out/gemma3-270m-cpu.json"
+    ),
+    policy: Annotated[str, typer.Option()] = "fcfs",
+    requests: Annotated[int, typer.Option(min=1)] = 100,
+    rate: Annotated[float, typer.Option(min=0.0)] = 2.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    dtype: Annotated[str, typer.Option()] = "bf16",
+    threads: Annotated[int, typer.Option(min=1)] = 2,
+    max_prompt: Annotated[int, typer.Option(min=1)] = 512,
+    max_output: Annotated[int, typer.Option(min=1)] = 128,
+    plot: Annotated[Path, typer.Option("--plot")] = Path("out/validate.png"),
+    json_path: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """Same workload through the real engine and the simulator: per-request error."""
+    from duetime.bench import validate as v
+    from duetime.cli import _user_errors
+    from duetime.cli import out as console
+    from duetime.engine import load_model
+    from duetime.metrics import render_table, write_json
+
+    with _user_errors():
+        if not Path(profile).exists():
+            raise ValueError(f"{profile}: no such profile; run `duetime profile --out {profile}`")
+        _set_threads(threads)
+        model = load_model(dtype=dtype)  # type: ignore[arg-type]
+        fig = v.run(
+            model=model, profile=profile, policy=policy, requests=requests, rate=rate,
+            seed=seed, max_prompt=max_prompt, max_output=max_output, plot=plot,
+        )  # fmt: skip
+    console.print(render_table([("real vs sim", fig)], keys=list(fig)))
+    console.print("target: median e2e error <= 10 % (Vidur: < 9 % against real GPUs)")
+    if json_path is not None:
+        write_json(json_path, fig)
