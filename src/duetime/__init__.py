@@ -1,2 +1,3 @@
 """duetime: predictable LLM serving."""
+
 __version__ = "0.1.0"
