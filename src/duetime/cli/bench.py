@@ -175,3 +175,46 @@ def bench_deferred_prefill(
         bench.plot(fig, plot)
     if json_path is not None:
         write_json(json_path, fig)
+
+
+@bench_app.command("timelyllm")
+def bench_timelyllm(
+    wid: Annotated[list[int] | None, typer.Option(help="LRTrace workload(s), 1-3.")] = None,
+    profile: Annotated[
+        str, typer.Option(help="'paper-rtx4090' (modelled on the paper) or a shipped profile.")
+    ] = "paper-rtx4090",
+    kv_capacity: Annotated[int | None, typer.Option(min=1, help="KV tokens (contention).")] = None,
+    max_num_seqs: Annotated[
+        int | None, typer.Option(min=1, help="Batch-size cap (the paper's Fig. 7 knob).")
+    ] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_path: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """TimelyLLM vs vLLM, vLLM-stream, segmented FCFS/EDF on LRTrace WID1-3 (simulated)."""
+    from duetime.bench import timelyllm as bench
+    from duetime.metrics import write_json
+
+    wids = tuple(wid or (1, 2, 3))
+    if any(w not in (1, 2, 3) for w in wids):
+        raise typer.BadParameter("--wid must be 1, 2 or 3")
+    with _user_errors():
+        fig = bench.run(wids, seed, profile, kv_capacity, max_num_seqs)
+    out.print(bench.table(fig))
+    for w, s in fig["summary"].items():
+        out.print(
+            f"{w}: timelyllm utility {s['utility_gain_vs_fcfs_x']:.2f}x vs vllm "
+            f"(best class {s['utility_gain_best_class_x']:.2f}x; paper: up to 1.97x), "
+            f"waiting {s['waiting_change_vs_fcfs_pct']:+.0f} % "
+            f"(best class {s['waiting_change_best_class_pct']:+.0f} %; paper: -84 %)"
+        )
+    oh = fig["overhead"]
+    out.print(
+        "scheduling overhead: "
+        + ", ".join(f"{k.split('_')[-1]} tasks {v:.3f} ms" for k, v in oh.items())
+        + " (paper: 2.03 ms for 8)"
+    )
+    if plot is not None:
+        bench.plot(fig, plot)
+    if json_path is not None:
+        write_json(json_path, fig)

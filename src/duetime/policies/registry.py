@@ -41,4 +41,14 @@ def available_policies() -> list[str]:
 
 def _load_builtin() -> None:
     # Importing the modules runs their @register decorators.
-    from duetime.policies import aell, amax, amin, deferred_prefill, edf, fcfs, hsf, sjf  # noqa: F401
+    from duetime.policies import (  # noqa: F401
+        aell,
+        amax,
+        amin,
+        deferred_prefill,
+        edf,
+        fcfs,
+        hsf,
+        pud,
+        sjf,
+    )

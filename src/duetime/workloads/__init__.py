@@ -4,11 +4,14 @@
 - :mod:`.sources`: length sources (ShareGPT, synthetic) and the caps they honour.
 - :mod:`.arrivals`: Poisson, gamma, trace and all-at-once arrival processes.
 - :mod:`.builder`: ``build_jobs`` ties the three together, with optional deadlines.
+- :mod:`.lrtrace`: TimelyLLM's LRTrace robot workloads (WID1–WID3), segmented, with TUFs.
 - :mod:`.trace`: JSONL trace files, written atomically, read with line-exact errors.
 """
 
 from duetime.workloads.arrivals import AllAtOnce, ArrivalProcess, Gamma, Poisson, TraceArrivals
 from duetime.workloads.builder import Deadlines, build_jobs
+from duetime.workloads.lrtrace import WORKLOADS as LRTRACE_WORKLOADS
+from duetime.workloads.lrtrace import LRTraceSettings, lrtrace_jobs
 from duetime.workloads.sharegpt import (
     ShareGPTLengths,
     ShareGPTStats,
@@ -27,10 +30,12 @@ from duetime.workloads.sources import (
 from duetime.workloads.trace import TraceError, read_trace, write_trace
 
 __all__ = [
+    "LRTRACE_WORKLOADS",
     "AllAtOnce",
     "ArrivalProcess",
     "Deadlines",
     "Gamma",
+    "LRTraceSettings",
     "LengthCaps",
     "LengthSample",
     "LengthSource",
@@ -45,6 +50,7 @@ __all__ = [
     "build_jobs",
     "load_sharegpt_lengths",
     "load_sharegpt_prompts",
+    "lrtrace_jobs",
     "read_pairs",
     "read_trace",
     "write_trace",

@@ -1,0 +1,136 @@
+"""TimelyLLM: TUF / PUD values from the paper's formulas, the policy's choices, simulator runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from duetime.bench.timelyllm import overhead, paper_rtx4090, robot_outcome
+from duetime.core.request import Job, Request
+from duetime.core.sequence import DecodeClock, Seq, SeqStatus
+from duetime.core.snapshot import EngineSnapshot
+from duetime.policies import make_policy
+from duetime.policies.pud import pud_priority
+from duetime.sim import Simulator
+from duetime.workloads.lrtrace import TUF_NORMAL, TUF_URGENT, lrtrace_jobs
+
+
+def test_tuf_values_match_eq1_and_paper_parameters() -> None:
+    assert TUF_NORMAL(0.5) == 1.0  # before ERT: β
+    assert TUF_NORMAL(1.25) == pytest.approx(0.5)  # 1 − 2·0.25
+    assert TUF_NORMAL(1.5) == pytest.approx(0.0)  # the paper's 1.5 s cut-off
+    assert TUF_URGENT(0.2) == 2.0
+    assert TUF_URGENT(0.5) == pytest.approx(0.0, abs=1e-12)  # cut-off 0.5 s
+    tuf1 = TUF_NORMAL.later_segment()
+    assert tuf1(-3.0) == 1.0  # early: clipped to β
+    assert tuf1(0.2) == pytest.approx(0.6)
+
+
+def test_pud_priority_eq4_hand_cases() -> None:
+    # k = 0, normal: W = 0.5 + 0.1 = 0.6 -> TUF0 = 1; L = 1 − 0.5 − 0.1 = 0.4; 1 / (0.1·0.4) = 25
+    assert pud_priority(TUF_NORMAL, 0, 0.5, 0.1, 0.0, 0.0, 0.01) == pytest.approx(25.0)
+    # k = 0, urgent: W = 0.2 -> TUF0 = β = 2; slack 0 floored at 0.01: 2 / (0.1·0.01) = 2000
+    assert pud_priority(TUF_URGENT, 0, 0.1, 0.1, 0.0, 0.0, 0.01) == pytest.approx(2000.0)
+    # k = 1 (δ = 0): W = 3 + 0.1 − 2.9 = 0.2 -> TUF1 = 0.6; slack floored: 0.6 / 0.001 = 600
+    assert pud_priority(TUF_NORMAL, 1, 3.0, 0.1, 0.0, 2.9, 0.01) == pytest.approx(600.0)
+    # k = 1 well before ready: TUF1 = β, L = 2.0 − 0 − 0.1 = 1.9
+    assert pud_priority(TUF_NORMAL, 1, 0.0, 0.1, 0.0, 2.0, 0.01) == pytest.approx(1 / (0.1 * 1.9))
+
+
+def _snap(
+    waiting: list[Seq], suspended: list[Seq], now: float, max_num_seqs: int
+) -> EngineSnapshot:
+    return EngineSnapshot(
+        now=now,
+        waiting=waiting,
+        running=[],
+        prefilling=[],
+        suspended=suspended,
+        kv_capacity=10_000,
+        kv_free=10_000 - sum(s.kv_tokens for s in suspended),
+        max_num_seqs=max_num_seqs,
+        max_batch_tokens=4096,
+    )
+
+
+def test_ready_segment_resumes_before_lower_priority_new_request() -> None:
+    clock = DecodeClock()
+    old = Seq(Request(rid=0, arrival=0.0, prompt_len=100, tuf=TUF_NORMAL), clock, 0)
+    old.status, old.prefilled, old.segment_index, old.ready_at = SeqStatus.SUSPENDED, 100, 1, 5.0
+    old._set_generated(5)
+    new = Seq(Request(rid=1, arrival=5.0, prompt_len=100, tuf=TUF_NORMAL), clock, 1)
+    dec = make_policy("timelyllm").schedule(_snap([new], [old], 5.0, max_num_seqs=1))
+    assert dec.resume == [0]
+    assert dec.prefill == []
+    # With room for both, both go, the resumed segment first.
+    dec = make_policy("timelyllm").schedule(_snap([new], [old], 5.0, max_num_seqs=2))
+    assert dec.resume == [0]
+    assert [r for r, _ in dec.prefill] == [1]
+
+
+def test_urgent_new_request_goes_before_normal_one() -> None:
+    clock = DecodeClock()
+    normal = Seq(Request(rid=0, arrival=0.0, prompt_len=100, tuf=TUF_NORMAL), clock, 0)
+    urgent = Seq(Request(rid=1, arrival=0.0, prompt_len=100, tuf=TUF_URGENT), clock, 1)
+    dec = make_policy("timelyllm").schedule(_snap([normal, urgent], [], 0.0, max_num_seqs=1))
+    assert [r for r, _ in dec.prefill] == [1]
+
+
+def test_suspended_segment_not_yet_due_asks_for_wake_up() -> None:
+    clock = DecodeClock()
+    s = Seq(Request(rid=0, arrival=0.0, prompt_len=100, tuf=TUF_NORMAL), clock, 0)
+    s.status, s.prefilled, s.segment_index, s.ready_at = SeqStatus.SUSPENDED, 100, 1, 10.0
+    s._set_generated(5)
+    dec = make_policy("timelyllm").schedule(_snap([], [s], 1.0, max_num_seqs=4))
+    assert dec.resume == []
+    assert dec.wake_at is not None
+    assert 1.0 < dec.wake_at < 10.0
+
+
+@pytest.mark.parametrize("kv_capacity", [None, 3000])
+def test_simulated_run_resumes_without_reprefill_and_respects_memory(
+    kv_capacity: int | None,
+) -> None:
+    jobs = lrtrace_jobs(2, seed=1, time_s=60.0)
+    cost, cfg = paper_rtx4090()
+    if kv_capacity is not None:
+        cfg.kv_capacity = kv_capacity
+    sim = Simulator(make_policy("timelyllm"), cost, cfg)
+    res = sim.run(jobs)
+    assert res.kv_peak <= cfg.kv_capacity
+    for job, rec in zip(jobs, res.records, strict=True):
+        assert rec.completed
+        assert rec.output_tokens == rec.target_tokens == job.output_len
+        assert len(rec.segment_done) == len(job.segments)
+    if res.preemptions == 0:
+        assert sim.prefill_tokens == sum(j.request.prompt_len for j in jobs)
+    if kv_capacity is None:
+        assert res.preemptions == 0
+
+
+def test_vllm_stream_never_holds_a_generation() -> None:
+    jobs = lrtrace_jobs(1, seed=0, time_s=40.0)
+    cost, cfg = paper_rtx4090()
+    sim = Simulator(make_policy("vllm-stream"), cost, cfg)
+    res = sim.run(jobs)
+    assert sim.prefill_tokens == sum(j.request.prompt_len for j in jobs)
+    for job, rec in zip(jobs, res.records, strict=True):
+        # Segments follow each other back to back: nothing waits for the robot.
+        gaps = [b - a for a, b in zip(rec.segment_done, rec.segment_done[1:], strict=False)]
+        assert all(g < min(job.segment_gaps) for g in gaps)
+
+
+def test_robot_outcome_hand_case() -> None:
+    req = Request(rid=0, arrival=0.0, prompt_len=10, tuf=TUF_NORMAL)
+    job = Job(req, 10, (5, 5), (2.0,))
+    # Segment 1 arrives before the robot finishes action 0 (at 2.5): no waiting.
+    assert robot_outcome(job, [0.5, 1.0]) == pytest.approx((2.0, 0.5, 0.5))
+    # Segment 1 arrives at 3.0, 0.5 s late: TUF1(0.5) = 0.
+    assert robot_outcome(job, [0.5, 3.0]) == pytest.approx((1.0, 0.5, 1.0))
+
+
+def test_overhead_microbenchmark_runs() -> None:
+    oh = overhead((8,), repeats=2)
+    assert set(oh) == {"schedule_ms_8"}
+    assert math.isfinite(oh["schedule_ms_8"])
