@@ -21,7 +21,7 @@ def _set_threads(threads: int) -> None:
 
 @app.command()
 def profile(
-    dtype: Annotated[str, typer.Option(help="fp32, bf16 or int8 weights.")] = "bf16",
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or int8 weights.")] = "fp32",
     threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
     quick: Annotated[bool, typer.Option(help="A small grid (smoke test).")] = False,
     out: Annotated[Path, typer.Option("--out", help="Profile JSON to write.")] = Path(
@@ -97,7 +97,7 @@ def validate(
     requests: Annotated[int, typer.Option(min=1)] = 100,
     rate: Annotated[float, typer.Option(min=0.0)] = 2.0,
     seed: Annotated[int, typer.Option()] = 0,
-    dtype: Annotated[str, typer.Option()] = "bf16",
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or int8 weights.")] = "fp32",
     threads: Annotated[int, typer.Option(min=1)] = 2,
     max_prompt: Annotated[int, typer.Option(min=1)] = 512,
     max_output: Annotated[int, typer.Option(min=1)] = 128,

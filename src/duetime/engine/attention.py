@@ -1,0 +1,73 @@
+"""Attention of one sequence's new tokens over its cached keys, with GQA folded in.
+
+Grouped-query attention is computed by folding the ``rep = heads / kv_heads``
+query heads that share a KV head into the query-length axis: queries become
+``[kv_heads, rep * n, head_dim]`` against keys ``[kv_heads, S, head_dim]``. The
+cached keys are then used as they lie (no ``repeat_interleave`` copy) and, for
+Gemma 3 270M's single KV head, a decode is one ``[4, 256] x [256, S]`` product.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from duetime.engine.kv_cache import KVView
+
+__all__ = ["MaskCache", "attend"]
+
+
+class MaskCache:
+    """Masks shared by the layers of one step.
+
+    Without eviction every layer of a kind sees the same key positions, so a
+    prefill chunk's mask is built once per (chunk, layer kind), not per layer.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._masks: dict[tuple[int, int, int, int, bool], torch.Tensor] = {}
+
+    def mask(self, view: KVView, q_start: int, n: int, sliding: bool) -> torch.Tensor:
+        """Boolean ``[n, S]`` (or ``[kv_heads, n, S]`` after eviction): True = may attend."""
+        qpos = torch.arange(q_start, q_start + n)[:, None]
+        if view.positions is not None:
+            kpos = view.positions[:, None, :]  # [kv_heads, 1, S]
+            return _visible(kpos, qpos, self.window if sliding else None)
+        s = view.keys.shape[1]
+        key = (q_start, n, view.first_pos, s, sliding)
+        m = self._masks.get(key)
+        if m is None:
+            kpos = torch.arange(view.first_pos, view.first_pos + s)[None, :]
+            m = self._masks[key] = _visible(kpos, qpos, self.window if sliding else None)
+        return m
+
+
+def _visible(kpos: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    m = kpos <= qpos
+    if window is not None:
+        m &= kpos > qpos - window
+    return m
+
+
+def attend(
+    q: torch.Tensor,
+    view: KVView,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output ``[n, heads * head_dim]`` for queries ``q`` ``[n, heads, head_dim]``."""
+    n, heads, hd = q.shape
+    kvh = view.keys.shape[0]
+    rep = heads // kvh
+    # [n, kvh, rep, hd] -> [kvh, rep*n, hd]: row r*n + i is query i of head (g, r)
+    qf = q.view(n, kvh, rep, hd).permute(1, 2, 0, 3).reshape(1, kvh, rep * n, hd)
+    m = None
+    if mask is not None:
+        s = view.keys.shape[1]
+        m3 = mask if mask.dim() == 3 else mask.expand(kvh, n, s)
+        m = m3[:, None].expand(kvh, rep, n, s).reshape(1, kvh, rep * n, s)
+    k = view.keys[None]
+    v = view.values[None]
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=scale)
+    return out.view(kvh, rep, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd)

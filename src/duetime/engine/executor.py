@@ -1,0 +1,265 @@
+"""The real executor: the shared state machine driving one batched Gemma 3 forward per step.
+
+It is :class:`~duetime.core.executor.ExecutorCore` (the very code the
+simulator runs) plus four things only a real engine has: token ids, KV-cache
+slots that mirror the core's token accounting, the wall clock, and a model
+forward in place of a cost model. Policies see the identical snapshot.
+
+The engine asks the policy every step (nano-vllm's loop: schedule → run →
+post-process); it cannot jump over steps the way the simulator does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from duetime.core.cost import LinearStepCost
+from duetime.core.executor import ExecutorCore, ExecutorError
+from duetime.core.policy import Policy, PolicyError
+from duetime.core.record import RequestRecord
+from duetime.core.request import Job
+from duetime.core.sequence import Seq
+from duetime.engine.batch import SeqChunk
+from duetime.engine.gemma3 import Gemma3
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        return 0
+
+
+@dataclass(slots=True)
+class EngineResult:
+    """Records, generated ids and counters of one engine run."""
+
+    records: list[RequestRecord]
+    outputs: dict[int, list[int]]
+    wall_s: float
+    engine_steps: int
+    policy_calls: int
+    preemptions: int
+    kv_peak: int
+    tokens_generated: int
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class EngineExecutor(ExecutorCore):
+    """Serves jobs on a :class:`Gemma3` model under a policy, in real time.
+
+    ``kv_capacity`` is the KV budget M in tokens, enforced by the same
+    accounting the simulator uses and checked against the cache after every
+    step (``check_accounting``). ``cost`` is the fitted profile handed to
+    policies as ``snapshot.cost`` (None until `duetime profile` has run).
+    ``telemetry`` receives one JSON line per step.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        model: Gemma3,
+        *,
+        kv_capacity: int = 32_768,
+        max_num_seqs: int = 64,
+        max_batch_tokens: int = 2048,
+        predictor: Any = None,
+        cost: LinearStepCost | None = None,
+        telemetry: str | Path | None = None,
+        check_accounting: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        super().__init__(
+            policy,
+            kv_capacity=kv_capacity,
+            max_num_seqs=max_num_seqs,
+            max_batch_tokens=max_batch_tokens,
+            predictor=predictor,
+        )
+        self.model = model
+        self.kv = model.new_kv_cache()
+        self.cost = cost
+        self.check_accounting = check_accounting
+        self._clock = clock
+        self._t0 = clock()
+        self.tokens: dict[int, list[int]] = {}  # prompt ids + generated ids
+        self.slots: dict[int, int] = {}
+        self._telemetry_path = Path(telemetry) if telemetry is not None else None
+        self._telemetry: IO[str] | None = None
+
+    def step_cost_model(self) -> LinearStepCost | None:
+        return self.cost
+
+    # --- arrivals and KV hooks -------------------------------------------------
+    def admit_arrival(self, job: Job) -> None:
+        ids = job.request.prompt_token_ids
+        if ids is None or len(ids) != job.request.prompt_len:
+            raise ValueError(
+                f"request {job.request.rid}: the engine needs prompt_token_ids of length "
+                f"prompt_len={job.request.prompt_len}"
+            )
+        self.tokens[job.request.rid] = list(ids)
+        super().admit_arrival(job)
+
+    def _on_admit(self, seq: Seq) -> None:
+        self.slots[seq.rid] = self.kv.allocate(seq.prefill_target + 16)
+
+    def _on_drop_kv(self, seq: Seq) -> None:
+        slot = self.slots.pop(seq.rid, None)
+        if slot is not None:
+            self.kv.free(slot)
+
+    def _on_restart(self, seq: Seq) -> None:
+        del self.tokens[seq.rid][seq.req.prompt_len :]  # the answer so far is void
+
+    def _on_swap_out(self, seq: Seq) -> None:
+        raise PolicyError(
+            f"policy {self.policy.name!r}: swap preemption is not supported by the engine yet; "
+            "use preempt_mode='recompute'"
+        )
+
+    def _on_evict(self, seq: Seq, n_tokens: int, alpha: float) -> None:
+        raise PolicyError(
+            f"policy {self.policy.name!r}: KV eviction on the engine is not implemented yet"
+        )
+
+    # --- one step ----------------------------------------------------------------
+    def _run_step(self, chunks: list[tuple[Seq, int]]) -> float:
+        """One batched forward: prefill chunks plus one token for every decoder."""
+        kv = self.kv
+        model_chunks: list[SeqChunk] = []
+        owners: list[tuple[Seq, bool]] = []  # (seq, produces a sampled token)
+        for seq, n in chunks:
+            slot = self.slots[seq.rid]
+            ids = self.tokens[seq.rid][seq.prefilled : seq.prefilled + n]
+            model_chunks.append(SeqChunk(slot, ids, kv.seq_len(slot)))
+            owners.append((seq, seq.prefilled + n >= seq.prefill_target))
+        decoders = [s for s in self.running.values() if s.decoding]
+        kv_attended = 0
+        for seq in decoders:
+            slot = self.slots[seq.rid]
+            model_chunks.append(SeqChunk(slot, self.tokens[seq.rid][-1:], kv.seq_len(slot)))
+            owners.append((seq, True))
+            kv_attended += kv.num_tokens(slot)
+        t0 = self._clock()
+        logits = self.model.step(model_chunks, kv)
+        next_ids = torch.argmax(logits, dim=-1).tolist()
+        dt = self._clock() - t0
+        for (seq, sampled), tok in zip(owners, next_ids, strict=True):
+            if sampled:
+                self.tokens[seq.rid].append(int(tok))
+        self.now = self._clock() - self._t0
+        self._after_step(chunks)
+        if self.check_accounting:
+            self._check_kv()
+        self._log_step(chunks, len(decoders), kv_attended, dt)
+        return dt
+
+    def _check_kv(self) -> None:
+        held = sum(self.kv.num_tokens(s) for s in self.slots.values())
+        if held != self.kv_used:
+            raise ExecutorError(
+                f"KV accounting drifted: cache holds {held} tokens, executor counts {self.kv_used}"
+            )
+
+    def _log_step(self, chunks: list[tuple[Seq, int]], n_dec: int, kv: int, dt: float) -> None:
+        if self._telemetry_path is None:
+            return
+        if self._telemetry is None:
+            self._telemetry_path.parent.mkdir(parents=True, exist_ok=True)
+            self._telemetry = self._telemetry_path.open("w")
+        row = {
+            "t_s": round(self.now, 6),
+            "step_s": round(dt, 6),
+            "prefill_tokens": sum(n for _, n in chunks),
+            "prefill_attn": sum(n * s.prefilled for s, n in chunks),  # n·(past + n)
+            "decode_seqs": n_dec,
+            "kv_tokens_attended": kv,
+            "kv_used_tokens": self.kv_used,
+            "rss_bytes": rss_bytes(),
+        }
+        self._telemetry.write(json.dumps(row) + "\n")
+
+    # --- main loop -----------------------------------------------------------------
+    def run(self, jobs: Iterable[Job], *, max_wall_s: float = float("inf")) -> EngineResult:
+        """Serve ``jobs`` (arrival times are seconds from now) until all are done."""
+        pending = sorted(jobs, key=lambda j: (j.request.arrival, j.request.rid))
+        n_jobs, i = len(pending), 0
+        self._t0 = self._clock()
+        self.now = 0.0
+        idle_calls = 0
+        try:
+            while True:
+                self.now = self._clock() - self._t0
+                while i < n_jobs and pending[i].request.arrival <= self.now:
+                    self.admit_arrival(pending[i])
+                    i += 1
+                if not self.in_system:
+                    if i >= n_jobs:
+                        break
+                    self._sleep_until(pending[i].request.arrival)
+                    continue
+                if self.now > max_wall_s:
+                    break
+                dec = self.policy.schedule(self.snapshot())
+                self.policy_calls += 1
+                chunks = self._apply(dec)
+                self._check_limits(chunks)
+                if chunks or self._n_dec:
+                    idle_calls = 0
+                    self._run_step(chunks)
+                    continue
+                if not dec.is_empty():
+                    idle_calls += 1
+                    if idle_calls > 10_000:
+                        raise ExecutorError(
+                            f"policy {self.policy.name!r} changed state 10,000 times "
+                            "without letting the engine run a step"
+                        )
+                    continue
+                nxt = min(
+                    pending[i].request.arrival if i < n_jobs else float("inf"),
+                    min((s.ready_at for s in self.suspended.values()), default=float("inf")),
+                    dec.wake_at if dec.wake_at is not None else float("inf"),
+                )
+                if nxt == float("inf"):
+                    raise ExecutorError(
+                        f"policy {self.policy.name!r} scheduled nothing with "
+                        f"{len(self.waiting)} waiting and {len(self.suspended)} suspended "
+                        "requests and no future event: the run would never end"
+                    )
+                self._sleep_until(nxt)
+        finally:
+            if self._telemetry is not None:
+                self._telemetry.close()
+                self._telemetry = None
+        return EngineResult(
+            records=[self.records[j.request.rid] for j in pending if j.request.rid in self.records],
+            outputs={
+                rid: toks[self.seqs[rid].req.prompt_len :] for rid, toks in self.tokens.items()
+            },
+            wall_s=self.now,
+            engine_steps=self.engine_steps,
+            policy_calls=self.policy_calls,
+            preemptions=self.preemptions,
+            kv_peak=self.kv_peak,
+            tokens_generated=self.tokens_generated,
+            counters=dict(self.counters),
+        )
+
+    def _sleep_until(self, t: float) -> None:
+        delay = t - (self._clock() - self._t0)
+        if delay > 0:
+            time.sleep(min(delay, 0.05))

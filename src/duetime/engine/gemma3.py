@@ -1,0 +1,207 @@
+"""Gemma 3 text forward in plain torch: one batched call per engine step.
+
+Follows transformers' ``Gemma3ForCausalLM`` operation for operation (so the
+fp32 path matches it to ~1e-5): embedding × sqrt(hidden) rounded to the compute
+dtype; RMSNorm in fp32 with ``(1 + w)``; q/k RMSNorm per head; NeoX RoPE with
+base 10k on sliding layers and 1M (optionally linearly scaled) on global ones;
+scores scaled by ``query_pre_attn_scalar ** -0.5``; post-attention and
+pre/post-feed-forward norms; GELU-tanh gated MLP; tied output layer; optional
+final soft-capping.
+
+Step layout: all tokens of all chunks go through the dense layers as one
+``[T, hidden]`` matrix; only attention loops over the chunks, each against its
+own KV (see kv_cache.py for why). q and k share one RMSNorm and one RoPE call by
+stacking their heads, and q/k/v and gate/up are fused matmuls, to keep the
+number of small ops per layer low — on 2 CPU cores op overhead is a real cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from duetime.engine.attention import MaskCache, attend
+from duetime.engine.batch import SeqChunk, StepBatch
+from duetime.engine.config import Gemma3Config
+from duetime.engine.kv_cache import KVCache
+from duetime.engine.linear import DenseLinear, Int8Linear, Linear
+
+__all__ = ["Dtype", "Gemma3"]
+
+Dtype = Literal["fp32", "bf16", "int8"]
+Weights = dict[str, torch.Tensor]
+
+
+class _Layer:
+    """One decoder layer's prepared weights."""
+
+    __slots__ = (
+        "down",
+        "gate_up",
+        "in_norm",
+        "o",
+        "post_attn",
+        "post_ffw",
+        "pre_ffw",
+        "qk_norm",
+        "qkv",
+    )
+
+    def __init__(self, w: Weights, p: str, cfg: Gemma3Config, make: type | None, dt: torch.dtype):
+        def lin(*names: str) -> Linear:
+            weight = torch.cat([w[f"{p}.{n}.weight"] for n in names], 0)
+            return Int8Linear(weight) if make is Int8Linear else DenseLinear(weight, dt)
+
+        def one_plus(name: str) -> torch.Tensor:
+            return 1.0 + w[f"{p}.{name}.weight"].float()
+
+        self.qkv = lin("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        self.o = lin("self_attn.o_proj")
+        self.gate_up = lin("mlp.gate_proj", "mlp.up_proj")
+        self.down = lin("mlp.down_proj")
+        self.in_norm = one_plus("input_layernorm")
+        self.post_attn = one_plus("post_attention_layernorm")
+        self.pre_ffw = one_plus("pre_feedforward_layernorm")
+        self.post_ffw = one_plus("post_feedforward_layernorm")
+        q, k = one_plus("self_attn.q_norm"), one_plus("self_attn.k_norm")
+        # per-head scale for q and k stacked as [heads + kv_heads, head_dim]
+        self.qk_norm = torch.cat(
+            [q.expand(cfg.num_heads, -1), k.expand(cfg.num_kv_heads, -1)], 0
+        ).contiguous()
+
+
+class Gemma3:
+    """The model half of the engine: weights plus :meth:`step`.
+
+    ``dtype``: ``"fp32"`` (exact reference), ``"bf16"`` (bf16 weights, activations
+    and KV; norms and softmax in fp32 as in transformers) or ``"int8"``
+    (experimental: dynamic int8 for every linear, fp32 activations and KV, bf16
+    embedding table; top-1 agrees with fp32 only ~77 % of the time).
+    ``int8_output`` swaps only the output layer to int8 (default: on for
+    ``"int8"`` only; ~91 % agreement, about 2x faster decode than fp32).
+
+    On an AVX2 CPU without native bf16, bf16 GEMMs with more than one row are
+    3-10x slower than fp32, so bf16 only pays for batch-1 decode; see
+    docs/engine.md for measurements.
+    """
+
+    def __init__(
+        self,
+        config: Gemma3Config,
+        weights: Weights,
+        dtype: Dtype = "bf16",
+        *,
+        int8_output: bool | None = None,
+    ) -> None:
+        if dtype not in ("fp32", "bf16", "int8"):
+            raise ValueError(f"dtype must be fp32, bf16 or int8, not {dtype!r}")
+        self.config = config
+        self.dtype_name = dtype
+        self.compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        cd = self.compute_dtype
+        make = Int8Linear if dtype == "int8" else None
+        self.layers = [
+            _Layer(weights, f"model.layers.{i}", config, make, cd) for i in range(config.num_layers)
+        ]
+        embed = weights["model.embed_tokens.weight"]
+        table_dtype = torch.bfloat16 if dtype == "int8" else cd
+        self.embed = embed.to(table_dtype).contiguous()
+        head = weights.get("lm_head.weight", embed)
+        tied = head is embed or torch.equal(head, embed)
+        if int8_output if int8_output is not None else dtype == "int8":
+            self.lm_head: Linear = Int8Linear(head)
+        elif tied and self.embed.dtype == cd:
+            self.lm_head = DenseLinear(self.embed, cd)  # shares the embedding tensor
+        else:
+            self.lm_head = DenseLinear(head, cd)
+        self.final_norm = 1.0 + weights["model.norm.weight"].float()
+        self.embed_scale = torch.tensor(config.hidden_size**0.5).to(cd)
+        self.scale = config.query_pre_attn_scalar**-0.5
+        hd = config.head_dim
+        exponent = torch.arange(0, hd, 2, dtype=torch.int64).float() / hd
+        self.inv_freq_local = 1.0 / (config.rope_theta_local**exponent)
+        inv_global = 1.0 / (config.rope_theta_global**exponent)
+        self.inv_freq_global = inv_global / config.rope_scaling_factor
+
+    def new_kv_cache(self, max_tokens: int | None = None) -> KVCache:
+        """A KV cache in the dtype this model computes in."""
+        return KVCache(self.config, self.compute_dtype, max_tokens)
+
+    @torch.no_grad()
+    def step(
+        self, chunks: Sequence[SeqChunk], kv: KVCache, *, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Run one varlen step and return fp32 logits.
+
+        Appends every chunk's keys/values to ``kv`` and advances its positions.
+        Returns ``[len(chunks), vocab]`` (each chunk's last token), or with
+        ``all_logits`` ``[total_tokens, vocab]`` in chunk order.
+        """
+        assert kv.dtype == self.compute_dtype, "KV cache dtype differs from the model's"
+        batch = StepBatch.build(chunks)
+        for c in batch.chunks:
+            assert c.slot in kv, f"slot {c.slot} is not allocated"
+            assert c.start_pos == kv.seq_len(c.slot), (
+                f"slot {c.slot}: chunk starts at {c.start_pos}, cache is at {kv.seq_len(c.slot)}"
+            )
+        cfg = self.config
+        x = F.embedding(batch.ids, self.embed).to(self.compute_dtype) * self.embed_scale
+        rope_local = self._rope(batch.positions, self.inv_freq_local)
+        rope_global = self._rope(batch.positions, self.inv_freq_global)
+        masks = MaskCache(cfg.sliding_window)
+        n_qk = cfg.num_heads + cfg.num_kv_heads
+        for i, layer in enumerate(self.layers):
+            sliding = cfg.sliding_layers[i]
+            cos, sin = rope_local if sliding else rope_global
+            h = _rms_norm(x, layer.in_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(h)
+            t = qkv.shape[0]
+            qk = qkv[:, : n_qk * cfg.head_dim].view(t, n_qk, cfg.head_dim)
+            qk = _rms_norm(qk, layer.qk_norm, cfg.rms_norm_eps)
+            qk = qk * cos + _rotate_half(qk) * sin
+            v = qkv[:, n_qk * cfg.head_dim :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            new_kv = torch.stack((qk[:, cfg.num_heads :], v), dim=1).to(kv.dtype)
+            q = qk[:, : cfg.num_heads]
+            outs = []
+            for c, a, b in zip(batch.chunks, batch.offsets, batch.offsets[1:], strict=False):
+                kv.store(c.slot, i, new_kv[a:b])
+                view = kv.view(c.slot, i, b - a)
+                mask = masks.mask(view, c.start_pos, b - a, sliding) if view.needs_mask else None
+                outs.append(attend(q[a:b], view, mask, self.scale))
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+            h = layer.o(attn.to(layer.o.dtype)).to(x.dtype)
+            x = x + _rms_norm(h, layer.post_attn, cfg.rms_norm_eps)
+            h = _rms_norm(x, layer.pre_ffw, cfg.rms_norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            h = layer.down(F.gelu(gate, approximate="tanh") * up).to(x.dtype)
+            x = x + _rms_norm(h, layer.post_ffw, cfg.rms_norm_eps)
+        for c in batch.chunks:
+            kv.advance(c.slot, len(c))
+        if not all_logits:
+            x = x[batch.last_rows]
+        x = _rms_norm(x, self.final_norm, cfg.rms_norm_eps)
+        logits = self.lm_head(x.to(self.lm_head.dtype)).float()
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos/sin ``[T, 1, head_dim]`` computed in fp32 then cast, as transformers does."""
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(self.compute_dtype), emb.sin().to(self.compute_dtype)
+
+
+def _rms_norm(x: torch.Tensor, one_plus_w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * one_plus_w).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,287 @@
+"""Per-sequence KV cache: one growable ``[2, kv_heads, capacity, head_dim]`` tensor per layer.
+
+Why per-sequence tensors and not a paged pool (see docs/engine.md for the long
+form): on a CPU there is no paged-attention kernel, so a pool would have to be
+gathered into a contiguous tensor each step (a copy of every live key, ~15 ms
+per step at batch 16 here), while a per-sequence tensor is already the
+contiguous operand ``scaled_dot_product_attention`` wants. It also makes the
+planned per-request eviction simple: SnapKV keeps *different* positions per KV
+head and StreamingLLM keeps sinks + a recent window, and both are one
+``gather`` along the token axis (:meth:`KVCache.retain`). Suspend/resume is
+"keep the slot"; cancel is :meth:`KVCache.free`, which drops the tensors at once.
+
+Layout and invariants (checked by asserts):
+
+* entries ``[0, length)`` of a layer are valid and in increasing position
+  order per head; ``length <= capacity``;
+* until a layer is evicted, entry ``i`` holds position ``base + i`` (``pos`` is
+  None); after eviction ``pos[h, i]`` records it, per KV head;
+* a sliding-window layer only needs the last ``window - 1`` entries before a
+  step, so when it would grow it first drops older ones (amortised: at most one
+  copy of ``window`` entries per ``capacity - window`` appended tokens);
+* accounting is in tokens: :meth:`num_tokens` is the most entries any layer of
+  the sequence keeps (the global layers' count, i.e. the context kept), and
+  :attr:`total_tokens` sums it over live sequences. Bytes actually allocated
+  (capacity, not length) are in :meth:`nbytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from duetime.engine.config import Gemma3Config
+
+__all__ = ["KVCache", "KVView"]
+
+_MIN_CAPACITY = 32
+
+
+class _LayerKV:
+    """Keys and values of one sequence in one layer."""
+
+    __slots__ = ("base", "buf", "length", "pos")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf  # [2, kv_heads, capacity, head_dim]; [0] keys, [1] values
+        self.length = 0
+        self.base = 0
+        self.pos: torch.Tensor | None = None  # [kv_heads, capacity] int64 once evicted
+
+    @property
+    def capacity(self) -> int:
+        return self.buf.shape[2]
+
+
+class _Seq:
+    __slots__ = ("layers", "next_pos")
+
+    def __init__(self, layers: list[_LayerKV]) -> None:
+        self.layers = layers
+        self.next_pos = 0  # positions seen so far = position of the next token
+
+
+@dataclass(frozen=True, slots=True)
+class KVView:
+    """The keys/values one step's queries of a sequence may attend to in one layer.
+
+    ``keys``/``values`` are ``[kv_heads, S, head_dim]`` views (no copy).
+    Key positions are ``first_pos + arange(S)`` when ``positions`` is None,
+    else ``positions`` (``[kv_heads, S]``, after eviction).
+    ``needs_mask`` is False when every key is visible to every query (a
+    single-token decode over a contiguous window), so attention can skip the mask.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    first_pos: int
+    positions: torch.Tensor | None
+    needs_mask: bool
+
+
+class KVCache:
+    """KV storage for many sequences, addressed by integer slots.
+
+    Paired verbs: :meth:`can_allocate` / :meth:`allocate`, :meth:`reserve`,
+    :meth:`free`. The model calls :meth:`store` and :meth:`view` per layer and
+    :meth:`advance` once per step; a scheduler only needs the first group and
+    the accounting (:meth:`num_tokens`, :attr:`total_tokens`, :meth:`seq_len`).
+    """
+
+    def __init__(
+        self,
+        config: Gemma3Config,
+        dtype: torch.dtype = torch.float32,
+        max_tokens: int | None = None,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.max_tokens = max_tokens
+        self._seqs: dict[int, _Seq] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._window_keep = config.sliding_window - 1
+
+    # ----------------------------------------------------------------- allocation
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` more tokens fit under ``max_tokens`` (always, if unset)."""
+        return self.max_tokens is None or self.total_tokens + num_tokens <= self.max_tokens
+
+    def allocate(self, reserve_tokens: int = 0) -> int:
+        """Open a sequence and return its slot (small ints, reused after :meth:`free`)."""
+        slot = self._free_slots.pop() if self._free_slots else self._next_slot
+        if slot == self._next_slot:
+            self._next_slot += 1
+        assert slot not in self._seqs, "slot handed out twice"
+        c = self.config
+        empty = (2, c.num_kv_heads, 0, c.head_dim)
+        self._seqs[slot] = _Seq(
+            [_LayerKV(torch.empty(empty, dtype=self.dtype)) for _ in range(c.num_layers)]
+        )
+        if reserve_tokens:
+            self.reserve(slot, reserve_tokens)
+        return slot
+
+    def reserve(self, slot: int, num_tokens: int) -> None:
+        """Pre-size a sequence for ``num_tokens`` total positions (avoids regrowth copies)."""
+        seq = self._seqs[slot]
+        for i, layer in enumerate(seq.layers):
+            want = num_tokens
+            if self.config.sliding_layers[i]:
+                want = min(num_tokens, 2 * self.config.sliding_window)
+            if want > layer.capacity:
+                self._resize(layer, want)
+
+    def free(self, slot: int) -> None:
+        """Release a sequence's KV at once (cancel, finish, or preemption by recompute)."""
+        del self._seqs[slot]
+        self._free_slots.append(slot)
+
+    # ----------------------------------------------------------------- accounting
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._seqs
+
+    @property
+    def slots(self) -> list[int]:
+        """Live slots, in allocation order."""
+        return list(self._seqs)
+
+    def seq_len(self, slot: int) -> int:
+        """Positions processed so far: the start position of the sequence's next chunk."""
+        return self._seqs[slot].next_pos
+
+    def num_tokens(self, slot: int) -> int:
+        """Tokens of KV the sequence keeps: the most any layer keeps, where a sliding
+        layer counts at most ``window - 1`` (older entries wait for lazy trimming but
+        are already dead). With a global layer and no eviction this is ``seq_len``."""
+        keep = self._window_keep
+        sliding = self.config.sliding_layers
+        return max(
+            (
+                min(layer.length, keep) if sliding[i] else layer.length
+                for i, layer in enumerate(self._seqs[slot].layers)
+            ),
+            default=0,
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens of KV held by all live sequences."""
+        return sum(self.num_tokens(s) for s in self._seqs)
+
+    def nbytes(self, slot: int) -> int:
+        """Bytes allocated for the sequence (capacity, including growth headroom)."""
+        return sum(
+            layer.buf.nbytes + (layer.pos.nbytes if layer.pos is not None else 0)
+            for layer in self._seqs[slot].layers
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes(s) for s in self._seqs)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs if every layer keeps it (the global-layer upper bound)."""
+        c = self.config
+        return c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    # ----------------------------------------------------------------- model side
+    def store(self, slot: int, layer_idx: int, kv: torch.Tensor) -> None:
+        """Append this step's keys/values ``[n, 2, kv_heads, head_dim]`` (positions
+        ``seq_len(slot) ..``) to one layer."""
+        seq = self._seqs[slot]
+        layer = seq.layers[layer_idx]
+        n = kv.shape[0]
+        self._make_room(layer, n, self.config.sliding_layers[layer_idx])
+        end = layer.length + n
+        layer.buf[:, :, layer.length : end].copy_(kv.permute(1, 2, 0, 3))
+        if layer.pos is not None:
+            new = torch.arange(seq.next_pos, seq.next_pos + n)
+            layer.pos[:, layer.length : end] = new
+        else:
+            assert layer.base + layer.length == seq.next_pos, "contiguous layer out of step"
+        layer.length = end
+
+    def view(self, slot: int, layer_idx: int, n_new: int) -> KVView:
+        """Keys/values visible to the ``n_new`` tokens just stored in ``layer_idx``."""
+        seq = self._seqs[slot]
+        layer = seq.layers[layer_idx]
+        sliding = self.config.sliding_layers[layer_idx]
+        lo = max(0, layer.length - (self._window_keep + n_new)) if sliding else 0
+        buf = layer.buf
+        keys = buf[0, :, lo : layer.length]
+        values = buf[1, :, lo : layer.length]
+        if layer.pos is not None:
+            pos = layer.pos[:, lo : layer.length]
+            return KVView(keys, values, -1, pos, needs_mask=sliding or n_new > 1)
+        return KVView(keys, values, layer.base + lo, None, needs_mask=n_new > 1)
+
+    def advance(self, slot: int, n: int) -> None:
+        """Mark ``n`` more positions processed (after every layer stored them)."""
+        seq = self._seqs[slot]
+        seq.next_pos += n
+        assert all(layer.length <= layer.capacity for layer in seq.layers)
+
+    def retain(self, slot: int, layer_idx: int, keep: torch.Tensor) -> None:
+        """Keep only entries ``keep`` (``[kv_heads, k]`` sorted indices into the current
+        entries, possibly different per head) in one layer: the eviction primitive."""
+        layer = self._seqs[slot].layers[layer_idx]
+        c = self.config
+        assert keep.dim() == 2, "keep is [kv_heads, k]"
+        assert keep.shape[0] == c.num_kv_heads, "one index row per KV head"
+        k = keep.shape[1]
+        if k:
+            assert int(keep.min()) >= 0, "index out of range"
+            assert int(keep.max()) < layer.length, "index out of range"
+            assert bool((keep[:, 1:] > keep[:, :-1]).all()), "indices must increase"
+        pos = self._positions(layer)
+        idx = keep.to(torch.int64)
+        cap = max(k, _MIN_CAPACITY)
+        new_buf = torch.empty((2, c.num_kv_heads, cap, c.head_dim), dtype=self.dtype)
+        gather_idx = idx[None, :, :, None].expand(2, -1, -1, c.head_dim)
+        new_buf[:, :, :k] = layer.buf[:, :, : layer.length].gather(2, gather_idx)
+        new_pos = torch.zeros((c.num_kv_heads, new_buf.shape[2]), dtype=torch.int64)
+        new_pos[:, :k] = pos.gather(1, idx)
+        layer.buf, layer.pos, layer.length = new_buf, new_pos, k
+
+    def positions(self, slot: int, layer_idx: int) -> torch.Tensor:
+        """Positions of one layer's entries, ``[kv_heads, length]`` (for eviction policies)."""
+        return self._positions(self._seqs[slot].layers[layer_idx])
+
+    # ----------------------------------------------------------------- internals
+    def _positions(self, layer: _LayerKV) -> torch.Tensor:
+        if layer.pos is not None:
+            return layer.pos[:, : layer.length]
+        row = torch.arange(layer.base, layer.base + layer.length)
+        return row.expand(self.config.num_kv_heads, -1)
+
+    def _make_room(self, layer: _LayerKV, n: int, sliding: bool) -> None:
+        need = layer.length + n
+        if need <= layer.capacity:
+            return
+        if sliding and layer.length > self._window_keep:
+            drop = layer.length - self._window_keep
+            keep = slice(drop, layer.length)
+            layer.buf[:, :, : self._window_keep] = layer.buf[:, :, keep].clone()
+            if layer.pos is not None:
+                layer.pos[:, : self._window_keep] = layer.pos[:, keep].clone()
+            else:
+                layer.base += drop
+            layer.length = self._window_keep
+            need = layer.length + n
+            if need <= layer.capacity:
+                return
+        self._resize(layer, max(need, layer.capacity + layer.capacity // 2, _MIN_CAPACITY))
+
+    def _resize(self, layer: _LayerKV, capacity: int) -> None:
+        assert capacity >= layer.length
+        c = self.config
+        buf = torch.empty((2, c.num_kv_heads, capacity, c.head_dim), dtype=self.dtype)
+        buf[:, :, : layer.length] = layer.buf[:, :, : layer.length]
+        layer.buf = buf
+        if layer.pos is not None:
+            pos = torch.zeros((c.num_kv_heads, capacity), dtype=torch.int64)
+            pos[:, : layer.length] = layer.pos[:, : layer.length]
+            layer.pos = pos

@@ -1,0 +1,27 @@
+"""One call from a GGUF path (or the packaged Gemma 3 270M) to a ready model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from duetime.engine.gemma3 import Dtype, Gemma3
+from duetime.engine.weights import load_weights
+
+__all__ = ["load_model"]
+
+
+def load_model(
+    gguf_path: str | Path | None = None,
+    *,
+    dtype: Dtype = "fp32",
+    int8_output: bool | None = None,
+    use_cache: bool = True,
+    progress: bool = True,
+) -> Gemma3:
+    """Load Gemma 3 for the engine: converts the GGUF once, then starts from the cache.
+
+    Raises :class:`~duetime.engine.gguf_file.ModelFileError` if the file is missing,
+    truncated or corrupt.
+    """
+    config, weights = load_weights(gguf_path, use_cache=use_cache, progress=progress)
+    return Gemma3(config, weights, dtype, int8_output=int8_output)
