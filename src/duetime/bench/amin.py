@@ -195,10 +195,9 @@ def run(
 
 def plot(fig: dict[str, Any], path: str | Path) -> Path:
     """TEL / TEL(H-SF) per construction (one panel per setting) and the two-point check."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from duetime.metrics.atomic import atomic_path
+    from duetime.metrics.atomic import save_png
 
     panels = 2 + (1 if fig["two_point"] else 0)
     f = Figure(figsize=(5.2 * panels, 4.2))
@@ -240,10 +239,7 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
         f"Amin / Amax vs H-SF: {fig['workload']['requests']:,} ShareGPT requests", fontsize=10
     )
     f.tight_layout()
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        FigureCanvasAgg(f).print_png(tmp)
-    return path
+    return save_png(f, path)
 
 
 def table(fig: dict[str, Any]) -> Any:

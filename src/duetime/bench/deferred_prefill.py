@@ -183,10 +183,9 @@ def run(
 
 def plot(fig: dict[str, Any], path: str | Path) -> Path:
     """Throughput vs K (analytic, approximation, simulated) and completion time vs K."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from duetime.metrics.atomic import atomic_path
+    from duetime.metrics.atomic import save_png
 
     f = Figure(figsize=(11, 4.2))
     ax = f.add_subplot(1, 2, 1)
@@ -220,10 +219,7 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
     ax2.legend(fontsize=7)
     f.suptitle("Deferred prefill: throughput and completion time vs K", fontsize=10)
     f.tight_layout()
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        FigureCanvasAgg(f).print_png(tmp)
-    return path
+    return save_png(f, path)
 
 
 def table(fig: dict[str, Any]) -> Any:

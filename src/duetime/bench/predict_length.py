@@ -211,7 +211,6 @@ def plot(fig: dict[str, Any], path: Path) -> Path:
     )
     ax.legend(fontsize=7)
     f.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f.savefig(path, dpi=110)
-    plt.close(f)
-    return path
+    from duetime.metrics.atomic import save_png
+
+    return save_png(f, path)

@@ -301,10 +301,9 @@ def table(fig: dict[str, Any]) -> Any:
 
 def plot(fig: dict[str, Any], path: str | Path) -> Path:
     """Grouped bars: mean utility per task class and system, one panel per workload."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from duetime.metrics.atomic import atomic_path
+    from duetime.metrics.atomic import save_png
 
     wids = sorted({r["wid"] for r in fig["rows"]})
     f = Figure(figsize=(5.0 * len(wids), 4.0))
@@ -327,7 +326,4 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
         fontsize=10,
     )
     f.tight_layout()
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        FigureCanvasAgg(f).print_png(tmp)
-    return path
+    return save_png(f, path)

@@ -117,7 +117,7 @@ def _plot(real: list[Any], sim: list[Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from duetime.metrics.atomic import atomic_path
+    from duetime.metrics.atomic import save_png
 
     by_rid = {r.request.rid: r for r in sim}
     xs = [r.e2e for r in real if r.e2e is not None and by_rid[r.request.rid].e2e is not None]
@@ -142,7 +142,4 @@ def _plot(real: list[Any], sim: list[Any], path: Path) -> None:
     ax.set_title("e2e latency CDF")
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path)

@@ -7,6 +7,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -32,3 +33,19 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def save_png(fig: Any, path: str | Path, dpi: int = 110) -> Path:
+    """Write a matplotlib figure as PNG atomically (a reader never sees half a file).
+
+    Works for pyplot figures and bare ``matplotlib.figure.Figure`` objects, and
+    closes pyplot figures afterwards so long sweeps do not accumulate them.
+    """
+    target = Path(path)
+    with atomic_path(target) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi)
+    import matplotlib.pyplot as plt
+
+    if plt.fignum_exists(getattr(fig, "number", -1)):
+        plt.close(fig)
+    return target

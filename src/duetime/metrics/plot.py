@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from duetime.metrics.atomic import atomic_path
+from duetime.metrics.atomic import save_png
 
 
 def plot_sweep(
@@ -73,10 +73,7 @@ def plot_sweep(
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
-    target = Path(path)
-    with atomic_path(target) as tmp:
-        fig.savefig(tmp, format="png", dpi=dpi)
-    return target
+    return save_png(fig, path, dpi=dpi)
 
 
 def _series(

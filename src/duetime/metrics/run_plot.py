@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from duetime.core.record import RequestRecord
-from duetime.metrics.atomic import atomic_path
+from duetime.metrics.atomic import save_png
 
 
 def plot_latency_cdf(runs: Mapping[str, Sequence[RequestRecord]], path: str | Path) -> Path:
@@ -34,7 +34,4 @@ def plot_latency_cdf(runs: Mapping[str, Sequence[RequestRecord]], path: str | Pa
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
