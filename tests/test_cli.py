@@ -125,3 +125,13 @@ def test_policies_and_profiles_list() -> None:
     assert {"fcfs", "edf", "sjf", "spf"} <= set(output.split())
     code, output = _invoke("profiles")
     assert "a100-llama2-7b" in output
+
+
+def test_engine_commands_refuse_bad_input_with_exit_2(tmp_path: Path) -> None:
+    code, output = _invoke("validate", "--profile", str(tmp_path / "missing.json"))
+    assert code == 2
+    assert "duetime profile" in output
+    code, output = _invoke("profile", "--dtype", "fp64", "--out", str(tmp_path / "p.json"))
+    assert code == 2
+    assert "fp64" in output
+    assert not (tmp_path / "p.json").exists()

@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from duetime.cli.common import app
+from duetime.cli.common import _progress, _user_errors, app
+from duetime.cli.common import out as console
 
 
 def _set_threads(threads: int) -> None:
@@ -33,8 +34,6 @@ def profile(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
 ) -> None:
     """Time real engine steps and fit the step-cost models (TimeBill ETE + batch form)."""
-    from duetime.cli import _progress, _user_errors
-    from duetime.cli import out as console
     from duetime.engine import load_model
     from duetime.engine.profile import ProfileGrid, measure_steps, profile_payload
     from duetime.metrics import write_json
@@ -106,8 +105,6 @@ def validate(
 ) -> None:
     """Same workload through the real engine and the simulator: per-request error."""
     from duetime.bench import validate as v
-    from duetime.cli import _user_errors
-    from duetime.cli import out as console
     from duetime.engine import load_model
     from duetime.metrics import render_table, write_json
 
