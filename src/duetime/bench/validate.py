@@ -87,14 +87,19 @@ def run(
             with_prompt_ids=True,
         )
     )
-    limits = {
-        "kv_capacity": kv_capacity,
-        "max_num_seqs": max_num_seqs,
-        "max_batch_tokens": max_batch_tokens,
-    }
-    engine = EngineExecutor(make_policy(policy), model, cost=cost, **limits)
+    engine = EngineExecutor(
+        make_policy(policy),
+        model,
+        cost=cost,
+        kv_capacity=kv_capacity,
+        max_num_seqs=max_num_seqs,
+        max_batch_tokens=max_batch_tokens,
+    )
     real = engine.run(copy.deepcopy(jobs))
-    sim = Simulator(make_policy(policy), cost, SimConfig(**limits)).run(copy.deepcopy(jobs))
+    cfg = SimConfig(
+        kv_capacity=kv_capacity, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens
+    )
+    sim = Simulator(make_policy(policy), cost, cfg).run(copy.deepcopy(jobs))
     fig: dict[str, Any] = {
         "policy": policy,
         "requests": requests,

@@ -32,9 +32,18 @@ class CostModel(Protocol):
     """What an executor and a policy need to know about step time."""
 
     def step_time(
-        self, prefill_tokens: int, prefill_attn: float, decode_seqs: int, kv_tokens: int
+        self,
+        prefill_tokens: int,
+        prefill_attn: float,
+        decode_seqs: int,
+        kv_tokens: int,
+        swap_tokens: int = 0,
     ) -> float:
         """Seconds for one step of the given shape."""
+        ...
+
+    def prefill_time(self, n: int) -> float:
+        """Seconds to prefill one prompt of n tokens alone."""
         ...
 
     def decode_span(self, k: int, decode_seqs: int, kv_tokens: int) -> float:

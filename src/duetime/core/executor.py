@@ -16,6 +16,7 @@ memory (the engine) mirror each change through the ``_on_*`` hooks.
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
 
 from duetime.core.decision import Decision
 from duetime.core.policy import Policy, PolicyError
@@ -24,6 +25,10 @@ from duetime.core.request import Job
 from duetime.core.sequence import DecodeClock, Seq, SeqStatus
 from duetime.core.snapshot import EngineSnapshot
 from duetime.core.waiting import WaitingQueue
+
+if TYPE_CHECKING:
+    from duetime.core.cost import CostModel
+    from duetime.predict.oracle import JobPredictor
 
 
 class ExecutorError(RuntimeError):
@@ -40,7 +45,7 @@ class ExecutorCore:
         kv_capacity: int,
         max_num_seqs: int,
         max_batch_tokens: int,
-        predictor: object | None = None,
+        predictor: JobPredictor | None = None,
     ) -> None:
         self.policy = policy
         self.kv_capacity = kv_capacity
@@ -111,9 +116,9 @@ class ExecutorCore:
             cost=self.step_cost_model(),
         )
 
-    def step_cost_model(self):  # type: ignore[no-untyped-def]
+    def step_cost_model(self) -> CostModel | None:
         """The cost model policies may use to estimate times (None if unknown)."""
-        return
+        return None
 
     @property
     def in_system(self) -> int:

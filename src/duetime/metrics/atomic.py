@@ -35,7 +35,7 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
         raise
 
 
-def save_png(fig: Any, path: str | Path, dpi: int = 110) -> Path:
+def save_png(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:
     """Write a matplotlib figure as PNG atomically (a reader never sees half a file).
 
     Works for pyplot figures and bare ``matplotlib.figure.Figure`` objects, and

@@ -50,4 +50,4 @@ class OracleShortestJobFirst(ShortestPredictedFirst):
     """SJF with the oracle predictor: the hindsight reference."""
 
     name = "sjf"
-    default_predictor = "oracle"
+    default_predictor: str | None = "oracle"
