@@ -51,4 +51,5 @@ def _load_builtin() -> None:
         hsf,
         pud,
         sjf,
+        timebill,
     )

@@ -1,0 +1,198 @@
+"""TimeBill: time-budgeted inference by KV-cache eviction (Fan et al., arXiv 2512.21859).
+
+Each request with a deadline has the time budget ``T = deadline − arrival``. Right after
+its prefill completes the policy evicts, once, the fraction α* of its KV cache that the
+paper's closed form (Eq. 11, :func:`~duetime.policies.timebill_math.optimal_eviction_ratio`)
+says is the least that brings the worst-case finish inside the budget:
+
+* ``N̂`` is ``Request.predicted.point`` capped at ``N_max = Request.max_tokens`` (Eq. 2);
+  ``N̂_W = min(k·N̂, N_max)`` with ``k = 5`` (no prediction: ``N̂_W = N_max``);
+* the remaining budget ``R`` is measured, not estimated: ``deadline − now`` at the end of
+  the prefill (it already contains queueing and the real prefill time; for a lone request
+  with an exact ETE it equals the paper's ``T − t̂_prefill``); ``t_Predict = 0`` because the
+  paper runs the predictor in parallel with the prefill (Sec. 5.2);
+* the ETE comes from ``snap.cost`` (:func:`~duetime.policies.timebill_math.ete_from_cost`:
+  ``p = d``, ``q = c0 + b``). With ``batch_aware`` (default) a decode step is costed as the
+  current batch's step: ``q = c0 + b·D + d·KV_others`` and the per-step growth ``g = d·D``
+  (every other decoder keeps decoding for the whole horizon: an upper bound, in the spirit
+  of a WCET). With D = 1 this is exactly the paper's single-request form.
+
+``fixed_alpha`` turns the policy into the paper's baselines: ``0`` is Vanilla, ``0.25``…
+``0.95`` the fixed-ratio KV eviction. The overrun strategy applies to all of them:
+
+* ``"kill"``: a request whose deadline has passed is cancelled at the first step boundary
+  at or after its deadline (the policy asks to be woken at the earliest deadline);
+* ``"skip-next"``: requests with the same ``Request.klass`` form one task. A job is never
+  killed; while an earlier job of its task is unfinished *and* past its deadline
+  (overrunning), every job of the task that has not started yet is skipped (cancelled at
+  the first scheduling point that sees it, i.e. at its release). With periodic jobs and
+  implicit deadlines (deadline = next release) that is the paper's "skip the next jobs until
+  the current one completes".
+
+Queue order is EDF (deadline, then arrival) without head-of-line blocking; memory pressure
+is handled by the generic loop of :class:`~duetime.policies.base.QueuePolicy`. A sequence
+that is preempted by recompute and prefilled again is not evicted a second time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from duetime.core.cost import LinearStepCost
+from duetime.core.decision import Decision
+from duetime.core.sequence import Seq
+from duetime.core.snapshot import EngineSnapshot
+from duetime.policies.base import QueuePolicy
+from duetime.policies.registry import register
+from duetime.policies.timebill_math import (
+    ALPHA_MAX,
+    PESSIMISTIC_K,
+    optimal_eviction_ratio,
+    predicted_length,
+    wcet_length,
+)
+
+Overrun = Literal["kill", "skip-next"]
+OVERRUN_STRATEGIES: tuple[str, ...] = ("kill", "skip-next")
+
+
+def _deadline(seq: Seq) -> float:
+    d = seq.req.deadline
+    return math.inf if d is None else d
+
+
+@register("timebill")
+class TimeBill(QueuePolicy):
+    """α* (or a fixed α) evicted after prefill; Kill or Skip-Next on overrun."""
+
+    name = "timebill"
+    default_predictor: str | None = "noisy"
+
+    def __init__(
+        self,
+        *,
+        fixed_alpha: float | None = None,
+        overrun: Overrun = "kill",
+        k: float = PESSIMISTIC_K,
+        alpha_max: float = ALPHA_MAX,
+        batch_aware: bool = True,
+        t_predict_s: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        if fixed_alpha is not None and not 0.0 <= fixed_alpha < 1.0:
+            raise ValueError(f"fixed_alpha must be in [0, 1), got {fixed_alpha}")
+        if overrun not in OVERRUN_STRATEGIES:
+            raise ValueError(f"overrun must be one of {OVERRUN_STRATEGIES}, got {overrun!r}")
+        if k < 1:
+            raise ValueError(f"pessimistic factor k must be >= 1, got {k}")
+        kwargs.setdefault("head_of_line_blocking", False)
+        super().__init__(**kwargs)
+        self.fixed_alpha = fixed_alpha
+        self.overrun = overrun
+        self.k = k
+        self.alpha_max = alpha_max
+        self.batch_aware = batch_aware
+        self.t_predict_s = t_predict_s
+        self._evicted: set[int] = set()  # rids whose one eviction decision is made
+        self._skip: set[int] = set()  # cancels chosen before the generic loop runs
+
+    def waiting_key(self, seq: Seq) -> Any:
+        return (_deadline(seq), seq.req.arrival)
+
+    def victim_key(self, seq: Seq, now: float) -> Any:
+        return (_deadline(seq), seq.order)
+
+    def admissible(self, seq: Seq, snap: EngineSnapshot) -> bool:
+        return seq.rid not in self._skip
+
+    # --- the decision ----------------------------------------------------------
+    def schedule(self, snap: EngineSnapshot) -> Decision:
+        now = snap.now
+        cancel = self._overruns(snap)
+        self._skip = set(cancel)
+        dec = super().schedule(snap)
+        dec.cancel = cancel + [r for r in dec.cancel if r not in self._skip]
+        if self._skip:
+            dec.preempt = [r for r in dec.preempt if r not in self._skip]
+            dec.prefill = [(r, n) for r, n in dec.prefill if r not in self._skip]
+        gone = set(dec.cancel) | set(dec.preempt)
+        for seq in snap.running:
+            if seq.rid in self._evicted or not seq.prefill_done or seq.rid in gone:
+                continue
+            self._evicted.add(seq.rid)
+            alpha = self.eviction_ratio(seq, snap)
+            kv = seq.kv_tokens
+            if alpha > 0.0 and kv > 0:
+                if self.fixed_alpha is None:
+                    # Executors evict ⌊α·KV⌋ tokens: ask for ⌈α*·KV⌉ so the estimate holds.
+                    n = math.ceil(alpha * kv - 1e-9)
+                    alpha = min((n + 0.5) / kv, max(alpha, self.alpha_max))
+                dec.evict[seq.rid] = alpha
+        if self.overrun == "kill":
+            nxt = min(
+                (
+                    _deadline(s)
+                    for group in (snap.running, snap.suspended, snap.waiting)
+                    for s in group
+                    if _deadline(s) > now and s.rid not in gone
+                ),
+                default=math.inf,
+            )
+            if nxt < math.inf:
+                dec.wake_at = nxt
+        return dec
+
+    def _overruns(self, snap: EngineSnapshot) -> list[int]:
+        now = snap.now
+        live = [s for g in (snap.running, snap.suspended, snap.waiting) for s in g]
+        if self.overrun == "kill":
+            return [s.rid for s in live if _deadline(s) <= now]
+        overrunning: dict[str, int] = {}  # task → order of its oldest overrunning job
+        for s in live:
+            if _deadline(s) <= now:
+                k = s.req.klass
+                overrunning[k] = min(overrunning.get(k, s.order), s.order)
+        if not overrunning:
+            return []
+        return [
+            s.rid
+            for s in snap.waiting
+            if s.prefilled == 0
+            and s.generated == 0
+            and s.req.klass in overrunning
+            and s.order > overrunning[s.req.klass]
+        ]
+
+    # --- α ------------------------------------------------------------------------
+    def eviction_ratio(self, seq: Seq, snap: EngineSnapshot) -> float:
+        """α for a sequence whose prefill just finished: fixed, or the paper's α*."""
+        if self.fixed_alpha is not None:
+            return self.fixed_alpha
+        cost = snap.cost
+        deadline = seq.req.deadline
+        if deadline is None or not isinstance(cost, LinearStepCost):
+            return 0.0  # no budget, or no estimator: nothing to trade quality for
+        n_max = seq.req.max_tokens
+        pred = seq.req.predicted
+        n_hat = n_max if pred is None else predicted_length(pred.point, n_max)
+        # Tokens still to generate, as a WCET length counted from this point (Eq. 7 runs
+        # N̂_W − 1 decode steps after the prefill's first token).
+        n_w = wcet_length(n_hat, n_max, self.k) - seq.generated + 1
+        p, q, growth = cost.d, cost.c0 + cost.b, cost.d
+        if self.batch_aware:
+            d = max(snap.num_decoding, 1)
+            kv_others = sum(s.kv_tokens for s in snap.running if s.decoding and s is not seq)
+            q = cost.c0 + cost.b * d + cost.d * kv_others
+            growth = cost.d * d
+        return optimal_eviction_ratio(
+            deadline - snap.now,
+            0.0,  # the prefill is over: the measured remaining budget already excludes it
+            seq.kv_tokens,
+            n_w,
+            p,
+            q,
+            t_predict_s=self.t_predict_s,
+            alpha_max=self.alpha_max,
+            growth=growth,
+        )
