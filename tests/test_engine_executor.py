@@ -184,3 +184,57 @@ def test_restart_preemption_regenerates_the_same_answer(model: Any) -> None:
     assert res.counters.get("restarts", 0) > 0
     assert res.outputs == _reference(model, jobs)
     assert ex.kv.total_tokens == 0
+
+
+class _EvictAfterPrefill(QueuePolicy):
+    """FCFS that evicts a fixed ratio of each request's KV once its prefill is done."""
+
+    name = "evict-fixed"
+
+    def __init__(self, alpha: float) -> None:
+        super().__init__()
+        self.alpha = alpha
+        self.done: set[int] = set()
+
+    def schedule(self, snap: EngineSnapshot) -> Decision:
+        dec = super().schedule(snap)
+        for s in snap.running:
+            if s.prefill_done and s.rid not in self.done and s.rid not in dec.preempt:
+                dec.evict[s.rid] = self.alpha
+                self.done.add(s.rid)
+        return dec
+
+
+def test_streaming_llm_eviction_keeps_accounting_exact_and_frees_everything(model: Any) -> None:
+    r = random.Random(5)
+    jobs = []
+    for i in range(6):
+        ids = tuple(r.randrange(256) for _ in range(40 + 5 * i))  # past the window of 4
+        jobs.append(Job(Request(rid=i, arrival=0.0, prompt_len=len(ids), prompt_token_ids=ids), 12))
+    ex = EngineExecutor(_EvictAfterPrefill(0.5), model, kv_capacity=10_000)  # checks every step
+    res = ex.run(jobs)
+    assert all(rec.output_tokens == 12 for rec in res.records)
+    assert all(rec.kv_evicted_ratio == 0.5 for rec in res.records)
+    assert ex.kv.total_tokens == 0
+    # eviction changes what the model sees, so the text may change, but not its length
+    assert all(len(res.outputs[j.request.rid]) == 12 for j in jobs)
+
+
+def test_evicting_nothing_changes_nothing(model: Any) -> None:
+    jobs = _jobs(6, seed=8)
+    res = EngineExecutor(_EvictAfterPrefill(0.0), model).run(jobs)
+    assert res.outputs == _reference(model, jobs)
+
+
+def test_streaming_llm_keeps_sinks_and_recent_positions(model: Any) -> None:
+    from duetime.engine.eviction import streaming_llm_evict
+
+    kv = model.new_kv_cache()
+    slot = kv.allocate()
+    from duetime.engine import SeqChunk
+
+    model.step([SeqChunk(slot, list(range(30)), 0)], kv)
+    streaming_llm_evict(kv, slot, 20, sinks=4)
+    glob = model.config.sliding_layers.index(False)
+    assert kv.positions(slot, glob)[0].tolist() == [0, 1, 2, 3, *range(24, 30)]
+    assert kv.num_tokens(slot) == 10

@@ -28,6 +28,7 @@ from duetime.core.record import RequestRecord
 from duetime.core.request import Job
 from duetime.core.sequence import Seq
 from duetime.engine.batch import SeqChunk
+from duetime.engine.eviction import streaming_llm_evict
 from duetime.engine.gemma3 import Gemma3
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -131,9 +132,8 @@ class EngineExecutor(ExecutorCore):
         )
 
     def _on_evict(self, seq: Seq, n_tokens: int, alpha: float) -> None:
-        raise PolicyError(
-            f"policy {self.policy.name!r}: KV eviction on the engine is not implemented yet"
-        )
+        # StreamingLLM: attention sinks + recent window (SnapKV is still to come).
+        streaming_llm_evict(self.kv, self.slots[seq.rid], n_tokens)
 
     # --- one step ----------------------------------------------------------------
     def _run_step(self, chunks: list[tuple[Seq, int]]) -> float:
