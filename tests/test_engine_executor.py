@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from duetime.core.decision import Decision
-from duetime.core.policy import PolicyError
 from duetime.core.request import Job, Request
 from duetime.core.snapshot import EngineSnapshot
 from duetime.engine import greedy_generate
@@ -126,13 +125,18 @@ def test_missing_prompt_ids_is_a_clear_error(model: Any) -> None:
         ex.run([Job(Request(rid=0, arrival=0.0, prompt_len=3), 2)])
 
 
-def test_unsupported_swap_is_refused_not_corrupting(model: Any) -> None:
+def test_swap_preemption_spools_kv_and_resumes_it_exactly(model: Any) -> None:
     jobs = _jobs(10, seed=3)
     ex = EngineExecutor(
         make_policy("fcfs", preempt_mode="swap"), model, kv_capacity=120, max_batch_tokens=32
     )
-    with pytest.raises(PolicyError, match="swap"):
-        ex.run(jobs)
+    res = ex.run(jobs)
+    assert res.counters["swaps"] > 0
+    # swapped KV comes back bit for bit: no token of any answer changes
+    assert res.outputs == _reference(model, jobs)
+    assert ex.prefill_tokens == sum(j.request.prompt_len for j in jobs)  # no recompute
+    assert ex.kv.total_tokens == 0
+    assert ex._spool is None  # the spool directory is gone
 
 
 def test_telemetry_has_one_line_per_step(model: Any, tmp_path: Any) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -23,7 +25,7 @@ import torch
 
 from duetime.core.cost import LinearStepCost
 from duetime.core.executor import ExecutorCore, ExecutorError
-from duetime.core.policy import Policy, PolicyError
+from duetime.core.policy import Policy
 from duetime.core.record import RequestRecord
 from duetime.core.request import Job
 from duetime.core.sequence import Seq
@@ -99,6 +101,8 @@ class EngineExecutor(ExecutorCore):
         self.slots: dict[int, int] = {}
         self._telemetry_path = Path(telemetry) if telemetry is not None else None
         self._telemetry: IO[str] | None = None
+        self._spool: Path | None = None  # where swapped-out KV waits (created on first use)
+        self._spooled: dict[int, Path] = {}
 
     def step_cost_model(self) -> LinearStepCost | None:
         return self.cost
@@ -121,15 +125,29 @@ class EngineExecutor(ExecutorCore):
         slot = self.slots.pop(seq.rid, None)
         if slot is not None:
             self.kv.free(slot)
+        spooled = self._spooled.pop(seq.rid, None)
+        if spooled is not None:
+            spooled.unlink(missing_ok=True)
 
     def _on_restart(self, seq: Seq) -> None:
         del self.tokens[seq.rid][seq.req.prompt_len :]  # the answer so far is void
 
     def _on_swap_out(self, seq: Seq) -> None:
-        raise PolicyError(
-            f"policy {self.policy.name!r}: swap preemption is not supported by the engine yet; "
-            "use preempt_mode='recompute'"
-        )
+        """Spool the sequence's KV to disk: on a CPU engine, KV memory *is* RAM."""
+        slot = self.slots.pop(seq.rid)
+        path = self._spool_dir() / f"{seq.rid}.pt"
+        torch.save(self.kv.export(slot), path)
+        self._spooled[seq.rid] = path
+
+    def _on_swap_in(self, seq: Seq) -> None:
+        path = self._spooled.pop(seq.rid)
+        self.slots[seq.rid] = self.kv.restore(torch.load(path, weights_only=True))
+        path.unlink()
+
+    def _spool_dir(self) -> Path:
+        if self._spool is None:
+            self._spool = Path(tempfile.mkdtemp(prefix="duetime-kv-"))
+        return self._spool
 
     def _on_evict(self, seq: Seq, n_tokens: int, alpha: float) -> None:
         # StreamingLLM: attention sinks + recent window (SnapKV is still to come).
@@ -242,6 +260,9 @@ class EngineExecutor(ExecutorCore):
                     )
                 self._sleep_until(nxt)
         finally:
+            if self._spool is not None:
+                shutil.rmtree(self._spool, ignore_errors=True)
+                self._spool, self._spooled = None, {}
             if self._telemetry is not None:
                 self._telemetry.close()
                 self._telemetry = None

@@ -138,6 +138,51 @@ class KVCache:
         del self._seqs[slot]
         self._free_slots.append(slot)
 
+    def export(self, slot: int) -> dict[str, object]:
+        """Take a sequence's KV out of the cache as plain tensors (for offloading).
+
+        The slot is freed; :meth:`restore` puts the state back, bit for bit,
+        under a new slot. The dict holds only tensors and ints, so ``torch.save``
+        can spool it to disk.
+        """
+        seq = self._seqs[slot]
+        state: dict[str, object] = {
+            "next_pos": seq.next_pos,
+            "layers": [
+                {
+                    "kv": layer.buf[:, :, : layer.length].clone(),
+                    "base": layer.base,
+                    "pos": None if layer.pos is None else layer.pos[:, : layer.length].clone(),
+                }
+                for layer in seq.layers
+            ],
+        }
+        self.free(slot)
+        return state
+
+    def restore(self, state: dict[str, object]) -> int:
+        """Re-open a sequence from :meth:`export`'s state; returns its new slot."""
+        slot = self.allocate()
+        seq = self._seqs[slot]
+        layers = state["layers"]
+        assert isinstance(layers, list), "not a KV state"
+        assert len(layers) == len(seq.layers), "KV state of another model"
+        for layer, saved in zip(seq.layers, layers, strict=True):
+            kv = saved["kv"]
+            n = kv.shape[2]
+            self._resize(layer, max(n + 16, _MIN_CAPACITY))
+            layer.buf[:, :, :n] = kv.to(self.dtype)
+            layer.length = n
+            layer.base = int(saved["base"])
+            if saved["pos"] is not None:
+                pos = torch.zeros((self.config.num_kv_heads, layer.capacity), dtype=torch.int64)
+                pos[:, :n] = saved["pos"]
+                layer.pos = pos
+        next_pos = state["next_pos"]
+        assert isinstance(next_pos, int)
+        seq.next_pos = next_pos
+        return slot
+
     # ----------------------------------------------------------------- accounting
     def __contains__(self, slot: int) -> bool:
         return slot in self._seqs
