@@ -14,7 +14,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from duetime.engine.kv_cache import KVView
 
-__all__ = ["MaskCache", "attend"]
+__all__ = ["MaskCache", "attend", "attend_decodes"]
 
 
 class MaskCache:
@@ -71,3 +71,31 @@ def attend(
     v = view.values[None]
     out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=scale)
     return out.view(kvh, rep, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd)
+
+
+def attend_decodes(q: torch.Tensor, views: list[KVView], scale: float) -> torch.Tensor:
+    """One SDPA for single-token decodes of several sequences: ``[B, heads * head_dim]``.
+
+    ``q`` is ``[B, heads, head_dim]``; ``views[i]`` are sequence i's unmasked keys
+    (``needs_mask`` False). Keys are copied into one zero-padded ``[B, kv_heads,
+    S_max, head_dim]`` tensor and the padding masked out: one kernel call instead
+    of one per sequence (a per-sequence call costs ~20-170 µs here, the copy a
+    few µs). Masked keys get exactly zero weight, so results equal :func:`attend`'s
+    up to fp32 summation order.
+    """
+    b, heads, hd = q.shape
+    kvh = views[0].keys.shape[0]
+    rep = heads // kvh
+    lengths = [v.keys.shape[1] for v in views]
+    s_max = max(lengths)
+    kv = q.new_zeros((2, b, kvh, s_max, hd), dtype=views[0].keys.dtype)
+    for i, v in enumerate(views):
+        n = lengths[i]
+        kv[0, i, :, :n] = v.keys
+        kv[1, i, :, :n] = v.values
+    mask = None
+    if min(lengths) < s_max:
+        mask = (torch.arange(s_max)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    qf = q.view(b, kvh, rep, hd)
+    out = F.scaled_dot_product_attention(qf, kv[0], kv[1], attn_mask=mask, scale=scale)
+    return out.reshape(b, heads * hd)

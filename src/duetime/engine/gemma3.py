@@ -23,15 +23,23 @@ from typing import Literal
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from duetime.engine.attention import MaskCache, attend
+from duetime.engine.attention import MaskCache, attend, attend_decodes
 from duetime.engine.batch import SeqChunk, StepBatch
 from duetime.engine.config import Gemma3Config
 from duetime.engine.kv_cache import KVCache
-from duetime.engine.linear import DenseLinear, Int8Linear, Linear
+from duetime.engine.linear import (
+    DenseLinear,
+    Int8Linear,
+    Linear,
+    PackedLinear,
+    RescoredInt8Head,
+    packed_available,
+)
 
-__all__ = ["Dtype", "Gemma3"]
+__all__ = ["DTYPES", "Dtype", "Gemma3"]
 
-Dtype = Literal["fp32", "bf16", "int8"]
+Dtype = Literal["fp32", "fast", "bf16", "int8"]
+DTYPES: tuple[str, ...] = ("fp32", "fast", "bf16", "int8")
 Weights = dict[str, torch.Tensor]
 
 
@@ -50,10 +58,14 @@ class _Layer:
         "qkv",
     )
 
-    def __init__(self, w: Weights, p: str, cfg: Gemma3Config, make: type | None, dt: torch.dtype):
+    def __init__(self, w: Weights, p: str, cfg: Gemma3Config, kind: str, dt: torch.dtype):
         def lin(*names: str) -> Linear:
             weight = torch.cat([w[f"{p}.{n}.weight"] for n in names], 0)
-            return Int8Linear(weight) if make is Int8Linear else DenseLinear(weight, dt)
+            if kind == "int8":
+                return Int8Linear(weight)
+            if kind == "packed":
+                return PackedLinear(weight)
+            return DenseLinear(weight, dt)
 
         def one_plus(name: str) -> torch.Tensor:
             return 1.0 + w[f"{p}.{name}.weight"].float()
@@ -76,12 +88,17 @@ class _Layer:
 class Gemma3:
     """The model half of the engine: weights plus :meth:`step`.
 
-    ``dtype``: ``"fp32"`` (exact reference), ``"bf16"`` (bf16 weights, activations
+    ``dtype``: ``"fp32"`` (exact reference; oneDNN-packed weights), ``"fast"``
+    (fp32 layers, int8 output layer whose top-32 logits per row are recomputed
+    in fp32: same arg-max as fp32 on the real model, ~2x faster batch-1 decode),
+    ``"bf16"`` (bf16 weights, activations
     and KV; norms and softmax in fp32 as in transformers) or ``"int8"``
     (experimental: dynamic int8 for every linear, fp32 activations and KV, bf16
     embedding table; top-1 agrees with fp32 only ~77 % of the time).
     ``int8_output`` swaps only the output layer to int8 (default: on for
     ``"int8"`` only; ~91 % agreement, about 2x faster decode than fp32).
+    ``packed=False`` keeps fp32 weights for MKL's ``F.linear`` instead of
+    oneDNN-packed ones (the old kernels; for benchmarks and comparisons).
 
     On an AVX2 CPU without native bf16, bf16 GEMMs with more than one row are
     3-10x slower than fp32, so bf16 only pays for batch-1 decode; see
@@ -95,28 +112,38 @@ class Gemma3:
         dtype: Dtype = "bf16",
         *,
         int8_output: bool | None = None,
+        packed: bool | None = None,
     ) -> None:
-        if dtype not in ("fp32", "bf16", "int8"):
-            raise ValueError(f"dtype must be fp32, bf16 or int8, not {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         self.config = config
         self.dtype_name = dtype
         self.compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         cd = self.compute_dtype
-        make = Int8Linear if dtype == "int8" else None
+        if packed is None:
+            packed = packed_available()
+        packed = packed and dtype in ("fp32", "fast")
+        kind = "int8" if dtype == "int8" else "packed" if packed else "dense"
         self.layers = [
-            _Layer(weights, f"model.layers.{i}", config, make, cd) for i in range(config.num_layers)
+            _Layer(weights, f"model.layers.{i}", config, kind, cd) for i in range(config.num_layers)
         ]
         embed = weights["model.embed_tokens.weight"]
         table_dtype = torch.bfloat16 if dtype == "int8" else cd
         self.embed = embed.to(table_dtype).contiguous()
         head = weights.get("lm_head.weight", embed)
         tied = head is embed or torch.equal(head, embed)
-        if int8_output if int8_output is not None else dtype == "int8":
-            self.lm_head: Linear = Int8Linear(head)
+        if dtype == "fast" and int8_output is None:
+            self.lm_head: Linear = RescoredInt8Head(self.embed if tied else head)
+        elif int8_output if int8_output is not None else dtype == "int8":
+            self.lm_head = Int8Linear(head)
+        elif packed:
+            self.lm_head = PackedLinear(head, plain=self.embed if tied else None)
         elif tied and self.embed.dtype == cd:
             self.lm_head = DenseLinear(self.embed, cd)  # shares the embedding tensor
         else:
             self.lm_head = DenseLinear(head, cd)
+        # one SDPA call for all plain decodes of a step (False: one per sequence, as before)
+        self.batched_decode_attention = True
         self.final_norm = 1.0 + weights["model.norm.weight"].float()
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(cd)
         self.scale = config.query_pre_attn_scalar**-0.5
@@ -165,13 +192,7 @@ class Gemma3:
             v = qkv[:, n_qk * cfg.head_dim :].view(t, cfg.num_kv_heads, cfg.head_dim)
             new_kv = torch.stack((qk[:, cfg.num_heads :], v), dim=1).to(kv.dtype)
             q = qk[:, : cfg.num_heads]
-            outs = []
-            for c, a, b in zip(batch.chunks, batch.offsets, batch.offsets[1:], strict=False):
-                kv.store(c.slot, i, new_kv[a:b])
-                view = kv.view(c.slot, i, b - a)
-                mask = masks.mask(view, c.start_pos, b - a, sliding) if view.needs_mask else None
-                outs.append(attend(q[a:b], view, mask, self.scale))
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+            attn = self._attention(batch, kv, i, q, new_kv, masks, sliding)
             h = layer.o(attn.to(layer.o.dtype)).to(x.dtype)
             x = x + _rms_norm(h, layer.post_attn, cfg.rms_norm_eps)
             h = _rms_norm(x, layer.pre_ffw, cfg.rms_norm_eps)
@@ -188,6 +209,50 @@ class Gemma3:
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def _attention(
+        self,
+        batch: StepBatch,
+        kv: KVCache,
+        layer: int,
+        q: torch.Tensor,
+        new_kv: torch.Tensor,
+        masks: MaskCache,
+        sliding: bool,
+    ) -> torch.Tensor:
+        """Store this layer's new keys/values and attend: ``[T, heads * head_dim]``.
+
+        Single-token decodes without a mask share one batched SDPA call; prefill
+        chunks (and evicted sequences) go one by one with their mask.
+        """
+        outs: list[torch.Tensor] = []
+        decode_rows: list[int] = []
+        decode_views = []
+        for c, a, b in zip(batch.chunks, batch.offsets, batch.offsets[1:], strict=False):
+            kv.store(c.slot, layer, new_kv[a:b])
+            view = kv.view(c.slot, layer, b - a)
+            if b - a == 1 and not view.needs_mask:
+                decode_rows.append(a)
+                decode_views.append(view)
+                continue
+            mask = masks.mask(view, c.start_pos, b - a, sliding) if view.needs_mask else None
+            outs.append(attend(q[a:b], view, mask, self.scale))
+        if len(decode_views) < 2 or not self.batched_decode_attention:
+            for a, view in zip(decode_rows, decode_views, strict=True):
+                outs.insert(batch.offsets.index(a), attend(q[a : a + 1], view, None, self.scale))
+            return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        dec = attend_decodes(q[decode_rows], decode_views, self.scale)
+        if not outs:
+            return dec  # a pure decode step: rows are already in chunk order
+        out = torch.empty((q.shape[0], dec.shape[1]), dtype=dec.dtype)
+        out[decode_rows] = dec
+        done = set(decode_rows)
+        rest = [
+            (a, b) for a, b in zip(batch.offsets, batch.offsets[1:], strict=False) if a not in done
+        ]
+        for (a, b), o in zip(rest, outs, strict=True):
+            out[a:b] = o
+        return out
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """cos/sin ``[T, 1, head_dim]`` computed in fp32 then cast, as transformers does."""

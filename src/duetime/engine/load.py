@@ -15,13 +15,17 @@ def load_model(
     *,
     dtype: Dtype = "fp32",
     int8_output: bool | None = None,
+    packed: bool | None = None,
     use_cache: bool = True,
     progress: bool = True,
 ) -> Gemma3:
     """Load Gemma 3 for the engine: converts the GGUF once, then starts from the cache.
 
+    ``dtype="fp32"`` is the exact reference; ``"fast"`` adds an int8 output layer
+    with fp32 re-scoring of its top candidates (see :class:`Gemma3`).
+
     Raises :class:`~duetime.engine.gguf_file.ModelFileError` if the file is missing,
     truncated or corrupt.
     """
     config, weights = load_weights(gguf_path, use_cache=use_cache, progress=progress)
-    return Gemma3(config, weights, dtype, int8_output=int8_output)
+    return Gemma3(config, weights, dtype, int8_output=int8_output, packed=packed)

@@ -1,0 +1,523 @@
+"""`duetime bench engine`: prefill and decode speed of the embedded engine, beside its peers.
+
+Cells: one prompt of 128 / 512 / 2048 tokens (prefill tok/s) and one decode
+step of 1 / 4 / 16 / 64 sequences after a ``context``-token prompt each
+(decode tok/s = batch ÷ median step time). Engine variants (``fp32``: exact
+reference; ``fast``: int8 output layer with fp32 re-scoring; ``fp32-mkl``: the
+previous kernels, for a before/after in one run) are measured *interleaved*,
+variant after variant within each repetition, so a neighbour's load hits them
+alike; figures are medians. transformers' ``generate`` (fp32 and bf16, same
+weights) and llama.cpp (when importable) run once per cell, being the slower.
+
+Beside each decode figure: the memory roofline, i.e. the batch ÷ (bytes one
+step must read — weights plus the KV it attends over — ÷ the bandwidth of a
+large ``torch`` copy measured at start). Peak RSS per variant is the process's
+high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) while that
+variant is built and warmed up; it includes the shared fp32 weight dict and
+every variant built before it, so ``own_rss_mb`` (RSS growth while building
+and warming up that variant alone) is the figure to compare between variants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from duetime.bench.engine_peers import HFRunner, LlamaCppRunner, llama_cpp_available
+from duetime.engine.batch import SeqChunk
+from duetime.engine.config import Gemma3Config
+from duetime.engine.gemma3 import Gemma3
+
+__all__ = ["agreement", "memory_bandwidth_gb_s", "plot", "run", "table"]
+
+Weights = dict[str, torch.Tensor]
+ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {"dtype": "fp32"},
+    "fast": {"dtype": "fast"},
+    "fp32-mkl": {"dtype": "fp32", "packed": False, "batched_decode_attention": False},
+    "bf16": {"dtype": "bf16"},
+    "int8": {"dtype": "int8"},
+}
+# (prompt lengths, decode batch sizes, context tokens before decode, decode steps per rep)
+FULL = ((128, 512, 2048), (1, 4, 16, 64), 128, 8)
+QUICK = ((16, 64), (1, 4), 16, 3)
+_TEXTS = (
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "Explain why the sky is blue in two sentences.",
+)
+
+
+def memory_bandwidth_gb_s(mb: int = 512, reps: int = 5) -> float:
+    """Best-of-``reps`` bandwidth of ``dst.copy_(src)`` (read + write bytes), GB/s."""
+    src = torch.ones(mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9
+
+
+def _rss_reset() -> None:
+    with contextlib.suppress(OSError):  # Linux only: resets VmHWM to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _rss_mb() -> float:
+    try:
+        return (
+            int(Path("/proc/self/statm").read_text().split()[1])
+            * os.sysconf("SC_PAGE_SIZE")
+            / 2**20
+        )
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _weight_bytes(model: Gemma3) -> int:
+    layers = sum(lin.nbytes for ly in model.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
+    return layers + model.lm_head.nbytes
+
+
+def _kv_bytes_read(cfg: Gemma3Config, batch: int, ctx: int, itemsize: int) -> int:
+    per_layer = [min(ctx, cfg.sliding_window) if s else ctx for s in cfg.sliding_layers]
+    return batch * sum(per_layer) * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def _prompt(g: torch.Generator, n: int, cfg: Gemma3Config) -> list[int]:
+    lo = min(3, cfg.vocab_size - 1)
+    return [cfg.bos_token_id, *torch.randint(lo, cfg.vocab_size, (n - 1,), generator=g).tolist()]
+
+
+class _EngineCell:
+    """One variant's KV state for one decode batch."""
+
+    def __init__(self, model: Gemma3, prompts: list[list[int]]) -> None:
+        self.model = model
+        self.kv = model.new_kv_cache()
+        self.slots = [self.kv.allocate() for _ in prompts]
+        model.step([SeqChunk(s, p, 0) for s, p in zip(self.slots, prompts, strict=True)], self.kv)
+
+    def steps(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            chunks = [SeqChunk(s, [100], self.kv.seq_len(s)) for s in self.slots]
+            t = time.perf_counter()
+            self.model.step(chunks, self.kv)
+            out.append(time.perf_counter() - t)
+        return out
+
+
+def _prefill_s(model: Gemma3, ids: list[int]) -> float:
+    kv = model.new_kv_cache()
+    chunk = SeqChunk(kv.allocate(len(ids)), ids, 0)
+    t = time.perf_counter()
+    model.step([chunk], kv)
+    return time.perf_counter() - t
+
+
+@torch.no_grad()
+def agreement(ref: Gemma3, other: Gemma3, prompts: list[list[int]], n: int) -> tuple[float, int]:
+    """Share of teacher-forced positions where ``other``'s arg-max equals ``ref``'s.
+
+    ``ref`` continues each prompt greedily for ``n`` tokens; both models then score
+    prompt + continuation in one step and their arg-maxes over the continuation's
+    positions are compared. Returns (share, positions).
+    """
+    from duetime.engine.generate import greedy_generate
+
+    conts = greedy_generate(ref, prompts, n)
+    hits = total = 0
+    for p, c in zip(prompts, conts, strict=True):
+        ids = p + c
+        tops = []
+        for m in (ref, other):
+            kv = m.new_kv_cache()
+            logits = m.step([SeqChunk(kv.allocate(), ids, 0)], kv, all_logits=True)
+            tops.append(logits[len(p) - 1 : -1].argmax(-1))
+        hits += int((tops[0] == tops[1]).sum())
+        total += len(c)
+    return hits / max(total, 1), total
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run(
+    source: tuple[Gemma3Config, Weights] | None = None,
+    *,
+    quick: bool = False,
+    engines: Sequence[str] = ("fp32", "fast", "fp32-mkl"),
+    prefill_tokens: Sequence[int] | None = None,
+    batch_sizes: Sequence[int] | None = None,
+    context: int | None = None,
+    steps: int | None = None,
+    reps: int = 3,
+    transformers: Sequence[str] = ("fp32", "bf16"),
+    llama_cpp: bool = True,
+    threads: int | None = None,
+    gguf_path: str | Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Time every variant on every cell; returns the figures (JSON-ready).
+
+    ``source``: (config, weights) to use instead of the packaged Gemma 3 270M
+    (tests pass a tiny random model). ``quick`` shrinks sizes (and the bandwidth
+    probe) so the whole run takes seconds on a tiny model.
+    """
+    wall0 = time.perf_counter()
+    sizes = QUICK if quick else FULL
+    prefill = tuple(prefill_tokens or sizes[0])
+    batches = tuple(batch_sizes or sizes[1])
+    ctx = context or sizes[2]
+    n_steps = steps or sizes[3]
+    for e in engines:
+        if e not in ENGINE_VARIANTS:
+            raise ValueError(f"unknown engine variant {e!r}; known: {', '.join(ENGINE_VARIANTS)}")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    real = source is None
+    if source is None:
+        from duetime.engine.weights import default_gguf_path, load_weights
+
+        gguf_path = Path(gguf_path) if gguf_path is not None else default_gguf_path()
+        cfg, weights = load_weights(gguf_path, progress=progress)
+    else:
+        cfg, weights = source
+    notes: list[str] = []
+    bandwidth = memory_bandwidth_gb_s(64 if quick else 512)
+
+    # ---- build every runner, one at a time, recording its start-up and peak RSS
+    runners: dict[str, Any] = {}
+    figs: dict[str, dict[str, Any]] = {}
+    g = torch.Generator().manual_seed(0)
+    warm = _prompt(g, 8, cfg)
+    for name in engines:
+        spec = dict(ENGINE_VARIANTS[name])
+        attn = spec.pop("batched_decode_attention", True)
+        gc.collect()
+        _rss_reset()
+        rss0 = _rss_mb()
+        t = time.perf_counter()
+        model = Gemma3(cfg, weights, **spec)
+        model.batched_decode_attention = attn
+        load_s = time.perf_counter() - t
+        _prefill_s(model, warm)
+        runners[name] = model
+        figs[name] = {
+            "kind": "engine",
+            "load_s": load_s,
+            "peak_rss_mb": _peak_rss_mb(),
+            "own_rss_mb": _rss_mb() - rss0,
+            "weight_mb": _weight_bytes(model) / 1e6,
+            "kv_itemsize": model.compute_dtype.itemsize,
+        }
+    for tdt in transformers:
+        name = f"transformers-{tdt}"
+        try:
+            gc.collect()
+            _rss_reset()
+            rss0 = _rss_mb()
+            t = time.perf_counter()
+            hf = HFRunner(cfg, weights, torch.bfloat16 if tdt == "bf16" else torch.float32)
+            load_s = time.perf_counter() - t
+            hf.generate(torch.tensor([warm]), 2)
+        except ImportError as exc:  # transformers is a dependency, but keep the bench usable
+            notes.append(f"{name}: skipped ({exc})")
+            continue
+        runners[name] = hf
+        figs[name] = {
+            "kind": "transformers",
+            "load_s": load_s,
+            "peak_rss_mb": _peak_rss_mb(),
+            "own_rss_mb": _rss_mb() - rss0,
+            "weight_mb": hf.nbytes / 1e6,
+            "kv_itemsize": 2 if tdt == "bf16" else 4,
+        }
+    if llama_cpp and real and llama_cpp_available():
+        assert gguf_path is not None
+        _rss_reset()
+        rss0 = _rss_mb()
+        t = time.perf_counter()
+        lc = LlamaCppRunner(Path(gguf_path), torch.get_num_threads(), max(*prefill, ctx) + 64)
+        runners["llama.cpp"] = lc
+        figs["llama.cpp"] = {
+            "kind": "llama.cpp",
+            "load_s": time.perf_counter() - t,
+            "peak_rss_mb": _peak_rss_mb(),
+            "own_rss_mb": _rss_mb() - rss0,
+            "weight_mb": lc.nbytes / 1e6,
+            "kv_itemsize": 2,
+        }
+    elif llama_cpp:
+        why = "a tiny test model has no GGUF" if not real else "`pip install llama-cpp-python`"
+        notes.append(f"llama.cpp: skipped (llama_cpp not importable or not applicable: {why})")
+    for f in figs.values():
+        f["prefill"], f["decode"] = [], []
+
+    # ---- the cells
+    cells = len(prefill) + len(batches)
+    with _Progress(progress, cells) as advance:
+        for n in prefill:
+            ids = _prompt(g, n, cfg)
+            times: dict[str, list[float]] = {k: [] for k in runners}
+            for rep in range(reps):
+                for name, r in runners.items():
+                    if isinstance(r, Gemma3):
+                        times[name].append(_prefill_s(r, ids))
+                    elif rep == 0 and isinstance(r, HFRunner):
+                        times[name].append(r.generate(torch.tensor([ids]), 1)[0])
+                    elif rep == 0:
+                        times[name].append(r.prefill_s(ids))
+            for name, ts in times.items():
+                figs[name]["prefill"].append(
+                    {"tokens": n, "prefill_tok_s": n / _median(ts), "prefill_s": _median(ts)}
+                )
+            advance()
+        for b in batches:
+            prompts = [_prompt(g, ctx, cfg) for _ in range(b)]
+            engine_cells = {
+                k: _EngineCell(r, prompts) for k, r in runners.items() if isinstance(r, Gemma3)
+            }
+            for c in engine_cells.values():
+                c.steps(1)  # warm-up
+            times = {k: [] for k in runners}
+            for rep in range(reps):
+                for name, r in runners.items():
+                    if name in engine_cells:
+                        times[name] += engine_cells[name].steps(n_steps)
+                    elif rep == 0 and isinstance(r, HFRunner):
+                        times[name] += r.generate(torch.tensor(prompts), n_steps + 2)[1][1:]
+                    elif rep == 0 and b == 1:
+                        times[name] += r.decode_steps_s(prompts[0], n_steps)
+            del engine_cells
+            for name, ts in times.items():
+                if not ts:
+                    continue
+                f = figs[name]
+                step = _median(ts)
+                kv_ctx = ctx + n_steps * reps // 2
+                nbytes = f["weight_mb"] * 1e6 + _kv_bytes_read(cfg, b, kv_ctx, f["kv_itemsize"])
+                roof = b * bandwidth * 1e9 / nbytes
+                f["decode"].append(
+                    {
+                        "batch": b,
+                        "decode_tok_s": b / step,
+                        "step_ms": step * 1e3,
+                        "step_ms_best": min(ts) * 1e3,
+                        "bytes_per_step_mb": nbytes / 1e6,
+                        "roofline_tok_s": roof,
+                        "roofline_fraction": b / step / roof,
+                    }
+                )
+            advance()
+
+    # ---- fidelity of the non-exact engine variants against fp32
+    agree: dict[str, Any] = {}
+    ref = runners.get("fp32")
+    if ref is not None:
+        prompts = _agreement_prompts(real, cfg, g)
+        for name in engines:
+            if name != "fp32" and ENGINE_VARIANTS[name]["dtype"] != "fp32":
+                share, positions = agreement(ref, runners[name], prompts, 8 if quick else 32)
+                agree[name] = {"top1_agreement_vs_fp32": share, "positions": positions}
+    del runners
+    return {
+        "model": "gemma3-270m" if real else "custom",
+        "gguf": str(gguf_path) if real else None,
+        "machine": {
+            "cpu": _cpu_name(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "python": platform.python_version(),
+        },
+        "settings": {
+            "prefill_tokens": list(prefill),
+            "batch_sizes": list(batches),
+            "context_tokens": ctx,
+            "decode_steps_per_rep": n_steps,
+            "reps": reps,
+            "quick": quick,
+        },
+        "memory_bandwidth_gb_s": bandwidth,
+        "peak_rss_mb": _peak_rss_mb(),
+        "variants": figs,
+        "ratios": _ratios(figs),
+        "agreement": agree,
+        "notes": notes,
+        "wall_s": time.perf_counter() - wall0,
+    }
+
+
+def _agreement_prompts(real: bool, cfg: Gemma3Config, g: torch.Generator) -> list[list[int]]:
+    if real:
+        try:
+            from duetime.tokenizer import encode
+
+            return [encode(t) for t in _TEXTS]
+        except Exception:  # the tokenizer is optional here: random ids still work
+            pass
+    return [_prompt(g, 12, cfg) for _ in range(3)]
+
+
+def _ratios(figs: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """``speedup_vs_<peer>``: engine ÷ peer tok/s per cell (``prefill_128``, ``decode_b16``)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    peers = [k for k, f in figs.items() if f["kind"] != "engine"]
+    base = "fp32-mkl" if "fp32-mkl" in figs else None
+    for name, f in figs.items():
+        if f["kind"] != "engine":
+            continue
+        for peer in [p for p in (*peers, base) if p and p != name]:
+            cells = {}
+            for kind, key, unit in (
+                ("prefill", "tokens", "prefill_tok_s"),
+                ("decode", "batch", "decode_tok_s"),
+            ):
+                theirs = {c[key]: c[unit] for c in figs[peer][kind]}
+                for c in f[kind]:
+                    if c[key] in theirs:
+                        tag = f"{kind}_{c[key]}" if kind == "prefill" else f"decode_b{c[key]}"
+                        cells[tag] = c[unit] / theirs[c[key]]
+            key = "speedup_vs_" + peer.replace("-", "_").replace(".", "_")
+            out.setdefault(name, {})[key] = cells
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+class _Progress:
+    """A rich progress bar over the cells (or nothing)."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self) -> Callable[[], None]:
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import Progress
+
+        self._bar = Progress(transient=True)
+        self._bar.start()
+        task = self._bar.add_task("bench engine", total=self.total)
+        return lambda: self._bar.advance(task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._bar.stop()
+
+
+def table(fig: dict[str, Any]) -> Any:
+    """A rich table: one row per variant, prefill and decode columns with roofline."""
+    from rich.table import Table
+
+    s = fig["settings"]
+    t = Table(
+        title=(
+            f"{fig['model']}: {fig['machine']['torch_threads']} threads, "
+            f"copy bandwidth {fig['memory_bandwidth_gb_s']:.1f} GB/s, decode after "
+            f"{s['context_tokens']} tokens (tok/s, roofline in brackets)"
+        )
+    )
+    t.add_column("variant")
+    for n in s["prefill_tokens"]:
+        t.add_column(f"prefill {n}", justify="right")
+    for b in s["batch_sizes"]:
+        t.add_column(f"decode b{b}", justify="right")
+    t.add_column("own RSS MB", justify="right")
+    for name, f in fig["variants"].items():
+        pre = {c["tokens"]: c for c in f["prefill"]}
+        dec = {c["batch"]: c for c in f["decode"]}
+        row = [name]
+        row += [f"{pre[n]['prefill_tok_s']:.0f}" if n in pre else "-" for n in s["prefill_tokens"]]
+        row += [
+            f"{dec[b]['decode_tok_s']:.1f} ({dec[b]['roofline_tok_s']:.0f})" if b in dec else "-"
+            for b in s["batch_sizes"]
+        ]
+        row.append(f"{f['own_rss_mb']:.0f}")
+        t.add_row(*row)
+    return t
+
+
+def plot(fig: dict[str, Any], path: str | Path) -> Path:
+    """Prefill and decode tok/s per variant (log scale), decode rooflines dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from duetime.metrics.atomic import save_png
+
+    f, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, v in fig["variants"].items():
+        if v["prefill"]:
+            a1.plot(
+                [c["tokens"] for c in v["prefill"]],
+                [c["prefill_tok_s"] for c in v["prefill"]],
+                "o-",
+                label=name,
+            )
+        if v["decode"]:
+            (line,) = a2.plot(
+                [c["batch"] for c in v["decode"]],
+                [c["decode_tok_s"] for c in v["decode"]],
+                "o-",
+                label=name,
+            )
+            if v["kind"] == "engine":
+                a2.plot(
+                    [c["batch"] for c in v["decode"]],
+                    [c["roofline_tok_s"] for c in v["decode"]],
+                    "--",
+                    color=line.get_color(),
+                    alpha=0.5,
+                )
+    for ax, title, xl in (
+        (a1, "prefill (one prompt)", "prompt tokens"),
+        (a2, "decode (dashed: memory roofline)", "batch"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel(xl)
+        ax.set_ylabel("tok/s")
+        ax.grid(alpha=0.3, which="both")
+    a2.legend(fontsize=8)
+    f.suptitle(
+        f"{fig['model']} on {fig['machine']['cpu']}, {fig['machine']['torch_threads']} threads"
+    )
+    f.tight_layout()
+    return save_png(f, path)

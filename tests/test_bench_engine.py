@@ -1,0 +1,82 @@
+"""`duetime bench engine` on a tiny random model: structure and sanity, not speed."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from duetime.bench import engine_speed
+from duetime.engine.config import Gemma3Config
+from duetime.engine.testing import tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def fig():
+    hf = tiny_hf_model(seed=0)
+    source = (Gemma3Config.from_hf(hf.config), dict(hf.state_dict()))
+    return engine_speed.run(
+        source, quick=True, engines=("fp32", "fast", "fp32-mkl"), reps=2, progress=False
+    )
+
+
+def test_structure_and_units(fig) -> None:
+    assert set(fig["variants"]) == {
+        "fp32",
+        "fast",
+        "fp32-mkl",
+        "transformers-fp32",
+        "transformers-bf16",
+    }
+    assert fig["memory_bandwidth_gb_s"] > 0
+    assert fig["peak_rss_mb"] is None or fig["peak_rss_mb"] > 0
+    for name, v in fig["variants"].items():
+        assert [c["tokens"] for c in v["prefill"]] == fig["settings"]["prefill_tokens"], name
+        assert [c["batch"] for c in v["decode"]] == fig["settings"]["batch_sizes"], name
+        for c in v["prefill"]:
+            assert c["prefill_tok_s"] > 0
+            assert math.isfinite(c["prefill_tok_s"])
+        for c in v["decode"]:
+            assert c["decode_tok_s"] > 0
+            assert c["roofline_tok_s"] > 0
+            assert c["step_ms_best"] <= c["step_ms"]
+            assert c["decode_tok_s"] == pytest.approx(c["batch"] / c["step_ms"] * 1e3)
+
+
+def test_ratios_agreement_and_notes(fig) -> None:
+    r = fig["ratios"]["fp32"]
+    assert set(r) == {
+        "speedup_vs_transformers_fp32",
+        "speedup_vs_transformers_bf16",
+        "speedup_vs_fp32_mkl",
+    }
+    assert set(r["speedup_vs_transformers_bf16"]) == {
+        "prefill_16",
+        "prefill_64",
+        "decode_b1",
+        "decode_b4",
+    }
+    assert all(x > 0 for x in r["speedup_vs_fp32_mkl"].values())
+    a = fig["agreement"]["fast"]
+    assert a["positions"] > 0
+    assert 0.8 <= a["top1_agreement_vs_fp32"] <= 1.0  # rescored top-k: the arg-max is fp32's
+    assert any("llama.cpp" in n for n in fig["notes"])
+    json.dumps(fig, allow_nan=False)
+
+
+def test_table_and_plot(fig, tmp_path) -> None:
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(engine_speed.table(fig))
+    text = console.export_text()
+    assert "transformers-bf16" in text
+    assert "decode b4" in text
+    png = engine_speed.plot(fig, tmp_path / "engine.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_variant_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown engine variant"):
+        engine_speed.run(quick=True, engines=("fp64",), progress=False)
