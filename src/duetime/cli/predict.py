@@ -70,3 +70,71 @@ def predict_train_length(
     )
     if json_path is not None:
         write_json(json_path, {"config": rlp.config, "meta": rlp.meta})
+
+
+@predict_app.command("throughput")
+def predict_throughput(
+    input_len: Annotated[int, typer.Option("--input-len", min=1, help="ii: prompt tokens.")],
+    output_len: Annotated[int, typer.Option("--output-len", min=1, help="oo: output tokens.")],
+    batch: Annotated[int, typer.Option("--batch", min=1, help="bb: concurrent requests.")],
+    config: Annotated[
+        str, typer.Option(help="Hardware/software configuration in the data.")
+    ] = "sim-a100-llama2-7b",
+    data: Annotated[
+        list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
+    ] = None,
+    coverage: Annotated[float, typer.Option(help="Nominal interval coverage.")] = 0.9,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")] = False,
+) -> None:
+    """ALA throughput (tok/s) for a batch of one workload shape, with interval and confidence."""
+    import json
+    from dataclasses import asdict
+
+    from duetime.predict.ala_data import config_data
+    from duetime.predict.ala_model import AlaPredictor
+
+    with _user_errors():
+        pred = AlaPredictor(config_data(config, data), coverage=coverage)
+        p = pred.predict_throughput(input_len, output_len, batch)
+    if as_json:
+        payload = {
+            "config": config,
+            "ii": input_len,
+            "oo": output_len,
+            "bb": batch,
+            **{f"{k}_tok_s" if k in ("point", "lo", "hi") else k: v for k, v in asdict(p).items()},
+            "heldout_median_err_pct": pred.cv_median_err_pct,
+        }
+        print(json.dumps(payload))
+        return
+    how = "fitted curve (workload was run)" if p.from_database else "XGBoost-predicted curve"
+    out.print(
+        f"{config}: ii={input_len} oo={output_len} bb={batch}: "
+        f"{p.point:,.1f} tok/s, {coverage:.0%} interval [{p.lo:,.1f}, {p.hi:,.1f}], "
+        f"confidence {p.confidence:.2f}\n{how}; held-out median error of this config's model "
+        f"{pred.cv_median_err_pct:.1f} % (5 folds over (ii, oo) pairs)"
+    )
+
+
+@predict_app.command("collect-throughput")
+def predict_collect_throughput(
+    config: Annotated[
+        list[str] | None,
+        typer.Option(help="Configuration(s) to collect; default: the simulated ones."),
+    ] = None,
+    out_path: Annotated[Path, typer.Option("--out", help="CSV to append to.")] = Path(
+        "out/ala-throughput.csv"
+    ),
+    quick: Annotated[bool, typer.Option(help="A tiny grid (smoke test).")] = False,
+) -> None:
+    """Measure throughput over an (ii, oo, bb) grid; resumable (skips rows already in --out)."""
+    from duetime.cli.common import _progress
+    from duetime.predict.ala_collect import SIM_SPECS, Grid, collect
+
+    names = config or [s.name for s in SIM_SPECS]
+    grid = Grid(ii=(16, 32), oo=(4, 8), bb=(1, 2, 4)) if quick else None
+    with _user_errors():
+        prog, cb = _progress(1, "collecting throughput")
+        with prog:
+            counts = collect(names, out_path, grid=grid, progress=cb)
+    out.print(f"ran {counts['run']} shapes, skipped {counts['skipped']} already in {out_path}")

@@ -1,0 +1,205 @@
+"""ALA throughput model: curve fit, confidence, annealing, data files, CLI, accuracy."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from duetime.cli import app
+from duetime.predict import ala_data
+from duetime.predict.ala_collect import EngineSpec, Grid, SimSpec, collect
+from duetime.predict.ala_curve import curve, fit_curve, initial_guess
+from duetime.predict.ala_data import AlaDataError, Measurement, append_rows, read_csv
+from duetime.predict.ala_model import AlaModel, PointConfidence, ThroughputPrediction
+from duetime.predict.ala_select import ErrorPredictor, Subset, anneal, encode
+
+BB = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256], dtype=float)
+
+
+def test_fit_recovers_known_curve() -> None:
+    rng = np.random.default_rng(0)
+    y = curve(BB, 900.0, 0.03, 1000.0) * np.exp(rng.normal(0, 0.005, BB.size))
+    p = fit_curve(BB, y)
+    assert p is not None
+    assert p.a == pytest.approx(900.0, rel=0.03)
+    assert p.b == pytest.approx(0.03, rel=0.05)
+    assert p.c == pytest.approx(1000.0, rel=0.02)
+
+
+def test_initial_guess_follows_the_paper() -> None:
+    g = initial_guess(np.array([4.0, 4.0]), np.array([10.0, 11.0]))
+    assert (g.a, g.b, g.c) == (1.0, 0.001, 0.0)  # single batch size: the paper's defaults
+    g = initial_guess(BB, curve(BB, 900.0, 0.03, 1000.0))
+    assert g.c == pytest.approx(np.percentile(curve(BB, 900.0, 0.03, 1000.0), 90))
+    assert g.b == pytest.approx(1 / (np.percentile(BB, 90) - np.percentile(BB, 10)))
+    assert fit_curve(np.array([1.0, 2.0]), np.array([5.0, 9.0])) is None  # 3 params, 2 points
+
+
+def test_confidence_is_one_on_data_and_falls_with_distance() -> None:
+    ii, oo, bb = np.meshgrid([64, 128, 256, 512], [32, 64, 128], [1, 4, 16])
+    conf = PointConfidence(ii.ravel(), oo.ravel(), bb.ravel())
+    assert conf(256, 64, 4) == pytest.approx(1.0)
+    far = [conf(512 * 2**k, 64, 4) for k in range(5)]
+    assert far[0] == pytest.approx(1.0)
+    assert all(a > b for a, b in itertools.pairwise(far))
+    assert 0.5 <= far[-1] < 0.9
+
+
+def test_annealing_improves_a_toy_objective_and_is_seeded() -> None:
+    target = np.array([1, 0, 1, 1, 0, 0, 1, 0], dtype=bool)
+
+    def err(s: tuple[bool, ...]) -> float:
+        return float(np.sum(np.array(s) != target))
+
+    def flip(s: tuple[bool, ...], rng: np.random.Generator) -> tuple[bool, ...]:
+        k = int(rng.integers(len(s)))
+        return tuple(not v if j == k else v for j, v in enumerate(s))
+
+    s0: tuple[bool, ...] = (False,) * 8
+    best, best_e, log = anneal(err, s0, flip, n_iter=60, tau0=0.5, seed=3)
+    assert best_e == err(best)
+    assert best_e < err(s0)
+    assert len(log) == 61
+    assert log[0].err_pct == err(s0)
+    assert [st.best_err_pct for st in log] == sorted((st.best_err_pct for st in log), reverse=True)
+    again = anneal(err, s0, flip, n_iter=60, tau0=0.5, seed=3)[2]
+    assert [st.err_pct for st in again] == [st.err_pct for st in log]
+
+
+def test_error_predictor_encodes_subsets_and_gives_confidence() -> None:
+    data = ala_data.ConfigData(
+        "toy",
+        np.array([64, 64, 64, 128, 128, 128]),
+        np.array([32] * 6),
+        np.array([1, 2, 4, 1, 2, 4]),
+        np.array([10.0, 18, 30, 9, 17, 28]),
+    )
+    u = Subset.of(data)
+    small = Subset(frozenset({64}), u.oo, u.bb)
+    assert encode(small, u).tolist() == [1, 0, 1, 1, 1, 1]  # ii, then bb, then oo bits
+    log = anneal(lambda s: 5.0 + len(s.ii), u, lambda s, r: small, n_iter=3)[2]
+    ep = ErrorPredictor(log, u, data)
+    assert ep.confidence(data) == pytest.approx(1.0)
+    far = ala_data.ConfigData("far", data.ii * 50, data.oo * 50, data.bb * 50, data.thpt)
+    assert ep.confidence(far) < 0.8
+    assert np.isfinite(ep.predict(small))
+
+
+def _write(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "t.csv"
+    p.write_text(",".join(ala_data.COLUMNS) + "\n" + body)
+    return p
+
+
+@pytest.mark.parametrize(
+    ("body", "where", "what"),
+    [
+        ("c,sim,64,32,1,0,100,1\nc,sim,64,x,2,0,100,1\n", ":3:4:", "oo must be an integer"),
+        ("c,sim,64,32,1,0,-5,1\n", ":2:7:", "thpt_tok_s must be finite"),
+        ("c,gpu,64,32,1,0,5,1\n", ":2:2:", "source must be one of"),
+        ("c,sim,64,32,1\n", ":2:6:", "expected 8 fields, got 5"),
+        ("c,sim,64,32,0,0,5,1\n", ":2:5:", "bb must be >= 1"),
+    ],
+)
+def test_csv_errors_name_file_line_column(tmp_path: Path, body: str, where: str, what: str) -> None:
+    p = _write(tmp_path, body)
+    with pytest.raises(AlaDataError) as e:
+        read_csv(p)
+    assert str(e.value).startswith(f"{p}{where}")
+    assert what in str(e.value)
+
+
+def test_csv_bad_header(tmp_path: Path) -> None:
+    p = tmp_path / "h.csv"
+    p.write_text("config,ii\nx,1\n")
+    with pytest.raises(AlaDataError, match=r"h\.csv:1:1: header must be"):
+        read_csv(p)
+
+
+def test_collection_appends_and_resumes(tmp_path: Path) -> None:
+    calls: list[tuple[int, int, int, int]] = []
+
+    class Stub:
+        def __init__(self, s: SimSpec | EngineSpec) -> None:
+            pass
+
+        def run(self, ii: int, oo: int, bb: int, rep: int) -> tuple[float, float]:
+            calls.append((ii, oo, bb, rep))
+            return float(bb * oo), 1.0
+
+    path = tmp_path / "c.csv"
+    grid = Grid(ii=(16,), oo=(4, 8), bb=(1, 2))
+    append_rows(path, [Measurement("sim-a100-llama2-7b", "sim", 16, 4, 1, 0, 4.0, 1.0)])
+    counts = collect(["sim-a100-llama2-7b"], path, grid=grid, runner_factory=Stub)
+    assert counts == {"run": 3, "skipped": 1}
+    assert len(calls) == 3
+    assert collect(["sim-a100-llama2-7b"], path, grid=grid, runner_factory=Stub)["run"] == 0
+    assert len(read_csv(path)) == 4
+
+
+def test_collection_simulates_a_real_shape(tmp_path: Path) -> None:
+    path = tmp_path / "s.csv"
+    collect(["sim-a100-llama2-7b"], path, grid=Grid(ii=(64,), oo=(32,), bb=(1, 8)))
+    rows = read_csv(path)
+    assert [r.bb for r in rows] == [1, 8]
+    assert rows[1].thpt_tok_s > 4 * rows[0].thpt_tok_s  # batching pays on a GPU profile
+
+
+def test_ala_beats_linear_baseline_on_shipped_data() -> None:
+    from duetime.bench.ala import _concat, _x, baseline, err_pct, split_pairs
+
+    data = ala_data.config_data("sim-a100-llama2-7b")
+    train, val, test = split_pairs(data, seed=0)
+    fit = _concat(train, val)
+    ala = np.median(err_pct(AlaModel.fit(fit).predict(test.ii, test.oo, test.bb), test.thpt))
+    lin = baseline("linear", 0).fit(_x(fit), fit.thpt)
+    assert ala < 0.5 * np.median(err_pct(lin.predict(_x(test)), test.thpt))
+    assert ala < 15.0
+
+
+def test_prediction_interval_is_ordered() -> None:
+    with pytest.raises(ValueError, match="lo <= point"):
+        ThroughputPrediction(point=5.0, lo=6.0, hi=7.0, confidence=1.0)
+
+
+runner = CliRunner()
+
+
+def test_cli_predict_throughput_json() -> None:
+    res = runner.invoke(
+        app,
+        ["predict", "throughput", "--input-len", "500", "--output-len", "100",
+         "--batch", "16", "--json"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    p = json.loads(res.output)
+    assert p["lo_tok_s"] <= p["point_tok_s"] <= p["hi_tok_s"]
+    assert 0.5 <= p["confidence"] <= 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--input-len", "0", "--output-len", "8", "--batch", "1"],
+        ["--input-len", "8", "--output-len", "8", "--batch", "1", "--config", "nope"],
+    ],
+)
+def test_cli_bad_input_exits_2(args: list[str]) -> None:
+    res = runner.invoke(app, ["predict", "throughput", *args])
+    assert res.exit_code == 2
+
+
+def test_cli_bad_csv_exits_2(tmp_path: Path) -> None:
+    p = _write(tmp_path, "c,sim,64,32,1,0,oops,1\n")
+    res = runner.invoke(
+        app,
+        ["predict", "throughput", "--input-len", "8", "--output-len", "8", "--batch", "1",
+         "--config", "c", "--data", str(p)],
+    )  # fmt: skip
+    assert res.exit_code == 2
+    assert ":2:7:" in res.output
