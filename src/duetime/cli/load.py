@@ -1,0 +1,167 @@
+"""`duetime load`: measure any OpenAI-compatible server (ours, vLLM, llama.cpp) under load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from duetime.cli.common import JsonOpt, PlotOpt, _progress, _user_errors, app, err, out
+
+
+@app.command()
+def load(
+    url: Annotated[str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000.")] = (
+        "http://127.0.0.1:8000"
+    ),
+    model: Annotated[
+        str | None, typer.Option(help="Model name to ask for (default: the first /v1/models).")
+    ] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Use /v1/chat/completions.")] = False,
+    workload: Annotated[str, typer.Option(help="sharegpt, synthetic, or a JSONL trace path.")] = (
+        "sharegpt"
+    ),
+    requests: Annotated[
+        int, typer.Option("--max-requests", "--requests", min=1, help="Requests per rate, at most.")
+    ] = 100,
+    rate: Annotated[
+        str, typer.Option(help="Arrival rate(s), requests/s; '1,2,4' sweeps, one run each.")
+    ] = "1",
+    arrival: Annotated[str, typer.Option(help="poisson or gamma.")] = "poisson",
+    cv: Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Random seed (lengths, arrivals, classes).")] = 0,
+    prompt_len: Annotated[str, typer.Option(help="Synthetic prompt tokens: N or LO-HI.")] = (
+        "16-512"
+    ),
+    output_len: Annotated[str, typer.Option(help="Synthetic output tokens: N or LO-HI.")] = (
+        "16-256"
+    ),
+    max_tokens: Annotated[int, typer.Option(min=1, help="Longest output asked for.")] = 1024,
+    max_context: Annotated[int, typer.Option(min=2, help="Longest prompt + output.")] = 2048,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Ask for exactly max_tokens (vLLM, duetime).")
+    ] = False,
+    class_mix: Annotated[
+        str | None, typer.Option(help="Request classes and weights: interactive=0.3,batch=0.7.")
+    ] = None,
+    deadline: Annotated[
+        list[str] | None,
+        typer.Option(help="CLASS=SECONDS after arrival (repeatable); SECONDS alone: every class."),
+    ] = None,
+    priority: Annotated[
+        list[str] | None, typer.Option(help="CLASS=INT priority sent with the requests.")
+    ] = None,
+    duration: Annotated[
+        float, typer.Option(min=0.0, help="Stop launching after this many seconds.")
+    ] = 60.0,
+    drain_timeout: Annotated[
+        float, typer.Option(min=0.0, help="Then wait this long for requests in flight.")
+    ] = 30.0,
+    request_timeout: Annotated[
+        float, typer.Option(min=0.001, help="Give up on a request silent this many seconds.")
+    ] = 120.0,
+    concurrency: Annotated[int, typer.Option(min=1, help="Connection pool size.")] = 256,
+    allow_remote: Annotated[
+        bool, typer.Option("--allow-remote", help="Allow a target that is not this machine.")
+    ] = False,
+    api_key: Annotated[str | None, typer.Option(help="Bearer token, if the server wants one.")] = (
+        None
+    ),
+    json_path: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """Open-loop load against an OpenAI-compatible endpoint: TTFT, TBT, e2e, goodput, deadlines."""
+    from rich.markup import escape
+
+    from duetime.metrics import render_table, write_json
+    from duetime.server import load_workload as lw
+    from duetime.server.load_report import (
+        TABLE_KEYS,
+        plot_rates,
+        plot_run,
+        run_label,
+        summarize_run,
+        to_record,
+    )
+    from duetime.server.load_target import check_target, discover_model
+    from duetime.server.loadgen import Bounds, Target, run_load
+
+    with _user_errors():
+        base = check_target(url, allow_remote=allow_remote)
+        spec = lw.LoadWorkload(
+            workload=workload,
+            requests=requests,
+            arrival=arrival,
+            cv=cv,
+            seed=seed,
+            prompt_len=lw.parse_range(prompt_len, "--prompt-len"),
+            output_len=lw.parse_range(output_len, "--output-len"),
+            max_tokens=max_tokens,
+            max_context=max_context,
+            class_mix=lw.parse_mix(class_mix),
+            deadlines=lw.parse_deadlines(deadline or []),
+            priorities=lw.parse_class_values(priority or [], "--priority", int),
+        )
+        rates: list[float | None] = list(lw.parse_rates(rate))
+        if spec.is_trace:
+            if len(rates) > 1:
+                raise ValueError("a trace has its own arrival times: give one --rate, or none")
+            rates = [None]
+        bounds = Bounds(
+            max_requests=requests,
+            duration_s=duration,
+            drain_timeout_s=drain_timeout,
+            request_timeout_s=request_timeout,
+            concurrency=concurrency,
+        )
+        plans = [(r, spec.build(r if r is not None else 1.0)) for r in rates]
+        if model is None:
+            model = discover_model(base, api_key=api_key)
+    target = Target(base=base, model=model, chat=chat, ignore_eos=ignore_eos, api_key=api_key)
+
+    rows: list[dict[str, Any]] = []
+    records = {}
+    for r, plan in plans:
+        label = run_label(r)
+        prog, cb = _progress(min(len(plan), requests), f"load {label}")
+        with prog:
+            run = run_load(plan, target, bounds, progress=cb)
+        row = {"rate": r, **summarize_run(run)}
+        rows.append(row)
+        records[label] = [to_record(o) for o in run.sent]
+        if row["top_errors"]:
+            message, count = next(iter(row["top_errors"].items()))
+            err.print(f"{label}: {row['errors']} errors; most common ({count}×): {message}")
+
+    keys = list(TABLE_KEYS)
+    keys += sorted({k for row in rows for k in row if k.startswith("deadline_hit_rate[")})
+    # Row labels are printed as rich markup: "[batch]" would vanish as a tag unless escaped.
+    shown = [(run_label(row["rate"]), {escape(k): row.get(k) for k in keys}) for row in rows]
+    title = escape(f"{target.model} at {base}{target.path}")
+    out.print(render_table(shown, keys=[escape(k) for k in keys], title=title))
+    if json_path is not None:
+        config = {
+            "url": base,
+            "model": target.model,
+            "endpoint": target.path,
+            "ignore_eos": ignore_eos,
+            "workload": workload,
+            "arrival": arrival,
+            "cv": cv,
+            "seed": seed,
+            "class_mix": spec.class_mix,
+            "deadlines_s": spec.deadlines,
+            "priorities": spec.priorities,
+            "bounds": bounds,
+        }
+        write_json(json_path, {"config": config, "rows": rows})
+    if plot is not None:
+        numeric = [row for row in rows if row["rate"] is not None]
+        if len(numeric) > 1:
+            plot_rates(numeric, plot)
+        else:
+            plot_run(records, plot)
+    for path in (json_path, plot):
+        if path is not None:
+            out.print(f"wrote {Path(path)}")

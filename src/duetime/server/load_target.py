@@ -1,0 +1,80 @@
+"""Where `duetime load` may send requests, and how it finds the model to ask for.
+
+A load generator is a small denial-of-service tool, so by default it only talks
+to this machine: the target's host must resolve to loopback addresses only
+(127.0.0.0/8, ::1, and 0.0.0.0 / ::, which reach this host too; ``localhost``
+is fine). Anything else needs
+``--allow-remote``. Every address the name resolves to is checked, so a name
+with one loopback and one public address is refused too.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+import httpx
+
+
+class TargetRefusedError(ValueError):
+    """The target is not on this machine and ``--allow-remote`` was not given."""
+
+
+def base_url(url: str) -> str:
+    """``http://host:port[/prefix]`` without a trailing ``/`` or ``/v1``: the OpenAI root."""
+    parsed = httpx.URL(url.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"--url must be http://HOST:PORT or https://HOST:PORT, got {url!r}")
+    text = str(parsed.copy_with(query=None, fragment=None)).rstrip("/")
+    return text[: -len("/v1")] if text.endswith("/v1") else text
+
+
+def resolve(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (an IP literal resolves to itself)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve host {host!r}: {e.strerror}") from None
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def is_loopback(address: str) -> bool:
+    """Loopback, or the unspecified address (``0.0.0.0``, ``::``), which connects to this host."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
+
+
+def check_target(url: str, *, allow_remote: bool) -> str:
+    """The base URL of ``url``; raises :class:`TargetRefusedError` if it is not loopback-only."""
+    base = base_url(url)
+    if allow_remote:
+        return base
+    parsed = httpx.URL(base)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    remote = [a for a in resolve(parsed.host, port) if not is_loopback(a)]
+    if remote:
+        raise TargetRefusedError(
+            f"refusing to send load to {parsed.host} ({', '.join(remote)}): not a loopback "
+            "address. Pass --allow-remote to load a server on another machine that you run "
+            "or may test."
+        )
+    return base
+
+
+def discover_model(base: str, *, api_key: str | None = None, timeout_s: float = 10.0) -> str:
+    """The first model ``GET {base}/v1/models`` lists (what ``--model`` defaults to)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(f"{base}/v1/models", headers=headers, timeout=timeout_s, trust_env=False)
+        resp.raise_for_status()
+        models = resp.json().get("data") or []
+        return str(models[0]["id"])
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot list models at {base}/v1/models ({e}); pass --model") from None
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise ValueError(f"{base}/v1/models lists no model; pass --model") from None

@@ -1,0 +1,446 @@
+"""`duetime load` against a fake OpenAI-compatible server: counts, timing, bounds, refusals.
+
+The fake server (FastAPI + uvicorn on a free loopback port, in a background
+thread) streams a few tokens with small sleeps. Its answers depend only on
+the order requests reach it, so counts are exact whatever the timing:
+every 5th request (n % 5 == 4) gets 429, every 7th (n % 7 == 6, if not 429)
+gets 500. A request asking for >= 1000 tokens streams one token a second, so
+the drain timeout has something to cut off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from typer.testing import CliRunner
+
+from duetime.cli import app
+from duetime.server.load_report import summarize_run, to_record
+from duetime.server.load_target import TargetRefusedError, base_url, check_target, is_loopback
+from duetime.server.load_workload import (
+    LoadRequest,
+    LoadWorkload,
+    parse_class_values,
+    parse_deadlines,
+    parse_mix,
+)
+from duetime.server.loadgen import (
+    DONE,
+    Bounds,
+    LoadRun,
+    Outcome,
+    Target,
+    chunk_text,
+    parse_sse_line,
+    request_body,
+    run_load,
+)
+
+runner = CliRunner()
+TOKEN_SLEEP_S = 0.004
+
+
+class FakeServer:
+    """Counts requests, keeps their bodies, answers as the module docstring says."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.app = FastAPI()
+        self.app.get("/v1/models")(self.models)
+        self.app.post("/v1/completions")(self.completions)
+        self.app.post("/v1/chat/completions")(self.completions)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.bodies.clear()
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    async def completions(self, request: Request) -> Any:
+        body = await request.json()
+        with self.lock:
+            n = len(self.bodies)
+            self.bodies.append(body)
+        if n % 5 == 4:
+            return JSONResponse({"error": "busy"}, status_code=429, headers={"Retry-After": "2"})
+        if n % 7 == 6:
+            return JSONResponse({"error": "boom"}, status_code=500)
+        chat = "messages" in body
+        tokens = min(int(body["max_tokens"]), 4)
+        gap = 1.0 if body["max_tokens"] >= 1000 else TOKEN_SLEEP_S
+
+        async def stream() -> AsyncIterator[str]:
+            if chat:  # a role-only first chunk, as vLLM sends: not a token
+                yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+            for i in range(tokens):
+                await asyncio.sleep(gap)
+                part = {"delta": {"content": f" t{i}"}} if chat else {"text": f" t{i}"}
+                yield _sse({"choices": [{"index": 0, **part}]})
+            last: dict[str, Any] = {"choices": [], "usage": {"completion_tokens": tokens}}
+            if "deadline_ms" in body:
+                last["duetime"] = {"ttft_ms": 1.0, "e2e_ms": 20.0, "deadline_met": True}
+            yield _sse(last)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[tuple[FakeServer, str]]:
+    server = FakeServer()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(server.app, log_level="warning", lifespan="off")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not uv.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.01)
+    yield server, f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+@pytest.fixture
+def server(fake: tuple[FakeServer, str]) -> tuple[FakeServer, str]:
+    fake[0].reset()
+    return fake
+
+
+def _requests(n: int, *, gap: float = 0.002, max_tokens: int = 4, **kw: Any) -> list[LoadRequest]:
+    return [
+        LoadRequest(
+            rid=i, arrival=i * gap, prompt=f"p{i}", prompt_len=4, max_tokens=max_tokens, **kw
+        )
+        for i in range(n)
+    ]
+
+
+def _invoke(*args: str) -> tuple[int, str]:
+    res = runner.invoke(app, ["load", *args])
+    return res.exit_code, res.output
+
+
+# --- the generator against the fake server ---------------------------------------------------
+
+
+def test_counts_ok_rejected_errors_exactly(server: tuple[FakeServer, str]) -> None:
+    fake, url = server
+    run = run_load(_requests(20), Target(base=url, model="m"), Bounds(max_requests=50))
+    status = [o.status for o in run.outcomes]
+    assert (status.count("ok"), status.count("rejected"), status.count("error")) == (14, 4, 2)
+    assert len(fake.bodies) == 20
+    rejected = [o for o in run.outcomes if o.status == "rejected"]
+    assert all(o.retry_after_s == 2.0 and o.http_status == 429 for o in rejected)
+    errors = [o for o in run.outcomes if o.status == "error"]
+    assert all(o.error is not None and o.error.startswith("HTTP 500") for o in errors)
+    for o in run.outcomes:
+        if o.status == "ok":
+            assert o.output_tokens == 4
+            assert o.chunks == 4
+            assert o.sent is not None
+            assert o.first_token is not None
+            assert o.finish is not None
+            assert o.sent < o.first_token <= o.finish
+            assert o.finish - o.sent >= 4 * TOKEN_SLEEP_S * 0.9
+
+
+def test_summary_counts_percentiles_and_rates(server: tuple[FakeServer, str]) -> None:
+    _, url = server
+    run = run_load(_requests(20), Target(base=url, model="m"), Bounds())
+    row = summarize_run(run)
+    assert (row["sent"], row["ok"], row["rejected"], row["errors"], row["unfinished"]) == (
+        20,
+        14,
+        4,
+        2,
+        0,
+    )
+    for name in ("ttft", "tbt", "e2e"):
+        p50, p90, p99 = (row[f"{name}_p{q}_s"] for q in (50, 90, 99))
+        assert 0 < p50 <= p90 <= p99, name
+    assert row["ttft_p50_s"] <= row["e2e_p50_s"]
+    assert row["output_tokens_total"] == 14 * 4
+    assert row["throughput_tok_s"] > 0
+    assert row["throughput_req_s"] > 0
+    # No deadlines: goodput counts completed requests, and there is no hit rate.
+    assert row["deadline_hit_rate"] is None
+    assert row["goodput_req_s"] == pytest.approx(row["throughput_req_s"])
+    assert row["top_errors"] == {'HTTP 500: {"error":"boom"}': 2}
+
+
+def test_wire_format_completions_and_chat(server: tuple[FakeServer, str]) -> None:
+    fake, url = server
+    reqs = _requests(3, deadline_s=2.5, priority=3, klass="interactive")
+    run = run_load(reqs, Target(base=url, model="m", ignore_eos=True), Bounds())
+    body = fake.bodies[0]
+    assert body["prompt"] == "p0"
+    assert body["model"] == "m"
+    assert body["max_tokens"] == 4
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True
+    assert body["min_tokens"] == 4
+    assert body["deadline_ms"] == 2500
+    assert body["priority"] == 3
+    assert body["temperature"] == 0
+    assert run.outcomes[0].server == {"ttft_ms": 1.0, "e2e_ms": 20.0, "deadline_met": True}
+    assert summarize_run(run)["server_deadline_met_rate"] == 1.0
+
+    fake.reset()
+    run = run_load(_requests(2), Target(base=url, model="m", chat=True), Bounds())
+    body = fake.bodies[0]
+    assert body["messages"] == [{"role": "user", "content": "p0"}]
+    assert "ignore_eos" not in body
+    assert "min_tokens" not in body
+    assert "deadline_ms" not in body
+    assert [o.chunks for o in run.outcomes] == [4, 4]  # the role-only chunk is not a token
+
+
+def test_bounded_by_max_requests_and_duration(server: tuple[FakeServer, str]) -> None:
+    fake, url = server
+    run = run_load(_requests(50), Target(base=url, model="m"), Bounds(max_requests=5))
+    assert len(run.outcomes) == 5
+    assert len(fake.bodies) == 5
+
+    fake.reset()
+    reqs = _requests(1000, gap=0.01)  # 10 s of arrivals
+    run = run_load(reqs, Target(base=url, model="m"), Bounds(max_requests=1000, duration_s=0.2))
+    assert len(run.sent) == sum(r.arrival <= 0.2 for r in reqs) == 21  # none after 0.2 s
+    assert run.launch_s < 1.0
+    assert run.wall_s < 3.0
+    assert summarize_run(run)["not_sent"] == 1000 - len(run.sent)
+
+
+def test_drain_timeout_cancels_requests_in_flight(server: tuple[FakeServer, str]) -> None:
+    _, url = server
+    reqs = _requests(3, max_tokens=1000)  # one token a second on the fake server
+    start = time.perf_counter()
+    run = run_load(reqs, Target(base=url, model="m"), Bounds(drain_timeout_s=0.3))
+    assert time.perf_counter() - start < 2.5  # 0.3 s drain, not 1000 s of tokens
+    assert [o.status for o in run.outcomes] == ["unfinished"] * 3
+    row = summarize_run(run)
+    assert row["unfinished"] == 3
+    assert row["ok"] == 0
+    assert row["e2e_p50_s"] is None
+
+
+def test_connection_refused_counts_as_errors() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = run_load(_requests(3), Target(base=f"http://127.0.0.1:{port}", model="m"), Bounds())
+    assert [o.status for o in run.outcomes] == ["error"] * 3
+    assert all(o.error and "Connect" in o.error for o in run.outcomes)
+
+
+def test_request_timeout_is_an_error(server: tuple[FakeServer, str]) -> None:
+    _, url = server
+    bounds = Bounds(request_timeout_s=0.2, drain_timeout_s=5)
+    run = run_load(_requests(1, max_tokens=1000), Target(base=url, model="m"), bounds)
+    assert run.outcomes[0].status == "error"
+    assert "timeout" in (run.outcomes[0].error or "")
+
+
+# --- deadlines and goodput, from hand-made outcomes ------------------------------------------
+
+
+def _outcome(rid: int, status: str, sent: float, finish: float | None, deadline: float) -> Outcome:
+    req = LoadRequest(rid, sent, "p", 4, 8, klass="a" if rid % 2 else "b", deadline_s=deadline)
+    o = Outcome(request=req, status=status, sent=sent, chunks=8)  # type: ignore[arg-type]
+    if status == "ok":
+        o.first_token, o.finish = sent + 0.1, finish
+    else:
+        o.ended = sent + 0.05
+    return o
+
+
+def test_deadline_hit_needs_success_within_the_deadline() -> None:
+    outcomes = [
+        _outcome(0, "ok", 0.0, 1.0, deadline=2.0),  # hit
+        _outcome(1, "ok", 0.0, 3.0, deadline=2.0),  # late: miss
+        _outcome(2, "rejected", 1.0, None, deadline=2.0),  # rejected: miss
+        _outcome(3, "error", 2.0, None, deadline=9.0),  # failed: miss
+        _outcome(4, "ok", 2.0, 4.0, deadline=2.0),  # e2e exactly 2.0: hit
+    ]
+    row = summarize_run(LoadRun(outcomes, launch_s=2.0, wall_s=4.0))
+    assert row["deadline_requests"] == 5
+    assert row["deadline_hit_rate"] == pytest.approx(2 / 5)
+    assert row["span_s"] == pytest.approx(4.0)
+    assert row["goodput_req_s"] == pytest.approx(2 / 4.0)
+    assert row["throughput_req_s"] == pytest.approx(3 / 4.0)
+    assert row["classes"]["b"]["deadline_hit_rate"] == pytest.approx(2 / 3)
+    assert row["deadline_hit_rate[a]"] == 0.0
+    assert to_record(outcomes[2]).cancelled_at == pytest.approx(1.05)
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+
+def test_sse_and_chunk_parsing() -> None:
+    assert parse_sse_line("data: [DONE]") == DONE
+    assert parse_sse_line(": keep-alive") is None
+    assert parse_sse_line("") is None
+    assert parse_sse_line('data: {"choices": []}') == {"choices": []}
+    with pytest.raises(ValueError, match="Expecting"):
+        parse_sse_line("data: {not json")
+    assert chunk_text({"choices": [{"text": "hi"}]}, chat=False) == "hi"
+    assert chunk_text({"choices": [{"delta": {"content": "yo"}}]}, chat=True) == "yo"
+    assert chunk_text({"choices": [{"delta": {"role": "assistant"}}]}, chat=True) == ""
+    assert chunk_text({"choices": [], "usage": {}}, chat=False) == ""
+
+
+def test_request_body_leaves_extensions_out_unless_asked() -> None:
+    body = request_body(_requests(1)[0], Target(base="http://x", model="m"))
+    assert set(body) == {"model", "prompt", "max_tokens", "stream", "stream_options", "temperature"}
+
+
+def test_class_options_parse() -> None:
+    assert parse_mix("interactive=1,batch=3") == {"interactive": 0.25, "batch": 0.75}
+    assert parse_deadlines(["interactive=2.0", "batch=30"]) == {"interactive": 2.0, "batch": 30.0}
+    assert parse_deadlines(["5"]) == {"*": 5.0}
+    assert parse_class_values(["a=1,b=-2"], "--priority", int) == {"a": 1, "b": -2}
+    for bad in ("interactive", "a=-1", "a=0,b=0"):
+        with pytest.raises(ValueError, match="--class-mix"):
+            parse_mix(bad)
+    with pytest.raises(ValueError, match="--deadline"):
+        parse_deadlines(["a=0"])
+
+
+def test_workload_classes_deadlines_are_seeded() -> None:
+    spec = LoadWorkload(
+        workload="synthetic",
+        requests=200,
+        prompt_len=(8, 16),
+        output_len=(4, 8),
+        class_mix={"interactive": 0.3, "batch": 0.7},
+        deadlines={"interactive": 2.0, "batch": 30.0},
+        priorities={"interactive": 1},
+    )
+    a, b = spec.build(10.0), spec.build(10.0)
+    assert a == b
+    share = sum(r.klass == "interactive" for r in a) / len(a)
+    assert 0.2 < share < 0.4
+    for r in a:
+        assert r.deadline_s == (2.0 if r.klass == "interactive" else 30.0)
+        assert r.priority == (1 if r.klass == "interactive" else None)
+        assert 4 <= r.max_tokens <= 8
+        assert r.prompt.startswith(f"Request {r.rid}:")
+    spec.deadlines = {"nosuch": 1.0}
+    with pytest.raises(ValueError, match="nosuch"):
+        spec.build(10.0)
+
+
+# --- the target check ------------------------------------------------------------------------
+
+
+def test_loopback_targets_pass_and_remote_ones_are_refused() -> None:
+    for url in (
+        "http://127.0.0.1:8000",
+        "http://localhost:8000/v1",
+        "http://[::1]:9/",
+        "http://127.9.9.9",
+    ):
+        check_target(url, allow_remote=False)
+    assert base_url("http://localhost:8000/v1/") == "http://localhost:8000"
+    with pytest.raises(TargetRefusedError, match="--allow-remote"):
+        check_target("http://10.1.2.3:8000", allow_remote=False)
+    assert check_target("http://10.1.2.3:8000", allow_remote=True) == "http://10.1.2.3:8000"
+    assert is_loopback("0.0.0.0")  # connects to this host
+    assert is_loopback("::ffff:127.0.0.1")
+    assert not is_loopback("::ffff:8.8.8.8")
+    with pytest.raises(ValueError, match="--url"):
+        base_url("ftp://127.0.0.1")
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def test_cli_refuses_remote_target_with_exit_2() -> None:
+    code, output = _invoke("--url", "http://192.0.2.7:8000", "--workload", "synthetic")
+    assert code == 2
+    assert "--allow-remote" in output
+    assert "192.0.2.7" in output
+    assert "Traceback" not in output
+
+
+def test_cli_bad_trace_exits_2_naming_line_and_field(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(
+        '{"rid": 0, "arrival": 0.0, "prompt_len": 10, "output_len": 5}\n'
+        '{"rid": 1, "arrival": 0.5, "prompt_len": 0, "output_len": 5}\n'
+    )
+    code, output = _invoke("--workload", str(trace), "--model", "m")
+    assert code == 2
+    assert "bad.jsonl:2" in output
+    assert "prompt_len" in output
+    assert "Traceback" not in output
+
+
+def test_cli_sweep_writes_json_rows_and_png(server: tuple[FakeServer, str], tmp_path: Path) -> None:
+    _, url = server
+    j, p = tmp_path / "load.json", tmp_path / "load.png"
+    code, output = _invoke(
+        "--url", url, "--workload", "synthetic", "--prompt-len", "8", "--output-len", "3-4",
+        "--max-requests", "10", "--rate", "200,400", "--ignore-eos",
+        "--class-mix", "interactive=0.5,batch=0.5", "--deadline", "interactive=2",
+        "--deadline", "batch=30", "--priority", "interactive=1",
+        "--json", str(j), "--plot", str(p),
+    )  # fmt: skip
+    assert code == 0, output
+    payload = json.loads(j.read_text())
+    assert payload["config"]["model"] == "fake-model"  # discovered from /v1/models
+    rows = payload["rows"]
+    assert [r["rate"] for r in rows] == [200.0, 400.0]
+    for row in rows:
+        assert row["sent"] == 10
+        assert row["ok"] + row["rejected"] + row["errors"] == 10
+        for key in ("ttft_p50_s", "tbt_p90_s", "e2e_p99_s", "throughput_tok_s", "goodput_req_s",
+                    "deadline_hit_rate", "rejected", "errors"):  # fmt: skip
+            assert key in row
+        assert set(row["classes"]) == {"interactive", "batch"}
+        assert 0.0 <= row["deadline_hit_rate"] <= 1.0
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "e2e_p90_s" in output
+    assert "deadline_hit_rate" in output
+
+
+def test_cli_trace_replay_one_rate_plots_cdf(
+    server: tuple[FakeServer, str], tmp_path: Path
+) -> None:
+    fake, url = server
+    trace, p = tmp_path / "t.jsonl", tmp_path / "cdf.png"
+    lines = [
+        {"rid": i, "arrival": i * 0.01, "prompt_len": 12, "output_len": 3,
+         "deadline": i * 0.01 + 5.0, "klass": "robot", "priority": 2}
+        for i in range(4)
+    ]  # fmt: skip
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, output = _invoke("--url", url, "--workload", str(trace), "--model", "m", "--plot", str(p))
+    assert code == 0, output
+    assert len(fake.bodies) == 4
+    assert {b["deadline_ms"] for b in fake.bodies} == {5000.0}
+    assert {b["priority"] for b in fake.bodies} == {2}
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
