@@ -209,14 +209,7 @@ class ExecutorCore:
             seq = self._get(rid, "cancel")
             if seq.status >= SeqStatus.FINISHED:
                 raise PolicyError(f"policy {name!r}: cancel of {seq.status.name} request {rid}")
-            self._release(seq)
-            if seq.status is not SeqStatus.WAITING or seq.kv_offloaded:
-                self._on_drop_kv(seq)
-            seq.status = SeqStatus.CANCELLED
-            self.records[rid].cancelled_at = self.now
-            self.records[rid].output_tokens = seq.generated
-            self.counters["cancelled"] += 1
-            self.n_done += 1
+            self._cancel(seq)
         for rid in dec.preempt:
             seq = self._get(rid, "preempt")
             if seq.status not in (SeqStatus.RUNNING, SeqStatus.SUSPENDED):
@@ -296,6 +289,61 @@ class ExecutorCore:
             chunks.append((seq, n))
         return chunks
 
+    def _cancel(self, seq: Seq) -> None:
+        """Cancel a live sequence: its KV memory is freed at once."""
+        self._release(seq)
+        if seq.status is not SeqStatus.WAITING or seq.kv_offloaded:
+            self._on_drop_kv(seq)
+        seq.status = SeqStatus.CANCELLED
+        rec = self.records[seq.rid]
+        rec.cancelled_at = self.now
+        rec.output_tokens = seq.generated
+        self.counters["cancelled"] += 1
+        self.n_done += 1
+
+    # --- outside the policy: clients that leave, answers that end early -------------
+    def abort(self, rid: int) -> bool:
+        """Cancel request ``rid`` on behalf of its client (a disconnect, a stop string).
+
+        Not a policy decision, so it is never an error: an unknown or already
+        finished request is left alone and False returned.
+        """
+        seq = self.seqs.get(rid)
+        if seq is None or seq.status >= SeqStatus.FINISHED:
+            return False
+        self._cancel(seq)
+        return True
+
+    def finish_early(self, rid: int) -> bool:
+        """Finish ``rid`` now with the tokens it has (the model sampled end-of-sequence).
+
+        The record's target becomes the tokens generated, so the request counts
+        as finished, not cancelled. Only a sequence with its prefill done can
+        end this way; returns False for any other state.
+        """
+        seq = self.seqs.get(rid)
+        if seq is None or not seq.prefill_done:
+            return False
+        if seq.status is SeqStatus.SUSPENDED:
+            self._release(seq)
+            self.records[rid].target_tokens = seq.generated
+            self._finish(seq)
+            return True
+        if not (seq.status is SeqStatus.RUNNING and seq.decoding):
+            return False
+        self.records[rid].target_tokens = seq.generated
+        self._reach_stop(seq)
+        return True
+
+    def forget(self, rid: int) -> None:
+        """Drop every trace of a finished or cancelled request (a long-running server's memory)."""
+        seq = self.seqs.get(rid)
+        if seq is not None and seq.status < SeqStatus.FINISHED:
+            raise ExecutorError(f"request {rid} is still {seq.status.name}; abort it first")
+        self.seqs.pop(rid, None)
+        self.records.pop(rid, None)
+        self._jobs.pop(rid, None)
+
     def _restart(self, seq: Seq) -> None:
         """Discard a released sequence's output: it waits to run again from its prompt."""
         rec = self.records[seq.rid]
@@ -358,12 +406,7 @@ class ExecutorCore:
         del self.running[seq.rid]
         rec.segment_done.append(self.now)
         if seq.generated >= target:
-            seq.status = SeqStatus.FINISHED
-            self._on_drop_kv(seq)
-            self.n_done += 1
-            rec.finish = self.now
-            rec.output_tokens = seq.generated
-            rec.num_preemptions = seq.num_preemptions
+            self._finish(seq)
             return
         # Segment boundary: keep KV, wait for the client to want the next segment.
         k = seq.segment_index
@@ -378,6 +421,16 @@ class ExecutorCore:
         self.suspended[seq.rid] = seq
         heapq.heappush(self._timers, seq.ready_at)
         self._on_segment_end(seq)
+
+    def _finish(self, seq: Seq) -> None:
+        """A released sequence has its whole answer: free its KV and close its record."""
+        rec = self.records[seq.rid]
+        seq.status = SeqStatus.FINISHED
+        self._on_drop_kv(seq)
+        self.n_done += 1
+        rec.finish = self.now
+        rec.output_tokens = seq.generated
+        rec.num_preemptions = seq.num_preemptions
 
     def _after_step(self, chunks: list[tuple[Seq, int]]) -> None:
         """Book one executed step: decoders took a token, chunks advanced their prefill."""

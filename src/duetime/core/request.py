@@ -85,6 +85,10 @@ class Request:
     prompt_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = True
     prompt_text: str | None = None
+    overrun: str | None = (
+        None  # per-request overrun strategy ("kill", "skip-next"); None = policy's
+    )
+    kv_eviction: str | float | None = None  # "off", "auto" or a fixed ratio; None = policy's
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:

@@ -103,6 +103,11 @@ class EngineExecutor(ExecutorCore):
         self._telemetry: IO[str] | None = None
         self._spool: Path | None = None  # where swapped-out KV waits (created on first use)
         self._spooled: dict[int, Path] = {}
+        # Online serving: requests that end at end-of-sequence, and who hears each new token.
+        self.eos_token_id: int | None = model.config.eos_token_id
+        self.stop_on_eos: dict[int, int] = {}  # rid → min_tokens before EOS may end it
+        self.last_step: tuple[float, int, int, int] | None = None  # (s, prefill, decoders, kv)
+        self.on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
 
     def step_cost_model(self) -> LinearStepCost | None:
         return self.cost
@@ -175,13 +180,26 @@ class EngineExecutor(ExecutorCore):
         logits = self.model.step(model_chunks, kv)
         next_ids = torch.argmax(logits, dim=-1).tolist()
         dt = self._clock() - t0
+        produced: list[tuple[int, int]] = []
         for (seq, sampled), tok in zip(owners, next_ids, strict=True):
             if sampled:
                 self.tokens[seq.rid].append(int(tok))
+                produced.append((seq.rid, int(tok)))
         self.now = self._clock() - self._t0
         self._after_step(chunks)
+        if self.stop_on_eos:
+            for rid, tok in produced:
+                if (
+                    tok == self.eos_token_id
+                    and rid in self.stop_on_eos
+                    and self.seqs[rid].generated >= self.stop_on_eos[rid]
+                ):
+                    self.finish_early(rid)
+        if self.on_tokens is not None and produced:
+            self.on_tokens(produced)
         if self.check_accounting:
             self._check_kv()
+        self.last_step = (dt, sum(n for _, n in chunks), len(decoders), kv_attended)
         self._log_step(chunks, len(decoders), kv_attended, dt)
         return dt
 
@@ -231,15 +249,11 @@ class EngineExecutor(ExecutorCore):
                     continue
                 if self.now > max_wall_s:
                     break
-                dec = self.policy.schedule(self.snapshot())
-                self.policy_calls += 1
-                chunks = self._apply(dec)
-                self._check_limits(chunks)
-                if chunks or self._n_dec:
+                nxt = self.tick()
+                if nxt is None:
                     idle_calls = 0
-                    self._run_step(chunks)
                     continue
-                if not dec.is_empty():
+                if nxt < 0:
                     idle_calls += 1
                     if idle_calls > 10_000:
                         raise ExecutorError(
@@ -247,11 +261,7 @@ class EngineExecutor(ExecutorCore):
                             "without letting the engine run a step"
                         )
                     continue
-                nxt = min(
-                    pending[i].request.arrival if i < n_jobs else float("inf"),
-                    min((s.ready_at for s in self.suspended.values()), default=float("inf")),
-                    dec.wake_at if dec.wake_at is not None else float("inf"),
-                )
+                nxt = min(nxt, pending[i].request.arrival if i < n_jobs else float("inf"))
                 if nxt == float("inf"):
                     raise ExecutorError(
                         f"policy {self.policy.name!r} scheduled nothing with "
@@ -260,12 +270,7 @@ class EngineExecutor(ExecutorCore):
                     )
                 self._sleep_until(nxt)
         finally:
-            if self._spool is not None:
-                shutil.rmtree(self._spool, ignore_errors=True)
-                self._spool, self._spooled = None, {}
-            if self._telemetry is not None:
-                self._telemetry.close()
-                self._telemetry = None
+            self.close()
         return EngineResult(
             records=[self.records[j.request.rid] for j in pending if j.request.rid in self.records],
             outputs={
@@ -279,6 +284,55 @@ class EngineExecutor(ExecutorCore):
             tokens_generated=self.tokens_generated,
             counters=dict(self.counters),
         )
+
+    def tick(self) -> float | None:
+        """One scheduling round: ask the policy, apply its decision, run a step if any.
+
+        Returns None when a step ran, -1.0 when the decision changed state but
+        ran nothing (ask again at once), else the time of the next event the
+        executor knows of (a suspended segment's ready time, the policy's
+        ``wake_at``; ``inf`` if none) — the caller adds arrivals it knows of.
+        """
+        dec = self.policy.schedule(self.snapshot())
+        self.policy_calls += 1
+        chunks = self._apply(dec)
+        self._check_limits(chunks)
+        if chunks or self._n_dec:
+            self._run_step(chunks)
+            return None
+        if not dec.is_empty():
+            return -1.0
+        return min(
+            min((s.ready_at for s in self.suspended.values()), default=float("inf")),
+            dec.wake_at if dec.wake_at is not None else float("inf"),
+        )
+
+    def clock_now(self) -> float:
+        """Seconds since the run started, on the executor's clock."""
+        return self._clock() - self._t0
+
+    def start_clock(self, origin: float | None = None) -> None:
+        """Start the executor's clock at zero now, or at ``origin`` (another executor's start)."""
+        self._t0 = self._clock() if origin is None else origin
+        self.now = self._clock() - self._t0
+
+    @property
+    def clock_origin(self) -> float:
+        return self._t0
+
+    def forget(self, rid: int) -> None:
+        super().forget(rid)
+        self.tokens.pop(rid, None)
+        self.stop_on_eos.pop(rid, None)
+
+    def close(self) -> None:
+        """Remove swapped-out KV files and close the telemetry file."""
+        if self._spool is not None:
+            shutil.rmtree(self._spool, ignore_errors=True)
+            self._spool, self._spooled = None, {}
+        if self._telemetry is not None:
+            self._telemetry.close()
+            self._telemetry = None
 
     def _sleep_until(self, t: float) -> None:
         delay = t - (self._clock() - self._t0)

@@ -129,7 +129,8 @@ class TimeBill(QueuePolicy):
                     n = math.ceil(alpha * kv - 1e-9)
                     alpha = min((n + 0.5) / kv, max(alpha, self.alpha_max))
                 dec.evict[seq.rid] = alpha
-        if self.overrun == "kill":
+        groups = (snap.running, snap.suspended, snap.waiting)
+        if any(self._overrun_of(s) == "kill" for g in groups for s in g):
             nxt = min(
                 (
                     _deadline(s)
@@ -146,16 +147,15 @@ class TimeBill(QueuePolicy):
     def _overruns(self, snap: EngineSnapshot) -> list[int]:
         now = snap.now
         live = [s for g in (snap.running, snap.suspended, snap.waiting) for s in g]
-        if self.overrun == "kill":
-            return [s.rid for s in live if _deadline(s) <= now]
+        killed = [s.rid for s in live if _deadline(s) <= now and self._overrun_of(s) == "kill"]
         overrunning: dict[str, int] = {}  # task → order of its oldest overrunning job
         for s in live:
-            if _deadline(s) <= now:
+            if _deadline(s) <= now and self._overrun_of(s) == "skip-next":
                 k = s.req.klass
                 overrunning[k] = min(overrunning.get(k, s.order), s.order)
         if not overrunning:
-            return []
-        return [
+            return killed
+        return killed + [
             s.rid
             for s in snap.waiting
             if s.prefilled == 0
@@ -164,10 +164,22 @@ class TimeBill(QueuePolicy):
             and s.order > overrunning[s.req.klass]
         ]
 
+    def _overrun_of(self, seq: Seq) -> str:
+        own = seq.req.overrun
+        return own if own in OVERRUN_STRATEGIES else self.overrun
+
     # --- α ------------------------------------------------------------------------
     def eviction_ratio(self, seq: Seq, snap: EngineSnapshot) -> float:
-        """α for a sequence whose prefill just finished: fixed, or the paper's α*."""
-        if self.fixed_alpha is not None:
+        """α for a sequence whose prefill just finished: fixed, or the paper's α*.
+
+        A request's own ``kv_eviction`` ("off", "auto" or a ratio) overrides the policy's.
+        """
+        own = seq.req.kv_eviction
+        if own == "off":
+            return 0.0
+        if isinstance(own, float | int):
+            return float(own)
+        if self.fixed_alpha is not None and own != "auto":
             return self.fixed_alpha
         cost = snap.cost
         deadline = seq.req.deadline

@@ -1,0 +1,95 @@
+"""`duetime serve`: the OpenAI-compatible, deadline-aware server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from duetime.cli.common import _fail, _user_errors, app, err
+
+_DTYPE_HELP = "fp32 (exact), fast (int8 head rescored in fp32), bf16 or int8."
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        str, typer.Option(help="'gemma' (packaged Gemma 3 270M), 'tiny' (random, tests) or a GGUF.")
+    ] = "gemma",
+    policy: Annotated[str, typer.Option(help="Any policy from `duetime policies`.")] = "edf",
+    policy_args: Annotated[
+        str | None, typer.Option(help='Policy keyword arguments as JSON: \'{"overrun": "kill"}\'.')
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="The model id clients send (default from the model).")
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option(help="fp32 (exact), fast (int8 head rescored in fp32), bf16 or int8.")
+    ] = "fp32",
+    threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
+    kv_capacity: Annotated[int, typer.Option(min=64, help="KV budget M in tokens.")] = 32_768,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Largest running batch.")] = 32,
+    max_batch_tokens: Annotated[int, typer.Option(min=16, help="Tokens per step.")] = 2048,
+    max_waiting: Annotated[int, typer.Option(min=1, help="Queue limit before 429.")] = 256,
+    predictor: Annotated[
+        str, typer.Option(help="Length predictor: auto, learned[:path] or none.")
+    ] = "auto",
+    profile: Annotated[
+        Path | None, typer.Option(help="Fitted profile (`duetime profile`); default: fit online.")
+    ] = None,
+    telemetry: Annotated[Path | None, typer.Option(help="Per-step JSONL telemetry.")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve the model over HTTP with OpenAI's API plus deadlines (see docs/server.md)."""
+    import torch
+    import uvicorn
+
+    from duetime.server.app import create_app
+    from duetime.server.build import ServeOptions, build_state, load_served_model
+
+    with _user_errors():
+        if dtype not in ("fp32", "fast", "bf16", "int8"):
+            raise ValueError(f"--dtype must be fp32, fast, bf16 or int8, got {dtype!r}")
+        try:
+            kwargs = json.loads(policy_args) if policy_args else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--policy-args is not valid JSON: {e.msg}") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("--policy-args must be a JSON object")
+        torch.set_num_threads(threads)
+        options = ServeOptions(
+            model=model,
+            served_model_name=served_model_name,
+            policy=policy,
+            policy_kwargs=kwargs,
+            dtype=dtype,
+            kv_capacity=kv_capacity,
+            max_num_seqs=max_num_seqs,
+            max_batch_tokens=max_batch_tokens,
+            max_waiting=max_waiting,
+            predictor=None if predictor == "none" else predictor,
+            profile=profile,
+            telemetry=telemetry,
+        )
+        try:
+            loaded, codec, name = load_served_model(options)
+        except ImportError as e:
+            _fail(str(e))
+        state = build_state(options, loaded, codec, name)
+    err.print(
+        f"duetime: serving [bold]{name}[/] with policy [bold]{policy}[/] on "
+        f"http://{host}:{port}/v1 (KV budget {kv_capacity} tokens)",
+        highlight=False,
+    )
+    err.print(
+        f"  try: curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{name}", "prompt": "The capital of France is", "max_tokens": 16, '
+        f'"deadline_ms": 5000}}\'',
+        highlight=False,
+        soft_wrap=True,
+    )
+    uvicorn.run(create_app(state), host=host, port=port, log_level=log_level)

@@ -1,0 +1,480 @@
+"""`duetime serve`: the OpenAI-compatible, deadline-aware HTTP front of the engine.
+
+Routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not),
+``/v1/models``, ``/health``, ``/metrics`` (Prometheus). Each request becomes a
+:class:`~duetime.core.request.Job` on the engine thread; its deadline, priority
+and time-utility function are what the policy schedules by. Handlers only
+tokenize, judge admission and relay tokens, so the event loop never waits on
+a forward pass. A client that disconnects cancels its sequence at once (its KV
+memory is freed by the engine on its next round).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from duetime.core.request import Job, LengthPrediction, TimeUtility
+from duetime.core.request import Request as EngineRequest
+from duetime.predict.oracle import JobPredictor
+from duetime.server.admission import Admission
+from duetime.server.chat_template import render_chat
+from duetime.server.codec import Codec, Detokenizer
+from duetime.server.engine_loop import EngineLoop, Outcome, Stream
+from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
+from duetime.server.metrics import ServerMetrics
+from duetime.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    TimingInfo,
+)
+
+__all__ = ["ServerConfig", "ServerState", "create_app"]
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 404, 413, 429, 500)
+}
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    model_name: str
+    max_context: int  # prompt + max_tokens may not exceed this
+    vocab_size: int
+    default_chat_max_tokens: int = 256
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 600.0
+
+
+@dataclass(slots=True)
+class ServerState:
+    """Everything the handlers share."""
+
+    config: ServerConfig
+    engine: EngineLoop
+    codec: Codec
+    admission: Admission
+    predictor: JobPredictor | None = None
+    metrics: ServerMetrics = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(lambda: self.engine.stats)
+        self.engine.on_outcome = lambda _job, outcome: self.metrics.observe(outcome)
+
+
+def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
+    """The ASGI app. With ``manage_engine`` the app's lifespan starts and stops the engine."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            state.engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                state.engine.stop()
+
+    app = FastAPI(
+        title="duetime",
+        version="0.1",
+        summary="OpenAI-compatible, deadline-aware LLM serving (duetime extensions in the body).",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    app.state.duetime = state
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.engine.alive
+        return JSONResponse(
+            {"status": "ok" if ok else "engine stopped", "model": state.config.model_name},
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.config.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "duetime",
+                    "max_model_len": state.config.max_context,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        if isinstance(body.prompt, list):
+            ids = [int(i) for i in body.prompt]
+            text = None
+        else:
+            text = body.prompt
+            ids = state.codec.encode(text)
+        return await _serve(state, request, body, ids, text, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        text = render_chat(body.messages)
+        ids = state.codec.encode(text)
+        limit = body.token_limit(state.config.default_chat_max_tokens)
+        return await _serve(state, request, body, ids, text, limit, chat=True)
+
+    return app
+
+
+# --- one request ---------------------------------------------------------------------
+async def _serve(
+    state: ServerState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    ids: list[int],
+    text: str | None,
+    max_tokens: int,
+    *,
+    chat: bool,
+) -> Response:
+    cfg = state.config
+    if body.model != cfg.model_name:
+        raise ApiError(
+            404,
+            f"model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    if any(i >= cfg.vocab_size for i in ids):
+        raise ApiError(400, f"prompt token ids must be < {cfg.vocab_size}", param="prompt")
+    if len(ids) + max_tokens > cfg.max_context:
+        raise ApiError(
+            400,
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+            f"length {cfg.max_context}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    if body.min_tokens > max_tokens:
+        raise ApiError(400, "min_tokens must be <= max_tokens", param="min_tokens")
+
+    engine = state.engine
+    now = engine.now()
+    budget = body.deadline_s()
+    tuf = None
+    if body.tuf is not None:
+        tuf = TimeUtility(ert=body.tuf.ert_ms / 1000.0, beta=body.tuf.beta, alpha=body.tuf.alpha)
+    req = EngineRequest(
+        rid=engine.next_rid(),
+        arrival=now,
+        prompt_len=len(ids),
+        max_tokens=max_tokens,
+        deadline=None if budget is None else now + budget,
+        priority=body.priority,
+        tuf=tuf,
+        klass=body.klass,
+        prompt_token_ids=tuple(ids),
+        ignore_eos=body.ignore_eos,
+        prompt_text=text,
+        overrun=None if body.overrun is None else body.overrun.replace("_", "-"),
+        kv_eviction=body.kv_eviction,
+    )
+    job = Job(req, output_len=max_tokens)
+    req.predicted = _predict(state, job)
+    tokens = req.predicted.point if req.predicted is not None else float(max_tokens)
+    verdict = state.admission.judge(
+        engine.stats,
+        engine.stats.waiting + engine.inbox_size,
+        prompt_len=len(ids),
+        tokens=tokens,
+        budget_s=budget,
+        allows_eviction=body.kv_eviction != "off",
+    )
+    if not verdict.accept:
+        state.metrics.rejected.labels("queue" if "queue" in verdict.reason else "deadline").inc()
+        raise ApiError(
+            429,
+            verdict.reason,
+            type="rate_limit_error",
+            code="deadline_unreachable" if "deadline" in verdict.reason else "queue_full",
+            headers={"Retry-After": str(verdict.retry_after_s)},
+        )
+    stream = Stream(asyncio.get_running_loop())
+    engine.submit(job, stream, stop_on_eos=not body.ignore_eos, min_tokens=body.min_tokens)
+    stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    relay = _Relay(state, req.rid, stream, stops, Detokenizer(state.codec))
+    meta = _Meta(
+        rid=req.rid,
+        model=cfg.model_name,
+        chat=chat,
+        prompt_tokens=len(ids),
+        echo=text if (not chat and getattr(body, "echo", False)) else None,
+    )
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(relay, meta, include_usage, request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return await _whole(relay, meta, request, cfg.request_timeout_s)
+
+
+def _predict(state: ServerState, job: Job) -> LengthPrediction | None:
+    req = job.request
+    if req.ignore_eos:
+        return LengthPrediction.exact(float(req.max_tokens))
+    if state.predictor is None:
+        return None
+    p = state.predictor.predict_job(job)
+    cap = float(req.max_tokens)
+    return LengthPrediction(
+        point=min(p.point, cap), lo=min(p.lo, cap), hi=min(p.hi, cap), confidence=p.confidence
+    )
+
+
+def _safe_end(text: str, stops: list[str]) -> int:
+    """Index before the longest suffix of ``text`` that begins some stop string."""
+    end = len(text)
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                end = min(end, len(text) - k)
+                break
+    return end
+
+
+@dataclass(slots=True)
+class _Meta:
+    rid: int
+    model: str
+    chat: bool
+    prompt_tokens: int
+    echo: str | None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class _Relay:
+    """Turns the engine's token batches into text deltas, applying stop strings."""
+
+    def __init__(
+        self, state: ServerState, rid: int, stream: Stream, stops: list[str], detok: Detokenizer
+    ) -> None:
+        self.state = state
+        self.rid = rid
+        self.stream = stream
+        self.stops = stops
+        self.detok = detok
+        self.sent = ""  # text handed to the client
+        self.completion_tokens = 0
+        self.outcome: Outcome | None = None
+        self.stopped = False  # a stop string ended the answer
+        self._aborted = False
+
+    async def deltas(self, timeout: float) -> AsyncIterator[str]:
+        """Text deltas until the answer ends; sets ``outcome``."""
+        deadline = time.monotonic() + timeout
+        while self.outcome is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.abort()
+                raise ApiError(504, "the request timed out in the server", type="server_error")
+            item = await self.stream.get(left)
+            if isinstance(item, Outcome):
+                self.outcome = item
+                self.detok.flush()
+                out = self._emit(final=True)
+                if out:
+                    yield out
+                break
+            self.completion_tokens += len(item)
+            self.detok.add(item)
+            out = self._emit(final=False)
+            if out:
+                yield out
+            if self.stopped and not self._aborted:
+                self._aborted = True
+                self.state.engine.abort(self.rid)  # keep listening: the outcome still comes
+
+    def _emit(self, *, final: bool) -> str:
+        """The text that may be sent now: up to a stop string, holding back a possible start."""
+        if self.stopped:
+            return ""
+        text = self.detok.text
+        start = len(self.sent)
+        end = len(text)
+        for stop in self.stops:
+            cut = text.find(stop, start)
+            if cut >= 0 and cut < end:
+                end = cut
+                self.stopped = True
+        if not self.stopped and not final:
+            end = min(end, _safe_end(text, self.stops))
+        out = text[start:end] if end > start else ""
+        self.sent += out
+        return out
+
+    def abort(self) -> None:
+        self.stream.closed = True
+        self.state.engine.abort(self.rid)
+
+    def finish_reason(self) -> str:
+        if self.stopped:
+            return "stop"
+        assert self.outcome is not None
+        return self.outcome.finish_reason
+
+    def timing(self) -> TimingInfo:
+        o = self.outcome
+        assert o is not None
+        return TimingInfo(
+            ttft_ms=None if o.ttft is None else round(o.ttft * 1000, 3),
+            e2e_ms=round(o.e2e * 1000, 3),
+            deadline_met=o.deadline_met,
+            kv_eviction_ratio=o.kv_evicted_ratio,
+            predicted_tokens=o.predicted_tokens,
+            preemptions=o.preemptions,
+        )
+
+
+async def _whole(relay: _Relay, meta: _Meta, request: Request, timeout: float) -> Response:
+    waiter = asyncio.ensure_future(_collect(relay, timeout))
+    try:
+        while not waiter.done():
+            done, _ = await asyncio.wait({waiter}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                waiter.cancel()
+                relay.abort()
+                return Response(status_code=499)
+        text = waiter.result()
+    except BaseException:
+        waiter.cancel()
+        relay.abort()
+        raise
+    outcome = relay.outcome
+    assert outcome is not None
+    if outcome.finish_reason == "error" and not relay.stopped:
+        raise ApiError(500, f"the engine failed: {outcome.error}", type="server_error")
+    body = _final_body(relay, meta, text)
+    return JSONResponse(body)
+
+
+async def _collect(relay: _Relay, timeout: float) -> str:
+    return "".join([d async for d in relay.deltas(timeout)])
+
+
+def _usage(relay: _Relay, meta: _Meta) -> dict[str, int]:
+    return {
+        "prompt_tokens": meta.prompt_tokens,
+        "completion_tokens": relay.completion_tokens,
+        "total_tokens": meta.prompt_tokens + relay.completion_tokens,
+    }
+
+
+def _final_body(relay: _Relay, meta: _Meta, text: str) -> dict[str, Any]:
+    reason = relay.finish_reason()
+    if meta.chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": reason,
+            "logprobs": None,
+        }
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {
+            "index": 0,
+            "text": (meta.echo or "") + text,
+            "finish_reason": reason,
+            "logprobs": None,
+        }
+        obj, prefix = "text_completion", "cmpl-"
+    return {
+        "id": prefix + meta.id,
+        "object": obj,
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [choice],
+        "usage": _usage(relay, meta),
+        "duetime": relay.timing().model_dump(),
+    }
+
+
+def _chunk(meta: _Meta, delta: str | None, reason: str | None, *, first: bool = False) -> dict:
+    if meta.chat:
+        d: dict[str, Any] = {}
+        if first:
+            d["role"] = "assistant"
+        if delta is not None:
+            d["content"] = delta
+        choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
+        obj, prefix = "chat.completion.chunk", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
+        obj, prefix = "text_completion", "cmpl-"
+    return {
+        "id": prefix + meta.id,
+        "object": obj,
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [choice],
+    }
+
+
+def _sse_line(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sse(
+    relay: _Relay, meta: _Meta, include_usage: bool, request: Request
+) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        if meta.chat:
+            yield _sse_line(_chunk(meta, "", None, first=True))
+        elif meta.echo:
+            yield _sse_line(_chunk(meta, meta.echo, None))
+        async for delta in relay.deltas(relay.state.config.request_timeout_s):
+            yield _sse_line(_chunk(meta, delta, None))
+        outcome = relay.outcome
+        assert outcome is not None
+        if outcome.finish_reason == "error" and not relay.stopped:
+            err = {"message": f"the engine failed: {outcome.error}", "type": "server_error"}
+            yield _sse_line({"error": err})
+        else:
+            last = _chunk(meta, None if meta.chat else "", relay.finish_reason())
+            last["duetime"] = relay.timing().model_dump()
+            yield _sse_line(last)
+            if include_usage:
+                usage = _chunk(meta, None, None)
+                usage["choices"] = []
+                usage["usage"] = _usage(relay, meta)
+                yield _sse_line(usage)
+        yield b"data: [DONE]\n\n"
+        finished = True
+    except ApiError as e:
+        yield _sse_line({"error": {"message": e.message, "type": e.type}})
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not finished:
+            relay.abort()  # the client went away (or timed out): free the sequence now
+        del request

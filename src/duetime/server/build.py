@@ -1,0 +1,107 @@
+"""Assemble a server: model + codec + policy + engine thread + admission, from plain options.
+
+``model="gemma"`` serves the packaged Gemma 3 270M; ``model="tiny"`` serves a
+small random-weight Gemma 3 with a byte tokenizer (tests, and trying the API
+in a second without loading weights); any other value is a GGUF path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from duetime.core.cost import LinearStepCost
+from duetime.engine.executor import EngineExecutor
+from duetime.engine.gemma3 import Gemma3
+from duetime.policies.registry import make_policy
+from duetime.predict.oracle import JobPredictor, make_job_predictor
+from duetime.server.admission import Admission
+from duetime.server.codec import ByteCodec, Codec, GemmaCodec
+from duetime.server.engine_loop import EngineLoop
+from duetime.server.step_timer import StepTimer
+
+__all__ = ["ServeOptions", "build_state", "load_served_model"]
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    model: str = "gemma"
+    served_model_name: str | None = None
+    policy: str = "edf"
+    policy_kwargs: dict[str, Any] | None = None
+    dtype: str = "fp32"
+    kv_capacity: int = 32_768
+    max_num_seqs: int = 32
+    max_batch_tokens: int = 2048
+    max_waiting: int = 256
+    predictor: str | None = "auto"  # auto: the learned length predictor for real models
+    profile: Path | None = None
+    telemetry: Path | None = None
+    seed: int = 0
+
+
+def load_served_model(options: ServeOptions) -> tuple[Gemma3, Codec, str]:
+    """The model, its codec and the name clients must send."""
+    if options.model == "tiny":
+        from duetime.engine.testing import engine_from_hf, tiny_hf_model
+
+        hf = tiny_hf_model(seed=options.seed, vocab_size=ByteCodec.vocab_size)
+        return engine_from_hf(hf), ByteCodec(), options.served_model_name or "duetime-tiny"
+    from duetime.engine.load import load_model
+
+    path = None if options.model == "gemma" else options.model
+    model = load_model(path, dtype=options.dtype)  # type: ignore[arg-type]
+    name = options.served_model_name or ("gemma-3-270m" if path is None else Path(path).stem)
+    return model, GemmaCodec(), name
+
+
+def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -> Any:
+    """A :class:`~duetime.server.app.ServerState` with its engine loop (not started yet)."""
+    from duetime.server.app import ServerConfig, ServerState
+
+    cost = LinearStepCost.from_profile(options.profile) if options.profile else None
+    timer = StepTimer(prior=cost)
+    kwargs = dict(options.policy_kwargs or {})
+    make_policy(options.policy, **kwargs)  # fail now, not on the engine thread
+
+    def make_executor() -> EngineExecutor:
+        ex = EngineExecutor(
+            make_policy(options.policy, **kwargs),
+            model,
+            kv_capacity=options.kv_capacity,
+            max_num_seqs=options.max_num_seqs,
+            max_batch_tokens=options.max_batch_tokens,
+            cost=cost,
+            telemetry=options.telemetry,
+            check_accounting=False,
+        )
+        ex.eos_token_id = codec.eos_id
+        return ex
+
+    engine = EngineLoop(make_executor, timer=timer, fixed_cost=cost is not None)
+    predictor = _predictor(options)
+    cfg = ServerConfig(
+        model_name=name,
+        max_context=min(model.config.max_position_embeddings, options.kv_capacity - 1),
+        vocab_size=model.config.vocab_size,
+    )
+    return ServerState(
+        config=cfg,
+        engine=engine,
+        codec=codec,
+        admission=Admission(timer, max_waiting=options.max_waiting),
+        predictor=predictor,
+    )
+
+
+def _predictor(options: ServeOptions) -> JobPredictor | None:
+    spec = options.predictor
+    if spec == "auto":
+        spec = None if options.model == "tiny" else "learned"
+    if spec in ("oracle",) or (spec or "").startswith(("noisy", "interval")):
+        raise ValueError(
+            f"predictor {spec!r} needs the true answer length, which a server never has; "
+            "use 'learned', 'learned:<path>' or 'none'"
+        )
+    return make_job_predictor(spec)

@@ -1,0 +1,111 @@
+"""Text ↔ token ids for the server, and incremental detokenization for streams.
+
+Two codecs: the Gemma tokenizer read from the GGUF (the real model) and a
+byte codec (one token per UTF-8 byte) for the tiny random-weight models the
+tests serve. A stream must never emit half a UTF-8 character or a piece the
+tokenizer would later merge differently, so :class:`Detokenizer` re-decodes
+a short window and holds text back while it ends in U+FFFD — the approach
+vLLM and TGI take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["ByteCodec", "Codec", "Detokenizer", "GemmaCodec"]
+
+
+class Codec(Protocol):
+    """What the server needs of a tokenizer."""
+
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt, with BOS first where the model wants it."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of generated ids (special tokens dropped)."""
+        ...
+
+
+class GemmaCodec:
+    """Gemma 3's tokenizer from the packaged GGUF (adds ``<bos>``)."""
+
+    def __init__(self) -> None:
+        from duetime.tokenizer import load_gemma_tokenizer
+
+        self._tok = load_gemma_tokenizer()
+        self.bos_id = self._tok.token_to_id("<bos>")
+        self.eos_id = self._tok.token_to_id("<eos>")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+class ByteCodec:
+    """One token per UTF-8 byte, shifted past the special ids (0 pad, 1 eos, 2 bos).
+
+    Vocabulary size 259; pair it with a random model of at least that vocabulary.
+    """
+
+    OFFSET = 3
+    vocab_size = 256 + OFFSET
+
+    def __init__(self) -> None:
+        self.bos_id: int | None = 2
+        self.eos_id: int | None = 1
+
+    def encode(self, text: str) -> list[int]:
+        return [2, *(b + self.OFFSET for b in text.encode("utf-8"))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
+        return data.decode("utf-8", errors="replace")
+
+
+class Detokenizer:
+    """Turns a growing list of generated ids into text deltas that are safe to send."""
+
+    #: How many already-sent tokens are re-decoded with each new one (context for merges).
+    WINDOW = 6
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.ids: list[int] = []
+        self.text = ""  # everything sent so far
+        self._prefix = 0  # ids[:_prefix] are settled; their text is text[:_prefix_chars]
+        self._prefix_chars = 0
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append ids; return the new text that can be sent now (may be empty)."""
+        self.ids.extend(new_ids)
+        start = max(0, self._prefix)
+        window = self.codec.decode(self.ids[start:])
+        if window.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for the next token
+        full = self.text[: self._prefix_chars] + window
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text = full if full.startswith(self.text) else self.text
+        if len(self.ids) - self._prefix > self.WINDOW:
+            # Settle all but the last WINDOW tokens; their text will not change any more.
+            settle = len(self.ids) - self.WINDOW
+            settled_text = self.codec.decode(self.ids[start:settle])
+            if not settled_text.endswith("\ufffd") and full.startswith(
+                self.text[: self._prefix_chars] + settled_text
+            ):
+                self._prefix_chars += len(settled_text)
+                self._prefix = settle
+        return delta
+
+    def flush(self) -> str:
+        """Text held back at the end of the answer (an incomplete character becomes U+FFFD)."""
+        full = self.text[: self._prefix_chars] + self.codec.decode(self.ids[self._prefix :])
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta

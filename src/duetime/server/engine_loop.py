@@ -1,0 +1,327 @@
+"""The engine in its own thread, fed by the server's event loop.
+
+A forward pass takes tens to hundreds of milliseconds on a CPU; run on the
+event loop it would stall every other connection. So the executor lives on
+one thread that owns it outright (nothing else touches its state): requests
+and aborts reach it through an inbox, and tokens and outcomes go back to each
+request's :class:`Stream` through ``loop.call_soon_threadsafe``. The thread
+sleeps on an event when there is nothing to do, so an idle server costs no
+CPU.
+
+If a step raises (a bug in a policy, say), every live request fails with an
+error, the executor is rebuilt with a fresh KV cache, and the server goes on:
+one bad step must not leave memory held or the loop dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from duetime.core.request import Job
+from duetime.core.sequence import SeqStatus
+from duetime.engine.executor import EngineExecutor
+from duetime.server.step_timer import StepTimer
+
+__all__ = ["EngineLoop", "EngineStats", "Outcome", "Stream"]
+
+log = logging.getLogger("duetime.server")
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(slots=True, frozen=True)
+class Outcome:
+    """How a request ended, in seconds on the engine clock."""
+
+    finish_reason: FinishReason
+    arrival: float
+    first_token: float | None
+    end: float
+    output_tokens: int
+    kv_evicted_ratio: float = 0.0
+    predicted_tokens: float | None = None
+    deadline: float | None = None
+    preemptions: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.arrival
+
+    @property
+    def deadline_met(self) -> bool | None:
+        if self.deadline is None:
+            return None
+        return self.finish_reason in ("stop", "length") and self.end <= self.deadline
+
+
+class Stream:
+    """The event-loop side of one request: batches of token ids, then one :class:`Outcome`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[list[int] | Outcome] = asyncio.Queue()
+        self.closed = False
+
+    def put(self, item: list[int] | Outcome) -> None:
+        """Called from the engine thread."""
+        if not self.closed:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get(self, timeout: float | None = None) -> list[int] | Outcome:
+        return await asyncio.wait_for(self._queue.get(), timeout)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """A consistent copy of the engine's state, refreshed after every round."""
+
+    now: float = 0.0
+    waiting: int = 0
+    waiting_prefill_tokens: int = 0
+    running: int = 0
+    suspended: int = 0
+    kv_used: int = 0
+    kv_capacity: int = 0
+    engine_steps: int = 0
+    engine_errors: int = 0
+    alive: bool = False
+
+
+@dataclass(slots=True)
+class _Live:
+    job: Job
+    stream: Stream
+    emitted: int = 0  # generated tokens already sent (a restarted sequence re-makes them)
+
+
+class EngineLoop:
+    """Owns an :class:`EngineExecutor` on a background thread."""
+
+    def __init__(
+        self,
+        make_executor: Callable[[], EngineExecutor],
+        *,
+        timer: StepTimer | None = None,
+        fixed_cost: bool = False,
+        idle_wait_s: float = 0.5,
+    ) -> None:
+        """``fixed_cost``: the executor's cost model is a given profile; otherwise policies
+        are handed the timer's online fit as ``snapshot.cost`` as it improves."""
+        self._make_executor = make_executor
+        self.executor = make_executor()
+        self.timer = timer or StepTimer()
+        self._idle_wait_s = idle_wait_s
+        self._fixed_cost = fixed_cost
+        self._inbox: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._live: dict[int, _Live] = {}
+        self._rids = itertools.count(1)
+        self._errors = 0
+        self.stats = EngineStats(kv_capacity=self.executor.kv_capacity)
+        self.on_outcome: Callable[[Job, Outcome], None] | None = None
+
+    # --- called from any thread ----------------------------------------------------
+    def next_rid(self) -> int:
+        return next(self._rids)
+
+    def now(self) -> float:
+        """Seconds on the engine clock (request arrival and deadline times use it)."""
+        return self.executor.clock_now()
+
+    def submit(self, job: Job, stream: Stream, *, stop_on_eos: bool, min_tokens: int = 0) -> None:
+        with self._lock:
+            self._inbox.append(("submit", (job, stream, stop_on_eos, min_tokens)))
+        self._wake.set()
+
+    def abort(self, rid: int) -> None:
+        with self._lock:
+            self._inbox.append(("abort", rid))
+        self._wake.set()
+
+    @property
+    def inbox_size(self) -> int:
+        return len(self._inbox)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine loop already started")
+        self.executor.start_clock()
+        self._thread = threading.Thread(target=self._main, name="duetime-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.executor.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- the engine thread ---------------------------------------------------------
+    def _main(self) -> None:
+        ex = self.executor
+        ex.on_tokens = self._publish_tokens
+        while not self._stopping.is_set():
+            self._drain_inbox()
+            ex = self.executor
+            if not ex.in_system:
+                self._refresh_stats()
+                self._wait(self._idle_wait_s)
+                continue
+            done_before = ex.n_done
+            try:
+                nxt = ex.tick()
+            except Exception:  # the server must survive a bad step
+                self._fail_all(traceback.format_exc())
+                continue
+            refit = nxt is None and ex.last_step is not None and self.timer.observe(*ex.last_step)
+            if refit and not self._fixed_cost:
+                ex.cost = self.timer.as_cost()
+            if ex.n_done != done_before:
+                self._publish_ends()
+            self._refresh_stats()
+            if nxt is None or nxt < 0:
+                continue
+            self._wait(min(self._idle_wait_s, max(0.0, nxt - ex.clock_now())))
+        self._fail_all("server shutting down", log_it=False)
+
+    def _wait(self, seconds: float) -> None:
+        if seconds > 0:
+            self._wake.wait(seconds)
+        self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            items, self._inbox = self._inbox, []
+        if not items:
+            return
+        ex = self.executor
+        ex.now = ex.clock_now()
+        for kind, payload in items:
+            if kind == "submit":
+                job, stream, stop_on_eos, min_tokens = payload
+                rid = job.request.rid
+                try:
+                    ex.admit_arrival(job)
+                except Exception as e:  # one bad request must not stop the loop
+                    stream.put(self._outcome(job, "error", error=str(e)))
+                    continue
+                self._live[rid] = _Live(job, stream)
+                if stop_on_eos:
+                    ex.stop_on_eos[rid] = min_tokens
+            elif ex.abort(payload):
+                self._finish(payload, "abort")
+        if ex.n_done:
+            self._publish_ends()
+
+    def _publish_tokens(self, produced: list[tuple[int, int]]) -> None:
+        ex = self.executor
+        batches: dict[int, list[int]] = {}
+        for rid, tok in produced:
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            position = len(ex.tokens[rid]) - live.job.request.prompt_len
+            if position <= live.emitted:
+                continue  # re-generated after a restart: the client has it already
+            live.emitted = position
+            batches.setdefault(rid, []).append(tok)
+        for rid, toks in batches.items():
+            self._live[rid].stream.put(toks)
+
+    def _publish_ends(self) -> None:
+        ex = self.executor
+        ended = [rid for rid in self._live if ex.seqs[rid].status >= SeqStatus.FINISHED]
+        for rid in ended:
+            seq = ex.seqs[rid]
+            if seq.status is SeqStatus.CANCELLED:
+                self._finish(rid, "abort")
+            else:
+                rec = ex.records[rid]
+                hit_eos = rec.output_tokens < min(
+                    self._live[rid].job.output_len, rec.request.max_tokens
+                )
+                self._finish(rid, "stop" if hit_eos else "length")
+
+    def _finish(self, rid: int, reason: FinishReason) -> None:
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        outcome = self._outcome(live.job, reason)
+        live.stream.put(outcome)
+        if self.on_outcome is not None:
+            self.on_outcome(live.job, outcome)
+        self.executor.forget(rid)
+
+    def _outcome(self, job: Job, reason: FinishReason, error: str | None = None) -> Outcome:
+        ex = self.executor
+        req = job.request
+        rec = ex.records.get(req.rid)
+        pred = req.predicted
+        return Outcome(
+            finish_reason=reason,
+            arrival=req.arrival,
+            first_token=rec.first_token if rec else None,
+            end=ex.clock_now(),
+            output_tokens=rec.output_tokens if rec else 0,
+            kv_evicted_ratio=rec.kv_evicted_ratio if rec else 0.0,
+            predicted_tokens=pred.point if pred is not None else None,
+            deadline=req.deadline,
+            preemptions=ex.seqs[req.rid].num_preemptions if req.rid in ex.seqs else 0,
+            error=error,
+        )
+
+    def _fail_all(self, why: str, *, log_it: bool = True) -> None:
+        """Fail every live request and start over with a fresh executor (and KV cache)."""
+        if log_it:
+            log.error("engine step failed; failing %d requests:\n%s", len(self._live), why)
+            self._errors += 1
+        message = why.strip().splitlines()[-1] if why.strip() else "engine error"
+        for live in list(self._live.values()):
+            outcome = self._outcome(live.job, "error", error=message)
+            live.stream.put(outcome)
+            if self.on_outcome is not None:
+                self.on_outcome(live.job, outcome)
+        self._live.clear()
+        old = self.executor
+        old.close()
+        if log_it:
+            self.executor = self._make_executor()
+            self.executor.start_clock(old.clock_origin)  # one clock: arrival times stay valid
+            self.executor.on_tokens = self._publish_tokens
+            if not self._fixed_cost:
+                self.executor.cost = self.timer.as_cost()
+        self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        ex = self.executor
+        self.stats = EngineStats(
+            now=ex.clock_now(),
+            waiting=len(ex.waiting),
+            waiting_prefill_tokens=sum(s.prefill_remaining for s in ex.waiting),
+            running=len(ex.running),
+            suspended=len(ex.suspended),
+            kv_used=ex.kv_used,
+            kv_capacity=ex.kv_capacity,
+            engine_steps=ex.engine_steps,
+            engine_errors=self._errors,
+            alive=True,
+        )

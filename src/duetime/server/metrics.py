@@ -1,0 +1,98 @@
+"""Prometheus metrics of one server, in their own registry (so tests can run several).
+
+Gauges are read from the engine's latest :class:`EngineStats` when scraped;
+counters and histograms are fed by every request's outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from duetime.server.engine_loop import EngineStats, Outcome
+
+__all__ = ["ServerMetrics"]
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], hits: Callable[[], float | None]) -> None:
+        self._stats = stats
+        self._hits = hits
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self._stats()
+        for name, doc, value in (
+            ("duetime_queue_length", "Requests waiting for the engine.", s.waiting),
+            ("duetime_running", "Sequences in the running batch.", s.running),
+            ("duetime_suspended", "Sequences suspended or swapped out.", s.suspended),
+            ("duetime_kv_used_tokens", "KV cache memory in use, in tokens.", s.kv_used),
+            ("duetime_kv_capacity_tokens", "KV cache budget M, in tokens.", s.kv_capacity),
+            ("duetime_engine_steps", "Engine steps run so far.", s.engine_steps),
+            ("duetime_engine_errors", "Steps that raised (the engine restarted).", s.engine_errors),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        rate = self._hits()
+        if rate is not None:
+            yield GaugeMetricFamily(
+                "duetime_deadline_hit_rate",
+                "Fraction of requests with a deadline that met it.",
+                value=rate,
+            )
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "duetime_requests", "Finished requests by finish reason.", ["reason"], registry=r
+        )
+        self.rejected = Counter(
+            "duetime_rejected",
+            "Requests refused with 429 by admission control.",
+            ["why"],
+            registry=r,
+        )
+        self.deadlines = Counter(
+            "duetime_deadlines",
+            "Requests with a deadline, by whether they met it.",
+            ["met"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "duetime_ttft_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "duetime_e2e_seconds",
+            "Request end-to-end latency.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter("duetime_generated_tokens", "Tokens generated.", registry=r)
+        self._met = 0
+        self._with_deadline = 0
+        r.register(_EngineCollector(stats, self.hit_rate))
+
+    def hit_rate(self) -> float | None:
+        return self._met / self._with_deadline if self._with_deadline else None
+
+    def observe(self, outcome: Outcome) -> None:
+        self.requests.labels(outcome.finish_reason).inc()
+        self.tokens.inc(outcome.output_tokens)
+        if outcome.ttft is not None:
+            self.ttft.observe(outcome.ttft)
+        if outcome.finish_reason in ("stop", "length"):
+            self.e2e.observe(outcome.e2e)
+        met = outcome.deadline_met
+        if met is not None:
+            self._with_deadline += 1
+            self._met += int(met)
+            self.deadlines.labels(str(met).lower()).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,177 @@
+"""Request and response bodies of the OpenAI-compatible API, with duetime's time fields.
+
+Standard OpenAI fields keep their names and meaning; fields duetime does not
+implement (``top_p``, ``presence_penalty``, ...) are accepted and ignored, as
+vLLM does, so existing clients work unchanged. The time-aware extensions
+arrive through the client's ``extra_body`` and are documented here, in the
+OpenAPI schema FastAPI serves at ``/docs`` and ``/openapi.json``.
+
+Decoding is greedy: ``temperature`` is accepted for compatibility and ignored
+(every benchmark in duetime compares policies on identical outputs).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+#: Upper bound on any millisecond field: about 11.6 days, far past any sane deadline.
+MAX_MS = 1e9
+#: Upper bound on max_tokens accepted at all (the context length is checked later).
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+class TUFSpec(BaseModel):
+    """TimelyLLM's time-utility function ``TUF(t) = min(β, α·(t − ERT) + β)``, times in ms."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ert_ms: float = Field(ge=0, le=MAX_MS, description="Expected response time (ms).")
+    beta: float = Field(1.0, gt=0, le=1e6, description="Utility before ERT.")
+    alpha: float = Field(-2.0, le=0, ge=-1e6, description="Slope after ERT (utility per second).")
+
+
+class TimeFields(BaseModel):
+    """duetime's extensions, shared by both endpoints (send them through ``extra_body``)."""
+
+    deadline_ms: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_MS,
+        description="Deadline for the whole answer, in ms after the server receives the request.",
+    )
+    time_budget_ms: float | None = Field(
+        None, gt=0, le=MAX_MS, description="Alias of deadline_ms (TimeBill's time budget T)."
+    )
+    priority: int = Field(0, ge=-1000, le=1000, description="Larger is more important.")
+    tuf: TUFSpec | None = Field(None, description="Time-utility function for utility policies.")
+    overrun: Literal["kill", "skip_next"] | None = Field(
+        None,
+        description="What happens past the deadline (policies that support it): kill the request "
+        "or skip the next ones of its class.",
+    )
+    kv_eviction: Literal["off", "auto"] | Annotated[float, Field(ge=0, lt=1)] = Field(
+        "off",
+        description="'off', 'auto' (the policy may evict KV to meet the deadline, e.g. TimeBill) "
+        "or a fixed eviction ratio in [0, 1). Allowing eviction lets admission accept a request "
+        "with degraded quality instead of answering 429.",
+    )
+    ignore_eos: bool = Field(False, description="Generate exactly max_tokens (benchmarks).")
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT, description="Never stop before this.")
+    klass: str = Field("default", max_length=64, description="Request class (for per-class stats).")
+
+    def deadline_s(self) -> float | None:
+        ms = self.deadline_ms if self.deadline_ms is not None else self.time_budget_ms
+        return None if ms is None else ms / 1000.0
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(TimeFields):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(0.0, ge=0, le=2, description="Ignored: decoding is greedy.")
+    n: Literal[1] = Field(1, description="Only one choice per request.")
+    stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        None, description="Up to 4 stop strings; the answer ends before the first one."
+    )
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] = Field(
+        description="Text, or a list of token ids; a list of strings must hold exactly one."
+    )
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request (n = 1 batching is the server's job)")
+            return v[0]
+        if isinstance(v, str) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+
+    def token_limit(self, default: int) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens if self.max_tokens is not None else default
+
+
+class TimingInfo(BaseModel):
+    """What duetime reports about one answer (top-level ``duetime`` field of a response)."""
+
+    ttft_ms: float | None
+    e2e_ms: float | None
+    deadline_met: bool | None
+    kv_eviction_ratio: float
+    predicted_tokens: float | None
+    preemptions: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object."""
+
+    error: ErrorBody
