@@ -6,7 +6,7 @@ PIP     := $(BIN)/python -m pip
 STAMP   := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 
-.PHONY: run test lint format bench bench-sim clean setup
+.PHONY: run demo test lint format bench bench-sim clean setup
 
 setup: $(STAMP)
 
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
+# The main job: the OpenAI-compatible server on the packaged Gemma 3 270M (Ctrl-C stops it).
 run: $(STAMP)
+	$(BIN)/duetime serve --model gemma --policy edf --port 8000
+
+# The simulator in one command: ShareGPT through FCFS and EDF, table + out/demo.png.
+demo: $(STAMP)
 	$(BIN)/duetime demo
 
 test: $(STAMP)
