@@ -136,10 +136,9 @@ def load(
 
     keys = list(TABLE_KEYS)
     keys += sorted({k for row in rows for k in row if k.startswith("deadline_hit_rate[")})
-    # Row labels are printed as rich markup: "[batch]" would vanish as a tag unless escaped.
-    shown = [(run_label(row["rate"]), {escape(k): row.get(k) for k in keys}) for row in rows]
+    shown = [(run_label(row["rate"]), row) for row in rows]  # render_table escapes labels
     title = escape(f"{target.model} at {base}{target.path}")
-    out.print(render_table(shown, keys=[escape(k) for k in keys], title=title))
+    out.print(render_table(shown, keys=keys, title=title))
     if json_path is not None:
         config = {
             "url": base,

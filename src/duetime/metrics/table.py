@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from rich.markup import escape
 from rich.table import Table
 
 Value = float | int | None
@@ -46,10 +47,11 @@ def render_table(
     columns = _as_columns(summaries)
     table = Table(title=title)
     table.add_column("metric", style="bold")
+    # Labels are data, not markup: "deadline_hit_rate[batch]" must print as written.
     for label, _ in columns:
-        table.add_column(label, justify="right")
+        table.add_column(escape(label), justify="right")
     for key in keys if keys is not None else DEFAULT_KEYS:
-        table.add_row(key, *(format_value(s.get(key)) for _, s in columns))
+        table.add_row(escape(key), *(escape(format_value(s.get(key))) for _, s in columns))
     return table
 
 
