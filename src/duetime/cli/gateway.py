@@ -1,0 +1,102 @@
+"""`duetime gateway`: deadline-aware admission and routing over OpenAI-compatible backends."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import urlsplit
+
+import typer
+
+from duetime.cli.common import _user_errors, app, err
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def _check_backends(backends: list[str], allow_remote: bool) -> list[str]:
+    if not backends:
+        raise ValueError("give at least one --backend URL (e.g. http://127.0.0.1:8001)")
+    urls: list[str] = []
+    for raw in backends:
+        url = raw.rstrip("/")
+        if url.endswith("/v1"):
+            url = url[: -len("/v1")]
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--backend {raw!r} is not an http(s) URL")
+        if (
+            parts.hostname not in _LOOPBACK
+            and not parts.hostname.startswith("127.")
+            and not allow_remote
+        ):
+            raise ValueError(
+                f"--backend {raw!r} is not on loopback; pass --allow-remote to use remote backends"
+            )
+        if url in urls:
+            raise ValueError(f"--backend {raw!r} is given twice")
+        urls.append(url)
+    return urls
+
+
+def _load_profiles(items: list[str], urls: list[str]) -> dict[str, dict[str, float]]:
+    """``URL=path.json`` with ``ttft_s`` and ``tpot_s`` (seconds): seeds for the estimates."""
+    out: dict[str, dict[str, float]] = {}
+    for item in items:
+        url, sep, path = item.partition("=")
+        url = url.rstrip("/")
+        if not sep or url not in urls:
+            raise ValueError(f"--profile {item!r} must be URL=path with URL one of the backends")
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a profile must be a JSON object")
+        seed = {k: float(data[k]) for k in ("ttft_s", "tpot_s") if k in data}
+        if not seed or any(v <= 0 for v in seed.values()):
+            raise ValueError(f"{path}: needs positive ttft_s and/or tpot_s (seconds)")
+        out[url] = seed
+    return out
+
+
+@app.command()
+def gateway(
+    backend: Annotated[
+        list[str], typer.Option(help="A backend's base URL (repeat): http://127.0.0.1:8001.")
+    ] = [],  # noqa: B006 - typer needs a literal default
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
+    max_inflight: Annotated[int, typer.Option(min=1, help="Requests in flight per backend.")] = 8,
+    max_queue: Annotated[int, typer.Option(min=1, help="Waiting requests before 429.")] = 1024,
+    health_interval: Annotated[
+        float, typer.Option(min=0.05, help="Seconds between health probes.")
+    ] = 0.5,
+    request_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds per request.")] = 600.0,
+    profile: Annotated[
+        list[str], typer.Option(help="URL=path.json with ttft_s/tpot_s seeds (repeatable).")
+    ] = [],  # noqa: B006
+    allow_remote: Annotated[bool, typer.Option(help="Allow backends off loopback.")] = False,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Route OpenAI requests over several backends by predicted finish (docs/gateway.md)."""
+    import uvicorn
+
+    from duetime.server.gateway import GatewayConfig, create_gateway_app
+
+    with _user_errors():
+        urls = _check_backends(backend, allow_remote)
+        try:
+            profiles = _load_profiles(profile, urls)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--profile: not valid JSON: {e.msg}") from None
+        config = GatewayConfig(
+            max_inflight=max_inflight,
+            max_queue=max_queue,
+            health_interval_s=health_interval,
+            request_timeout_s=request_timeout,
+        )
+        gw_app = create_gateway_app(urls, config, profiles)
+    err.print(
+        f"duetime gateway on http://{host}:{port}/v1 over {len(urls)} backend(s): "
+        + ", ".join(urls),
+        highlight=False,
+    )
+    uvicorn.run(gw_app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,255 @@
+"""`duetime gateway` over two `duetime serve` subprocesses: routing, pass-through, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from duetime.cli import app as cli_app
+from duetime.server.gateway import Backend, GatewayConfig, choose_backend, create_gateway_app
+from duetime.server.threaded import serve_in_thread
+
+MODEL = "duetime-tiny"
+DUETIME = Path(sys.executable).with_name("duetime")
+
+
+def test_routing_picks_earliest_predicted_finish() -> None:
+    fast = Backend("http://a", up=True, in_flight=3, ttft_s=0.01, tpot_s=0.001)  # 4*0.11
+    slow = Backend("http://b", up=True, in_flight=0, ttft_s=0.05, tpot_s=0.01)  # 1*1.05
+    assert choose_backend([fast, slow], 100, max_inflight=8) is fast
+    slow.tpot_s = 0.002  # 1 * 0.25 < 0.44
+    assert choose_backend([fast, slow], 100, max_inflight=8) is slow
+    slow.up = False
+    assert choose_backend([fast, slow], 100, max_inflight=8) is fast
+    fast.in_flight = 8  # at its cap
+    assert choose_backend([fast, slow], 100, max_inflight=8) is None
+    slow.up, slow.models = True, ["other-model"]
+    assert choose_backend([fast, slow], 100, max_inflight=8, model=MODEL) is None
+
+
+def test_ewma_learns_from_answers() -> None:
+    b = Backend("http://a")
+    b.observe(0.1, 1.1, 11, alpha=0.5)
+    assert b.ttft_s == pytest.approx(0.1)
+    assert b.tpot_s == pytest.approx(0.1)
+    b.observe(0.3, 0.3 + 10 * 0.3, 11, alpha=0.5)
+    assert b.ttft_s == pytest.approx(0.2)
+    assert b.tpot_s == pytest.approx(0.2)
+
+
+def test_cli_refuses_bad_backends() -> None:
+    runner = CliRunner()
+    r = runner.invoke(cli_app, ["gateway"])
+    assert r.exit_code == 2
+    assert "--backend" in r.output
+    r = runner.invoke(cli_app, ["gateway", "--backend", "http://10.1.2.3:8000"])
+    assert r.exit_code == 2
+    assert "--allow-remote" in r.output
+    r = runner.invoke(cli_app, ["gateway", "--backend", "ftp://127.0.0.1:1"])
+    assert r.exit_code == 2
+
+
+# --- end to end --------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_backend() -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [str(DUETIME), "serve", "--model", "tiny", "--port", str(port)]
+    cmd += ["--predictor", "none", "--log-level", "warning", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"backend {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=0.5, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"backend {url} did not start")
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
+    if not DUETIME.exists():
+        pytest.skip("the duetime console script is not installed next to the interpreter")
+    started = [_start_backend(), _start_backend()]
+    procs = [p for p, _ in started]
+    urls = [u for _, u in started]
+    try:
+        for p, u in started:
+            _wait_healthy(p, u)
+        config = GatewayConfig(max_inflight=3, health_interval_s=0.2, request_timeout_s=60.0)
+        with serve_in_thread(create_gateway_app(urls, config)) as gw:
+            yield procs, urls, gw
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+def _samples(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _parse_sse(text: str) -> list[object]:
+    events: list[object] = []
+    for block in text.split("\n\n"):
+        block = block.strip()
+        if not block.startswith("data: "):
+            continue
+        data = block[len("data: ") :]
+        events.append("[DONE]" if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def _one(client: httpx.AsyncClient, gw: str, i: int, max_tokens: int) -> dict:
+    prompt = f"request number {i} says"
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "echo": True,
+        "stream": i % 3 == 0,
+    }
+    out: dict = {"i": i, "prompt": prompt, "stream": body["stream"]}
+    r = await client.post(gw + "/v1/completions", json=body)
+    out["status"] = r.status_code
+    out["backend"] = r.headers.get("x-duetime-backend")
+    if body["stream"] and r.status_code == 200:
+        out["events"] = _parse_sse(r.text)
+    else:
+        out["json"] = r.json()
+    return out
+
+
+def _check_answer(res: dict, max_tokens: int) -> str:
+    """'ok' for a complete answer to this very prompt, 'failed' for a clear error."""
+    if not res["stream"]:
+        if res["status"] == 200:
+            choice = res["json"]["choices"][0]
+            assert choice["text"].startswith(res["prompt"]), "an answer to another request"
+            assert res["json"]["usage"]["completion_tokens"] == max_tokens
+            return "ok"
+        assert res["status"] in (502, 503), res
+        assert "error" in res["json"]
+        return "failed"
+    events = res["events"]
+    assert events.count("[DONE]") == 1, events[-3:]
+    assert events[-1] == "[DONE]"
+    dicts = [e for e in events if isinstance(e, dict)]
+    errors = [e for e in dicts if "error" in e]
+    finals = [e for e in dicts if "choices" in e and e["choices"][0]["finish_reason"]]
+    assert len(errors) + len(finals) == 1, "exactly one ending per stream"
+    assert dicts[0]["choices"][0]["text"] == res["prompt"]  # the echo: this request's answer
+    if errors:
+        assert errors[0]["error"]["backend"] == res["backend"]
+        assert "failed mid-stream" in errors[0]["error"]["message"]
+        return "failed"
+    text = "".join(e["choices"][0]["text"] for e in dicts if "choices" in e)
+    assert text.startswith(res["prompt"])
+    assert len(text) > len(res["prompt"])
+    assert finals[0]["choices"][0]["finish_reason"] == "length"
+    return "ok"
+
+
+def test_burst_survives_a_backend_killed_midway(
+    fleet: tuple[list[subprocess.Popen], list[str], str],
+) -> None:
+    procs, urls, gw = fleet
+    n, max_tokens = 24, 40
+
+    async def run() -> list[dict]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=60, trust_env=False, limits=limits) as client:
+            tasks = [asyncio.create_task(_one(client, gw, i, max_tokens)) for i in range(n)]
+            # Kill backend 0 once it is busy and some answers have come back.
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                h = (await client.get(gw + "/health")).json()
+                done = sum(t.done() for t in tasks)
+                if done >= 3 and h["backends"][0]["in_flight"] > 0:
+                    break
+                await asyncio.sleep(0.01)
+            procs[0].kill()
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert sorted(r["i"] for r in results) == list(range(n))  # none lost, none twice
+    verdicts = [_check_answer(r, max_tokens) for r in results]
+    # Whole answers were retried on the survivor; only streams already under way may fail.
+    for r, v in zip(results, verdicts, strict=True):
+        if v == "failed":
+            assert r["stream"], r
+            assert r["backend"] == urls[0]
+    assert verdicts.count("ok") >= n - sum(r["stream"] for r in results)
+
+    # The dead backend is out of rotation, and everything now lands on the survivor.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        h = httpx.get(gw + "/health", trust_env=False).json()
+        if not h["backends"][0]["up"]:
+            break
+        time.sleep(0.05)
+    assert h["backends"][0]["up"] is False
+    assert h["backends"][1]["up"] is True
+    metrics = httpx.get(gw + "/metrics", trust_env=False).text
+    assert f'duetime_gateway_backend_up{{backend="{urls[0]}"}} 0.0' in metrics
+    assert f'duetime_gateway_backend_up{{backend="{urls[1]}"}} 1.0' in metrics
+    counts = _samples(metrics)
+    outcomes = {k: v for k, v in counts.items() if k.startswith("duetime_gateway_requests_total")}
+    assert sum(outcomes.values()) == n  # one outcome per request: none lost, none counted twice
+    failed = counts.get('duetime_gateway_requests_total{outcome="failed_midstream"}', 0)
+    assert counts["duetime_gateway_retries_total"] + failed >= 1  # the kill hit requests in flight
+
+    async def after() -> list[dict]:
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            return await asyncio.gather(*(_one(client, gw, n + i, 8) for i in range(6)))
+
+    later = asyncio.run(after())
+    assert all(_check_answer(r, 8) == "ok" for r in later)
+    assert {r["backend"] for r in later} == {urls[1]}
+
+
+def test_unreachable_deadline_and_models(
+    fleet: tuple[list[subprocess.Popen], list[str], str],
+) -> None:
+    _, _, gw = fleet
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 50, "deadline_ms": 0.5}
+    r = httpx.post(gw + "/v1/completions", json=body, trust_env=False)
+    assert r.status_code == 429
+    assert "Retry-After" in r.headers
+    assert r.json()["error"]["code"] == "deadline_unreachable"
+    models = httpx.get(gw + "/v1/models", trust_env=False).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    r = httpx.post(gw + "/v1/completions", json={**body, "model": "nope"}, trust_env=False)
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
