@@ -393,30 +393,14 @@ def _usage(relay: _Relay, meta: _Meta) -> dict[str, int]:
 def _final_body(relay: _Relay, meta: _Meta, text: str) -> dict[str, Any]:
     reason = relay.finish_reason()
     if meta.chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": reason,
-            "logprobs": None,
-        }
-        obj, prefix = "chat.completion", "chatcmpl-"
+        choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
+        obj = "chat.completion"
     else:
-        choice = {
-            "index": 0,
-            "text": (meta.echo or "") + text,
-            "finish_reason": reason,
-            "logprobs": None,
-        }
-        obj, prefix = "text_completion", "cmpl-"
-    return {
-        "id": prefix + meta.id,
-        "object": obj,
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [choice],
-        "usage": _usage(relay, meta),
-        "duetime": relay.timing().model_dump(),
-    }
+        choice, obj = {"text": (meta.echo or "") + text}, "text_completion"
+    body = _envelope(meta, obj, {**choice, "finish_reason": reason})
+    body["usage"] = _usage(relay, meta)
+    body["duetime"] = relay.timing().model_dump()
+    return body
 
 
 def _chunk(meta: _Meta, delta: str | None, reason: str | None, *, first: bool = False) -> dict:
@@ -426,17 +410,19 @@ def _chunk(meta: _Meta, delta: str | None, reason: str | None, *, first: bool = 
             d["role"] = "assistant"
         if delta is not None:
             d["content"] = delta
-        choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
-        obj, prefix = "chat.completion.chunk", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
-        obj, prefix = "text_completion", "cmpl-"
+        return _envelope(meta, "chat.completion.chunk", {"delta": d, "finish_reason": reason})
+    return _envelope(meta, "text_completion", {"text": delta or "", "finish_reason": reason})
+
+
+def _envelope(meta: _Meta, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response frame around one choice."""
+    prefix = "chatcmpl-" if meta.chat else "cmpl-"
     return {
         "id": prefix + meta.id,
         "object": obj,
         "created": meta.created,
         "model": meta.model,
-        "choices": [choice],
+        "choices": [{"index": 0, **choice, "logprobs": None}],
     }
 
 
