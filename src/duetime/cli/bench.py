@@ -415,3 +415,61 @@ def bench_serve(
     )
     if json_path is not None:
         write_json(json_path, fig)
+
+
+@bench_app.command("sensitivity")
+def bench_sensitivity(
+    policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = (
+        "fcfs,sjf,amax,amin,timebill"
+    ),
+    errors: Annotated[str, typer.Option(help="Prediction errors σ (0 = oracle).")] = (
+        "0,0.1,0.25,0.5,1"
+    ),
+    requests: Annotated[int, typer.Option(min=1)] = 800,
+    rate: Annotated[float, typer.Option(min=0.0, help="Poisson rate, req/s.")] = 20.0,
+    kv_capacity: Annotated[int, typer.Option(min=64, help="KV budget in tokens.")] = 30_000,
+    deadline_scale: Annotated[float, typer.Option(help="Deadline = scale x time alone.")] = 8.0,
+    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
+        "a100-llama2-7b"
+    ),
+    seed: Annotated[int, typer.Option()] = 0,
+    json_path: JsonOpt = None,
+    plot: PlotOpt = Path("out/bench-sensitivity.png"),
+) -> None:
+    """TEL and deadline hit rate of each policy vs length-prediction error (simulated)."""
+    from duetime.bench import sensitivity as bench
+    from duetime.metrics import render_table, write_json
+
+    with _user_errors():
+        try:
+            sigmas = [float(x) for x in errors.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--errors must be comma-separated numbers, got {errors!r}") from None
+        names = [p.strip() for p in policies.split(",") if p.strip()]
+        prog, cb = _progress(len(names) * len(sigmas), "simulating")
+        with prog:
+            fig = bench.run(
+                names,
+                sigmas,
+                requests=requests,
+                rate=rate,
+                kv_capacity=kv_capacity,
+                deadline_scale=deadline_scale,
+                seed=seed,
+                profile=profile,
+                progress=cb,
+            )
+    for key in ("tel_s", "deadline_hit_rate", "completion_rate"):
+        cols = [
+            (
+                f"σ={s:g}",
+                {r["policy"]: r[key] for r in fig["rows"] if r["prediction_error_sigma"] == s},
+            )
+            for s in fig["errors_sigma"]
+        ]
+        out.print(render_table(cols, keys=names, title=key))
+    out.print(f"wall {fig['wall_s']:.1f} s")
+    if plot is not None:
+        bench.plot(fig, plot)
+    if json_path is not None:
+        write_json(json_path, fig)

@@ -1,0 +1,34 @@
+"""`duetime bench sensitivity`: structure, and that prediction error hurts a predictive policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from duetime.bench import sensitivity
+from duetime.cli import app
+
+
+def test_fcfs_ignores_the_predictor_and_sjf_does_not() -> None:
+    fig = sensitivity.run(["fcfs", "sjf"], [0.0, 1.0], requests=300, rate=20.0, kv_capacity=20_000)
+    by = {(r["policy"], r["prediction_error_sigma"]): r for r in fig["rows"]}
+    assert by[("fcfs", 0.0)]["tel_s"] == by[("fcfs", 1.0)]["tel_s"]  # reads no prediction
+    assert by[("sjf", 1.0)]["tel_s"] > by[("sjf", 0.0)]["tel_s"]  # noise breaks its order
+    for r in fig["rows"]:
+        assert 0.0 <= r["deadline_hit_rate"] <= 1.0
+
+
+def test_cli_writes_json_and_png(tmp_path: Path) -> None:
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    args = ["bench", "sensitivity", "--policies", "fcfs,amax", "--errors", "0,0.5"]
+    args += ["--requests", "100", "--json", str(out), "--plot", str(png)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(out.read_text())["rows"]) == 4
+    assert png.stat().st_size > 0
+    bad = CliRunner().invoke(app, ["bench", "sensitivity", "--errors", "a,b"])
+    assert bad.exit_code == 2
+    neg = CliRunner().invoke(app, ["bench", "sensitivity", "--errors", "-1", "--requests", "5"])
+    assert neg.exit_code == 2
