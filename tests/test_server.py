@@ -319,3 +319,17 @@ def test_real_gemma_answers_through_the_openai_client() -> None:
         )
         assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices).strip()
         _idle(state)
+
+
+def test_retired_requests_leave_no_policy_state() -> None:
+    """A long-running server forgets each finished request, in the executor and the policy."""
+    state = _state(policy="timebill")
+    with serve_in_thread(create_app(state)) as url:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+        for _ in range(3):
+            r = httpx.post(url + "/v1/completions", json={**body, "deadline_ms": 60_000})
+            assert r.status_code == 200, r.text
+        _idle(state)
+        policy = state.engine.executor.policy
+        assert policy._evicted == set()  # type: ignore[attr-defined]
+        assert not state.engine.executor.records

@@ -343,6 +343,9 @@ class ExecutorCore:
         self.seqs.pop(rid, None)
         self.records.pop(rid, None)
         self._jobs.pop(rid, None)
+        forget = getattr(self.policy, "forget", None)  # optional in the Policy protocol
+        if forget is not None:
+            forget(rid)
 
     def _restart(self, seq: Seq) -> None:
         """Discard a released sequence's output: it waits to run again from its prompt."""

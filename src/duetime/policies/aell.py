@@ -44,6 +44,9 @@ class PromoteEll(LookaheadPolicy):
         n = upper_bound(seq) if seq.rid in self._long else lower_bound(seq)
         return max(n, seq.generated + 1)
 
+    def forget(self, rid: int) -> None:
+        self._long.discard(rid)
+
     def waiting_key(self, seq: Seq) -> Any:
         return next(self._ticket)  # arrival order; a promoted request joins the back
 

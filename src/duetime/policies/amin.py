@@ -47,6 +47,9 @@ class Amin(LookaheadPolicy):
     def assumed_len(self, seq: Seq) -> int:
         return max(self.bound(seq), seq.generated + 1)
 
+    def forget(self, rid: int) -> None:
+        self._bound.pop(rid, None)
+
     def waiting_key(self, seq: Seq) -> Any:
         return (self.bound(seq), tiebreak(self.seed, seq.rid, seq.num_preemptions))
 

@@ -44,6 +44,13 @@ class QueuePolicy:
         self.admit_headroom = admit_headroom
 
     # --- the three choices --------------------------------------------------
+    def forget(self, rid: int) -> None:
+        """Drop any state kept for request ``rid`` (it is finished and gone).
+
+        A long-running server calls this for every request it retires, so
+        per-request bookkeeping cannot grow without bound.
+        """
+
     def waiting_key(self, seq: Seq) -> Any:
         return seq.req.arrival
 

@@ -97,6 +97,9 @@ class TimelyLLM(QueuePolicy):
         self.lead = lead
         self._seg_start: dict[int, int] = {}  # rid -> generated count when (re)started
 
+    def forget(self, rid: int) -> None:
+        self._seg_start.pop(rid, None)
+
     def waiting_key(self, seq: Seq) -> Any:
         return (seq.req.arrival, seq.order)  # storage order only; priority is in schedule
 

@@ -97,6 +97,10 @@ class TimeBill(QueuePolicy):
         self._evicted: set[int] = set()  # rids whose one eviction decision is made
         self._skip: set[int] = set()  # cancels chosen before the generic loop runs
 
+    def forget(self, rid: int) -> None:
+        self._evicted.discard(rid)
+        self._skip.discard(rid)
+
     def waiting_key(self, seq: Seq) -> Any:
         return (_deadline(seq), seq.req.arrival)
 
