@@ -30,6 +30,7 @@ __all__ = ["Admission", "Verdict"]
 class Verdict:
     accept: bool
     reason: str = ""
+    why: str = ""  # "queue" or "deadline" for a refusal (the metric label)
     retry_after_s: int = 0
     predicted_finish_s: float | None = None  # seconds from now
     degraded: bool = False
@@ -66,6 +67,7 @@ class Admission:
             return Verdict(
                 False,
                 f"the queue is full ({queued} requests waiting, limit {self.max_waiting})",
+                why="queue",
                 retry_after_s=max(1, math.ceil(drain)),
             )
         eta = self.estimate(stats, prompt_len, tokens)
@@ -80,6 +82,7 @@ class Admission:
             f"the deadline cannot be met: predicted finish in {eta * 1000:.0f} ms "
             f"> {budget_s * 1000:.0f} ms ({tokens:.0f} predicted tokens, "
             f"{stats.running} running, {stats.waiting} waiting)",
+            why="deadline",
             retry_after_s=max(1, math.ceil(eta - budget_s)),
             predicted_finish_s=eta,
         )

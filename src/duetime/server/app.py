@@ -209,12 +209,12 @@ async def _serve(
         allows_eviction=body.kv_eviction != "off",
     )
     if not verdict.accept:
-        state.metrics.rejected.labels("queue" if "queue" in verdict.reason else "deadline").inc()
+        state.metrics.rejected.labels(verdict.why).inc()
         raise ApiError(
             429,
             verdict.reason,
             type="rate_limit_error",
-            code="deadline_unreachable" if "deadline" in verdict.reason else "queue_full",
+            code={"queue": "queue_full", "deadline": "deadline_unreachable"}[verdict.why],
             headers={"Retry-After": str(verdict.retry_after_s)},
         )
     stream = Stream(asyncio.get_running_loop())

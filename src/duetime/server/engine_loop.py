@@ -215,6 +215,7 @@ class EngineLoop:
             return
         ex = self.executor
         ex.now = ex.clock_now()
+        done_before = ex.n_done
         for kind, payload in items:
             if kind == "submit":
                 job, stream, stop_on_eos, min_tokens = payload
@@ -229,7 +230,7 @@ class EngineLoop:
                     ex.stop_on_eos[rid] = min_tokens
             elif ex.abort(payload):
                 self._finish(payload, "abort")
-        if ex.n_done:
+        if ex.n_done != done_before:  # e.g. a prompt that can never fit was refused at admission
             self._publish_ends()
 
     def _publish_tokens(self, produced: list[tuple[int, int]]) -> None:
