@@ -29,6 +29,10 @@ class ChaosPolicy(QueuePolicy):
         self.rng = random.Random(seed)
 
     def schedule(self, snap: EngineSnapshot) -> Decision:
+        # The queue's running sum of prompt work (what a server reports) stays exact
+        # through the random preempts, restarts and cancels below.
+        queued = getattr(snap.waiting, "prefill_tokens", None)
+        assert queued == sum(s.prefill_remaining for s in snap.waiting)
         dec = super().schedule(snap)
         touched = {rid for rid, _ in dec.prefill} | set(dec.preempt) | set(dec.cancel)
         touched |= set(dec.resume)

@@ -317,7 +317,7 @@ class EngineLoop:
         self.stats = EngineStats(
             now=ex.clock_now(),
             waiting=len(ex.waiting),
-            waiting_prefill_tokens=sum(s.prefill_remaining for s in ex.waiting),
+            waiting_prefill_tokens=ex.waiting.prefill_tokens,
             running=len(ex.running),
             suspended=len(ex.suspended),
             kv_used=ex.kv_used,
