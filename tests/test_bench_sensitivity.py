@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from duetime.bench import sensitivity
@@ -23,7 +24,7 @@ def test_fcfs_ignores_the_predictor_and_sjf_does_not() -> None:
 def test_cli_writes_json_and_png(tmp_path: Path) -> None:
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     args = ["bench", "sensitivity", "--policies", "fcfs,amax", "--errors", "0,0.5"]
-    args += ["--requests", "100", "--json", str(out), "--plot", str(png)]
+    args += ["--requests", "100", "--json", str(out), "--plot", str(png), "--learned", "none"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert len(json.loads(out.read_text())["rows"]) == 4
@@ -32,3 +33,25 @@ def test_cli_writes_json_and_png(tmp_path: Path) -> None:
     assert bad.exit_code == 2
     neg = CliRunner().invoke(app, ["bench", "sensitivity", "--errors", "-1", "--requests", "5"])
     assert neg.exit_code == 2
+    typo = CliRunner().invoke(app, ["bench", "sensitivity", "--learned", "lerned"])
+    assert typo.exit_code == 2
+    assert "--learned" in typo.output
+
+
+def test_learned_predictor_sits_at_its_effective_sigma() -> None:
+    fig = sensitivity.run(["fcfs", "sjf"], [0.0], requests=150, learned="learned")
+    sigma = fig["learned_effective_sigma"]
+    learned = [r for r in fig["rows"] if r["predictor"] == "learned"]
+    assert [r["policy"] for r in learned] == ["fcfs", "sjf"]
+    # ShareGPT lengths are barely predictable from the prompt: far from the oracle.
+    assert 0.3 < sigma < 3.0
+    assert all(r["prediction_error_sigma"] == sigma for r in learned)
+    oracle_sjf = next(r for r in fig["rows"] if r["policy"] == "sjf" and r["predictor"] == "oracle")
+    assert learned[1]["tel_s"] != oracle_sjf["tel_s"]  # sjf reads the learned predictions
+
+
+def test_effective_sigma_needs_predictions() -> None:
+    from duetime.core.request import Job, Request
+
+    with pytest.raises(ValueError, match="no job carries a prediction"):
+        sensitivity.effective_sigma([Job(Request(rid=0, arrival=0.0, prompt_len=4), 3)])

@@ -6,6 +6,12 @@ policy with the noisy oracle at growing log-normal error σ (σ = 0 is the
 oracle). Policies read only ``Request.predicted`` (point + interval), so the
 predictor is the one thing that changes. FCFS, which reads no prediction, is
 the flat reference line.
+
+With ``learned`` set, each policy also runs on the trained response-length
+predictor (TimeBill's RLP, from the prompt text). Its row is placed on the
+σ axis at the predictor's *effective* error on these very jobs, the standard
+deviation of ``log((N̂ + 1) / (N + 1))``, so the plot shows where the shipped
+predictor sits on the noisy-oracle curves.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from duetime.core.request import Job
 from duetime.experiment import SimSpec, build_jobs, run_spec
 
 __all__ = ["DEFAULT_ERRORS", "DEFAULT_POLICIES", "plot", "run"]
@@ -27,6 +36,18 @@ def _predictor(sigma: float) -> str:
     return "oracle" if sigma == 0 else f"noisy:{sigma:g}"
 
 
+def effective_sigma(jobs: Sequence[Job]) -> float:
+    """Log-normal σ a predictor showed on ``jobs``: std of log((N̂ + 1) / (N + 1))."""
+    ratios = [
+        np.log((j.request.predicted.point + 1.0) / (j.output_len + 1.0))
+        for j in jobs
+        if j.request.predicted is not None
+    ]
+    if not ratios:
+        raise ValueError("no job carries a prediction: was the predictor applied?")
+    return float(np.std(ratios))
+
+
 def run(
     policies: Sequence[str] = DEFAULT_POLICIES,
     errors: Sequence[float] = DEFAULT_ERRORS,
@@ -37,9 +58,14 @@ def run(
     deadline_scale: float = 8.0,
     seed: int = 0,
     profile: str = "a100-llama2-7b",
+    learned: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """One simulation per (policy, σ) on identical jobs; figures named with units."""
+    """One simulation per (policy, σ) on identical jobs; figures named with units.
+
+    ``learned`` ("learned" or "learned:PATH") adds one run per policy on the
+    trained length predictor, placed at its effective σ (:func:`effective_sigma`).
+    """
     if any(e < 0 for e in errors):
         raise ValueError(f"prediction errors must be >= 0, got {list(errors)}")
     t0 = time.perf_counter()
@@ -52,14 +78,22 @@ def run(
         deadline_scale=deadline_scale,
     )
     rows: list[dict[str, Any]] = []
-    total = len(policies) * len(errors)
+    predictors = [(_predictor(sigma), sigma) for sigma in errors]
+    if learned is not None:
+        predictors.append((learned, None))
+    learned_sigma: float | None = None
+    total = len(policies) * len(predictors)
     for policy in policies:
-        for sigma in errors:
-            spec = SimSpec(**{**base.to_dict(), "policy": policy, "predictor": _predictor(sigma)})
-            _, row = run_spec(spec, build_jobs(spec))  # fresh jobs: predictors annotate them
+        for predictor, sigma in predictors:
+            spec = SimSpec(**{**base.to_dict(), "policy": policy, "predictor": predictor})
+            jobs = build_jobs(spec)  # fresh jobs: predictors annotate them
+            _, row = run_spec(spec, jobs)
+            if sigma is None:
+                sigma = learned_sigma = effective_sigma(jobs)
             rows.append(
                 {
                     "policy": policy,
+                    "predictor": predictor.partition(":")[0],
                     "prediction_error_sigma": sigma,
                     "tel_s": row["tel_s"],
                     "e2e_mean_s": row["e2e_mean_s"],
@@ -73,6 +107,7 @@ def run(
     return {
         "workload": base.to_dict(),
         "errors_sigma": list(errors),
+        "learned_effective_sigma": learned_sigma,
         "rows": rows,
         "wall_s": time.perf_counter() - t0,
     }
@@ -91,17 +126,27 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
     for ax, (key, label) in zip(axes, panels, strict=True):
         for policy in dict.fromkeys(r["policy"] for r in fig["rows"]):
             mine = [r for r in fig["rows"] if r["policy"] == policy]
-            ax.plot(
-                [r["prediction_error_sigma"] for r in mine],
-                [r[key] for r in mine],
+            noisy = [r for r in mine if r.get("predictor") != "learned"]
+            (line,) = ax.plot(
+                [r["prediction_error_sigma"] for r in noisy],
+                [r[key] for r in noisy],
                 marker="o",
                 linestyle="--" if policy == "fcfs" else "-",
                 label=policy,
             )
+            for r in mine:
+                if r.get("predictor") == "learned":
+                    ax.plot(r["prediction_error_sigma"], r[key], "*", ms=14, color=line.get_color())
         ax.set_xlabel("length prediction error σ (log-normal; 0 = oracle)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend()
+    if fig.get("learned_effective_sigma") is not None:
+        axes[1].annotate(
+            f"★ learned RLP (effective σ = {fig['learned_effective_sigma']:.2f})",
+            xy=(0.02, 0.02),
+            xycoords="axes fraction",
+        )
     w = fig["workload"]
     figure.suptitle(
         f"{w['requests']} ShareGPT requests at {w['rate']}/s, KV {w['kv_capacity']} tokens, "

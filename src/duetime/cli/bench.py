@@ -432,6 +432,10 @@ def bench_sensitivity(
     profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
         "a100-llama2-7b"
     ),
+    learned: Annotated[
+        str,
+        typer.Option(help="Also run the trained length predictor: learned[:path], or 'none'."),
+    ] = "learned",
     seed: Annotated[int, typer.Option()] = 0,
     json_path: JsonOpt = None,
     plot: PlotOpt = Path("out/bench-sensitivity.png"),
@@ -446,7 +450,10 @@ def bench_sensitivity(
         except ValueError:
             raise ValueError(f"--errors must be comma-separated numbers, got {errors!r}") from None
         names = [p.strip() for p in policies.split(",") if p.strip()]
-        prog, cb = _progress(len(names) * len(sigmas), "simulating")
+        extra = None if learned == "none" else learned
+        if extra is not None and not (extra == "learned" or extra.startswith("learned:")):
+            raise ValueError(f"--learned must be learned, learned:PATH or none, got {learned!r}")
+        prog, cb = _progress(len(names) * (len(sigmas) + (extra is not None)), "simulating")
         with prog:
             fig = bench.run(
                 names,
@@ -457,16 +464,27 @@ def bench_sensitivity(
                 deadline_scale=deadline_scale,
                 seed=seed,
                 profile=profile,
+                learned=extra,
                 progress=cb,
             )
+    learned_sigma = fig["learned_effective_sigma"]
     for key in ("tel_s", "deadline_hit_rate", "completion_rate"):
         cols = [
             (
                 f"σ={s:g}",
-                {r["policy"]: r[key] for r in fig["rows"] if r["prediction_error_sigma"] == s},
+                {
+                    r["policy"]: r[key]
+                    for r in fig["rows"]
+                    if r["prediction_error_sigma"] == s and r["predictor"] != "learned"
+                },
             )
             for s in fig["errors_sigma"]
         ]
+        if learned_sigma is not None:
+            learned_rows = [r for r in fig["rows"] if r["predictor"] == "learned"]
+            cols.append(
+                (f"learned σ≈{learned_sigma:.2f}", {r["policy"]: r[key] for r in learned_rows})
+            )
         out.print(render_table(cols, keys=names, title=key))
     out.print(f"wall {fig['wall_s']:.1f} s")
     if plot is not None:
