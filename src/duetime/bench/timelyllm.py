@@ -60,6 +60,7 @@ def paper_rtx4090() -> tuple[LinearStepCost, SimConfig]:
         a1=(0.328 - 0.0215) / 2884,  # prefill of 2,884 tokens in 328 ms
         b=5e-4,  # per-sequence decode compute (guess)
         d=1.4e-7,  # 128 KiB KV per token (GQA) read at ~0.9 TB/s
+        s=9.5e-3 / (170.35e6 / 131_072),  # §4.1: 170.35 MB of KV moves host→HBM in 9.5 ms
         name="paper-rtx4090",
     )
     # (24 GB − 16 GB weights − ~2 GB activations) / 128 KiB per token
@@ -67,7 +68,10 @@ def paper_rtx4090() -> tuple[LinearStepCost, SimConfig]:
 
 
 def _cost(
-    profile: str, kv_capacity: int | None, max_num_seqs: int | None = None
+    profile: str,
+    kv_capacity: int | None,
+    max_num_seqs: int | None = None,
+    offload: bool = True,
 ) -> tuple[Any, SimConfig]:
     if profile == "paper-rtx4090":
         cost, cfg = paper_rtx4090()
@@ -79,7 +83,7 @@ def _cost(
         cfg = dataclasses.replace(cfg, kv_capacity=kv_capacity)
     if max_num_seqs is not None:
         cfg = dataclasses.replace(cfg, max_num_seqs=max_num_seqs)
-    return cost, cfg
+    return cost, dataclasses.replace(cfg, offload_suspended=offload)
 
 
 def robot_outcome(job: Job, done: list[float]) -> tuple[float, float, float]:
@@ -111,6 +115,7 @@ def run_system(
     profile: str,
     kv_capacity: int | None,
     max_num_seqs: int | None = None,
+    offload: bool = True,
 ) -> dict[str, Any]:
     """Simulate one system on one workload and score it on the robot side."""
     from duetime.policies import make_policy
@@ -118,7 +123,7 @@ def run_system(
     from duetime.workloads.lrtrace import lrtrace_jobs
 
     jobs = lrtrace_jobs(wid, seed=seed)
-    cost, cfg = _cost(profile, kv_capacity, max_num_seqs)
+    cost, cfg = _cost(profile, kv_capacity, max_num_seqs, offload)
     run_jobs = _unsegmented(jobs) if system == "vllm" else jobs
     sim = Simulator(make_policy(_POLICY[system]), cost, cfg)
     res = sim.run(run_jobs)
@@ -140,6 +145,8 @@ def run_system(
         "kv_capacity_tokens": cfg.kv_capacity,
         "max_num_seqs": cfg.max_num_seqs,
         "prefill_tokens": sim.prefill_tokens,
+        "offloads": res.counters.get("offloads", 0),
+        "preemptions": res.preemptions,
         "policy_calls": res.policy_calls,
         "sim_time_s": res.sim_time,
         "wall_s": res.wall_s,
@@ -220,11 +227,14 @@ def run(
     profile: str = "paper-rtx4090",
     kv_capacity: int | None = None,
     max_num_seqs: int | None = None,
+    offload: bool = True,
 ) -> dict[str, Any]:
     """Every system on every workload, gains vs vLLM, and the scheduling overhead."""
     t0 = time.perf_counter()
     rows = [
-        run_system(s, w, seed, profile, kv_capacity, max_num_seqs) for w in wids for s in SYSTEMS
+        run_system(s, w, seed, profile, kv_capacity, max_num_seqs, offload)
+        for w in wids
+        for s in SYSTEMS
     ]
     summary: dict[str, Any] = {}
     for w in wids:
@@ -256,6 +266,7 @@ def run(
         "profile": profile,
         "kv_capacity_tokens": rows[0]["kv_capacity_tokens"],
         "max_num_seqs": rows[0]["max_num_seqs"],
+        "offload_suspended": offload,
         "seed": seed,
         "baseline": BASELINE,
         "rows": rows,

@@ -238,6 +238,9 @@ def bench_timelyllm(
     max_num_seqs: Annotated[
         int | None, typer.Option(min=1, help="Batch-size cap (the paper's Fig. 7 knob).")
     ] = None,
+    offload: Annotated[
+        bool, typer.Option(help="Page suspended KV out when a step needs the room (§4.1).")
+    ] = True,
     seed: Annotated[int, typer.Option()] = 0,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
@@ -250,7 +253,7 @@ def bench_timelyllm(
     if any(w not in (1, 2, 3) for w in wids):
         raise typer.BadParameter("--wid must be 1, 2 or 3")
     with _user_errors():
-        fig = bench.run(wids, seed, profile, kv_capacity, max_num_seqs)
+        fig = bench.run(wids, seed, profile, kv_capacity, max_num_seqs, offload)
     out.print(bench.table(fig))
     for w, s in fig["summary"].items():
         out.print(

@@ -11,6 +11,18 @@ the shared :class:`DecodeClock`, and the executor keeps running sums
 (``_n_dec`` decoders whose KV summed to ``_dec_kv_base`` at step
 ``_dec_mark``; ``_static_kv`` for every other holder). Subclasses with real
 memory (the engine) mirror each change through the ``_on_*`` hooks.
+
+Offload of suspended KV (``offload_suspended``, TimelyLLM §4.1) is the
+executor's job, as in the paper, where "the underlying memory management
+subsystem" moves a suspended generation's context to host memory. A sequence
+that becomes SUSPENDED is *parked*: policies see it as offloaded
+(``kv_offloaded``, its KV off ``kv_free``, resuming it needs ``kv_tokens + 1``)
+while its KV stays on the device until a step needs the room. Then
+:meth:`_page_out` swaps parked sequences out, the one whose segment is wanted
+latest (largest ``ready_at``) first; a resume brings it back (free if it was
+never paged out). Policies stay unchanged and unaware: the same rule runs in
+the simulator (swap costed by the cost model) and on the engine (KV spooled to
+disk bit for bit).
 """
 
 from __future__ import annotations
@@ -46,8 +58,10 @@ class ExecutorCore:
         max_num_seqs: int,
         max_batch_tokens: int,
         predictor: JobPredictor | None = None,
+        offload_suspended: bool = False,
     ) -> None:
         self.policy = policy
+        self.offload_suspended = offload_suspended
         self.kv_capacity = kv_capacity
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -67,6 +81,8 @@ class ExecutorCore:
         self._dec_kv_base = 0
         self._dec_mark = 0
         self._static_kv = 0
+        self._parked: dict[int, Seq] = {}  # suspended, offloaded to policies, KV still on device
+        self._parked_kv = 0
         self._order = 0
         self._pending_swap = 0  # tokens to move in/out in the next step (costed by the executor)
         self.kv_peak = 0
@@ -134,7 +150,48 @@ class ExecutorCore:
 
     @property
     def kv_used(self) -> int:
+        """KV tokens on the policy's books (parked suspended KV is not)."""
         return self._static_kv + self._dec_kv()
+
+    @property
+    def kv_device(self) -> int:
+        """KV tokens physically on the device: ``kv_used`` plus parked suspended KV."""
+        return self._static_kv + self._dec_kv() + self._parked_kv
+
+    # --- suspended KV: park on suspend, page out under pressure -----------------
+    def _park(self, seq: Seq) -> None:
+        """A sequence just became SUSPENDED with its KV on the device."""
+        if self.offload_suspended:
+            seq.kv_offloaded = True  # the policy's view: off device, resume needs kv + 1
+            self._parked[seq.rid] = seq
+            self._parked_kv += seq.kv_tokens
+        else:
+            self._static_kv += seq.kv_tokens
+
+    def _unpark(self, seq: Seq) -> None:
+        del self._parked[seq.rid]
+        self._parked_kv -= seq.kv_tokens
+
+    def _page_out(self, need: int) -> None:
+        """Swap parked KV out until ``need`` tokens on the books fit next to what stays.
+
+        Victims are the parked sequences whose next segment is wanted latest
+        (largest ``ready_at``, newest on ties): the ones with the most time to
+        come back before anyone waits for them.
+        """
+        over = need + self._parked_kv - self.kv_capacity
+        if over <= 0 or not self._parked:
+            return
+        victims = sorted(self._parked.values(), key=lambda s: (s.ready_at, s.order), reverse=True)
+        for seq in victims:
+            if over <= 0:
+                break
+            kv = seq.kv_tokens
+            self._unpark(seq)
+            self._on_swap_out(seq)
+            self._pending_swap += kv
+            self.counters["offloads"] = self.counters.get("offloads", 0) + 1
+            over -= kv
 
     def _start_decoding(self, seq: Seq) -> None:
         self._rebase()
@@ -197,7 +254,9 @@ class ExecutorCore:
                 del self.prefilling[seq.rid]
             del self.running[seq.rid]
         elif seq.status is SeqStatus.SUSPENDED:
-            if not seq.kv_offloaded:
+            if seq.rid in self._parked:
+                self._unpark(seq)
+            elif not seq.kv_offloaded:
                 self._static_kv -= seq.kv_tokens
             del self.suspended[seq.rid]
         elif seq.status is SeqStatus.WAITING:
@@ -214,6 +273,8 @@ class ExecutorCore:
             seq = self._get(rid, "preempt")
             if seq.status not in (SeqStatus.RUNNING, SeqStatus.SUSPENDED):
                 raise PolicyError(f"policy {name!r}: preempt of {seq.status.name} request {rid}")
+            if dec.preempt_mode == "swap" and seq.kv_offloaded:
+                continue  # suspended and already off the books: nothing to move
             kv = seq.kv_tokens
             self._release(seq)
             self.preemptions += 1
@@ -242,18 +303,22 @@ class ExecutorCore:
                 raise PolicyError(f"policy {name!r}: suspend of non-decoding request {rid}")
             self._stop_decoding(seq)
             del self.running[rid]
-            self._static_kv += seq.kv_tokens
             seq.status = SeqStatus.SUSPENDED
+            self._park(seq)
             self.suspended[rid] = seq
         for rid in dec.resume:
             seq = self._get(rid, "resume")
             if seq.status is not SeqStatus.SUSPENDED:
                 raise PolicyError(f"policy {name!r}: resume of {seq.status.name} request {rid}")
             del self.suspended[rid]
-            if seq.kv_offloaded:
+            if seq.rid in self._parked:
+                self._unpark(seq)  # never paged out: the KV is still on the device
+                seq.kv_offloaded = False
+            elif seq.kv_offloaded:
                 self._on_swap_in(seq)
                 seq.kv_offloaded = False
                 self._pending_swap += seq.kv_tokens
+                self.counters["swap_ins"] = self.counters.get("swap_ins", 0) + 1
             else:
                 self._static_kv -= seq.kv_tokens
             seq.status = SeqStatus.RUNNING
@@ -271,6 +336,8 @@ class ExecutorCore:
             if seq.decoding:
                 self._rebase()
                 self._dec_kv_base -= n
+            elif seq.rid in self._parked:
+                self._parked_kv -= n
             elif not seq.kv_offloaded:
                 self._static_kv -= n
             self.records[rid].kv_evicted_ratio = alpha
@@ -386,6 +453,8 @@ class ExecutorCore:
                 f"policy {name!r}: next step needs {need} KV tokens, "
                 f"capacity is {self.kv_capacity} (at t={self.now:.3f}s)"
             )
+        if self._parked:
+            self._page_out(need)
 
     # --- steps ------------------------------------------------------------------
     def _finish_due(self) -> bool:
@@ -420,7 +489,7 @@ class ExecutorCore:
         seq.ready_at = self.now + gap
         rec.segment_ready.append(seq.ready_at)
         seq.status = SeqStatus.SUSPENDED
-        self._static_kv += seq.kv_tokens
+        self._park(seq)
         self.suspended[seq.rid] = seq
         heapq.heappush(self._timers, seq.ready_at)
         self._on_segment_end(seq)
@@ -464,6 +533,6 @@ class ExecutorCore:
         self._finish_due()
 
     def _track_peak(self) -> None:
-        used = self.kv_used
+        used = self.kv_device
         if used > self.kv_peak:
             self.kv_peak = used

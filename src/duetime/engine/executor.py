@@ -65,7 +65,9 @@ class EngineExecutor(ExecutorCore):
 
     ``kv_capacity`` is the KV budget M in tokens, enforced by the same
     accounting the simulator uses and checked against the cache after every
-    step (``check_accounting``). ``cost`` is the fitted profile handed to
+    step (``check_accounting``); with ``offload_suspended`` a suspended
+    sequence's KV is spooled to disk when a step needs its room (see
+    ``core/executor.py``). ``cost`` is the fitted profile handed to
     policies as ``snapshot.cost`` (None until `duetime profile` has run).
     ``telemetry`` receives one JSON line per step.
     """
@@ -83,6 +85,7 @@ class EngineExecutor(ExecutorCore):
         telemetry: str | Path | None = None,
         check_accounting: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        offload_suspended: bool = False,
     ) -> None:
         super().__init__(
             policy,
@@ -90,6 +93,7 @@ class EngineExecutor(ExecutorCore):
             max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
             predictor=predictor,
+            offload_suspended=offload_suspended,
         )
         self.model = model
         self.kv = model.new_kv_cache()
@@ -205,9 +209,10 @@ class EngineExecutor(ExecutorCore):
 
     def _check_kv(self) -> None:
         held = sum(self.kv.num_tokens(s) for s in self.slots.values())
-        if held != self.kv_used:
+        if held != self.kv_device:
             raise ExecutorError(
-                f"KV accounting drifted: cache holds {held} tokens, executor counts {self.kv_used}"
+                f"KV accounting drifted: cache holds {held} tokens, executor counts "
+                f"{self.kv_device}"
             )
 
     def _log_step(self, chunks: list[tuple[Seq, int]], n_dec: int, kv: int, dt: float) -> None:

@@ -37,6 +37,7 @@ class SimConfig:
     max_num_seqs: int = 256
     max_batch_tokens: int = 8192
     max_time: float = math.inf  # stop the clock here (unfinished requests stay unfinished)
+    offload_suspended: bool = False  # page suspended KV out under pressure (TimelyLLM §4.1)
 
 
 @dataclass(slots=True)
@@ -74,6 +75,7 @@ class Simulator(ExecutorCore):
             max_num_seqs=self.cfg.max_num_seqs,
             max_batch_tokens=self.cfg.max_batch_tokens,
             predictor=predictor,
+            offload_suspended=self.cfg.offload_suspended,
         )
         self.cost = cost
         self._area = 0.0  # ∫ (requests in system) dt, measured independently of the records
@@ -108,7 +110,9 @@ class Simulator(ExecutorCore):
         while heap and (not heap[0][3].decoding or heap[0][3]._epoch != heap[0][2]):
             heapq.heappop(heap)  # drop stale entries so they do not shorten the jump
         k = self._stop_heap[0][0] - self.clock.steps if self._stop_heap else 1 << 62
-        free = self.cfg.kv_capacity - self.kv_used
+        # Device room, parked KV included: a run that would need a page-out stops
+        # there, so the next call pages out exactly when the engine would.
+        free = self.cfg.kv_capacity - self.kv_device
         k = min(k, free // d)
         if horizon_time < math.inf:
             horizon = horizon_time - self.now
