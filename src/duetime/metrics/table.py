@@ -49,14 +49,16 @@ def render_table(
     table.add_column("metric", style="bold")
     # Labels are data, not markup: "deadline_hit_rate[batch]" must print as written.
     for label, _ in columns:
-        table.add_column(escape(label), justify="right")
+        # "fold", never "…": a narrow terminal must not hide digits of a figure.
+        table.add_column(escape(label), justify="right", overflow="fold")
     for key in keys if keys is not None else DEFAULT_KEYS:
         table.add_row(escape(key), *(escape(format_value(s.get(key))) for _, s in columns))
     return table
 
 
 def format_value(v: object) -> str:
-    """Four significant digits for floats, integers in full, ``—`` for missing."""
+    """Four significant digits for floats (large ones as grouped integers, not
+    ``2.881e+04``), integers in full, ``—`` for missing."""
     if v is None:
         return "—"
     if isinstance(v, bool):
@@ -64,6 +66,8 @@ def format_value(v: object) -> str:
     if isinstance(v, int):
         return f"{v:d}"
     if isinstance(v, float):
+        if 1e4 <= abs(v) < 1e15:
+            return f"{v:,.0f}"
         return f"{v:.4g}"
     return str(v)
 
