@@ -215,7 +215,9 @@ def test_streaming_llm_eviction_keeps_accounting_exact_and_frees_everything(mode
     for i in range(6):
         ids = tuple(r.randrange(256) for _ in range(40 + 5 * i))  # past the window of 4
         jobs.append(Job(Request(rid=i, arrival=0.0, prompt_len=len(ids), prompt_token_ids=ids), 12))
-    ex = EngineExecutor(_EvictAfterPrefill(0.5), model, kv_capacity=10_000)  # checks every step
+    ex = EngineExecutor(
+        _EvictAfterPrefill(0.5), model, kv_capacity=10_000, eviction="streaming"
+    )  # checks every step
     res = ex.run(jobs)
     assert all(rec.output_tokens == 12 for rec in res.records)
     assert all(rec.kv_evicted_ratio == 0.5 for rec in res.records)

@@ -30,7 +30,12 @@ from duetime.core.record import RequestRecord
 from duetime.core.request import Job
 from duetime.core.sequence import Seq
 from duetime.engine.batch import SeqChunk
-from duetime.engine.eviction import streaming_llm_evict
+from duetime.engine.eviction import (
+    DEFAULT_WINDOW,
+    EVICTION_METHODS,
+    snapkv_evict,
+    streaming_llm_evict,
+)
 from duetime.engine.gemma3 import Gemma3
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -70,6 +75,14 @@ class EngineExecutor(ExecutorCore):
     ``core/executor.py``). ``cost`` is the fitted profile handed to
     policies as ``snapshot.cost`` (None until `duetime profile` has run).
     ``telemetry`` receives one JSON line per step.
+
+    ``eviction`` is how KV is dropped when a policy asks for ratio α:
+    ``"snapkv"`` (default; SnapKV, what TimeBill uses) or ``"streaming"``
+    (StreamingLLM sinks + recent window). Under SnapKV every sequence's last
+    ``snapkv_window`` prefill queries are kept from admission until its first
+    decode or eviction (2.4 MB per prefilling sequence on Gemma 3 270M at
+    w = 32, fp32); a sequence evicted after its first decode no longer has them
+    and falls back to StreamingLLM (counted in ``counters["snapkv_fallbacks"]``).
     """
 
     def __init__(
@@ -86,7 +99,15 @@ class EngineExecutor(ExecutorCore):
         check_accounting: bool = True,
         clock: Callable[[], float] = time.perf_counter,
         offload_suspended: bool = False,
+        eviction: str = "snapkv",
+        snapkv_window: int = DEFAULT_WINDOW,
     ) -> None:
+        if eviction not in EVICTION_METHODS:
+            raise ValueError(
+                f"eviction must be one of {', '.join(EVICTION_METHODS)}, not {eviction!r}"
+            )
+        if snapkv_window < 1:
+            raise ValueError(f"snapkv_window must be >= 1, got {snapkv_window}")
         super().__init__(
             policy,
             kv_capacity=kv_capacity,
@@ -97,6 +118,8 @@ class EngineExecutor(ExecutorCore):
         )
         self.model = model
         self.kv = model.new_kv_cache()
+        self.eviction = eviction
+        self.snapkv_window = snapkv_window
         self.cost = cost
         self.check_accounting = check_accounting
         self._clock = clock
@@ -128,7 +151,9 @@ class EngineExecutor(ExecutorCore):
         super().admit_arrival(job)
 
     def _on_admit(self, seq: Seq) -> None:
-        self.slots[seq.rid] = self.kv.allocate(seq.prefill_target + 16)
+        slot = self.slots[seq.rid] = self.kv.allocate(seq.prefill_target + 16)
+        if self.eviction == "snapkv":
+            self.kv.watch(slot, self.snapkv_window)  # the prefill's last queries, for SnapKV
 
     def _on_drop_kv(self, seq: Seq) -> None:
         slot = self.slots.pop(seq.rid, None)
@@ -159,8 +184,22 @@ class EngineExecutor(ExecutorCore):
         return self._spool
 
     def _on_evict(self, seq: Seq, n_tokens: int, alpha: float) -> None:
-        # StreamingLLM: attention sinks + recent window (SnapKV is still to come).
-        streaming_llm_evict(self.kv, self.slots[seq.rid], n_tokens)
+        if seq.rid in self._spooled:  # swapped out: bring it back, evict, spool it again
+            self._on_swap_in(seq)
+            self._evict_slot(self.slots[seq.rid], n_tokens)
+            self._on_swap_out(seq)
+        else:
+            self._evict_slot(self.slots[seq.rid], n_tokens)
+
+    def _evict_slot(self, slot: int, n_tokens: int) -> None:
+        kv = self.kv
+        if self.eviction == "snapkv" and kv.obs_window(slot) is not None:
+            snapkv_evict(kv, slot, n_tokens, window=self.snapkv_window)
+        else:
+            if self.eviction == "snapkv" and n_tokens:
+                self.counters["snapkv_fallbacks"] = self.counters.get("snapkv_fallbacks", 0) + 1
+            streaming_llm_evict(kv, slot, n_tokens)
+        kv.unwatch(slot)  # one eviction per prefill: the window's memory goes now
 
     # --- one step ----------------------------------------------------------------
     def _run_step(self, chunks: list[tuple[Seq, int]]) -> float:
@@ -174,6 +213,9 @@ class EngineExecutor(ExecutorCore):
             model_chunks.append(SeqChunk(slot, ids, kv.seq_len(slot)))
             owners.append((seq, seq.prefilled + n >= seq.prefill_target))
         decoders = [s for s in self.running.values() if s.decoding]
+        if kv.watching:  # a first decode ends the time SnapKV's window is needed
+            for seq in decoders:
+                kv.unwatch(self.slots[seq.rid])
         kv_attended = 0
         for seq in decoders:
             slot = self.slots[seq.rid]

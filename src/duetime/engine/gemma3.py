@@ -35,6 +35,7 @@ from duetime.engine.linear import (
     RescoredInt8Head,
     packed_available,
 )
+from duetime.engine.obs_window import ObsWindow
 
 __all__ = ["DTYPES", "Dtype", "Gemma3"]
 
@@ -180,6 +181,8 @@ class Gemma3:
         rope_global = self._rope(batch.positions, self.inv_freq_global)
         masks = MaskCache(cfg.sliding_window)
         n_qk = cfg.num_heads + cfg.num_kv_heads
+        # SnapKV's observation window: only watched sequences (prefilling, eviction pending)
+        watched = _watched_rows(batch, kv) if kv.watching else []
         for i, layer in enumerate(self.layers):
             sliding = cfg.sliding_layers[i]
             cos, sin = rope_local if sliding else rope_global
@@ -192,6 +195,8 @@ class Gemma3:
             v = qkv[:, n_qk * cfg.head_dim :].view(t, cfg.num_kv_heads, cfg.head_dim)
             new_kv = torch.stack((qk[:, cfg.num_heads :], v), dim=1).to(kv.dtype)
             q = qk[:, : cfg.num_heads]
+            for win, a, b in watched:
+                win.capture(i, q[a:b])
             attn = self._attention(batch, kv, i, q, new_kv, masks, sliding)
             h = layer.o(attn.to(layer.o.dtype)).to(x.dtype)
             x = x + _rms_norm(h, layer.post_attn, cfg.rms_norm_eps)
@@ -201,6 +206,8 @@ class Gemma3:
             x = x + _rms_norm(h, layer.post_ffw, cfg.rms_norm_eps)
         for c in batch.chunks:
             kv.advance(c.slot, len(c))
+        for win, a, b in watched:
+            win.advance(b - a, win.end_pos + b - a)
         if not all_logits:
             x = x[batch.last_rows]
         x = _rms_norm(x, self.final_norm, cfg.rms_norm_eps)
@@ -259,6 +266,17 @@ class Gemma3:
         freqs = positions[:, None].float() * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(self.compute_dtype), emb.sin().to(self.compute_dtype)
+
+
+def _watched_rows(batch: StepBatch, kv: KVCache) -> list[tuple[ObsWindow, int, int]]:
+    """(observation window, first row, end row) of every watched chunk in the step."""
+    rows = []
+    for c, a, b in zip(batch.chunks, batch.offsets, batch.offsets[1:], strict=False):
+        win = kv.obs_window(c.slot)
+        if win is not None:
+            assert win.end_pos == c.start_pos, "observation window out of step with the cache"
+            rows.append((win, a, b))
+    return rows
 
 
 def _rms_norm(x: torch.Tensor, one_plus_w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from duetime.engine.config import Gemma3Config
+from duetime.engine.obs_window import ObsWindow
 
 __all__ = ["KVCache", "KVView"]
 
@@ -102,6 +103,7 @@ class KVCache:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._window_keep = config.sliding_window - 1
+        self._watched: dict[int, ObsWindow] = {}  # slots whose last queries are kept
 
     # ----------------------------------------------------------------- allocation
     def can_allocate(self, num_tokens: int) -> bool:
@@ -136,7 +138,29 @@ class KVCache:
     def free(self, slot: int) -> None:
         """Release a sequence's KV at once (cancel, finish, or preemption by recompute)."""
         del self._seqs[slot]
+        self._watched.pop(slot, None)
         self._free_slots.append(slot)
+
+    # ----------------------------------------------------------- observation window
+    def watch(self, slot: int, window: int) -> None:
+        """Keep the last ``window`` queries of every layer from now on (for SnapKV)."""
+        c = self.config
+        win = ObsWindow(window, c.num_layers, c.num_heads, c.head_dim, self.dtype)
+        win.end_pos = self._seqs[slot].next_pos
+        self._watched[slot] = win
+
+    def unwatch(self, slot: int) -> None:
+        """Drop a sequence's observation window (first decode, eviction); no-op if none."""
+        self._watched.pop(slot, None)
+
+    def obs_window(self, slot: int) -> ObsWindow | None:
+        """The sequence's observation window, or None when it is not watched."""
+        return self._watched.get(slot)
+
+    @property
+    def watching(self) -> bool:
+        """Whether any sequence is watched (the model's one check per step)."""
+        return bool(self._watched)
 
     def export(self, slot: int) -> dict[str, object]:
         """Take a sequence's KV out of the cache as plain tensors (for offloading).
@@ -157,6 +181,9 @@ class KVCache:
                 for layer in seq.layers
             ],
         }
+        obs = self._watched.get(slot)
+        if obs is not None:
+            state["obs"] = obs.state()
         self.free(slot)
         return state
 
@@ -181,6 +208,10 @@ class KVCache:
         next_pos = state["next_pos"]
         assert isinstance(next_pos, int)
         seq.next_pos = next_pos
+        obs = state.get("obs")
+        if obs is not None:
+            assert isinstance(obs, dict), "not an observation-window state"
+            self._watched[slot] = ObsWindow.from_state(obs, self.dtype)
         return slot
 
     # ----------------------------------------------------------------- accounting
@@ -216,11 +247,13 @@ class KVCache:
         return sum(self.num_tokens(s) for s in self._seqs)
 
     def nbytes(self, slot: int) -> int:
-        """Bytes allocated for the sequence (capacity, including growth headroom)."""
+        """Bytes allocated for the sequence (capacity, including growth headroom, and
+        the observation window while watched)."""
+        obs = self._watched.get(slot)
         return sum(
             layer.buf.nbytes + (layer.pos.nbytes if layer.pos is not None else 0)
             for layer in self._seqs[slot].layers
-        )
+        ) + (obs.nbytes if obs is not None else 0)
 
     @property
     def total_bytes(self) -> int:
@@ -294,6 +327,11 @@ class KVCache:
     def positions(self, slot: int, layer_idx: int) -> torch.Tensor:
         """Positions of one layer's entries, ``[kv_heads, length]`` (for eviction policies)."""
         return self._positions(self._seqs[slot].layers[layer_idx])
+
+    def keys(self, slot: int, layer_idx: int) -> torch.Tensor:
+        """One layer's stored keys, ``[kv_heads, length, head_dim]`` (a view; for scoring)."""
+        layer = self._seqs[slot].layers[layer_idx]
+        return layer.buf[0, :, : layer.length]
 
     # ----------------------------------------------------------------- internals
     def _positions(self, layer: _LayerKV) -> torch.Tensor:
