@@ -134,3 +134,37 @@ def test_overhead_microbenchmark_runs() -> None:
     oh = overhead((8,), repeats=2)
     assert set(oh) == {"schedule_ms_8"}
     assert math.isfinite(oh["schedule_ms_8"])
+
+
+def test_vllm_stream_resumes_within_max_num_seqs_and_cancels_what_never_fits() -> None:
+    clock = DecodeClock()
+
+    def seq(rid: int, status: SeqStatus, prompt: int = 50) -> Seq:
+        s = Seq(Request(rid=rid, arrival=0.0, prompt_len=prompt), clock, rid)
+        s.status, s.prefilled = status, prompt
+        s.ready_at = 99.0  # not ready: vllm-stream resumes at once anyway
+        return s
+
+    running = [seq(0, SeqStatus.RUNNING)]
+    parked = [seq(1, SeqStatus.SUSPENDED), seq(2, SeqStatus.SUSPENDED)]
+    snap = EngineSnapshot(
+        now=1.0,
+        waiting=[],
+        running=running,
+        prefilling=[],
+        suspended=parked,
+        kv_capacity=10_000,
+        kv_free=10_000 - 150,
+        max_num_seqs=2,
+        max_batch_tokens=4096,
+        num_decoding=1,
+    )
+    dec = make_policy("vllm-stream").schedule(snap)
+    assert dec.resume == [1]  # the batch holds 2: one running + one resumed
+    # A suspended sequence that cannot take one more token even alone is cancelled.
+    huge = seq(3, SeqStatus.SUSPENDED, prompt=200)
+    snap.suspended, snap.kv_capacity, snap.kv_free = [huge], huge.kv_tokens, 0
+    snap.running, snap.num_decoding = [], 0
+    dec = make_policy("vllm-stream").schedule(snap)
+    assert dec.cancel == [3]
+    assert dec.resume == []

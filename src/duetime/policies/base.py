@@ -153,14 +153,23 @@ class QueuePolicy:
             n_seqs -= 1
         return free, decoders, n_seqs
 
+    def resume_candidates(self, snap: EngineSnapshot) -> list[Seq]:
+        """Suspended sequences to resume, in the order to try them.
+
+        Default: those whose segment gap is over, by the waiting key. A policy
+        changes *which* and *in what order* here; the memory, ``max_num_seqs``
+        and never-fits checks in :meth:`_resume_ready` apply to every policy.
+        """
+        ready = [s for s in snap.suspended if s.ready_at <= snap.now]
+        ready.sort(key=lambda s: (self.waiting_key(s), s.order))
+        return ready
+
     def _resume_ready(
         self, snap: EngineSnapshot, dec: Decision, free: int, decoders: int, n_seqs: int
     ) -> tuple[int, int, int]:
         if not snap.suspended:
             return free, decoders, n_seqs
-        ready = [s for s in snap.suspended if s.ready_at <= snap.now]
-        ready.sort(key=lambda s: (self.waiting_key(s), s.order))
-        for s in ready:
+        for s in self.resume_candidates(snap):
             need = 1 + (s.kv_tokens if s.kv_offloaded else 0)
             if s.kv_tokens + 1 > snap.kv_capacity:
                 dec.cancel.append(s.rid)  # cannot take another token even alone

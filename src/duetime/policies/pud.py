@@ -184,11 +184,12 @@ class TimelyLLM(QueuePolicy):
                 if s.kv_tokens + 1 > snap.kv_capacity:
                     dec.cancel.append(s.rid)
                     continue
-                if need > free:
+                if need > free or budget <= 0:
                     continue
                 dec.resume.append(s.rid)
                 self._seg_start[s.rid] = s.generated
                 free -= need
+                budget -= 1  # it decodes in this very step
                 decoders += 1
                 n_seqs += 1
             else:
@@ -245,15 +246,6 @@ class VLLMStream(QueuePolicy):
         kwargs.pop("seed", None)
         super().__init__(**kwargs)
 
-    def _resume_ready(
-        self, snap: EngineSnapshot, dec: Decision, free: int, decoders: int, n_seqs: int
-    ) -> tuple[int, int, int]:
-        for s in sorted(snap.suspended, key=lambda s: s.order):
-            need = 1 + (s.kv_tokens if s.kv_offloaded else 0)
-            if need > free:
-                break
-            dec.resume.append(s.rid)
-            free -= need
-            decoders += 1
-            n_seqs += 1
-        return free, decoders, n_seqs
+    def resume_candidates(self, snap: EngineSnapshot) -> list[Seq]:
+        """Every suspended sequence, ready or not, in admission order."""
+        return sorted(snap.suspended, key=lambda s: s.order)
