@@ -162,6 +162,24 @@ def test_ala_beats_linear_baseline_on_shipped_data() -> None:
     assert ala < 15.0
 
 
+def test_extrapolation_splits_train_low_and_test_beyond() -> None:
+    from duetime.bench.ala import EXTRAPOLATE_BB, extrapolation, extrapolation_splits
+
+    data = ala_data.config_data("sim-a100-llama2-7b")
+    splits = extrapolation_splits(data)
+    train, test = splits["batch"]
+    assert train.bb.max() <= EXTRAPOLATE_BB < test.bb.min()
+    assert set(train.pairs()) == set(test.pairs()) == set(data.pairs())
+    train, test = splits["shape"]
+    assert not set(train.pairs()) & set(test.pairs())
+    assert len(train) + len(test) == len(data)
+    # The saturating curve extrapolates in bb where trees plateau at the last value seen.
+    med = extrapolation(data, seed=0)["batch"]["median_err_pct"]
+    assert med["ala"] < med["random_forest"]
+    # The small engine grid (bb <= 16) has nothing beyond bb = 32 to test.
+    assert "batch" not in extrapolation_splits(ala_data.config_data("engine-gemma3-270m-fp32-t1"))
+
+
 def test_prediction_interval_is_ordered() -> None:
     with pytest.raises(ValueError, match="lo <= point"):
         ThroughputPrediction(point=5.0, lo=6.0, hi=7.0, confidence=1.0)
