@@ -272,7 +272,7 @@ class KVCache:
         seq = self._seqs[slot]
         layer = seq.layers[layer_idx]
         n = kv.shape[0]
-        self._make_room(layer, n, self.config.sliding_layers[layer_idx])
+        self._make_room(slot, layer, n, self.config.sliding_layers[layer_idx])
         end = layer.length + n
         layer.buf[:, :, layer.length : end].copy_(kv.permute(1, 2, 0, 3))
         if layer.pos is not None:
@@ -340,19 +340,25 @@ class KVCache:
         row = torch.arange(layer.base, layer.base + layer.length)
         return row.expand(self.config.num_kv_heads, -1)
 
-    def _make_room(self, layer: _LayerKV, n: int, sliding: bool) -> None:
+    def _make_room(self, slot: int, layer: _LayerKV, n: int, sliding: bool) -> None:
         need = layer.length + n
         if need <= layer.capacity:
             return
-        if sliding and layer.length > self._window_keep:
-            drop = layer.length - self._window_keep
+        keep_n = self._window_keep
+        win = self._watched.get(slot)
+        if win is not None:
+            # SnapKV's window queries saw keys up to window - 1 before themselves: keep
+            # those too, so their attention weights can be recomputed exactly
+            keep_n += win.filled
+        if sliding and layer.length > keep_n:
+            drop = layer.length - keep_n
             keep = slice(drop, layer.length)
-            layer.buf[:, :, : self._window_keep] = layer.buf[:, :, keep].clone()
+            layer.buf[:, :, :keep_n] = layer.buf[:, :, keep].clone()
             if layer.pos is not None:
-                layer.pos[:, : self._window_keep] = layer.pos[:, keep].clone()
+                layer.pos[:, :keep_n] = layer.pos[:, keep].clone()
             else:
                 layer.base += drop
-            layer.length = self._window_keep
+            layer.length = keep_n
             need = layer.length + n
             if need <= layer.capacity:
                 return
