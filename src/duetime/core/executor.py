@@ -480,19 +480,41 @@ class ExecutorCore:
         if seq.generated >= target:
             self._finish(seq)
             return
-        # Segment boundary: keep KV, wait for the client to want the next segment.
         k = seq.segment_index
         gap = job.segment_gaps[k] if k < len(job.segment_gaps) else 0.0
-        seq.segment_index = k + 1
         nxt = job.segments[k + 1] if k + 1 < len(job.segments) else target
         seq.segment_end = min(seq.segment_end + nxt, target)
+        self._suspend_at_boundary(seq, gap)
+
+    def _suspend_at_boundary(self, seq: Seq, gap: float) -> None:
+        """Segment boundary: keep the KV, wait ``gap`` s for the client to want the next one."""
+        seq.segment_index += 1
         seq.ready_at = self.now + gap
-        rec.segment_ready.append(seq.ready_at)
+        self.records[seq.rid].segment_ready.append(seq.ready_at)
         seq.status = SeqStatus.SUSPENDED
         self._park(seq)
         self.suspended[seq.rid] = seq
         heapq.heappush(self._timers, seq.ready_at)
         self._on_segment_end(seq)
+
+    def end_segment(self, rid: int, gap: float = 0.0) -> bool:
+        """End ``rid``'s current segment now: a text stop checker found a boundary.
+
+        For requests whose segments are not known in advance (``Job.segments``
+        empty): the sequence is suspended with its KV, exactly as at a
+        trace-given boundary, and the client wants the next segment ``gap`` s
+        from now. False (nothing done) unless it is decoding and unfinished.
+        """
+        seq = self.seqs.get(rid)
+        if seq is None or seq.status is not SeqStatus.RUNNING or not seq.decoding:
+            return False
+        if seq.generated >= self.records[rid].target_tokens:
+            return False  # its last token: it finishes instead
+        self._stop_decoding(seq)
+        del self.running[rid]
+        self.records[rid].segment_done.append(self.now)
+        self._suspend_at_boundary(seq, gap)
+        return True
 
     def _finish(self, seq: Seq) -> None:
         """A released sequence has its whole answer: free its KV and close its record."""

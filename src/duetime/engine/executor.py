@@ -37,6 +37,7 @@ from duetime.engine.eviction import (
     streaming_llm_evict,
 )
 from duetime.engine.gemma3 import Gemma3
+from duetime.engine.segment_stop import TextSegmenter
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -70,7 +71,10 @@ class EngineExecutor(ExecutorCore):
 
     ``kv_capacity`` is the KV budget M in tokens, enforced by the same
     accounting the simulator uses and checked against the cache after every
-    step (``check_accounting``); with ``offload_suspended`` a suspended
+    step (``check_accounting``). ``segmenters[rid]`` (a
+    :class:`~duetime.engine.segment_stop.TextSegmenter`) ends that request's
+    segments where its generated text says, for jobs without trace-given
+    segments. With ``offload_suspended`` a suspended
     sequence's KV is spooled to disk when a step needs its room (see
     ``core/executor.py``). ``cost`` is the fitted profile handed to
     policies as ``snapshot.cost`` (None until `duetime profile` has run).
@@ -135,6 +139,8 @@ class EngineExecutor(ExecutorCore):
         self.stop_on_eos: dict[int, int] = {}  # rid → min_tokens before EOS may end it
         self.last_step: tuple[float, int, int, int] | None = None  # (s, prefill, decoders, kv)
         self.on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
+        # Segmented generation by text (TimelyLLM's stop checker): rid → its checker.
+        self.segmenters: dict[int, TextSegmenter] = {}
 
     def step_cost_model(self) -> LinearStepCost | None:
         return self.cost
@@ -165,6 +171,9 @@ class EngineExecutor(ExecutorCore):
 
     def _on_restart(self, seq: Seq) -> None:
         del self.tokens[seq.rid][seq.req.prompt_len :]  # the answer so far is void
+        seg = self.segmenters.get(seq.rid)
+        if seg is not None:
+            seg.reset()
 
     def _on_swap_out(self, seq: Seq) -> None:
         """Spool the sequence's KV to disk: on a CPU engine, KV memory *is* RAM."""
@@ -241,6 +250,8 @@ class EngineExecutor(ExecutorCore):
                     and self.seqs[rid].generated >= self.stop_on_eos[rid]
                 ):
                     self.finish_early(rid)
+        if self.segmenters:
+            self._check_segments(produced)
         if self.on_tokens is not None and produced:
             self.on_tokens(produced)
         if self.check_accounting:
@@ -248,6 +259,16 @@ class EngineExecutor(ExecutorCore):
         self.last_step = (dt, sum(n for _, n in chunks), len(decoders), kv_attended)
         self._log_step(chunks, len(decoders), kv_attended, dt)
         return dt
+
+    def _check_segments(self, produced: list[tuple[int, int]]) -> None:
+        """Suspend every request whose stop checker saw a segment end in its new token."""
+        for rid, tok in produced:
+            seg = self.segmenters.get(rid)
+            if seg is None:
+                continue
+            gap = seg.add(tok)
+            if gap is not None:
+                self.end_segment(rid, gap)
 
     def _check_kv(self) -> None:
         held = sum(self.kv.num_tokens(s) for s in self.slots.values())
@@ -371,6 +392,7 @@ class EngineExecutor(ExecutorCore):
         super().forget(rid)
         self.tokens.pop(rid, None)
         self.stop_on_eos.pop(rid, None)
+        self.segmenters.pop(rid, None)
 
     def close(self) -> None:
         """Remove swapped-out KV files and close the telemetry file."""
