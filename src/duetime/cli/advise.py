@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -52,3 +53,62 @@ def advise_deferred_prefill(
     )
     if json_path is not None:
         write_json(json_path, adv)
+
+
+@advise_app.command("batch")
+def advise_batch_size(
+    input_len: Annotated[int, typer.Option("--input-len", min=1, help="ii: prompt tokens.")],
+    output_len: Annotated[int, typer.Option("--output-len", min=1, help="oo: output tokens.")],
+    deadline: Annotated[float, typer.Option(help="Seconds in which the whole batch must finish.")],
+    config: Annotated[
+        str, typer.Option(help="Hardware/software configuration in the ALA data.")
+    ] = "sim-a100-llama2-7b",
+    max_batch: Annotated[int, typer.Option(min=1, help="Largest batch to consider.")] = 256,
+    data: Annotated[
+        list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
+    ] = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Largest batch whose ALA-predicted wall time meets a deadline (with its interval)."""
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from duetime.metrics import write_json
+    from duetime.predict.ala_advise import advise_batch
+    from duetime.predict.ala_data import config_data
+    from duetime.predict.ala_model import AlaPredictor
+
+    with _user_errors():
+        pred = AlaPredictor(config_data(config, data))
+        adv = advise_batch(pred, input_len, output_len, deadline, max_batch)
+    table = Table(title=f"{config}: ii={input_len} oo={output_len}, deadline {deadline:g} s")
+    for col in ("bb", "tok/s", "90 % interval", "wall s", "wall s (pessimistic)", "confidence"):
+        table.add_column(col, justify="right")
+    shown = {1 << k for k in range(max_batch.bit_length())} | {adv["bb_safe"], adv["bb_expected"]}
+    for o in adv["options"]:  # type: ignore[attr-defined]
+        if o.bb in shown:
+            table.add_row(
+                f"[bold]{o.bb}[/]" if o.bb in (adv["bb_safe"], adv["bb_expected"]) else str(o.bb),
+                f"{o.thpt_tok_s:,.1f}",
+                f"[{o.thpt_lo_tok_s:,.1f}, {o.thpt_hi_tok_s:,.1f}]",
+                f"{o.wall_s:.2f}",
+                f"{o.wall_hi_s:.2f}",
+                f"{o.confidence:.2f}",
+            )
+    out.print(table)
+    if adv["bb_expected"] is None:
+        out.print(f"no batch meets {deadline:g} s: even bb = 1 is predicted to take longer")
+    else:
+        safe = adv["bb_safe"]
+        out.print(
+            f"largest batch meeting {deadline:g} s: {adv['bb_expected']} by the point estimate, "
+            + (f"{safe} with the pessimistic bound" if safe else "none with the pessimistic bound")
+            + f" (held-out median error of this model {pred.cv_median_err_pct:.1f} %)"
+        )
+    if json_path is not None:
+        payload = {k: v for k, v in adv.items() if k not in ("safe", "expected", "options")}
+        payload["config"] = config
+        payload["options"] = [asdict(o) for o in adv["options"]]  # type: ignore[attr-defined]
+        payload["heldout_median_err_pct"] = pred.cv_median_err_pct
+        write_json(json_path, payload)
