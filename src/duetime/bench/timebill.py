@@ -125,23 +125,31 @@ def run_one(
     pol = make_policy("timebill", overrun=overrun, **METHODS[method])
     sim = Simulator(pol, cost, cfg, predictor=make_job_predictor(predictor, seed=seed))
     res = sim.run(jobs)
-    recs = res.records
-    n = len(recs)
-    on_time = sum(1 for r in recs if r.deadline_met)
-    finished = sum(1 for r in recs if r.completed)
-    completed = on_time if overrun == "kill" else finished
-    started = [r for r in recs if r.first_token is not None]
-    skipped = sum(1 for r in recs if r.cancelled_at is not None and r.first_token is None)
-    done = [r for r in recs if (r.deadline_met if overrun == "kill" else r.completed)]
     return {
         "method": method,
         "overrun": overrun,
         "budget_s": budget_s,
+        **outcome_fields(res.records, overrun),
+        "kv_peak_tokens": res.kv_peak,
+        "sim_time_s": res.sim_time,
+    }
+
+
+def outcome_fields(recs: list[Any], overrun: str) -> dict[str, Any]:
+    """Completion (the paper's, per overrun strategy), kills, skips and α of one run's records.
+
+    Shared with the real-engine bench (:mod:`duetime.bench.timebill_engine`)."""
+    n = len(recs)
+    on_time = sum(1 for r in recs if r.deadline_met)
+    started = [r for r in recs if r.first_token is not None]
+    done = [r for r in recs if is_complete(r, overrun)]
+    return {
         "jobs": n,
-        "completion_rate": completed / n,
+        "completion_rate": len(done) / n,
         "on_time_rate": on_time / n,
         "killed_rate": sum(1 for r in recs if r.cancelled_at is not None and r.first_token) / n,
-        "skipped_rate": skipped / n,
+        "skipped_rate": sum(1 for r in recs if r.cancelled_at is not None and r.first_token is None)
+        / n,
         "mean_alpha": float(np.mean([r.kv_evicted_ratio for r in started])) if started else 0.0,
         "mean_alpha_completed": (
             float(np.mean([r.kv_evicted_ratio for r in done])) if done else 0.0
@@ -149,9 +157,12 @@ def run_one(
         "e2e_mean_completed_s": float(np.mean([r.e2e for r in done if r.e2e is not None]))
         if done
         else None,
-        "kv_peak_tokens": res.kv_peak,
-        "sim_time_s": res.sim_time,
     }
+
+
+def is_complete(rec: Any, overrun: str) -> bool:
+    """Kill: finished by the deadline. Skip-Next: finished at all (late answers count)."""
+    return bool(rec.deadline_met if overrun == "kill" else rec.completed)
 
 
 def run(

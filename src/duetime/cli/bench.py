@@ -276,27 +276,98 @@ def bench_timelyllm(
 
 @bench_app.command("timebill")
 def bench_timebill(
-    jobs: Annotated[int, typer.Option(min=1, help="Periodic jobs per run.")] = 200,
-    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
-        "a100-llama2-7b"
-    ),
+    jobs: Annotated[
+        int | None, typer.Option(min=1, help="Periodic jobs per run (simulator) [200].")
+    ] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            help="Shipped profile name or JSON path [a100-llama2-7b]; with --engine a "
+            "`duetime profile` JSON [default: time this workload's steps]."
+        ),
+    ] = None,
     predictor: Annotated[
-        str, typer.Option(help="Length predictor: noisy[:σ], oracle, learned[:path].")
-    ] = "noisy",
+        str | None,
+        typer.Option(
+            help="Length predictor: noisy[:σ], oracle, learned[:path] [noisy; --engine: learned]."
+        ),
+    ] = None,
     tasks: Annotated[int, typer.Option(min=1, help="Concurrent periodic tasks.")] = 1,
     budget: Annotated[
         list[float] | None, typer.Option(help="Time budget(s) T in s; default: paper's, scaled.")
     ] = None,
     seed: Annotated[int, typer.Option()] = 0,
+    engine: Annotated[
+        bool,
+        typer.Option(
+            "--engine", help="On the real engine (small scale, minutes), with F1 / ROUGE-L scores."
+        ),
+    ] = False,
+    model: Annotated[
+        str | None, typer.Option(help="--engine: gemma (default) or tiny (random weights).")
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="--engine: fp32, fast (default), bf16 or int8.")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="--engine: torch threads [2].")] = None,
+    prompts: Annotated[int | None, typer.Option(min=1, help="--engine: ShareGPT prompts [8].")] = (
+        None
+    ),
+    n_max: Annotated[
+        int | None, typer.Option(min=2, help="--engine: N_max, output tokens cap [96].")
+    ] = None,
+    min_prompt: Annotated[
+        int | None, typer.Option(min=1, help="--engine: shortest prompt, tokens [256].")
+    ] = None,
+    max_prompt: Annotated[
+        int | None, typer.Option(min=1, help="--engine: longest prompt, tokens [512].")
+    ] = None,
+    method: Annotated[
+        list[str] | None, typer.Option(help="--engine: method(s) to run [all seven].")
+    ] = None,
+    budget_scale: Annotated[
+        str | None,
+        typer.Option(
+            help="--engine: job (median full-KV job = 7.5 s) or step (decode step / 27 ms) [job]."
+        ),
+    ] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = Path("out/bench-timebill.png"),
 ) -> None:
-    """TimeBill vs vanilla and fixed-α KV eviction under Kill and Skip-Next (simulated)."""
+    """TimeBill vs vanilla and fixed-α KV eviction, Kill and Skip-Next (simulated or --engine)."""
     from duetime.bench import timebill as bench
+    from duetime.cli.common import _fail
     from duetime.metrics import write_json
 
+    engine_only = {
+        "--model": model, "--dtype": dtype, "--threads": threads, "--prompts": prompts,
+        "--n-max": n_max, "--min-prompt": min_prompt, "--max-prompt": max_prompt,
+        "--method": method, "--budget-scale": budget_scale,
+    }  # fmt: skip
+    if engine:
+        from duetime.cli.timebill_engine import run_cli
+
+        if jobs is not None:
+            _fail("--jobs is for the simulator; with --engine use --prompts")
+        if tasks != 1:
+            _fail("--engine runs one periodic task; drop --tasks")
+        with _user_errors():
+            run_cli(
+                model=model or "gemma", dtype=dtype or "fast", threads=threads or 2,
+                prompts=prompts or 8, n_max=n_max or 96, min_prompt=min_prompt or 256,
+                max_prompt=max_prompt or 512, methods=method, budgets=budget,
+                budget_scale=budget_scale or "job", predictor=predictor or "learned",
+                profile=profile, seed=seed, json_path=json_path, plot=plot,
+            )  # fmt: skip
+        return
+    given = [name for name, v in engine_only.items() if v is not None]
+    if given:
+        _fail(f"{', '.join(given)} only apply with --engine")
     with _user_errors():
-        fig = bench.run(jobs, seed, profile, predictor, tasks, tuple(budget or ()))
+        fig = bench.run(
+            jobs or 200, seed, profile or "a100-llama2-7b", predictor or "noisy", tasks,
+            tuple(budget or ()),
+        )  # fmt: skip
     w = fig["workload"]
     out.print(
         f"{w['jobs']} ShareGPT jobs with prompts >= {bench.MIN_PROMPT} tokens "
