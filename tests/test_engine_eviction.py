@@ -316,3 +316,22 @@ def test_streaming_is_still_selectable(model_w4: Gemma3, monkeypatch: Any) -> No
     assert watched == []  # streaming needs no queries: prefill pays nothing
     assert all(rec.kv_evicted_ratio == 0.5 for rec in res.records)
     assert ex.kv.total_tokens == 0
+
+
+# ----------------------------------------------------------------- wiring
+def test_serve_rejects_an_unknown_eviction_method_before_starting() -> None:
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "--model", "tiny", "--eviction", "h2o"])
+    assert res.exit_code != 0
+    assert "eviction must be one of snapkv, streaming" in res.output
+
+
+def test_served_engine_uses_the_chosen_eviction() -> None:
+    from duetime.server.build import ServeOptions, build_state, load_served_model
+
+    options = ServeOptions(model="tiny", policy="timebill", eviction="streaming")
+    state = build_state(options, *load_served_model(options))
+    assert state.engine.executor.eviction == "streaming"

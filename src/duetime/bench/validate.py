@@ -63,6 +63,7 @@ def run(
     max_batch_tokens: int = 1024,
     plot: Path | None = None,
     jobs: list[Job] | None = None,
+    eviction: str = "snapkv",
 ) -> dict[str, Any]:
     """Run both executors; returns the comparison figures (and writes a plot).
 
@@ -94,6 +95,7 @@ def run(
         kv_capacity=kv_capacity,
         max_num_seqs=max_num_seqs,
         max_batch_tokens=max_batch_tokens,
+        eviction=eviction,
     )
     real = engine.run(copy.deepcopy(jobs))
     cfg = SimConfig(
@@ -102,6 +104,7 @@ def run(
     sim = Simulator(make_policy(policy), cost, cfg).run(copy.deepcopy(jobs))
     fig: dict[str, Any] = {
         "policy": policy,
+        "eviction": eviction,
         "requests": requests,
         "rate_req_s": rate,
         "profile": profile,

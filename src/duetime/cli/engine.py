@@ -109,6 +109,9 @@ def validate(
     max_output: Annotated[int, typer.Option(min=1)] = 128,
     plot: Annotated[Path, typer.Option("--plot")] = Path("out/validate.png"),
     json_path: Annotated[Path | None, typer.Option("--json")] = None,
+    eviction: Annotated[
+        str, typer.Option(help="KV eviction for policies that evict: snapkv or streaming.")
+    ] = "snapkv",
 ) -> None:
     """Same workload through the real engine and the simulator: per-request error."""
     from duetime.bench import validate as v
@@ -118,11 +121,14 @@ def validate(
     with _user_errors():
         if not Path(profile).exists():
             raise ValueError(f"{profile}: no such profile; run `duetime profile --out {profile}`")
+        if eviction not in ("snapkv", "streaming"):
+            raise ValueError(f"--eviction must be snapkv or streaming, got {eviction!r}")
         _set_threads(threads)
         model = load_model(dtype=dtype)  # type: ignore[arg-type]
         fig = v.run(
             model=model, profile=profile, policy=policy, requests=requests, rate=rate,
             seed=seed, max_prompt=max_prompt, max_output=max_output, plot=plot,
+            eviction=eviction,
         )  # fmt: skip
     console.print(render_table([("real vs sim", fig)], keys=list(fig)))
     console.print("target: median e2e error <= 10 % (Vidur: < 9 % against real GPUs)")

@@ -42,6 +42,13 @@ def serve(
         Path | None, typer.Option(help="Fitted profile (`duetime profile`); default: fit online.")
     ] = None,
     telemetry: Annotated[Path | None, typer.Option(help="Per-step JSONL telemetry.")] = None,
+    eviction: Annotated[
+        str,
+        typer.Option(
+            help="KV eviction when the policy asks for ratio α (e.g. timebill): "
+            "snapkv (observation-window scores, per head) or streaming (sinks + recent)."
+        ),
+    ] = "snapkv",
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve the model over HTTP with OpenAI's API plus deadlines (see docs/server.md)."""
@@ -74,6 +81,7 @@ def serve(
             predictor=None if predictor == "none" else predictor,
             profile=profile,
             telemetry=telemetry,
+            eviction=eviction,
         )
         try:
             loaded, codec, name = load_served_model(options)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from duetime.core.cost import LinearStepCost
+from duetime.engine.eviction import EVICTION_METHODS
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
 from duetime.policies.registry import make_policy
@@ -39,6 +40,7 @@ class ServeOptions:
     profile: Path | None = None
     telemetry: Path | None = None
     seed: int = 0
+    eviction: str = "snapkv"  # how KV is dropped when the policy evicts: snapkv or streaming
 
 
 def load_served_model(options: ServeOptions) -> tuple[Gemma3, Codec, str]:
@@ -64,6 +66,10 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
     timer = StepTimer(prior=cost)
     kwargs = dict(options.policy_kwargs or {})
     make_policy(options.policy, **kwargs)  # fail now, not on the engine thread
+    if options.eviction not in EVICTION_METHODS:
+        raise ValueError(
+            f"eviction must be one of {', '.join(EVICTION_METHODS)}, not {options.eviction!r}"
+        )
 
     def make_executor() -> EngineExecutor:
         ex = EngineExecutor(
@@ -75,6 +81,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
             cost=cost,
             telemetry=options.telemetry,
             check_accounting=False,
+            eviction=options.eviction,
         )
         ex.eos_token_id = codec.eos_id
         return ex
