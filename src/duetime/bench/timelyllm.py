@@ -127,20 +127,12 @@ def run_system(
     run_jobs = _unsegmented(jobs) if system == "vllm" else jobs
     sim = Simulator(make_policy(_POLICY[system]), cost, cfg)
     res = sim.run(run_jobs)
-    per: dict[str, list[tuple[float, float, float]]] = {}
-    for job, rec in zip(jobs, res.records, strict=True):
-        assert rec.completed, f"task {job.request.rid} did not finish"
-        n = max(len(job.segments), 1)
-        done = [rec.finish] * n if system == "vllm" else list(rec.segment_done)
-        per.setdefault(job.request.klass, []).append(robot_outcome(job, done))  # type: ignore[arg-type]
-    everything = [o for v in per.values() for o in v]
     row: dict[str, Any] = {
         "wid": wid,
         "system": system,
         "policy": _POLICY[system],
         "tasks": len(jobs),
-        **_stats(everything),
-        "classes": {k: _stats(v) for k, v in sorted(per.items())},
+        **score(system, jobs, res.records),
         "kv_peak_tokens": res.kv_peak,
         "kv_capacity_tokens": cfg.kv_capacity,
         "max_num_seqs": cfg.max_num_seqs,
@@ -152,6 +144,18 @@ def run_system(
         "wall_s": res.wall_s,
     }
     return row
+
+
+def score(system: str, jobs: list[Job], records: list[Any]) -> dict[str, Any]:
+    """Robot-side totals and per-class means of one run (any executor's records)."""
+    per: dict[str, list[tuple[float, float, float]]] = {}
+    for job, rec in zip(jobs, records, strict=True):
+        assert rec.completed, f"task {job.request.rid} did not finish"
+        n = max(len(job.segments), 1)
+        done = [rec.finish] * n if system == "vllm" else list(rec.segment_done)
+        per.setdefault(job.request.klass, []).append(robot_outcome(job, done))
+    everything = [o for v in per.values() for o in v]
+    return {**_stats(everything), "classes": {k: _stats(v) for k, v in sorted(per.items())}}
 
 
 def _stats(outs: list[tuple[float, float, float]]) -> dict[str, float]:
@@ -236,6 +240,23 @@ def run(
         for w in wids
         for s in SYSTEMS
     ]
+    return {
+        "profile": profile,
+        "kv_capacity_tokens": rows[0]["kv_capacity_tokens"],
+        "max_num_seqs": rows[0]["max_num_seqs"],
+        "offload_suspended": offload,
+        "seed": seed,
+        "baseline": BASELINE,
+        "rows": rows,
+        "summary": add_gains(rows, wids),
+        "overhead": overhead(),
+        "paper": PAPER,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def add_gains(rows: list[dict[str, Any]], wids: tuple[int, ...]) -> dict[str, Any]:
+    """Gains vs ``vllm`` into every row (and class); TimelyLLM's per-workload summary."""
     summary: dict[str, Any] = {}
     for w in wids:
         base = next(r for r in rows if r["wid"] == w and r["system"] == BASELINE)
@@ -262,19 +283,7 @@ def run(
                 c["waiting_change_vs_fcfs_pct"] for c in t["classes"].values()
             ),
         }
-    return {
-        "profile": profile,
-        "kv_capacity_tokens": rows[0]["kv_capacity_tokens"],
-        "max_num_seqs": rows[0]["max_num_seqs"],
-        "offload_suspended": offload,
-        "seed": seed,
-        "baseline": BASELINE,
-        "rows": rows,
-        "summary": summary,
-        "overhead": overhead(),
-        "paper": PAPER,
-        "wall_s": time.perf_counter() - t0,
-    }
+    return summary
 
 
 def table(fig: dict[str, Any]) -> Any:
@@ -310,16 +319,17 @@ def table(fig: dict[str, Any]) -> Any:
     return t
 
 
-def plot(fig: dict[str, Any], path: str | Path) -> Path:
-    """Grouped bars: mean utility per task class and system, one panel per workload."""
+def plot(fig: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
+    """Per workload: mean utility per task class and system (top), mean response and
+    waiting time per system (bottom)."""
     from matplotlib.figure import Figure
 
     from duetime.metrics.atomic import save_png
 
     wids = sorted({r["wid"] for r in fig["rows"]})
-    f = Figure(figsize=(5.0 * len(wids), 4.0))
+    f = Figure(figsize=(5.0 * len(wids), 7.0))
     for i, w in enumerate(wids):
-        ax = f.add_subplot(1, len(wids), i + 1)
+        ax = f.add_subplot(2, len(wids), i + 1)
         rows = [r for r in fig["rows"] if r["wid"] == w]
         classes = sorted(rows[0]["classes"])
         x = np.arange(len(classes))
@@ -332,8 +342,17 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
         ax.set_ylabel("mean time utility per task (Eq. 3)")
         ax.set_title(f"WID{w}", fontsize=9)
         ax.legend(fontsize=7)
+        ax = f.add_subplot(2, len(wids), len(wids) + i + 1)
+        x = np.arange(2)
+        for j, r in enumerate(rows):
+            ys = [r["response_time_mean_s"], r["waiting_time_mean_s"]]
+            ax.bar(x + (j - (len(rows) - 1) / 2) * width, ys, width, label=r["system"])
+        ax.set_xticks(x, ["response time", "robot waiting time"])
+        ax.set_ylabel("mean per task (s)")
     f.suptitle(
-        f"TimelyLLM vs baselines (simulated, {fig['profile']}, max_num_seqs {fig['max_num_seqs']})",
+        title
+        or f"TimelyLLM vs baselines (simulated, {fig['profile']}, "
+        f"max_num_seqs {fig['max_num_seqs']})",
         fontsize=10,
     )
     f.tight_layout()
