@@ -3,7 +3,8 @@
 Cells: one prompt of 128 / 512 / 2048 tokens (prefill tok/s) and one decode
 step of 1 / 4 / 16 / 64 sequences after a ``context``-token prompt each
 (decode tok/s = batch ÷ median step time). Engine variants (``fp32``: exact
-reference; ``fast``: int8 output layer with fp32 re-scoring; ``fp32-mkl``: the
+reference; ``fast``: int8 output layer with fp32 re-scoring; ``q8``: ``fast`` plus
+weight-only int8 products for steps of few rows; ``fp32-mkl``: the
 previous kernels, for a before/after in one run) are measured *interleaved*,
 variant after variant within each repetition, so a neighbour's load hits them
 alike; figures are medians. transformers' ``generate`` (fp32 and bf16, same
@@ -43,6 +44,7 @@ Weights = dict[str, torch.Tensor]
 ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "fp32"},
     "fast": {"dtype": "fast"},
+    "q8": {"dtype": "q8"},
     "fp32-mkl": {"dtype": "fp32", "packed": False, "batched_decode_attention": False},
     "bf16": {"dtype": "bf16"},
     "int8": {"dtype": "int8"},
@@ -96,9 +98,15 @@ def _rss_mb() -> float:
         return float("nan")
 
 
-def _weight_bytes(model: Gemma3) -> int:
-    layers = sum(lin.nbytes for ly in model.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
-    return layers + model.lm_head.nbytes
+def _weight_bytes(model: Gemma3, rows: int = 1) -> int:
+    """Weight bytes a step of ``rows`` rows reads (``q8`` reads int8 only for few rows)."""
+
+    def nbytes(lin: Any) -> int:
+        fn = getattr(lin, "bytes_read", None)
+        return int(fn(rows)) if fn is not None else int(lin.nbytes)
+
+    layers = sum(nbytes(lin) for ly in model.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
+    return layers + nbytes(model.lm_head)
 
 
 def _kv_bytes_read(cfg: Gemma3Config, batch: int, ctx: int, itemsize: int) -> int:
@@ -233,6 +241,7 @@ def run(
             "peak_rss_mb": _peak_rss_mb(),
             "own_rss_mb": _rss_mb() - rss0,
             "weight_mb": _weight_bytes(model) / 1e6,
+            "weight_mb_by_batch": {b: _weight_bytes(model, b) / 1e6 for b in batches},
             "kv_itemsize": model.compute_dtype.itemsize,
         }
     for tdt in transformers:
@@ -320,7 +329,8 @@ def run(
                 f = figs[name]
                 step = _median(ts)
                 kv_ctx = ctx + n_steps * reps // 2
-                nbytes = f["weight_mb"] * 1e6 + _kv_bytes_read(cfg, b, kv_ctx, f["kv_itemsize"])
+                weight_mb = f.get("weight_mb_by_batch", {}).get(b, f["weight_mb"])
+                nbytes = weight_mb * 1e6 + _kv_bytes_read(cfg, b, kv_ctx, f["kv_itemsize"])
                 roof = b * bandwidth * 1e9 / nbytes
                 f["decode"].append(
                     {

@@ -20,13 +20,16 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-_DTYPE_HELP = "fp32 (exact), fast (int8 head rescored in fp32), bf16 or int8."
+_DTYPE_HELP = (
+    "fp32 (exact), fast (int8 head rescored in fp32), q8 (fast + int8 decode kernel), bf16 or int8."
+)
 
 
 @app.command()
 def profile(
     dtype: Annotated[
-        str, typer.Option(help="fp32 (exact), fast (int8 head rescored in fp32), bf16 or int8.")
+        str,
+        typer.Option(help="fp32 (exact), fast (int8 head), q8 (fast + int8 decode), bf16 or int8."),
     ] = "fp32",
     threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
     quick: Annotated[bool, typer.Option(help="A small grid (smoke test).")] = False,
@@ -44,8 +47,10 @@ def profile(
     from duetime.metrics import write_json
 
     with _user_errors():
-        if dtype not in ("fp32", "fast", "bf16", "int8"):
-            raise ValueError(f"--dtype must be fp32, fast, bf16 or int8, got {dtype!r}")
+        from duetime.engine.gemma3 import DTYPES
+
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         _set_threads(threads)
         t0 = time.perf_counter()
         model = load_model(dtype=dtype)  # type: ignore[arg-type]
@@ -102,7 +107,8 @@ def validate(
     rate: Annotated[float, typer.Option(min=0.0)] = 2.0,
     seed: Annotated[int, typer.Option()] = 0,
     dtype: Annotated[
-        str, typer.Option(help="fp32 (exact), fast (int8 head rescored in fp32), bf16 or int8.")
+        str,
+        typer.Option(help="fp32 (exact), fast (int8 head), q8 (fast + int8 decode), bf16 or int8."),
     ] = "fp32",
     threads: Annotated[int, typer.Option(min=1)] = 2,
     max_prompt: Annotated[int, typer.Option(min=1)] = 512,

@@ -10,7 +10,9 @@ import typer
 
 from duetime.cli.common import _fail, _user_errors, app, err
 
-_DTYPE_HELP = "fp32 (exact), fast (int8 head rescored in fp32), bf16 or int8."
+_DTYPE_HELP = (
+    "fp32 (exact), fast (int8 head rescored in fp32), q8 (fast + int8 decode kernel), bf16 or int8."
+)
 
 
 @app.command()
@@ -28,7 +30,8 @@ def serve(
         str | None, typer.Option(help="The model id clients send (default from the model).")
     ] = None,
     dtype: Annotated[
-        str, typer.Option(help="fp32 (exact), fast (int8 head rescored in fp32), bf16 or int8.")
+        str,
+        typer.Option(help="fp32 (exact), fast (int8 head), q8 (fast + int8 decode), bf16 or int8."),
     ] = "fp32",
     threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
     kv_capacity: Annotated[int, typer.Option(min=64, help="KV budget M in tokens.")] = 32_768,
@@ -59,8 +62,10 @@ def serve(
     from duetime.server.build import ServeOptions, build_state, load_served_model
 
     with _user_errors():
-        if dtype not in ("fp32", "fast", "bf16", "int8"):
-            raise ValueError(f"--dtype must be fp32, fast, bf16 or int8, got {dtype!r}")
+        from duetime.engine.gemma3 import DTYPES
+
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         try:
             kwargs = json.loads(policy_args) if policy_args else {}
         except json.JSONDecodeError as e:

@@ -34,13 +34,14 @@ from duetime.engine.linear import (
     PackedLinear,
     RescoredInt8Head,
     packed_available,
+    q8_or,
 )
 from duetime.engine.obs_window import ObsWindow
 
 __all__ = ["DTYPES", "Dtype", "Gemma3"]
 
-Dtype = Literal["fp32", "fast", "bf16", "int8"]
-DTYPES: tuple[str, ...] = ("fp32", "fast", "bf16", "int8")
+Dtype = Literal["fp32", "fast", "q8", "bf16", "int8"]
+DTYPES: tuple[str, ...] = ("fp32", "fast", "q8", "bf16", "int8")
 Weights = dict[str, torch.Tensor]
 
 
@@ -64,6 +65,9 @@ class _Layer:
             weight = torch.cat([w[f"{p}.{n}.weight"] for n in names], 0)
             if kind == "int8":
                 return Int8Linear(weight)
+            if kind.startswith("q8"):  # int8 kernel for few rows, fp32 for more
+                fp32 = PackedLinear(weight) if kind == "q8" else DenseLinear(weight, dt)
+                return q8_or(weight, fp32)
             if kind == "packed":
                 return PackedLinear(weight)
             return DenseLinear(weight, dt)
@@ -92,7 +96,10 @@ class Gemma3:
     ``dtype``: ``"fp32"`` (exact reference; oneDNN-packed weights), ``"fast"``
     (fp32 layers, int8 output layer whose top-32 logits per row are recomputed
     in fp32: same arg-max as fp32 on the real model, ~2x faster batch-1 decode),
-    ``"bf16"`` (bf16 weights, activations
+    ``"q8"`` (``fast`` plus weight-only int8 layer and output-layer products
+    for steps of ≤ 8 rows through our AVX2 kernel, fp32 activations; multi-row
+    steps keep the fp32 path; falls back to ``fast`` when the kernel cannot be
+    built), ``"bf16"`` (bf16 weights, activations
     and KV; norms and softmax in fp32 as in transformers) or ``"int8"``
     (experimental: dynamic int8 for every linear, fp32 activations and KV, bf16
     embedding table; top-1 agrees with fp32 only ~77 % of the time).
@@ -123,8 +130,10 @@ class Gemma3:
         cd = self.compute_dtype
         if packed is None:
             packed = packed_available()
-        packed = packed and dtype in ("fp32", "fast")
+        packed = packed and dtype in ("fp32", "fast", "q8")
         kind = "int8" if dtype == "int8" else "packed" if packed else "dense"
+        if dtype == "q8":
+            kind = "q8" if packed else "q8-dense"
         self.layers = [
             _Layer(weights, f"model.layers.{i}", config, kind, cd) for i in range(config.num_layers)
         ]
@@ -133,8 +142,10 @@ class Gemma3:
         self.embed = embed.to(table_dtype).contiguous()
         head = weights.get("lm_head.weight", embed)
         tied = head is embed or torch.equal(head, embed)
-        if dtype == "fast" and int8_output is None:
-            self.lm_head: Linear = RescoredInt8Head(self.embed if tied else head)
+        if dtype in ("fast", "q8") and int8_output is None:
+            src = self.embed if tied else head
+            rank = q8_or(src, Int8Linear(src)) if dtype == "q8" else None
+            self.lm_head: Linear = RescoredInt8Head(src, rank=rank)
         elif int8_output if int8_output is not None else dtype == "int8":
             self.lm_head = Int8Linear(head)
         elif packed:

@@ -27,6 +27,11 @@ oneDNN's ``_linear_pointwise`` on a weight reordered once at load
 A single row stays on ``F.linear`` when a plain copy exists anyway (the tied
 output layer shares the embedding table): MKL's GEMV there needs no thread
 barrier, which matters when another process holds one of the two cores.
+
+Weight-only int8 (:class:`Q8Linear`, our AVX2 kernel in ``q8_kernel.py``) keeps
+activations and accumulation in fp32 and reads a quarter of the fp32 bytes;
+it serves the few-row products of decode steps, while steps with more rows
+(prefill, large batches), which are compute-bound, stay on the fp32 path.
 """
 
 from __future__ import annotations
@@ -37,14 +42,19 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from duetime.engine.q8_kernel import q8_available, q8_linear, quantize_q8
+
 __all__ = [
+    "Q8_MAX_ROWS",
     "DenseLinear",
     "Int8Linear",
     "Linear",
     "PackedLinear",
+    "Q8Linear",
     "RescoredInt8Head",
     "int8_available",
     "packed_available",
+    "q8_or",
 ]
 
 
@@ -147,15 +157,22 @@ class RescoredInt8Head:
     written back. The arg-max (and any top-k ≤ ``k`` sampler) therefore sees
     fp32 values unless the true best token falls outside the int8 top ``k``;
     logits outside the candidates stay int8 approximations.
+
+    ``rank``: the approximate product that ranks the vocabulary (default: fbgemm
+    :class:`Int8Linear`; ``q8`` passes a :class:`Q8Linear`).
     """
 
-    def __init__(self, weight: torch.Tensor, k: int = 32) -> None:
+    def __init__(self, weight: torch.Tensor, k: int = 32, *, rank: Linear | None = None) -> None:
         self.weight = weight.detach().float().contiguous()
-        self._int8 = Int8Linear(self.weight)
+        self._int8: Linear = rank if rank is not None else Int8Linear(self.weight)
         self.k = min(k, self.weight.shape[0])
         self.dtype = torch.float32
         self.out_features = self.weight.shape[0]
         self.nbytes = self._int8.nbytes  # + k fp32 rows per token, negligible
+
+    def bytes_read(self, rows: int) -> int:
+        """Weight bytes a product over ``rows`` rows reads (for rooflines)."""
+        return _bytes_read(self._int8, rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
@@ -163,3 +180,52 @@ class RescoredInt8Head:
         idx = logits.topk(self.k, dim=-1, sorted=False).indices  # [n, k]
         exact = torch.bmm(self.weight[idx], x[:, :, None])[:, :, 0]  # [n, k]
         return logits.scatter_(1, idx, exact)
+
+
+# Rows up to which Q8Linear uses the int8 kernel. Interleaved microbenchmarks on
+# this 2-core machine (docs/engine.md) had the kernel ahead of packed fp32 up to
+# 16 rows for the layer matmuls; beyond a few rows the product turns compute-bound
+# (int8 → fp32 widening costs as much as the FMA), so the margin shrinks with rows.
+Q8_MAX_ROWS = 8
+
+
+class Q8Linear:
+    """Weight-only int8 (per-output-channel scales) for ≤ ``max_rows`` rows.
+
+    Single-row and few-row products (decode steps) go through the AVX2 kernel:
+    int8 weights widened to fp32 in registers, fp32 activations and
+    accumulation, ``y = s ⊙ (W8 x)``; nothing is dequantised to memory. More rows
+    (prefill chunks, large decode batches) use ``fallback`` — the weight in its
+    existing fp32 (or fbgemm) form — where the product is compute-bound and
+    fp32 is both exact and faster. Build with :func:`q8_or` so a missing kernel
+    degrades to ``fallback`` alone.
+    """
+
+    def __init__(self, weight: torch.Tensor, fallback: Linear, max_rows: int = Q8_MAX_ROWS):
+        self.q = quantize_q8(weight)
+        self.fallback = fallback
+        self.max_rows = max_rows
+        self.dtype = torch.float32
+        self.out_features = self.q.out_features
+        self.nbytes = self.q.nbytes
+
+    def bytes_read(self, rows: int) -> int:
+        """Weight bytes a product over ``rows`` rows reads (for rooflines)."""
+        return self.q.nbytes if rows <= self.max_rows else _bytes_read(self.fallback, rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.max_rows:
+            return q8_linear(x, self.q)
+        return self.fallback(x)
+
+
+def q8_or(weight: torch.Tensor, fallback: Linear, max_rows: int = Q8_MAX_ROWS) -> Linear:
+    """A :class:`Q8Linear` when the kernel builds, else ``fallback`` (warned once)."""
+    if not q8_available():
+        return fallback
+    return Q8Linear(weight, fallback, max_rows)
+
+
+def _bytes_read(lin: Linear, rows: int) -> int:
+    fn = getattr(lin, "bytes_read", None)
+    return int(fn(rows)) if fn is not None else lin.nbytes

@@ -1,0 +1,180 @@
+"""The weight-only int8 kernel (q8) and the ``q8`` dtype built on it.
+
+Kernel tests compare against a float64 torch product with the *same* quantised
+weights, so any error beyond fp32 summation rounding is a kernel bug (layout,
+tails, padding, threading), not quantisation. They skip with a reason when the
+kernel cannot be built here (no compiler / no AVX2); the fallback tests run
+either way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from duetime.engine import SeqChunk, q8_kernel
+from duetime.engine.linear import DenseLinear, Q8Linear, q8_or
+from duetime.engine.q8_kernel import q8_available, q8_linear, quantize_q8
+from duetime.engine.testing import engine_from_hf, tiny_hf_model
+
+needs_kernel = pytest.mark.skipif(
+    not q8_available(), reason="int8 kernel could not be built here (no g++/ninja or no AVX2)"
+)
+
+# odd sizes on purpose: output rows not a multiple of 4, inputs not a multiple of 8
+SHAPES = [(1, 1, 1), (1, 7, 13), (2, 5, 8), (3, 17, 33), (4, 64, 100), (5, 130, 7), (9, 33, 257)]
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).float()
+
+
+def test_quantize_round_trip_is_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 21, generator=g) * torch.rand(37, 1, generator=g) * 3
+    w[5] = 0.0  # an all-zero row must not divide by zero
+    q = quantize_q8(w)
+    w8 = q.int8()
+    assert w8.shape == (37, 21)
+    assert w8.dtype == torch.int8
+    assert int(w8.abs().max()) == 127  # the largest entry of a row maps to ±127
+    step = q.scale[:37, None]
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(q.dequantize()[5], torch.zeros(21))
+    # padding (rows 37..39, columns 21..23) is zero so it adds nothing
+    assert q.packed.shape == (10, 3, 4, 8)
+    assert int(q.packed.abs().sum()) == int(w8.abs().sum())
+
+
+def test_quantize_rejects_non_matrices() -> None:
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_q8(torch.randn(3, 4, 5))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "out", "inp"), SHAPES)
+def test_kernel_matches_torch_on_the_same_int8_weights(rows: int, out: int, inp: int) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + out + inp)
+    w = torch.randn(out, inp, generator=g)
+    x = torch.randn(rows, inp, generator=g) * 4
+    q = quantize_q8(w)
+    got = q8_linear(x, q)
+    ref = _reference(x, q.dequantize())
+    assert got.shape == (rows, out)
+    assert got.dtype == torch.float32
+    # fp32 accumulation over `inp` terms: relative error ~ sqrt(inp) * 6e-8
+    tol = 1e-5 * float(ref.abs().max()) + 1e-6
+    assert float((got - ref).abs().max()) < tol
+
+
+@needs_kernel
+def test_kernel_takes_non_contiguous_and_bf16_inputs() -> None:
+    g = torch.Generator().manual_seed(3)
+    q = quantize_q8(torch.randn(11, 24, generator=g))
+    x = torch.randn(24, 3, generator=g).T  # non-contiguous [3, 24]
+    ref = _reference(x, q.dequantize())
+    torch.testing.assert_close(q8_linear(x, q), ref, atol=1e-5, rtol=1e-5)
+    got = q8_linear(x.bfloat16(), q)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, _reference(x.bfloat16().float(), q.dequantize()))
+
+
+@needs_kernel
+def test_kernel_result_does_not_depend_on_thread_count() -> None:
+    g = torch.Generator().manual_seed(4)
+    q = quantize_q8(torch.randn(1030, 640, generator=g))  # several parallel tasks
+    x = torch.randn(3, 640, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = q8_linear(x, q)
+        torch.set_num_threads(2)
+        two = q8_linear(x, q)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_kernel_rejects_mismatched_inputs() -> None:
+    q = quantize_q8(torch.randn(8, 16))
+    with pytest.raises(RuntimeError, match="features"):
+        q8_linear(torch.randn(1, 24), q)
+    with pytest.raises(RuntimeError, match="2-D"):
+        q8_linear(torch.randn(16), q)
+
+
+@needs_kernel
+def test_q8_linear_uses_the_kernel_for_few_rows_and_the_fallback_for_more() -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 24, generator=g)
+    fallback = DenseLinear(w, torch.float32)
+    lin = Q8Linear(w, fallback, max_rows=2)
+    deq = lin.q.dequantize()
+    few, many = torch.randn(2, 24, generator=g), torch.randn(3, 24, generator=g)
+    torch.testing.assert_close(lin(few), _reference(few, deq), atol=1e-5, rtol=1e-5)
+    assert torch.equal(lin(many), fallback(many))  # exactly the fp32 path
+    assert not torch.allclose(lin(few), fallback(few), atol=1e-6)  # really int8
+    assert lin.bytes_read(2) == lin.q.nbytes < lin.bytes_read(3) == fallback.nbytes
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model(seed=0)
+
+
+def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    kv = model.new_kv_cache()
+    return model.step([SeqChunk(kv.allocate(), ids, 0)], kv, all_logits=True)
+
+
+def _decode_logits(model, ids: list[int]) -> torch.Tensor:
+    """Feed ``ids`` one token per step: every product has one row (the kernel's case)."""
+    kv = model.new_kv_cache()
+    slot = kv.allocate()
+    rows = [model.step([SeqChunk(slot, [t], i)], kv)[0] for i, t in enumerate(ids)]
+    return torch.stack(rows)
+
+
+@needs_kernel
+def test_q8_decode_stays_close_to_fp32(hf) -> None:
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(9)).tolist()
+    ref = _decode_logits(engine_from_hf(hf, "fp32"), ids)
+    model = engine_from_hf(hf, "q8")
+    assert isinstance(model.layers[0].qkv, Q8Linear)
+    got = _decode_logits(model, ids)
+    assert not torch.equal(got, ref)  # the int8 path really ran
+    cosine = torch.nn.functional.cosine_similarity(got, ref, dim=-1).min()
+    assert cosine > 0.999
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_q8_prefill_equals_fast(hf) -> None:
+    # a 40-row step exceeds the kernel's row limit: layers and output layer take
+    # the same fp32 / fbgemm path as `fast`, bit for bit (kernel built or not)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    fast = _prefill_logits(engine_from_hf(hf, "fast"), ids)
+    assert torch.equal(_prefill_logits(engine_from_hf(hf, "q8"), ids), fast)
+
+
+def test_without_a_compiler_q8_warns_once_and_runs_as_fast(hf, monkeypatch, caplog) -> None:
+    def no_compiler() -> None:
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(q8_kernel, "_state", {})
+    monkeypatch.setattr(q8_kernel, "_build", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="duetime.engine.q8_kernel"):
+        model = engine_from_hf(hf, "q8")
+        assert not q8_available()
+    warnings = [r for r in caplog.records if "int8 weight-only kernel" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "Ninja is required" in warnings[0].getMessage()
+    w = torch.randn(4, 8)
+    fallback = DenseLinear(w, torch.float32)
+    assert q8_or(w, fallback) is fallback
+    ids = list(range(3, 15))
+    fast = engine_from_hf(hf, "fast")
+    assert torch.equal(_decode_logits(model, ids), _decode_logits(fast, ids))
