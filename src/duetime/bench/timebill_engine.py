@@ -292,8 +292,8 @@ def predictor_report(timings: Sequence[Any], predictor: Any) -> dict[str, Any]:
 def run(
     model: Any,
     *,
-    prompts: int = 8,
-    n_max: int = 96,
+    prompts: int = 6,
+    n_max: int = 32,
     min_prompt: int = 256,
     max_prompt: int = 512,
     seed: int = 0,

@@ -310,11 +310,11 @@ def bench_timebill(
         str | None, typer.Option(help="--engine: fp32, fast (default), bf16 or int8.")
     ] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="--engine: torch threads [2].")] = None,
-    prompts: Annotated[int | None, typer.Option(min=1, help="--engine: ShareGPT prompts [8].")] = (
+    prompts: Annotated[int | None, typer.Option(min=1, help="--engine: ShareGPT prompts [6].")] = (
         None
     ),
     n_max: Annotated[
-        int | None, typer.Option(min=2, help="--engine: N_max, output tokens cap [96].")
+        int | None, typer.Option(min=2, help="--engine: N_max, output tokens cap [32].")
     ] = None,
     min_prompt: Annotated[
         int | None, typer.Option(min=1, help="--engine: shortest prompt, tokens [256].")
@@ -354,7 +354,7 @@ def bench_timebill(
         with _user_errors():
             run_cli(
                 model=model or "gemma", dtype=dtype or "fast", threads=threads or 2,
-                prompts=prompts or 8, n_max=n_max or 96, min_prompt=min_prompt or 256,
+                prompts=prompts or 6, n_max=n_max or 32, min_prompt=min_prompt or 256,
                 max_prompt=max_prompt or 512, methods=method, budgets=budget,
                 budget_scale=budget_scale or "job", predictor=predictor or "learned",
                 profile=profile, seed=seed, json_path=json_path, plot=plot,
