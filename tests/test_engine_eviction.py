@@ -335,3 +335,38 @@ def test_served_engine_uses_the_chosen_eviction() -> None:
     options = ServeOptions(model="tiny", policy="timebill", eviction="streaming")
     state = build_state(options, *load_served_model(options))
     assert state.engine.executor.eviction == "streaming"
+
+
+def test_bench_eviction_on_tiny_writes_json(tmp_path: Any) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    path = tmp_path / "ev.json"
+    args = ["bench", "eviction", "--model", "tiny", "--prompts", "2", "--min-prompt", "30"]
+    args += ["--max-prompt", "50", "--new-tokens", "6", "--alphas", "0,0.5", "--repeats", "1"]
+    res = CliRunner().invoke(app, [*args, "--threads", "1", "--json", str(path)])
+    assert res.exit_code == 0, res.output
+    fig = json.loads(path.read_text())
+    assert fig["prefill_plain_s"] > 0
+    assert "prefill_overhead_pct" in fig
+    rows = {(r["method"], r["alpha"]): r for r in fig["rows"]}
+    assert set(rows) == {(m, a) for m in ("snapkv", "streaming") for a in (0.0, 0.5)}
+    for m in ("snapkv", "streaming"):  # evicting nothing keeps the full-KV output exactly
+        assert rows[(m, 0.0)]["token_f1_vs_full"] == 1.0
+        assert rows[(m, 0.0)]["same_prefix_tokens_mean"] == 6
+
+
+def test_bench_eviction_rejects_bad_ratios() -> None:
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "eviction", "--model", "tiny", "--alphas", "1.5"])
+    assert res.exit_code != 0
+    assert "[0, 1)" in res.output
+    res = CliRunner().invoke(app, ["bench", "eviction", "--model", "tiny", "--alphas", "x"])
+    assert res.exit_code != 0
+    assert "--alphas" in res.output

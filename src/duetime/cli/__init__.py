@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from duetime.cli import advise, bench, engine, gateway, load, predict, serve, sim  # noqa: F401  (registers commands)
+from duetime.cli import (  # noqa: F401  (registers commands)
+    advise,
+    bench,
+    bench_eviction,
+    engine,
+    gateway,
+    load,
+    predict,
+    serve,
+    sim,
+)
 from duetime.cli.common import app
 
 __all__ = ["app", "main"]
