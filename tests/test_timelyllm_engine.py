@@ -107,3 +107,49 @@ def test_simulator_and_engine_page_out_the_same_sequences_at_the_same_steps(
     assert eng_res.engine_steps == sim_res.engine_steps
     assert eng.prefill_tokens == sim.prefill_tokens
     assert [r.output_tokens for r in eng_res.records] == [r.output_tokens for r in sim_res.records]
+
+
+def test_scaled_jobs_keep_utility_per_scaled_second() -> None:
+    from duetime.bench.timelyllm_engine import EngineScale, scaled_jobs
+    from duetime.workloads.lrtrace import lrtrace_jobs
+
+    scale = EngineScale(time_x=2.5, prompt_x=0.1, decode_step_s=0.05, prefill_350_s=0.1)
+    src = lrtrace_jobs(2, seed=0)[:10]
+    jobs = scaled_jobs(2, 10, 0, scale, bos_id=2, vocab=256)
+    t0 = src[0].request.arrival
+    for s, j in zip(src, jobs, strict=True):
+        r = j.request
+        assert r.arrival == pytest.approx((s.request.arrival - t0) * 2.5)
+        assert j.segments == s.segments  # token counts are kept
+        assert j.segment_gaps == pytest.approx([g * 2.5 for g in s.segment_gaps])
+        assert r.prompt_token_ids is not None
+        assert r.prompt_token_ids[0] == 2
+        assert len(r.prompt_token_ids) == r.prompt_len == max(2, round(s.request.prompt_len * 0.1))
+        assert r.tuf is not None
+        assert s.request.tuf is not None
+        for t in (0.1, 0.5, 1.3):
+            assert r.tuf(2.5 * t) == pytest.approx(s.request.tuf(t))
+
+
+def test_engine_bench_runs_all_five_systems_under_tight_memory(model: Any) -> None:
+    from duetime.bench.timelyllm import SYSTEMS
+    from duetime.bench.timelyllm_engine import EngineScale, run
+
+    scale = EngineScale(time_x=1.0, prompt_x=0.1, decode_step_s=0.01, prefill_350_s=0.05)
+    fig = run(
+        model,
+        requests=6,
+        kv_capacity=160,
+        max_num_seqs=4,
+        calibration=(SIMPLE_COST, scale),
+    )
+    assert [r["system"] for r in fig["rows"]] == list(SYSTEMS)
+    assert [r["system"] for r in fig["simulated_same_jobs"]["rows"]] == list(SYSTEMS)
+    for r in fig["rows"]:
+        assert r["kv_peak_tokens"] <= 160
+        assert r["tasks"] == 6
+        assert set(r["classes"]) <= {"normal", "urgent"}
+        assert r["response_time_mean_s"] > 0
+    seg = [r for r in fig["rows"] if r["system"] in ("fcfs-seg", "edf-seg", "timelyllm")]
+    assert any(r["offloads"] > 0 for r in seg)  # memory was tight enough to page out
+    assert set(fig["summary"]) == {"wid2"}
