@@ -241,27 +241,49 @@ def bench_timelyllm(
     offload: Annotated[
         bool, typer.Option(help="Page suspended KV out when a step needs the room (§4.1).")
     ] = True,
+    engine: Annotated[
+        bool,
+        typer.Option(help="Run on the real engine (Gemma 3 270M), small scale, time-scaled."),
+    ] = False,
+    requests: Annotated[int, typer.Option(min=2, help="--engine: tasks per workload.")] = 16,
+    dtype: Annotated[str, typer.Option(help="--engine: model dtype (see `duetime run`).")] = (
+        "fast"
+    ),
+    threads: Annotated[int, typer.Option(min=1, help="--engine: torch threads.")] = 2,
     seed: Annotated[int, typer.Option()] = 0,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """TimelyLLM vs vLLM, vLLM-stream, segmented FCFS/EDF on LRTrace WID1-3 (simulated)."""
+    """TimelyLLM vs vLLM, vLLM-stream, segmented FCFS/EDF on LRTrace WID1-3.
+
+    Simulated at full scale by default; `--engine` runs a few tasks on the real
+    engine (default WID2, 16 tasks), time-scaled to its speed.
+    """
     from duetime.bench import timelyllm as bench
+    from duetime.cli.bench_timelyllm import print_summary, run_engine
     from duetime.metrics import write_json
 
-    wids = tuple(wid or (1, 2, 3))
+    wids = tuple(wid or ((2,) if engine else (1, 2, 3)))
     if any(w not in (1, 2, 3) for w in wids):
         raise typer.BadParameter("--wid must be 1, 2 or 3")
+    if engine:
+        run_engine(
+            wids=wids,
+            requests=requests,
+            seed=seed,
+            kv_capacity=kv_capacity,
+            max_num_seqs=max_num_seqs,
+            offload=offload,
+            dtype=dtype,
+            threads=threads,
+            json_path=json_path,
+            plot=plot,
+        )
+        return
     with _user_errors():
         fig = bench.run(wids, seed, profile, kv_capacity, max_num_seqs, offload)
     out.print(bench.table(fig))
-    for w, s in fig["summary"].items():
-        out.print(
-            f"{w}: timelyllm utility {s['utility_gain_vs_fcfs_x']:.2f}x vs vllm "
-            f"(best class {s['utility_gain_best_class_x']:.2f}x; paper: up to 1.97x), "
-            f"waiting {s['waiting_change_vs_fcfs_pct']:+.0f} % "
-            f"(best class {s['waiting_change_best_class_pct']:+.0f} %; paper: -84 %)"
-        )
+    print_summary(fig)
     oh = fig["overhead"]
     out.print(
         "scheduling overhead: "
