@@ -13,8 +13,9 @@ Three curves, as in Mohanty et al. (EuroMLSys 2025), Sec. 5:
 
 The queue is backlogged (every request waits at t = 0) and the batch holds
 ``C`` requests; throughput is counted between the first and the last prefill
-(whole renewal cycles). The real-engine curve is not here yet: the CPU engine
-is another issue.
+(whole renewal cycles). The real-engine curve (``--engine``) is in
+:mod:`duetime.bench.deferred_prefill_engine`; it reports through
+:func:`window_metrics` and :func:`curve_summary` and is drawn by :func:`plot`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job, Request
 
 UNLIMITED = 1 << 40
+CURVE_STYLES = {  # curve name → (marker, legend label)
+    "sim-model": ("o", "simulated, paper's model"),
+    "sim-sharegpt": ("s", "simulated, ShareGPT"),
+    "sim-engine": ("o", "simulated, same jobs, fitted engine costs"),
+    "real": ("D", "real engine"),
+}
 K_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192)
 
 
@@ -65,18 +72,29 @@ def measure(jobs: list[Job], cost: LinearStepCost, capacity: int, k: int) -> dic
     cfg = SimConfig(kv_capacity=UNLIMITED, max_num_seqs=capacity, max_batch_tokens=UNLIMITED)
     res = Simulator(make_policy("deferred-prefill", k=k), cost, cfg).run(jobs)
     recs = res.records
+    # Prefill start = the first token's time minus its (decode-free) prefill step.
+    phase: dict[float, list[int]] = defaultdict(list)
+    for r in recs:
+        phase[float(r.first_token or 0.0)].append(r.request.prompt_len)
+    step = {
+        t: cost.step_time(sum(ps), float(sum(p * p for p in ps)), 0, 0) for t, ps in phase.items()
+    }
+    return {**window_metrics(recs, step, k), "wall_s": res.wall_s}
+
+
+def window_metrics(recs: list[Any], prefill_step_s: dict[float, float], k: int) -> dict[str, Any]:
+    """Throughput over whole renewal cycles and completion times, from finished records.
+
+    ``prefill_step_s`` maps the end of each prefill phase (a first-token time)
+    to that phase's duration, so a request's completion time is counted from
+    the start of its prefill (the paper's "prompt completion time": queueing
+    excluded). The simulator and the real engine both report through here.
+    """
     first_at = [float(r.first_token or 0.0) for r in recs]  # every request finished
     first = np.array(first_at)
     finish = np.array([r.finish for r in recs])
     out = np.array([r.output_tokens for r in recs], dtype=float)
-    # Prefill start = the first token's time minus its (decode-free) prefill step.
-    phase: dict[float, list[int]] = defaultdict(list)
-    for t, r in zip(first_at, recs, strict=True):
-        phase[t].append(r.request.prompt_len)
-    step = {
-        t: cost.step_time(sum(ps), float(sum(p * p for p in ps)), 0, 0) for t, ps in phase.items()
-    }
-    start = first - np.array([step[t] for t in first_at])
+    start = first - np.array([prefill_step_s[t] for t in first_at])
     t0, t1 = first.min(), first.max()  # both end a prefill phase: whole renewal cycles between
     win = (finish > t0) & (finish <= t1)
     completion = finish - start
@@ -87,8 +105,37 @@ def measure(jobs: list[Job], cost: LinearStepCost, capacity: int, k: int) -> dic
         "completion_mean_s": float(completion.mean()),
         "completion_p95_s": float(np.percentile(completion, 95)),
         "completion_per_token_s": float((completion / out).mean()),
-        "wall_s": res.wall_s,
     }
+
+
+def curve_summary(
+    rows: dict[int, dict[str, Any]], adv: dict[str, Any], exact: dict[Any, float]
+) -> dict[str, Any]:
+    """Best K, and throughput / completion-time change vs K = 1, of one measured curve."""
+    best = max(rows.values(), key=lambda r: r["throughput_req_s"])
+    base = rows[1]
+    out: dict[str, Any] = {
+        "k_best": best["k"],
+        "throughput_best_req_s": best["throughput_req_s"],
+        "throughput_k1_req_s": base["throughput_req_s"],
+        "gain_best_vs_k1_pct": 100 * (best["throughput_req_s"] / base["throughput_req_s"] - 1),
+        "completion_change_best_vs_k1_pct": 100
+        * (best["completion_mean_s"] / base["completion_mean_s"] - 1),
+        "analytic_k_star_throughput_vs_best_pct": 100
+        * (adv["throughput_k_star_req_s"] / best["throughput_req_s"] - 1),
+        "max_abs_error_vs_theorem1_pct": max(
+            abs(100 * (r["throughput_req_s"] / exact[k] - 1)) for k, r in rows.items()
+        ),
+    }
+    at_star = rows.get(adv["k_star"])
+    if at_star is not None:
+        out["gain_k_star_vs_k1_pct"] = 100 * (
+            at_star["throughput_req_s"] / base["throughput_req_s"] - 1
+        )
+        out["completion_change_k_star_vs_k1_pct"] = 100 * (
+            at_star["completion_mean_s"] / base["completion_mean_s"] - 1
+        )
+    return out
 
 
 def _task(args: tuple[str, int, int, int, dict[str, Any]]) -> dict[str, Any]:
@@ -141,28 +188,7 @@ def run(
     ]
     by = {c: {r["k"]: r for r in sims if r["curve"] == c} for c in ("sim-model", "sim-sharegpt")}
     exact = {r["k"]: r["throughput_req_s"] for r in analytic}
-    summary: dict[str, Any] = {}
-    for c, rows in by.items():
-        best = max(rows.values(), key=lambda r: r["throughput_req_s"])
-        base = rows[1]
-        at_star = rows[adv["k_star"]]
-        summary[c] = {
-            "k_best": best["k"],
-            "throughput_best_req_s": best["throughput_req_s"],
-            "throughput_k1_req_s": base["throughput_req_s"],
-            "gain_best_vs_k1_pct": 100 * (best["throughput_req_s"] / base["throughput_req_s"] - 1),
-            "gain_k_star_vs_k1_pct": 100
-            * (at_star["throughput_req_s"] / base["throughput_req_s"] - 1),
-            "completion_change_k_star_vs_k1_pct": 100
-            * (at_star["completion_mean_s"] / base["completion_mean_s"] - 1),
-            "completion_change_best_vs_k1_pct": 100
-            * (best["completion_mean_s"] / base["completion_mean_s"] - 1),
-            "analytic_k_star_throughput_vs_best_pct": 100
-            * (adv["throughput_k_star_req_s"] / best["throughput_req_s"] - 1),
-            "max_abs_error_vs_theorem1_pct": max(
-                abs(100 * (r["throughput_req_s"] / exact[k] - 1)) for k, r in rows.items()
-            ),
-        }
+    summary = {c: curve_summary(rows, adv, exact) for c, rows in by.items()}
     return {
         "profile": profile,
         "capacity": capacity,
@@ -176,7 +202,7 @@ def run(
         "summary": summary,
         "analytic": analytic,
         "simulated": sims,
-        "real": None,  # the CPU engine is a separate issue
+        "real": None,  # `--engine`: duetime.bench.deferred_prefill_engine
         "wall_s": time.perf_counter() - t_start,
     }
 
@@ -194,13 +220,12 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
     ax.plot(ks, [r["throughput_req_s"] for r in an], "k-", label="analytic ρ(K), Theorem 1")
     approx = [(r["k"], r["throughput_approx_req_s"]) for r in an if r["throughput_approx_req_s"]]
     ax.plot(*zip(*approx, strict=True), "k--", lw=0.9, label="approximation, Prop. 1")
-    styles = {
-        "sim-model": ("o", "simulated, paper's model"),
-        "sim-sharegpt": ("s", "simulated, ShareGPT"),
-    }
     ax2 = f.add_subplot(1, 2, 2)
-    for curve, (marker, label) in styles.items():
-        rows = sorted((r for r in fig["simulated"] if r["curve"] == curve), key=lambda r: r["k"])
+    measured = [*fig["simulated"], *[{**r, "curve": "real"} for r in fig.get("real") or ()]]
+    for curve, (marker, label) in CURVE_STYLES.items():
+        rows = sorted((r for r in measured if r["curve"] == curve), key=lambda r: r["k"])
+        if not rows:
+            continue
         x = [r["k"] for r in rows]
         ax.plot(x, [r["throughput_req_s"] for r in rows], marker, ms=5, label=label)
         ax2.plot(x, [r["completion_mean_s"] for r in rows], marker + "-", ms=5, label=label)
@@ -209,9 +234,8 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("departure threshold K")
     ax.set_ylabel("throughput (requests/s)")
-    ax.set_title(
-        f"C = {fig['capacity']}, profile {fig['profile']} (real engine: not yet)", fontsize=9
-    )
+    real = "real engine measured" if fig.get("real") else "real engine: not run (--engine)"
+    ax.set_title(f"C = {fig['capacity']}, profile {fig['profile']} ({real})", fontsize=9)
     ax.legend(fontsize=7)
     ax2.set_xscale("log")
     ax2.set_xlabel("departure threshold K")

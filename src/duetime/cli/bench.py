@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +16,31 @@ from duetime.cli.common import (
     bench_app,
     out,
 )
+
+EngineModelOpt = Annotated[
+    str | None, typer.Option(help="--engine: gemma (default), tiny or a GGUF path.")
+]
+EngineDtypeOpt = Annotated[
+    str | None, typer.Option(help="--engine: fp32 (default), fast, bf16 or int8.")
+]
+EngineThreadsOpt = Annotated[
+    int | None, typer.Option(min=1, help="--engine: torch threads [1: a shared 2-core machine].")
+]
+EngineClockOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="--engine: time the engine in cpu seconds of this process (1 thread) or wall [cpu]."
+    ),
+]
+
+
+def _no_engine_options(given: Mapping[str, object]) -> None:
+    """Engine-only options without ``--engine`` are a mistake, not something to ignore."""
+    from duetime.cli.common import _fail
+
+    bad = [name for name, v in given.items() if v is not None]
+    if bad:
+        _fail(f"{', '.join(bad)} only apply with --engine")
 
 
 @bench_app.command("sim")
@@ -154,16 +180,39 @@ def bench_predict_length(
 
 @bench_app.command("amin")
 def bench_amin(
-    requests: Annotated[int, typer.Option(min=1, help="ShareGPT requests.")] = 2000,
-    kv_capacity: Annotated[int, typer.Option(min=1, help="KV memory M, tokens.")] = 111_000,
-    profile: Annotated[str, typer.Option(help="Step-cost profile of the linear setting.")] = (
-        "a100-llama2-7b"
-    ),
+    requests: Annotated[
+        int | None, typer.Option(min=1, help="ShareGPT requests [2000; --engine: 12].")
+    ] = None,
+    kv_capacity: Annotated[
+        int | None, typer.Option(min=1, help="KV memory M, tokens [111000; --engine: 224].")
+    ] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            help="Step-cost profile [a100-llama2-7b]; --engine: this engine's (timed if not given)."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     workers: Annotated[int, typer.Option(min=1, help="Parallel workers.")] = 2,
     two_point: Annotated[
         bool, typer.Option(help="Also check A_ℓ and Amin on two-point lengths.")
     ] = True,
+    engine: Annotated[
+        bool, typer.Option("--engine", help="Run H-SF/Amax/Amin on the real engine instead.")
+    ] = False,
+    model: EngineModelOpt = None,
+    dtype: EngineDtypeOpt = None,
+    threads: EngineThreadsOpt = None,
+    clock: EngineClockOpt = None,
+    max_prompt: Annotated[
+        int | None, typer.Option(min=2, help="--engine: prompt cap, tokens [256].")
+    ] = None,
+    max_output: Annotated[
+        int | None, typer.Option(min=1, help="--engine: output cap, tokens [48].")
+    ] = None,
+    intervals: Annotated[
+        str | None, typer.Option(help="--engine: constructions, e.g. overlap-0.95,rough.")
+    ] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = Path("out/bench-amin.png"),
 ) -> None:
@@ -171,8 +220,27 @@ def bench_amin(
     from duetime.bench import amin as bench
     from duetime.metrics import write_json
 
+    engine_only = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock,
+                   "--max-prompt": max_prompt, "--max-output": max_output,
+                   "--intervals": intervals}  # fmt: skip
+    if engine:
+        from duetime.cli import bench_engine_modes as modes
+
+        with _user_errors():
+            fig = modes.amin(
+                model=model or "gemma", dtype=dtype or "fp32", threads=threads or 1,
+                requests=requests or 12, kv_capacity=kv_capacity or 224,
+                max_prompt=max_prompt or 256, max_output=max_output or 48,
+                intervals=intervals or "overlap-0.95", profile=profile, seed=seed, plot=plot,
+                clock=clock or "cpu",
+            )  # fmt: skip
+        if json_path is not None:
+            write_json(json_path, fig)
+        return
+    _no_engine_options(engine_only)
+    profile = profile or "a100-llama2-7b"
     with _user_errors():
-        fig = bench.run(requests, seed, kv_capacity, profile, workers, two_point)
+        fig = bench.run(requests or 2000, seed, kv_capacity or 111_000, profile, workers, two_point)
     w = fig["workload"]
     out.print(
         f"{w['requests']:,} ShareGPT requests at t = 0 (prompt mean {w['prompt_tokens_mean']:.0f}, "
@@ -191,22 +259,67 @@ def bench_amin(
 
 @bench_app.command("deferred-prefill")
 def bench_deferred_prefill(
-    requests: Annotated[int, typer.Option(min=1, help="Requests per simulated run.")] = 2000,
-    capacity: Annotated[int, typer.Option(min=1, help="Batch capacity C.")] = 256,
-    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
-        "a100-llama2-7b"
-    ),
+    requests: Annotated[
+        int | None, typer.Option(min=1, help="Requests per run [2000; --engine: 80].")
+    ] = None,
+    capacity: Annotated[
+        int | None, typer.Option(min=1, help="Batch capacity C [256; --engine: 16].")
+    ] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            help="Shipped profile name or JSON path [a100-llama2-7b]; --engine: this engine's "
+            "(timed if not given)."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     workers: Annotated[int, typer.Option(min=1, help="Parallel workers.")] = 2,
+    engine: Annotated[
+        bool,
+        typer.Option("--engine", help="Analytic, simulated and real curves for the real engine."),
+    ] = False,
+    model: EngineModelOpt = None,
+    dtype: EngineDtypeOpt = None,
+    threads: EngineThreadsOpt = None,
+    clock: EngineClockOpt = None,
+    prompt_len: Annotated[
+        int | None, typer.Option(min=2, help="--engine: prompt tokens d0 [16].")
+    ] = None,
+    mean_output: Annotated[
+        float | None, typer.Option(help="--engine: mean output tokens, first included [9].")
+    ] = None,
+    ks: Annotated[
+        str | None, typer.Option(help="--engine: departure thresholds, e.g. 1,2,4,8 [+ K*].")
+    ] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = Path("out/bench-deferred-prefill.png"),
 ) -> None:
-    """Throughput vs departure threshold K: analytic (Theorem 1) and simulated."""
+    """Throughput vs departure threshold K: analytic (Theorem 1), simulated and (--engine) real."""
     from duetime.bench import deferred_prefill as bench
     from duetime.metrics import write_json
 
+    engine_only = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock,
+                   "--ks": ks, "--prompt-len": prompt_len,
+                   "--mean-output": mean_output}  # fmt: skip
+    if engine:
+        from duetime.cli import bench_engine_modes as modes
+
+        with _user_errors():
+            fig = modes.deferred_prefill(
+                model=model or "gemma", dtype=dtype or "fp32", threads=threads or 1,
+                capacity=capacity or 16, prompt_len=prompt_len or 16,
+                mean_output=mean_output or 9.0, requests=requests or 80, ks=ks,
+                profile=profile, seed=seed, clock=clock or "cpu",
+            )  # fmt: skip
+        if plot is not None:
+            bench.plot(fig, plot)
+        if json_path is not None:
+            write_json(json_path, fig)
+        return
+    _no_engine_options(engine_only)
+    profile = profile or "a100-llama2-7b"
     with _user_errors():
-        fig = bench.run(requests, capacity, profile, seed, workers)
+        fig = bench.run(requests or 2000, capacity or 256, profile, seed, workers)
     out.print(bench.table(fig))
     adv = fig["advice"]
     out.print(
@@ -221,7 +334,7 @@ def bench_deferred_prefill(
             f"analytic ρ(K*) {s['analytic_k_star_throughput_vs_best_pct']:+.1f} % of the best; "
             f"max |error| vs Theorem 1 {s['max_abs_error_vs_theorem1_pct']:.1f} %"
         )
-    out.print(f"real engine: not measured yet; wall {fig['wall_s']:.1f} s")
+    out.print(f"real engine: not run (--engine adds it); wall {fig['wall_s']:.1f} s")
     if plot is not None:
         bench.plot(fig, plot)
     if json_path is not None:

@@ -1,0 +1,179 @@
+"""What the benches' real-engine modes share: the model, prompt ids, and this engine's step costs.
+
+The analytic and simulated curves a bench draws beside a real-engine curve
+must be for *this* engine on *this* machine, so each engine mode either reads
+a fitted profile (``--profile``, e.g. from ``duetime profile``) or times a few
+steps of the shapes it is about to run and fits the simulator's linear step
+cost to them (:func:`fit_cost`), the same fit ``duetime profile`` uses
+(:func:`duetime.predict.ete.fit_batch_cost`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from duetime.core.cost import LinearStepCost
+from duetime.core.request import Job
+from duetime.predict.ete import StepSample
+
+MODEL_HELP = "gemma (the packaged Gemma 3 270M), tiny (random weights: tests) or a GGUF path."
+DTYPES = ("fp32", "fast", "bf16", "int8")
+# "cpu": seconds of CPU this process used. On a shared 2-core machine another
+# process's burst stretches wall time by 2x or more while the engine waits for a
+# core; CPU time counts only the engine's own work. With one torch thread it is
+# the wall time an idle machine would show.
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def bench_clock(name: str, threads: int) -> Callable[[], float]:
+    """The clock a bench times the engine with; ``cpu`` needs one torch thread."""
+    if name not in CLOCKS:
+        raise ValueError(f"--clock must be cpu or wall, got {name!r}")
+    if name == "cpu" and threads != 1:
+        raise ValueError(
+            f"--clock cpu needs --threads 1 ({threads} threads add their CPU seconds up); "
+            "use --clock wall"
+        )
+    return CLOCKS[name]
+
+
+def load_bench_model(spec: str, dtype: str = "fp32") -> Any:
+    """The engine model named by ``--model``: ``gemma``, ``tiny`` or a GGUF file."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if spec == "tiny":
+        from duetime.engine.testing import engine_from_hf, tiny_hf_model
+
+        return engine_from_hf(tiny_hf_model(seed=0), dtype)  # type: ignore[arg-type]
+    from duetime.engine.load import load_model
+
+    if spec == "gemma":
+        return load_model(dtype=dtype, progress=False)  # type: ignore[arg-type]
+    if not Path(spec).is_file():
+        raise ValueError(f"--model {spec!r}: not 'gemma', 'tiny' or an existing GGUF file")
+    return load_model(spec, dtype=dtype, progress=False)  # type: ignore[arg-type]
+
+
+def _id_range(vocab: int) -> tuple[int, int]:
+    # Skip the special and byte tokens at the bottom of a real vocabulary.
+    return min(10_000, vocab // 2), vocab
+
+
+def with_synthetic_ids(jobs: Sequence[Job], vocab: int, bos: int, seed: int) -> list[Job]:
+    """Copies of ``jobs`` with prompt ids: BOS, then random ordinary tokens (``prompt_len`` ids).
+
+    Prompt content does not change a step's cost; only its length does.
+    """
+    rng = np.random.default_rng([seed, 11])
+    lo, hi = _id_range(vocab)
+    out = []
+    for j in jobs:
+        n = j.request.prompt_len
+        ids = (bos, *rng.integers(lo, hi, n - 1).tolist()) if n else ()
+        out.append(
+            dataclasses.replace(j, request=dataclasses.replace(j.request, prompt_token_ids=ids))
+        )
+    return out
+
+
+def fold_ids(jobs: Sequence[Job], vocab: int) -> list[Job]:
+    """Map real tokenizer ids into a smaller test vocabulary (``id % vocab``); lengths kept."""
+    out = []
+    for j in jobs:
+        ids = j.request.prompt_token_ids or ()
+        if all(t < vocab for t in ids):
+            out.append(j)
+            continue
+        req = dataclasses.replace(j.request, prompt_token_ids=tuple(t % vocab for t in ids))
+        out.append(dataclasses.replace(j, request=req))
+    return out
+
+
+Shape = tuple[tuple[int, ...], int, int]  # (prompt lengths prefilled, decoders, their context)
+
+
+def time_shapes(
+    model: Any, shapes: Sequence[Shape], reps: int, clock: Callable[[], float]
+) -> list[StepSample]:
+    """Time one engine step of each shape ``reps`` times (after one untimed warm-up each).
+
+    A shape is the prompts prefilled in the step (one chunk each: a phase of
+    ``m`` prompts costs ``m`` output-layer rows, which one long prompt would
+    not show) plus ``D`` sequences of the given context decoding one token.
+    Like ``duetime profile``, but on the bench's ``clock`` and its shapes.
+    """
+    from duetime.engine.batch import SeqChunk
+
+    rng = np.random.default_rng(3)
+    lo, hi = _id_range(model.config.vocab_size)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(lo, hi, n).tolist()
+
+    samples = []
+    for prompts, d, ctx in shapes:
+        kv = model.new_kv_cache()
+        slots = [kv.allocate(ctx + reps + 2) for _ in range(d)]
+        group = max(1, 2048 // max(ctx, 1))
+        for i in range(0, d, group):  # the decoders' context, untimed
+            model.step([SeqChunk(s, ids(ctx), 0) for s in slots[i : i + group]], kv)
+        for rep in range(reps + 1):
+            held = sum(kv.num_tokens(s) for s in slots)
+            new = [kv.allocate(p + 1) for p in prompts]
+            chunks = [SeqChunk(s, ids(1), kv.seq_len(s)) for s in slots]
+            chunks += [SeqChunk(s, ids(p), 0) for s, p in zip(new, prompts, strict=True)]
+            t0 = clock()
+            model.step(chunks, kv)
+            dt = clock() - t0
+            for s in new:
+                kv.free(s)
+            if rep:
+                kind = "decode" if not prompts else "prefill" if not d else "mixed"
+                p_tok = sum(prompts)
+                attn = float(sum(p * p for p in prompts))
+                samples.append(StepSample(p_tok, attn, d, held, max(dt, 1e-9), kind))
+    return samples
+
+
+def fit_cost(samples: Sequence[StepSample], name: str) -> tuple[LinearStepCost, dict[str, Any]]:
+    """The simulator's step cost fitted to ``samples``, and how well it fits them."""
+    from duetime.predict.ete import fit_batch_cost, mape_pct
+
+    cost = fit_batch_cost(samples, name=name)
+    pred = np.array(
+        [
+            cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
+            for s in samples
+        ]
+    )
+    actual = np.array([s.seconds for s in samples])
+    info = {
+        "source": f"fitted to {len(samples)} engine steps timed by this bench",
+        "timed_steps": len(samples),
+        "fit_mape_pct": mape_pct(pred, actual),
+        "timed_s": float(actual.sum()),
+        "samples": [dataclasses.asdict(s) for s in samples],
+    }
+    return cost, info
+
+
+def read_profile(profile: str) -> tuple[LinearStepCost, dict[str, Any]]:
+    """A profile JSON or shipped name, for runs that skip the timing."""
+    from duetime.sim.profiles import load_profile
+
+    cost, _ = load_profile(profile)
+    return cost, {"source": f"profile {profile}", "timed_steps": 0}
+
+
+def warm_up(model: Any) -> None:
+    """One untimed step: the first call allocates and picks kernels."""
+    from duetime.engine.batch import SeqChunk
+
+    kv = model.new_kv_cache()
+    model.step([SeqChunk(kv.allocate(), [model.config.bos_token_id] * 8, 0)], kv)
