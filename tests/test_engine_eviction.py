@@ -292,6 +292,47 @@ def test_swap_of_an_evicted_sequence_is_exact(model_w4: Gemma3) -> None:
     assert ex._spool is None
 
 
+class _SwapThenEvict(QueuePolicy):
+    """Swaps each request out right after its prefill, evicts α while it is on disk,
+    and only then lets it resume."""
+
+    name = "swap-then-evict"
+
+    def __init__(self, alpha: float) -> None:
+        super().__init__(preempt_mode="swap")
+        self.alpha = alpha
+        self.swapped: set[int] = set()
+        self.evicted: set[int] = set()
+
+    def schedule(self, snap: EngineSnapshot) -> Decision:
+        dec = super().schedule(snap)
+        hold = set()
+        for s in snap.running:
+            if s.prefill_done and s.rid not in self.swapped and s.rid not in dec.preempt:
+                dec.preempt.append(s.rid)
+                self.swapped.add(s.rid)
+        for s in snap.suspended:
+            if s.rid in self.swapped and s.rid not in self.evicted:
+                assert s.kv_offloaded
+                dec.evict[s.rid] = self.alpha
+                self.evicted.add(s.rid)
+                hold.add(s.rid)
+        dec.resume = [r for r in dec.resume if r not in hold]
+        return dec
+
+
+def test_evicting_a_swapped_out_sequence_equals_evicting_it_in_place(model_w4: Gemma3) -> None:
+    jobs = _jobs(3, seed=7)
+    plain = EngineExecutor(_EvictOnce(0.5), model_w4, max_batch_tokens=64).run(jobs)
+    ex = EngineExecutor(_SwapThenEvict(0.5), model_w4, max_batch_tokens=64)
+    res = ex.run(jobs)
+    assert res.counters["swaps"] == 3
+    assert "snapkv_fallbacks" not in res.counters  # the window travelled with the KV
+    assert res.outputs == plain.outputs
+    assert ex.kv.total_tokens == 0
+    assert not ex.kv.watching
+
+
 def test_eviction_after_first_decode_falls_back_to_streaming(model_w4: Gemma3) -> None:
     class _Late(_EvictOnce):
         def schedule(self, snap: EngineSnapshot) -> Decision:
@@ -370,3 +411,35 @@ def test_bench_eviction_rejects_bad_ratios() -> None:
     res = CliRunner().invoke(app, ["bench", "eviction", "--model", "tiny", "--alphas", "x"])
     assert res.exit_code != 0
     assert "--alphas" in res.output
+
+
+# ----------------------------------------------------------------- the real model
+PASSAGE = (
+    "The Amazon rainforest covers much of the Amazon basin of South America. The basin "
+    "spans about seven million square kilometres, of which about five and a half million "
+    "are covered by the rainforest. The region includes territory belonging to nine "
+    "nations. Most of the forest lies in Brazil, with sixty percent, followed by Peru with "
+    "thirteen percent and Colombia with ten percent. The rainforest represents over half "
+    "of the planet's remaining rainforests and holds the largest and most biodiverse tract "
+    "of tropical rainforest in the world, with an estimated three hundred ninety billion "
+    "individual trees divided into sixteen thousand species. Question: which country holds "
+    "most of the Amazon rainforest? Answer:"
+)
+
+
+@pytest.mark.real_model
+def test_real_gemma_snapkv_at_half_runs_exactly_accounted_and_frees_memory() -> None:
+    from duetime.engine import load_model
+    from duetime.tokenizer import encode
+
+    model = load_model(dtype="fp32")
+    ids = tuple(encode(PASSAGE))
+    assert len(ids) > 100
+    job = Job(Request(rid=0, arrival=0.0, prompt_len=len(ids), prompt_token_ids=ids), 12)
+    ex = EngineExecutor(_EvictOnce(0.5), model, max_batch_tokens=64)  # chunked, checked
+    res = ex.run([job])
+    assert res.records[0].kv_evicted_ratio == 0.5
+    assert "snapkv_fallbacks" not in res.counters
+    assert len(res.outputs[0]) == 12
+    assert ex.kv.total_tokens == 0
+    assert not ex.kv.watching

@@ -4,8 +4,8 @@ Why per-sequence tensors and not a paged pool (see docs/engine.md for the long
 form): on a CPU there is no paged-attention kernel, so a pool would have to be
 gathered into a contiguous tensor each step (a copy of every live key, ~15 ms
 per step at batch 16 here), while a per-sequence tensor is already the
-contiguous operand ``scaled_dot_product_attention`` wants. It also makes the
-planned per-request eviction simple: SnapKV keeps *different* positions per KV
+contiguous operand ``scaled_dot_product_attention`` wants. It also makes
+per-request eviction simple: SnapKV keeps *different* positions per KV
 head and StreamingLLM keeps sinks + a recent window, and both are one
 ``gather`` along the token axis (:meth:`KVCache.retain`). Suspend/resume is
 "keep the slot"; cancel is :meth:`KVCache.free`, which drops the tensors at once.
@@ -19,6 +19,10 @@ Layout and invariants (checked by asserts):
 * a sliding-window layer only needs the last ``window - 1`` entries before a
   step, so when it would grow it first drops older ones (amortised: at most one
   copy of ``window`` entries per ``capacity - window`` appended tokens);
+* a *watched* sequence (:meth:`KVCache.watch`, for SnapKV) also keeps its last
+  ``w`` queries per layer (:class:`~duetime.engine.obs_window.ObsWindow`), and
+  its sliding layers trim to ``window - 1 + w`` entries instead of ``window - 1``
+  so those queries' attention weights can be recomputed exactly at eviction;
 * accounting is in tokens: :meth:`num_tokens` is the most entries any layer of
   the sequence keeps (the global layers' count, i.e. the context kept), and
   :attr:`total_tokens` sums it over live sequences. Bytes actually allocated
