@@ -27,7 +27,8 @@ its deadline; under Skip-Next when it finishes at all (an overrunning job runs o
 answers late; the jobs it makes skip are incomplete). ``on_time_rate`` (finished by the
 deadline) is reported for both. There is no text in the simulator, so no response-quality
 score: ``mean_alpha`` (the mean eviction ratio of the jobs that reached decoding) stands in
-for what quality is traded; the F1 / ROUGE-L score is left to a real-engine run.
+for what quality is traded; the F1 / ROUGE-L score is in the real-engine mode
+(:mod:`duetime.bench.timebill_engine`, `duetime bench timebill --engine`).
 """
 
 from __future__ import annotations

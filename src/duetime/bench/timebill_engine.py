@@ -104,10 +104,12 @@ def fit_engine_cost(
     lens = sorted(j.request.prompt_len for j in jobs)
     lo, hi = lens[0], lens[-1]
     n_max = max(j.request.max_tokens for j in jobs)
-    prompt_lens = tuple(sorted({lo, (lo + hi) // 2, hi}))
-    contexts = tuple(sorted({lo, hi + n_max}))
+    # Short lengths beside the workload's own spread the points, so the quadratic prefill
+    # and the per-KV-token decode slope are not fitted from a few nearby lengths.
+    prompt_lens = tuple(sorted({max(lo // 8, 1), max(lo // 2, 1), lo, hi}))
+    contexts = tuple(sorted({max(lo // 8, 1), lo, hi + n_max}))
     grid = ProfileGrid(
-        prompt_lens=prompt_lens, batches=(1, 2), contexts=contexts, mixed=(), reps=reps,
+        prompt_lens=prompt_lens, batches=(1,), contexts=contexts, mixed=(), reps=reps,
         max_setup_tokens=1 << 30,
     )  # fmt: skip
     t0 = time.perf_counter()

@@ -520,8 +520,8 @@ def bench_timebill(
             f"{100 * a95['completion_rate_mean']:.1f} % (paper: timebill ~ alpha=95%)"
         )
     out.print(
-        "no response-quality score: the simulator has no text (F1 / ROUGE-L left to the real "
-        f"engine); wall {fig['wall_s']:.1f} s"
+        "no response-quality score: the simulator has no text (F1 / ROUGE-L: run with "
+        f"--engine); wall {fig['wall_s']:.1f} s"
     )
     if plot is not None:
         bench.plot(fig, plot)
