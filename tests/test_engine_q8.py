@@ -178,3 +178,39 @@ def test_without_a_compiler_q8_warns_once_and_runs_as_fast(hf, monkeypatch, capl
     ids = list(range(3, 15))
     fast = engine_from_hf(hf, "fast")
     assert torch.equal(_decode_logits(model, ids), _decode_logits(fast, ids))
+
+
+def test_q8_store_round_trips_and_rejects_bad_files(tmp_path, caplog) -> None:
+    from duetime.engine.q8_cache import Q8Store, q8_cache_path
+
+    path = q8_cache_path(tmp_path / "model-10-20-v2.safetensors")
+    assert path.name == "model-10-20-v2.q8-v1.safetensors"
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(9, 13, generator=g), torch.randn(4, 8, generator=g)
+    store = Q8Store(path)
+    qa = store.quantize("a", a)
+    store.quantize("b", b)
+    assert store.dirty
+    store.save()
+    again = Q8Store(path)
+    got = again.quantize("a", a)
+    assert not again.dirty  # served from the file, nothing quantised
+    assert torch.equal(got.packed, qa.packed)
+    assert torch.equal(got.scale, qa.scale)
+    assert (got.out_features, got.in_features) == (9, 13)
+    # a weight of another shape under the same name is quantised afresh
+    assert again.quantize("b", torch.randn(5, 8)).out_features == 5
+    assert again.dirty
+    # an older file of the same GGUF is removed when a new one is written
+    newer = q8_cache_path(tmp_path / "model-10-21-v2.safetensors")
+    fresh = Q8Store(newer)
+    fresh.quantize("a", a)
+    fresh.save()
+    assert newer.exists()
+    assert not path.exists()
+    newer.write_bytes(b"not a safetensors file")
+    with caplog.at_level(logging.WARNING, logger="duetime.engine.q8_cache"):
+        broken = Q8Store(newer)
+    assert "unreadable int8 weight cache" in caplog.text
+    broken.quantize("a", a)
+    assert broken.dirty

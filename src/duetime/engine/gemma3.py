@@ -17,7 +17,8 @@ number of small ops per layer low — on 2 CPU cores op overhead is a real cost.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Literal
 
 import torch
@@ -37,12 +38,19 @@ from duetime.engine.linear import (
     q8_or,
 )
 from duetime.engine.obs_window import ObsWindow
+from duetime.engine.q8_kernel import Q8Weight, quantize_q8
 
 __all__ = ["DTYPES", "Dtype", "Gemma3"]
 
 Dtype = Literal["fp32", "fast", "q8", "bf16", "int8"]
 DTYPES: tuple[str, ...] = ("fp32", "fast", "q8", "bf16", "int8")
 Weights = dict[str, torch.Tensor]
+Quantize = Callable[[str, torch.Tensor], Q8Weight]
+"""``(name, fp32 weight) -> int8 weight`` for ``q8`` (``load_model`` passes a cache)."""
+
+
+def _quantize(name: str, weight: torch.Tensor) -> Q8Weight:
+    return quantize_q8(weight)
 
 
 class _Layer:
@@ -60,14 +68,23 @@ class _Layer:
         "qkv",
     )
 
-    def __init__(self, w: Weights, p: str, cfg: Gemma3Config, kind: str, dt: torch.dtype):
+    def __init__(
+        self,
+        w: Weights,
+        p: str,
+        cfg: Gemma3Config,
+        kind: str,
+        dt: torch.dtype,
+        quantize: Quantize = _quantize,
+    ) -> None:
         def lin(*names: str) -> Linear:
             weight = torch.cat([w[f"{p}.{n}.weight"] for n in names], 0)
             if kind == "int8":
                 return Int8Linear(weight)
             if kind.startswith("q8"):  # int8 kernel for few rows, fp32 for more
                 fp32 = PackedLinear(weight) if kind == "q8" else DenseLinear(weight, dt)
-                return q8_or(weight, fp32)
+                key = f"{p}.{'+'.join(names)}"
+                return q8_or(weight, fp32, quantize=partial(quantize, key))
             if kind == "packed":
                 return PackedLinear(weight)
             return DenseLinear(weight, dt)
@@ -107,6 +124,7 @@ class Gemma3:
     ``"int8"`` only; ~91 % agreement, about 2x faster decode than fp32).
     ``packed=False`` keeps fp32 weights for MKL's ``F.linear`` instead of
     oneDNN-packed ones (the old kernels; for benchmarks and comparisons).
+    ``q8_quantize``: where ``q8`` gets its int8 weights (default: quantise now).
 
     On an AVX2 CPU without native bf16, bf16 GEMMs with more than one row are
     3-10x slower than fp32, so bf16 only pays for batch-1 decode; see
@@ -121,6 +139,7 @@ class Gemma3:
         *,
         int8_output: bool | None = None,
         packed: bool | None = None,
+        q8_quantize: Quantize = _quantize,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
@@ -135,7 +154,8 @@ class Gemma3:
         if dtype == "q8":
             kind = "q8" if packed else "q8-dense"
         self.layers = [
-            _Layer(weights, f"model.layers.{i}", config, kind, cd) for i in range(config.num_layers)
+            _Layer(weights, f"model.layers.{i}", config, kind, cd, q8_quantize)
+            for i in range(config.num_layers)
         ]
         embed = weights["model.embed_tokens.weight"]
         table_dtype = torch.bfloat16 if dtype == "int8" else cd
@@ -144,7 +164,8 @@ class Gemma3:
         tied = head is embed or torch.equal(head, embed)
         if dtype in ("fast", "q8") and int8_output is None:
             src = self.embed if tied else head
-            rank = q8_or(src, Int8Linear(src)) if dtype == "q8" else None
+            quant_head = partial(q8_quantize, "lm_head")
+            rank = q8_or(src, Int8Linear(src), quantize=quant_head) if dtype == "q8" else None
             self.lm_head: Linear = RescoredInt8Head(src, rank=rank)
         elif int8_output if int8_output is not None else dtype == "int8":
             self.lm_head = Int8Linear(head)

@@ -37,12 +37,13 @@ it serves the few-row products of decode steps, while steps with more rows
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from duetime.engine.q8_kernel import q8_available, q8_linear, quantize_q8
+from duetime.engine.q8_kernel import Q8Weight, q8_available, q8_linear, quantize_q8
 
 __all__ = [
     "Q8_MAX_ROWS",
@@ -201,8 +202,15 @@ class Q8Linear:
     degrades to ``fallback`` alone.
     """
 
-    def __init__(self, weight: torch.Tensor, fallback: Linear, max_rows: int = Q8_MAX_ROWS):
-        self.q = quantize_q8(weight)
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        fallback: Linear,
+        max_rows: int = Q8_MAX_ROWS,
+        *,
+        quantize: Callable[[torch.Tensor], Q8Weight] = quantize_q8,
+    ) -> None:
+        self.q = quantize(weight)
         self.fallback = fallback
         self.max_rows = max_rows
         self.dtype = torch.float32
@@ -219,11 +227,20 @@ class Q8Linear:
         return self.fallback(x)
 
 
-def q8_or(weight: torch.Tensor, fallback: Linear, max_rows: int = Q8_MAX_ROWS) -> Linear:
-    """A :class:`Q8Linear` when the kernel builds, else ``fallback`` (warned once)."""
+def q8_or(
+    weight: torch.Tensor,
+    fallback: Linear,
+    max_rows: int = Q8_MAX_ROWS,
+    *,
+    quantize: Callable[[torch.Tensor], Q8Weight] = quantize_q8,
+) -> Linear:
+    """A :class:`Q8Linear` when the kernel builds, else ``fallback`` (warned once).
+
+    ``quantize``: how to get the int8 weight (``load_model`` passes a cached one).
+    """
     if not q8_available():
         return fallback
-    return Q8Linear(weight, fallback, max_rows)
+    return Q8Linear(weight, fallback, max_rows, quantize=quantize)
 
 
 def _bytes_read(lin: Linear, rows: int) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from duetime.engine.gemma3 import Dtype, Gemma3
-from duetime.engine.weights import load_weights
+from duetime.engine.q8_cache import Q8Store, q8_cache_path
+from duetime.engine.weights import cache_path, default_gguf_path, load_weights
 
 __all__ = ["load_model"]
 
@@ -22,10 +23,19 @@ def load_model(
     """Load Gemma 3 for the engine: converts the GGUF once, then starts from the cache.
 
     ``dtype="fp32"`` is the exact reference; ``"fast"`` adds an int8 output layer
-    with fp32 re-scoring of its top candidates (see :class:`Gemma3`).
+    with fp32 re-scoring of its top candidates (see :class:`Gemma3`); ``"q8"``
+    adds the int8 decode kernel, its int8 weights cached beside the fp32 ones.
 
     Raises :class:`~duetime.engine.gguf_file.ModelFileError` if the file is missing,
     truncated or corrupt.
     """
     config, weights = load_weights(gguf_path, use_cache=use_cache, progress=progress)
-    return Gemma3(config, weights, dtype, int8_output=int8_output, packed=packed)
+    if dtype != "q8":
+        return Gemma3(config, weights, dtype, int8_output=int8_output, packed=packed)
+    path = Path(gguf_path) if gguf_path is not None else default_gguf_path()
+    store = Q8Store(q8_cache_path(cache_path(path)) if use_cache else None)
+    model = Gemma3(
+        config, weights, dtype, int8_output=int8_output, packed=packed, q8_quantize=store.quantize
+    )
+    store.save()
+    return model
