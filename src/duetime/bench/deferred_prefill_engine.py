@@ -111,7 +111,7 @@ def run_real(
     prefill = {t: phase[round(t, 6)] for t in firsts}
     return {
         **window_metrics(res.records, prefill, k),
-        "wall_s": res.wall_s,
+        "run_s": res.wall_s,  # on the bench clock (cpu or wall seconds)
         "engine_steps": res.engine_steps,
         "prefill_phases": len(phase),
         "kv_peak_tokens": res.kv_peak,
