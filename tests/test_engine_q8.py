@@ -214,3 +214,33 @@ def test_q8_store_round_trips_and_rejects_bad_files(tmp_path, caplog) -> None:
     assert "unreadable int8 weight cache" in caplog.text
     broken.quantize("a", a)
     assert broken.dirty
+
+
+@needs_kernel
+def test_bench_scores_q8_on_its_decode_path(hf) -> None:
+    from duetime.bench import engine_speed
+    from duetime.engine.config import Gemma3Config
+
+    ref, q8 = engine_from_hf(hf, "fp32"), engine_from_hf(hf, "q8")
+    prompts = [[2, 5, 9, 14], [2, 77, 3]]
+    share_self, n = engine_speed.agreement(ref, ref, prompts, 6)
+    assert (share_self, n) == (1.0, 12)  # decode-by-decode scoring reproduces fp32's own picks
+    assert engine_speed.agreement(ref, q8, prompts, 6)[0] >= 0.9
+    source = (Gemma3Config.from_hf(hf.config), dict(hf.state_dict()))
+    fig = engine_speed.run(
+        source,
+        quick=True,
+        engines=("fp32", "q8"),
+        prefill_tokens=(8,),
+        batch_sizes=(1, 16),
+        context=8,
+        steps=1,
+        reps=1,
+        transformers=(),
+        progress=False,
+    )
+    q8_mb = fig["variants"]["q8"]["weight_mb_by_batch"]
+    fp32_mb = fig["variants"]["fp32"]["weight_mb_by_batch"]
+    assert q8_mb[1] < 0.5 * fp32_mb[1]  # int8 kernel at one row
+    assert q8_mb[16] > q8_mb[1]  # 16 rows: fp32 layers, fbgemm int8 head
+    assert "q8" in fig["agreement"]

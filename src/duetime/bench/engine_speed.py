@@ -147,12 +147,17 @@ def _prefill_s(model: Gemma3, ids: list[int]) -> float:
 
 
 @torch.no_grad()
-def agreement(ref: Gemma3, other: Gemma3, prompts: list[list[int]], n: int) -> tuple[float, int]:
+def agreement(
+    ref: Gemma3, other: Gemma3, prompts: list[list[int]], n: int, *, decode: bool = True
+) -> tuple[float, int]:
     """Share of teacher-forced positions where ``other``'s arg-max equals ``ref``'s.
 
-    ``ref`` continues each prompt greedily for ``n`` tokens; both models then score
-    prompt + continuation in one step and their arg-maxes over the continuation's
-    positions are compared. Returns (share, positions).
+    ``ref`` continues each prompt greedily for ``n`` tokens and scores prompt +
+    continuation in one step. ``other`` scores the same text the way it would
+    generate it (``decode=True``): the prompt in one step, then one token per
+    step — the single-row products that ``q8``'s int8 kernel serves (a one-step
+    score would run ``q8`` on its multi-row fp32 path and hide the kernel). With
+    ``decode=False`` it scores everything in one step too. Returns (share, positions).
     """
     from duetime.engine.generate import greedy_generate
 
@@ -160,12 +165,21 @@ def agreement(ref: Gemma3, other: Gemma3, prompts: list[list[int]], n: int) -> t
     hits = total = 0
     for p, c in zip(prompts, conts, strict=True):
         ids = p + c
-        tops = []
-        for m in (ref, other):
-            kv = m.new_kv_cache()
-            logits = m.step([SeqChunk(kv.allocate(), ids, 0)], kv, all_logits=True)
-            tops.append(logits[len(p) - 1 : -1].argmax(-1))
-        hits += int((tops[0] == tops[1]).sum())
+        kv = ref.new_kv_cache()
+        logits = ref.step([SeqChunk(kv.allocate(), ids, 0)], kv, all_logits=True)
+        want = logits[len(p) - 1 : -1].argmax(-1)
+        kv = other.new_kv_cache()
+        slot = kv.allocate()
+        if decode:
+            rows = [other.step([SeqChunk(slot, p, 0)], kv)]
+            rows += [
+                other.step([SeqChunk(slot, [t], len(p) + i)], kv) for i, t in enumerate(c[:-1])
+            ]
+            got = torch.cat(rows).argmax(-1)
+        else:
+            got = other.step([SeqChunk(slot, ids, 0)], kv, all_logits=True)[len(p) - 1 : -1]
+            got = got.argmax(-1)
+        hits += int((want == got).sum())
         total += len(c)
     return hits / max(total, 1), total
 
