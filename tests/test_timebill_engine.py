@@ -242,3 +242,14 @@ def test_cli_bad_options_exit_2_with_a_clear_message(args: list[str], needle: st
     assert r.exit_code == 2, r.output
     assert needle in r.output
     assert "Traceback" not in r.output
+
+
+def test_budgets_scale_the_papers_by_the_median_job_or_the_decode_step() -> None:
+    ref = {"job_s": {0: 2.0, 1: 3.0, 2: 9.0}, "decode_step_s": 0.054}
+    job, info = tbe.budgets_for(ref, "job")
+    assert job == pytest.approx([2.0, 3.0, 4.0])  # 5 / 7.5 / 10 s × (3 s / 7.5 s)
+    step, _ = tbe.budgets_for(ref, "step")
+    assert step == pytest.approx([10.0, 15.0, 20.0])  # × 54 ms / 27 ms
+    assert info["budgets_step_s"] == step
+    with pytest.raises(ValueError, match="budget scale"):
+        tbe.budgets_for(ref, "wall")
