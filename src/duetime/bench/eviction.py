@@ -4,7 +4,10 @@ Three figures per run, on one model:
 
 * the observation window's cost on the serving path: prefill time of the same
   prompt with and without :meth:`KVCache.watch` (interleaved repetitions,
-  medians), as ``prefill_overhead_pct``; decode steps never touch the window;
+  medians), as ``prefill_overhead_pct``, and — because on a busy machine that
+  difference drowns in noise — the copies alone (``capture_s``: every layer's
+  :meth:`ObsWindow.capture` for one chunk, timed in isolation) as
+  ``capture_pct_of_prefill``; decode steps never touch the window;
 * the eviction itself: seconds for :func:`snapkv_evict` and
   :func:`streaming_llm_evict` to drop ⌊α·L⌋ of an L-token prompt's KV;
 * what the output keeps: greedy continuation after evicting α of the prompt's
@@ -25,9 +28,17 @@ import torch
 from duetime.engine.batch import SeqChunk
 from duetime.engine.eviction import DEFAULT_WINDOW, snapkv_evict, streaming_llm_evict
 from duetime.engine.gemma3 import Gemma3
+from duetime.engine.obs_window import ObsWindow
 from duetime.metrics.quality import rouge_l, token_f1
 
-__all__ = ["continuation", "prefill_times", "run", "sharegpt_prompts", "table_rows"]
+__all__ = [
+    "capture_seconds",
+    "continuation",
+    "prefill_times",
+    "run",
+    "sharegpt_prompts",
+    "table_rows",
+]
 
 METHODS = ("snapkv", "streaming")
 
@@ -57,6 +68,25 @@ def prefill_times(
             _prefill(model, prompt, chunk, w)
             (plain if w is None else watched).append(time.perf_counter() - t0)
     return statistics.median(plain), statistics.median(watched)
+
+
+def capture_seconds(model: Gemma3, n_tokens: int, window: int, repeats: int) -> float:
+    """Median seconds to copy one ``n_tokens`` chunk's queries into a window, all layers.
+
+    The queries are a strided slice of a wider tensor, as in ``Gemma3.step``.
+    """
+    cfg = model.config
+    dt = model.compute_dtype
+    win = ObsWindow(window, cfg.num_layers, cfg.num_heads, cfg.head_dim, dt)
+    qk = torch.randn(n_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim).to(dt)
+    q = qk[:, : cfg.num_heads]
+    times = []
+    for _ in range(repeats * 10):
+        t0 = time.perf_counter()
+        for layer in range(cfg.num_layers):
+            win.capture(layer, q)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def continuation(
@@ -121,6 +151,7 @@ def run(
     t_start = time.perf_counter()
     longest = max(prompts, key=len)
     plain_s, watched_s = prefill_times(model, longest, chunk, window, repeats)
+    capture_s = capture_seconds(model, min(chunk, len(longest)), window, repeats)
     full = [continuation(model, p, new_tokens, method=None, alpha=0.0)[0] for p in prompts]
     rows: list[dict[str, Any]] = []
     for alpha in alphas:
@@ -157,6 +188,8 @@ def run(
         "prefill_plain_s": plain_s,
         "prefill_watched_s": watched_s,
         "prefill_overhead_pct": 100 * (watched_s - plain_s) / plain_s,
+        "capture_s": capture_s,
+        "capture_pct_of_prefill": 100 * capture_s / plain_s,
         "rows": rows,
         "wall_s": time.perf_counter() - t_start,
     }

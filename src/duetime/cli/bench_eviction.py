@@ -67,7 +67,9 @@ def bench_eviction(
     out.print(
         f"prefill of {fig['prompt_tokens_max']} tokens: {fig['prefill_plain_s']:.4f} s plain, "
         f"{fig['prefill_watched_s']:.4f} s with the observation window "
-        f"({fig['prefill_overhead_pct']:+.2f} %); wall {fig['wall_s']:.1f} s"
+        f"({fig['prefill_overhead_pct']:+.2f} %); the window's copies alone "
+        f"{fig['capture_s'] * 1e3:.3f} ms ({fig['capture_pct_of_prefill']:.2f} % of the prefill); "
+        f"wall {fig['wall_s']:.1f} s"
     )
     if json_path is not None:
         write_json(json_path, fig)
