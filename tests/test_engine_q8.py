@@ -244,3 +244,36 @@ def test_bench_scores_q8_on_its_decode_path(hf) -> None:
     assert q8_mb[1] < 0.5 * fp32_mb[1]  # int8 kernel at one row
     assert q8_mb[16] > q8_mb[1]  # 16 rows: fp32 layers, fbgemm int8 head
     assert "q8" in fig["agreement"]
+
+
+@needs_kernel
+def test_kernel_microbenchmark_reports_units_and_roofline(tmp_path) -> None:
+    import json
+
+    from duetime.bench import q8_kernel_speed
+
+    fig = q8_kernel_speed.run((1, 3), layers=1, reps=1, head=False, probe_mb=16)
+    assert [c["rows"] for c in fig["cells"]] == [1, 3]
+    for c in fig["cells"]:
+        assert c["q8_weight_mb"] < 0.3 * c["fp32_weight_mb"]  # int8 + one scale per row
+        assert c["roofline_ms"] == pytest.approx(
+            c["q8_weight_mb"] / 1e3 / fig["memory_bandwidth_gb_s"] * 1e3
+        )
+        assert c["q8_ms"] > 0
+        assert c["roofline_fraction"] == pytest.approx(c["roofline_ms"] / c["q8_ms"])
+    q8_kernel_speed.main(
+        [
+            "--rows",
+            "1",
+            "--reps",
+            "1",
+            "--layers",
+            "1",
+            "--no-head",
+            "--json",
+            str(tmp_path / "k.json"),
+        ]
+    )
+    assert json.loads((tmp_path / "k.json").read_text())["cells"][0]["rows"] == 1
+    with pytest.raises(SystemExit):
+        q8_kernel_speed.main(["--rows", "0"])
