@@ -89,6 +89,21 @@ def test_bench_deferred_prefill_engine_tiny(tmp_path: Path) -> None:
     assert "+13.5 %" in r.output  # the paper's figure is printed beside ours
 
 
+def test_reps_interleave_and_report_medians(model: Any) -> None:
+    from duetime.bench import deferred_prefill_engine as dpe
+
+    fig = dpe.run(
+        model, model_name="tiny", capacity=3, prompt_len=4, mean_output=4.0, requests=9,
+        ks=(1, 3), reps=3, clock="cpu",
+    )  # fmt: skip
+    for row in fig["real"]:
+        assert row["reps"] == 3
+        assert len(row["throughput_reps_req_s"]) == 3
+        assert row["throughput_req_s"] == sorted(row["throughput_reps_req_s"])[1]  # the median
+        assert isinstance(row["k"], int)
+    assert fig["summary"]["real"]["k_best"] in (1, 3)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -99,6 +114,7 @@ def test_bench_deferred_prefill_engine_tiny(tmp_path: Path) -> None:
         (["--engine", "--model", "nope.gguf"], "not 'gemma', 'tiny'"),
         (["--engine", "--model", "tiny", "--profile", "nope"], "unknown profile"),
         (["--prompt-len", "8"], "only apply with --engine"),
+        (["--reps", "2"], "only apply with --engine"),
         (["--engine", "--model", "tiny", "--threads", "2"], "--clock cpu needs --threads 1"),
         (["--engine", "--model", "tiny", "--clock", "sun"], "--clock must be cpu or wall"),
     ],

@@ -227,8 +227,12 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
         if not rows:
             continue
         x = [r["k"] for r in rows]
-        ax.plot(x, [r["throughput_req_s"] for r in rows], marker, ms=5, label=label)
+        (line,) = ax.plot(x, [r["throughput_req_s"] for r in rows], marker, ms=5, label=label)
         ax2.plot(x, [r["completion_mean_s"] for r in rows], marker + "-", ms=5, label=label)
+        for r in rows:  # repetitions of a real run (--reps): their spread around the median
+            reps = r.get("throughput_reps_req_s") or []
+            if len(reps) > 1:
+                ax.plot([r["k"]] * len(reps), reps, "_", ms=9, color=line.get_color(), alpha=0.6)
     adv = fig["advice"]
     ax.axvline(adv["k_star"], color="grey", lw=0.8, ls=":", label=f"K* = {adv['k_star']}")
     ax.set_xscale("log")

@@ -119,6 +119,18 @@ def run_real(
     }
 
 
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One K's repetitions: the median of every figure, and the spread of throughput."""
+    import numpy as np
+
+    out: dict[str, Any] = {key: float(np.median([r[key] for r in rows])) for key in rows[0]}
+    out["k"] = rows[0]["k"]
+    out["reps"] = len(rows)
+    out["throughput_reps_req_s"] = [r["throughput_req_s"] for r in rows]
+    out["kv_left_tokens"] = max(r["kv_left_tokens"] for r in rows)
+    return out
+
+
 def run(
     model: Any,
     *,
@@ -131,12 +143,17 @@ def run(
     profile: str | None = None,
     seed: int = 0,
     clock: str = "wall",
+    reps: int = 1,
 ) -> dict[str, Any]:
     """Analytic, simulated and real throughput over K for this engine; units in the keys.
 
     ``clock`` times the engine (steps and runs alike): ``wall`` or ``cpu``
     (this process's CPU seconds, see :data:`duetime.bench.engine_fit.CLOCKS`).
+    ``reps`` > 1 runs the K grid that many times, interleaved (every K once,
+    then again), so a load change hits all K alike; rows hold the medians.
     """
+    if reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {reps}")
     if requests < 2 * capacity:
         raise ValueError(
             f"--requests {requests} is too few for C = {capacity}: need >= {2 * capacity} so "
@@ -164,7 +181,8 @@ def run(
     simulated: list[dict[str, Any]] = [
         {"curve": "sim-engine", **measure(copy.deepcopy(jobs), cost, capacity, k)} for k in grid
     ]
-    real = [run_real(model, jobs, capacity, k, tick) for k in grid]
+    runs = [[run_real(model, jobs, capacity, k, tick) for k in grid] for _ in range(reps)]
+    real = [median_row([rep[i] for rep in runs]) for i in range(len(grid))]
     analytic = [
         {
             "k": k,

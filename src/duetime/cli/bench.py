@@ -291,6 +291,9 @@ def bench_deferred_prefill(
     ks: Annotated[
         str | None, typer.Option(help="--engine: departure thresholds, e.g. 1,2,4,8 [+ K*].")
     ] = None,
+    reps: Annotated[
+        int | None, typer.Option(min=1, help="--engine: interleaved runs per K, medians [1].")
+    ] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = Path("out/bench-deferred-prefill.png"),
 ) -> None:
@@ -299,7 +302,7 @@ def bench_deferred_prefill(
     from duetime.metrics import write_json
 
     engine_only = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock,
-                   "--ks": ks, "--prompt-len": prompt_len,
+                   "--ks": ks, "--prompt-len": prompt_len, "--reps": reps,
                    "--mean-output": mean_output}  # fmt: skip
     if engine:
         from duetime.cli import bench_engine_modes as modes
@@ -309,7 +312,7 @@ def bench_deferred_prefill(
                 model=model or "gemma", dtype=dtype or "fp32", threads=threads or 1,
                 capacity=capacity or 16, prompt_len=prompt_len or 16,
                 mean_output=mean_output or 9.0, requests=requests or 80, ks=ks,
-                profile=profile, seed=seed, clock=clock or "cpu",
+                profile=profile, seed=seed, clock=clock or "cpu", reps=reps or 1,
             )  # fmt: skip
         if plot is not None:
             bench.plot(fig, plot)

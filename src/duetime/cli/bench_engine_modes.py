@@ -48,6 +48,7 @@ def deferred_prefill(
     profile: str | None,
     seed: int,
     clock: str,
+    reps: int = 1,
 ) -> dict[str, Any]:
     """Run the real-engine deferred-prefill curve and print its table and summary."""
     from duetime.bench import deferred_prefill_engine as bench
@@ -60,6 +61,7 @@ def deferred_prefill(
         eng,
         model_name=f"{model}, {dtype}, {threads} thread(s), {clock} clock",
         clock=clock,
+        reps=reps,
         capacity=capacity,
         prompt_len=prompt_len,
         mean_output=mean_output,
