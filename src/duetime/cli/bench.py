@@ -365,7 +365,9 @@ def bench_timelyllm(
     dtype: Annotated[str, typer.Option(help="--engine: model dtype (see `duetime run`).")] = (
         "fast"
     ),
-    threads: Annotated[int, typer.Option(min=1, help="--engine: torch threads.")] = 2,
+    threads: Annotated[
+        int, typer.Option(min=1, help="--engine: torch threads (1 on a shared 2-core machine).")
+    ] = 1,
     seed: Annotated[int, typer.Option()] = 0,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
