@@ -153,3 +153,30 @@ def test_engine_bench_runs_all_five_systems_under_tight_memory(model: Any) -> No
     seg = [r for r in fig["rows"] if r["system"] in ("fcfs-seg", "edf-seg", "timelyllm")]
     assert any(r["offloads"] > 0 for r in seg)  # memory was tight enough to page out
     assert set(fig["summary"]) == {"wid2"}
+
+
+def test_cli_offload_flag_and_bad_engine_dtype(tmp_path: Any) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    runner = CliRunner()
+    totals = {}
+    for flag in ("--offload", "--no-offload"):
+        path = tmp_path / f"{flag}.json"
+        res = runner.invoke(
+            app, ["bench", "timelyllm", "--wid", "1", "--kv-capacity", "2000", flag,
+                  "--json", str(path)],
+        )  # fmt: skip
+        assert res.exit_code == 0, res.output
+        fig = json.loads(path.read_text())
+        assert fig["offload_suspended"] is (flag == "--offload")
+        rows = {r["system"]: r for r in fig["rows"]}
+        totals[flag] = rows["timelyllm"]["time_utility_total"]
+        assert (rows["timelyllm"]["offloads"] > 0) is (flag == "--offload")
+    assert totals["--offload"] > totals["--no-offload"]  # the small-memory collapse is gone
+    res = runner.invoke(app, ["bench", "timelyllm", "--engine", "--dtype", "fp64"])
+    assert res.exit_code == 2
+    assert "--dtype must be one of" in res.output
