@@ -20,14 +20,14 @@ import numpy as np
 
 from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job
+from duetime.engine.gemma3 import DTYPES
 from duetime.predict.ete import StepSample
 
-MODEL_HELP = "gemma (the packaged Gemma 3 270M), tiny (random weights: tests) or a GGUF path."
-DTYPES = ("fp32", "fast", "bf16", "int8")
 # "cpu": seconds of CPU this process used. On a shared 2-core machine another
 # process's burst stretches wall time by 2x or more while the engine waits for a
-# core; CPU time counts only the engine's own work. With one torch thread it is
-# the wall time an idle machine would show.
+# core; CPU time counts only the engine's own work (memory-bandwidth contention
+# still slows it). With one torch thread it stands in for an idle machine's wall
+# time; we have not checked how closely.
 CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
 
 

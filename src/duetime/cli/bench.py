@@ -21,7 +21,7 @@ EngineModelOpt = Annotated[
     str | None, typer.Option(help="--engine: gemma (default), tiny or a GGUF path.")
 ]
 EngineDtypeOpt = Annotated[
-    str | None, typer.Option(help="--engine: fp32 (default), fast, bf16 or int8.")
+    str | None, typer.Option(help="--engine: fp32 (default), fast, q8, bf16 or int8.")
 ]
 EngineThreadsOpt = Annotated[
     int | None, typer.Option(min=1, help="--engine: torch threads [1: a shared 2-core machine].")
