@@ -178,6 +178,9 @@ def test_predict_time_model_bounds_the_input_length() -> None:
     n = tm.max_len(0.01)
     assert tm.time_s(n) <= 0.01 < tm.time_s(n + 1)
     assert tm.max_len(1e-9) == 4  # never below a usable input
+    dips = PredictTimeModel(a_p=0.0, b_p=1e-4, c_p=-5e-3, max_pieces=512, floor_s=1e-3)
+    assert dips.max_len(1e-9) == 4  # a fit below zero at small N_p does not lift the bound
+    assert dips.time_s(8) == 1e-3
     assert tm.max_len(100.0) == 512
     fit = PredictTimeModel.fit([8, 64, 256, 512], [tm.time_s(x) for x in (8, 64, 256, 512)], 512)
     assert fit.a_p == pytest.approx(1e-6)

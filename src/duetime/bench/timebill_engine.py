@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +46,7 @@ import numpy as np
 from duetime.bench import timebill as sim_bench
 from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job
+from duetime.predict.ete import StepSample
 
 PAPER_BUDGETS_S = (5.0, 7.5, 10.0)
 BUDGET_SCALES = ("job", "step")
@@ -95,25 +98,24 @@ def periodic(jobs: Sequence[Job], budget_s: float) -> list[Job]:
 
 
 def fit_engine_cost(
-    model: Any, jobs: Sequence[Job], reps: int = 2
+    model: Any, jobs: Sequence[Job], real_steps: Sequence[StepSample] = (), reps: int = 2
 ) -> tuple[LinearStepCost, dict[str, Any]]:
-    """Time prefills and decode steps of this workload's shapes; fit ``duetime profile``'s model."""
+    """Fit ``duetime profile``'s step cost to the reference run's own steps (``real_steps``:
+    this workload's prompts and contexts, timed under the same machine load as the runs that
+    follow) plus a few short prompts and a short decode context timed here, which spread
+    the points so the quadratic prefill and the per-KV-token slope are not fitted from a
+    handful of nearby lengths."""
     from duetime.engine.profile import ProfileGrid, measure_steps
     from duetime.predict.ete import fit_batch_cost, fit_timebill, mape_pct
 
-    lens = sorted(j.request.prompt_len for j in jobs)
-    lo, hi = lens[0], lens[-1]
-    n_max = max(j.request.max_tokens for j in jobs)
-    # Short lengths beside the workload's own spread the points, so the quadratic prefill
-    # and the per-KV-token decode slope are not fitted from a few nearby lengths.
-    prompt_lens = tuple(sorted({max(lo // 8, 1), max(lo // 2, 1), lo, hi}))
-    contexts = tuple(sorted({max(lo // 8, 1), lo, hi + n_max}))
+    lo = min(j.request.prompt_len for j in jobs)
+    short = tuple(sorted({max(lo // 8, 1), max(lo // 2, 1)}))
     grid = ProfileGrid(
-        prompt_lens=prompt_lens, batches=(1,), contexts=contexts, mixed=(), reps=reps,
+        prompt_lens=short, batches=(1,), contexts=short[:1], mixed=(), reps=reps,
         max_setup_tokens=1 << 30,
     )  # fmt: skip
     t0 = time.perf_counter()
-    samples = measure_steps(model, grid)
+    samples = [*measure_steps(model, grid), *real_steps]
     cost = fit_batch_cost(samples, name="timebill-engine-fit")
     ete = fit_timebill(samples)
     pred = np.array(
@@ -123,13 +125,40 @@ def fit_engine_cost(
         ]
     )
     info = {
-        "source": f"fitted to {len(samples)} engine steps timed by this bench",
+        "source": f"fitted to {len(real_steps)} steps of the reference run and "
+        f"{len(samples) - len(real_steps)} short steps timed by this bench",
         "timed_steps": len(samples),
         "fit_mape_pct": mape_pct(pred, np.array([s.seconds for s in samples])),
         "fit_wall_s": time.perf_counter() - t0,
+        "step_cost": {k: getattr(cost, k) for k in ("c0", "c_prefill", "a1", "a2", "b", "d")},
         "timebill_ete": {"a": ete.a, "b": ete.b, "c": ete.c, "p": ete.p, "q": ete.q},
     }
     return cost, info
+
+
+def steps_from_telemetry(path: Path) -> list[StepSample]:
+    """The executor's per-step telemetry lines as cost-model samples."""
+    out = []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        kind = (
+            "decode"
+            if r["prefill_tokens"] == 0
+            else "prefill"
+            if r["decode_seqs"] == 0
+            else "mixed"
+        )
+        out.append(
+            StepSample(
+                r["prefill_tokens"],
+                float(r["prefill_attn"]),
+                r["decode_seqs"],
+                r["kv_tokens_attended"],
+                r["step_s"],
+                kind,
+            )
+        )
+    return out
 
 
 def make_predictor(spec: str, seed: int) -> Any:
@@ -146,25 +175,35 @@ def make_predictor(spec: str, seed: int) -> Any:
     return pred
 
 
-def _executor(model: Any, policy: Any, cost: LinearStepCost, predictor: Any, eviction: str) -> Any:
+def _executor(
+    model: Any,
+    policy: Any,
+    cost: LinearStepCost | None,
+    predictor: Any,
+    eviction: str,
+    **extra: Any,
+) -> Any:
     from duetime.engine.parallel_predict import ParallelPredictExecutor
 
     kw: dict[str, Any] = {"eviction": "snapkv"} if eviction == "snapkv" else {}
+    kw.update(extra)
     return ParallelPredictExecutor(
         policy, model, predictor=predictor, cost=cost, kv_capacity=32_768, max_num_seqs=8,
         max_batch_tokens=4096, **kw,
     )  # fmt: skip
 
 
-def reference(
-    model: Any, jobs: Sequence[Job], cost: LinearStepCost, predictor: Any
-) -> dict[str, Any]:
-    """Every prompt alone, full KV, no deadline: outputs, job / prefill / predictor times."""
+def reference(model: Any, jobs: Sequence[Job], predictor: Any) -> dict[str, Any]:
+    """Every prompt alone, full KV, no deadline: outputs, job / prefill / predictor times,
+    and every step it ran (for the ETE fit)."""
     from duetime.policies import make_policy
 
-    ex = _executor(model, make_policy("fcfs"), cost, predictor, "none")
-    ex.max_num_seqs = 1  # one at a time, the way the periodic runs see them
-    res = ex.run(copy.deepcopy(list(jobs)))
+    with tempfile.TemporaryDirectory(prefix="duetime-tb-") as tmp:
+        tel = Path(tmp) / "steps.jsonl"
+        ex = _executor(model, make_policy("fcfs"), None, predictor, "none", telemetry=tel)
+        ex.max_num_seqs = 1  # one at a time, the way the periodic runs see them
+        res = ex.run(copy.deepcopy(list(jobs)))
+        steps = steps_from_telemetry(tel)
     by = {r.request.rid: r for r in res.records}
     job_s, step_s = {}, []
     for j in jobs:
@@ -180,6 +219,7 @@ def reference(
         "job_s": job_s,
         "decode_step_s": float(np.median(step_s)) if step_s else float("nan"),
         "timing": ex.timing,
+        "steps": steps,
         "wall_s": res.wall_s,
     }
 
@@ -286,7 +326,9 @@ def predictor_report(timings: Sequence[Any], predictor: Any) -> dict[str, Any]:
         rep["pieces_full_mean"] = float(np.mean([c.pieces_full for c in calls])) if calls else None
         rep["pieces_used_mean"] = float(np.mean([c.pieces_used for c in calls])) if calls else None
     if tm is not None:
-        rep["predict_time_model_s"] = {"a_p": tm.a_p, "b_p": tm.b_p, "c_p": tm.c_p}
+        rep["predict_time_model_s"] = {
+            "a_p": tm.a_p, "b_p": tm.b_p, "c_p": tm.c_p, "floor_s": tm.floor_s,
+        }  # fmt: skip
         rep["max_pieces"] = tm.max_pieces
     return rep
 
@@ -330,18 +372,21 @@ def run(
     for j in base:
         j.request.max_tokens = n_max
         j.output_len = min(j.output_len, n_max)
+    pred = make_predictor(predictor, seed)
+    ref = reference(model, base, pred)
     cost_info: dict[str, Any] = {"source": "given"}
     if cost is None:
-        cost, cost_info = fit_engine_cost(model, base)
+        cost, cost_info = fit_engine_cost(model, base, ref["steps"])
     from duetime.policies.timebill_math import ete_from_cost
 
     ete = ete_from_cost(cost)
-    pred = make_predictor(predictor, seed)
+    n_x = float(np.mean([j.request.prompt_len for j in base]))
+    # What the policy will assume for a decode step at this workload's mean context.
+    cost_info["ete_decode_step_s"] = float(ete.decode_step(n_x + n_max / 2))
     if hasattr(pred, "calibrate"):
         texts = [j.request.prompt_text or "" for j in base]
         pred.calibrate(texts)
         pred.prefill_time = lambda n: float(ete.prefill(n))
-    ref = reference(model, base, cost, pred)
     bs, budget_info = budgets_for(ref, budget_scale)
     if budgets is not None:
         bs = [float(b) for b in budgets]

@@ -31,15 +31,21 @@ MIN_PIECES = 4  # [CLS], at least two word pieces, [SEP]
 
 @dataclass(slots=True, frozen=True)
 class PredictTimeModel:
-    """``t̂_Predict(N_p) = a_p·N_p² + b_p·N_p + c_p`` seconds, ``N_p`` in word pieces."""
+    """``t̂_Predict(N_p) = a_p·N_p² + b_p·N_p + c_p`` seconds, ``N_p`` in word pieces.
+
+    ``floor_s`` (the fastest call measured) bounds the curve from below: a least-squares
+    quadratic through noisy timings can dip below zero at small ``N_p``, and a predictor
+    never runs in less than its fixed overhead.
+    """
 
     a_p: float
     b_p: float
     c_p: float
     max_pieces: int
+    floor_s: float = 0.0
 
     def time_s(self, n: float) -> float:
-        return self.a_p * n * n + self.b_p * n + self.c_p
+        return max(self.a_p * n * n + self.b_p * n + self.c_p, self.floor_s)
 
     def max_len(self, budget_s: float) -> int:
         """The largest ``N_p`` (>= ``MIN_PIECES``) with ``t̂_Predict(N_p) <= budget_s``.
@@ -48,7 +54,7 @@ class PredictTimeModel:
         curve that is not monotone (noise, ``a_p < 0``) still gives a safe bound.
         """
         n = np.arange(MIN_PIECES, self.max_pieces + 1, dtype=np.float64)
-        ok = self.a_p * n * n + self.b_p * n + self.c_p <= budget_s
+        ok = np.maximum(self.a_p * n * n + self.b_p * n + self.c_p, self.floor_s) <= budget_s
         if not ok[0]:
             return MIN_PIECES
         bad = np.flatnonzero(~ok)
@@ -69,7 +75,7 @@ class PredictTimeModel:
             a, (b, c) = 0.0, np.polyfit(x, y, 1)
         else:
             a, b, c = 0.0, 0.0, float(y.mean())
-        return cls(float(a), float(b), float(c), max_pieces)
+        return cls(float(a), float(b), float(c), max_pieces, float(y.min()))
 
 
 @dataclass(slots=True)
