@@ -122,6 +122,22 @@ def test_bench_amin_engine_tiny(tmp_path: Path) -> None:
     assert "TEL" in r.output
 
 
+def test_reps_give_medians(model: Any) -> None:
+    from duetime.bench import amin_engine
+
+    fig = amin_engine.run(
+        model, model_name="tiny", requests=4, kv_capacity=160, max_prompt=48, max_output=16,
+        constructions=("rough",), reps=3, clock="cpu",
+    )  # fmt: skip
+    for row in fig["rows"]:
+        real = row["real"]
+        assert real["reps"] == 3
+        assert real["tel_s"] == sorted(real["tel_reps_s"])[1]
+        assert len(real["restarts_reps"]) == 3
+        assert real["kv_left_tokens"] == 0
+    assert fig["rows"][0]["real"]["tel_ratio_vs_hsf"] == 1.0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -130,6 +146,7 @@ def test_bench_amin_engine_tiny(tmp_path: Path) -> None:
         (["--engine", "--model", "/nonexistent.gguf"], "not 'gemma', 'tiny'"),
         (["--engine", "--model", "tiny", "--dtype", "fp8"], "--dtype must be"),
         (["--max-output", "24"], "only apply with --engine"),
+        (["--reps", "2"], "only apply with --engine"),
     ],
 )
 def test_bench_amin_engine_bad_options(args: list[str], message: str) -> None:

@@ -143,6 +143,20 @@ def run_real(
     }
 
 
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeated real runs of one policy: medians, plus every run's TEL and restarts."""
+    import numpy as np
+
+    out: dict[str, Any] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    for k in ("requests", "completed", "engine_steps", "restarts", "kv_peak_tokens"):
+        out[k] = int(np.median([r[k] for r in runs]))
+    out["kv_left_tokens"] = max(r["kv_left_tokens"] for r in runs)
+    out["reps"] = len(runs)
+    out["tel_reps_s"] = [r["tel_s"] for r in runs]
+    out["restarts_reps"] = [r["restarts"] for r in runs]
+    return out
+
+
 def run_sim(
     jobs: list[Job], policy: str, predictor: str, cost: Any, memory: int, seed: int
 ) -> dict[str, Any]:
@@ -171,11 +185,15 @@ def run(
     profile: str | None = None,
     seed: int = 0,
     clock: str = "wall",
+    reps: int = 1,
 ) -> dict[str, Any]:
     """H-SF, then Amax and Amin per construction: real TEL vs the simulator's.
 
     ``clock``: ``wall`` or ``cpu`` (see :data:`duetime.bench.engine_fit.CLOCKS`).
+    ``reps`` > 1 repeats the real runs, interleaved; rows hold the medians.
     """
+    if reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {reps}")
     specs = {c: interval_spec(c, max_output) for c in constructions}
     t0 = time.perf_counter()
     jobs = sharegpt_engine_jobs(requests, seed, max_prompt, max_output, model.config.vocab_size)
@@ -185,9 +203,12 @@ def run(
     cost, cost_info = engine_costs(model, max_prompt, max_output, profile, tick)
     runs = [("hsf", "oracle", "oracle")]
     runs += [(p, c, spec) for c, spec in specs.items() for p in ("amax", "amin")]
+    # Repetitions interleaved (every policy once, then again) so a load change hits all alike.
+    reals = [[run_real(model, jobs, p, spec, kv_capacity, seed, tick) for p, _, spec in runs]
+             for _ in range(reps)]  # fmt: skip
     rows = []
-    for policy, construction, spec in runs:
-        real = run_real(model, jobs, policy, spec, kv_capacity, seed, tick)
+    for i, (policy, construction, spec) in enumerate(runs):
+        real = _median([rep[i] for rep in reals])
         sim = run_sim(jobs, policy, spec, cost, kv_capacity, seed)
         rows.append(
             {

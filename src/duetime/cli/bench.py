@@ -213,6 +213,10 @@ def bench_amin(
     intervals: Annotated[
         str | None, typer.Option(help="--engine: constructions, e.g. overlap-0.95,rough.")
     ] = None,
+    engine_reps: Annotated[
+        int | None,
+        typer.Option("--reps", min=1, help="--engine: interleaved runs per policy, medians [1]."),
+    ] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = Path("out/bench-amin.png"),
 ) -> None:
@@ -222,7 +226,7 @@ def bench_amin(
 
     engine_only = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock,
                    "--max-prompt": max_prompt, "--max-output": max_output,
-                   "--intervals": intervals}  # fmt: skip
+                   "--intervals": intervals, "--reps": engine_reps}  # fmt: skip
     if engine:
         from duetime.cli import bench_engine_modes as modes
 
@@ -232,7 +236,7 @@ def bench_amin(
                 requests=requests or 12, kv_capacity=kv_capacity or 224,
                 max_prompt=max_prompt or 256, max_output=max_output or 48,
                 intervals=intervals or "overlap-0.95", profile=profile, seed=seed, plot=plot,
-                clock=clock or "cpu",
+                clock=clock or "cpu", reps=engine_reps or 1,
             )  # fmt: skip
         if json_path is not None:
             write_json(json_path, fig)

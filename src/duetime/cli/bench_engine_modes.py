@@ -116,6 +116,7 @@ def amin(
     seed: int,
     plot: Path | None,
     clock: str,
+    reps: int = 1,
 ) -> dict[str, Any]:
     """Run H-SF / Amax / Amin on the engine beside the simulator; print the table."""
     from duetime.bench import amin_engine as bench
@@ -130,6 +131,7 @@ def amin(
         eng,
         model_name=f"{model}, {dtype}, {threads} thread(s), {clock} clock",
         clock=clock,
+        reps=reps,
         requests=requests,
         kv_capacity=kv_capacity,
         max_prompt=max_prompt,
