@@ -277,3 +277,18 @@ def test_kernel_microbenchmark_reports_units_and_roofline(tmp_path) -> None:
     assert json.loads((tmp_path / "k.json").read_text())["cells"][0]["rows"] == 1
     with pytest.raises(SystemExit):
         q8_kernel_speed.main(["--rows", "0"])
+
+
+def test_cli_names_q8_among_the_dtypes_and_serve_defaults_to_it() -> None:
+    import inspect
+
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+    from duetime.cli.serve import serve
+
+    res = CliRunner().invoke(app, ["serve", "--model", "tiny", "--dtype", "q4"])
+    assert res.exit_code == 2
+    assert "q4" in res.output
+    assert "q8" in res.output  # the message lists the accepted dtypes
+    assert inspect.signature(serve).parameters["dtype"].default == "q8"

@@ -29,10 +29,12 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option(help="The model id clients send (default from the model).")
     ] = None,
+    # q8 by default: 1.4x fast and 2.6x fp32 at batch 1, top-1 = fp32 at 99.2 % of
+    # 384 decode positions (docs/engine.md); falls back to fast without a compiler.
     dtype: Annotated[
         str,
-        typer.Option(help="fp32 (exact), fast (int8 head), q8 (fast + int8 decode), bf16 or int8."),
-    ] = "fp32",
+        typer.Option(help="q8 (int8 decode kernel), fast (int8 head), fp32 (exact), bf16 or int8."),
+    ] = "q8",
     threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
     kv_capacity: Annotated[int, typer.Option(min=64, help="KV budget M in tokens.")] = 32_768,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Largest running batch.")] = 32,
