@@ -100,6 +100,15 @@ def test_segmenter_waits_for_a_whole_character() -> None:
     assert seg.segments == ["Ça."]
 
 
+def test_segmenter_does_not_wait_forever_on_broken_bytes() -> None:
+    every2 = make_rule("regex:(?s)..")
+    seg = TextSegmenter(every2, ByteCodec().decode)
+    lead = 0xEA + ByteCodec.OFFSET  # a UTF-8 lead byte, never completed
+    gaps = [seg.add(lead) for _ in range(TextSegmenter.MAX_HOLD + 1)]
+    assert gaps[:-1] == [None] * TextSegmenter.MAX_HOLD
+    assert gaps[-1] == 0.0  # checked as text after MAX_HOLD tokens: "\ufffd\ufffd" is 2 chars
+
+
 def test_bad_rules_are_clear_errors() -> None:
     with pytest.raises(ValueError, match=r"unknown segment rule 'word'.*sentence"):
         make_rule("word")
@@ -141,3 +150,44 @@ def test_engine_suspends_where_the_text_says_and_keeps_the_greedy_answer(model: 
     assert sum(len(r.segment_done) for r in res.records) > len(jobs)  # boundaries happened
     assert ex.prefill_tokens == sum(len(p) for p in prompts)  # resumed without re-prefill
     assert ex.kv.total_tokens == 0
+
+
+def test_server_segment_option_suspends_and_keeps_the_answer(monkeypatch: Any) -> None:
+    import re
+
+    import openai
+
+    from duetime.engine import segment_stop
+    from duetime.server.app import create_app
+    from duetime.server.build import ServeOptions, build_state, load_served_model
+    from duetime.server.threaded import serve_in_thread
+
+    # The tiny model writes random bytes, which hold no sentences: let "sentence" mean
+    # "every 4 characters" so the server path is exercised for sure.
+    every4 = segment_stop.SegmentRule("sentence", re.compile(r"(?s).{4}"), lambda t: 0.01)
+    monkeypatch.setitem(segment_stop.RULES, "sentence", lambda: every4)
+    options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096)  # type: ignore[call-arg]
+    served_model, codec, name = load_served_model(options)
+    state = build_state(options, served_model, codec, name)
+    ex = state.engine.executor
+    calls: list[int] = []
+    end_segment = ex.end_segment
+
+    def spy(rid: int, gap: float = 0.0) -> bool:
+        calls.append(rid)
+        return end_segment(rid, gap)
+
+    ex.end_segment = spy  # type: ignore[method-assign]
+    with serve_in_thread(create_app(state)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        kw: dict[str, Any] = {"model": name, "prompt": "Once upon a time", "max_tokens": 24}
+        plain = client.completions.create(extra_body={"ignore_eos": True}, **kw)
+        assert not calls
+        seg = client.completions.create(
+            extra_body={"ignore_eos": True, "segment": "sentence"}, **kw
+        )
+        assert len(calls) >= 2  # suspended at segment ends...
+        assert seg.choices[0].text == plain.choices[0].text  # ...and resumed to the same answer
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(extra_body={"segment": "word"}, **kw)
+    assert not ex.segmenters  # forgotten with the request

@@ -361,6 +361,8 @@ class EngineExecutor(ExecutorCore):
         executor knows of (a suspended segment's ready time, the policy's
         ``wake_at``; ``inf`` if none) — the caller adds arrivals it knows of.
         """
+        # Time moves while nothing runs (a server waiting for a segment's ready time).
+        self.now = self._clock() - self._t0
         dec = self.policy.schedule(self.snapshot())
         self.policy_calls += 1
         chunks = self._apply(dec)

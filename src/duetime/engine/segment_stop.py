@@ -112,13 +112,20 @@ class TextSegmenter:
     ids: list[int] = field(default_factory=list)
     carry: str = ""  # text of the boundary token past the boundary
     segments: list[str] = field(default_factory=list)  # finished segments' text
+    held: int = 0  # tokens waited for a half character to complete
+
+    #: A UTF-8 character spans at most 4 bytes: after that many tokens a trailing
+    #: U+FFFD is a broken byte, not a half character, and is checked as text.
+    MAX_HOLD = 4
 
     def add(self, token_id: int) -> float | None:
         """Append one generated id; the client's gap (s) if a segment just ended, else None."""
         self.ids.append(token_id)
         text = self.carry + self.decode(self.ids)
-        if text.endswith("\ufffd"):
+        if text.endswith("\ufffd") and self.held < self.MAX_HOLD:
+            self.held += 1
             return None  # half a character: wait for the next token
+        self.held = 0
         end = self.rule.boundary(text)
         if end is None:
             return None
@@ -129,4 +136,4 @@ class TextSegmenter:
 
     def reset(self) -> None:
         """The answer was discarded (a restart): start over."""
-        self.ids, self.carry, self.segments = [], "", []
+        self.ids, self.carry, self.segments, self.held = [], "", [], 0

@@ -218,7 +218,18 @@ async def _serve(
             headers={"Retry-After": str(verdict.retry_after_s)},
         )
     stream = Stream(asyncio.get_running_loop())
-    engine.submit(job, stream, stop_on_eos=not body.ignore_eos, min_tokens=body.min_tokens)
+    segmenter = None
+    if body.segment is not None:
+        from duetime.engine.segment_stop import TextSegmenter, make_rule
+
+        segmenter = TextSegmenter(make_rule(body.segment), state.codec.decode)
+    engine.submit(
+        job,
+        stream,
+        stop_on_eos=not body.ignore_eos,
+        min_tokens=body.min_tokens,
+        segmenter=segmenter,
+    )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     relay = _Relay(state, req.rid, stream, stops, Detokenizer(state.codec))
     meta = _Meta(

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from duetime.core.request import Job
 from duetime.core.sequence import SeqStatus
 from duetime.engine.executor import EngineExecutor
+from duetime.engine.segment_stop import TextSegmenter
 from duetime.server.step_timer import StepTimer
 
 __all__ = ["EngineLoop", "EngineStats", "Outcome", "Stream"]
@@ -143,9 +144,18 @@ class EngineLoop:
         """Seconds on the engine clock (request arrival and deadline times use it)."""
         return self.executor.clock_now()
 
-    def submit(self, job: Job, stream: Stream, *, stop_on_eos: bool, min_tokens: int = 0) -> None:
+    def submit(
+        self,
+        job: Job,
+        stream: Stream,
+        *,
+        stop_on_eos: bool,
+        min_tokens: int = 0,
+        segmenter: TextSegmenter | None = None,
+    ) -> None:
+        """Queue a request; ``segmenter`` suspends it at each text segment end (TimelyLLM)."""
         with self._lock:
-            self._inbox.append(("submit", (job, stream, stop_on_eos, min_tokens)))
+            self._inbox.append(("submit", (job, stream, stop_on_eos, min_tokens, segmenter)))
         self._wake.set()
 
     def abort(self, rid: int) -> None:
@@ -218,7 +228,7 @@ class EngineLoop:
         done_before = ex.n_done
         for kind, payload in items:
             if kind == "submit":
-                job, stream, stop_on_eos, min_tokens = payload
+                job, stream, stop_on_eos, min_tokens, segmenter = payload
                 rid = job.request.rid
                 try:
                     ex.admit_arrival(job)
@@ -228,6 +238,8 @@ class EngineLoop:
                 self._live[rid] = _Live(job, stream)
                 if stop_on_eos:
                     ex.stop_on_eos[rid] = min_tokens
+                if segmenter is not None:
+                    ex.segmenters[rid] = segmenter
             elif ex.abort(payload):
                 self._finish(payload, "abort")
         if ex.n_done != done_before:  # e.g. a prompt that can never fit was refused at admission

@@ -59,6 +59,12 @@ class TimeFields(BaseModel):
     )
     ignore_eos: bool = Field(False, description="Generate exactly max_tokens (benchmarks).")
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT, description="Never stop before this.")
+    segment: Literal["sentence", "paragraph", "action"] | None = Field(
+        None,
+        description="TimelyLLM segmented generation: suspend after each sentence, paragraph or "
+        "robot action (a line like move(50)) keeping the KV cache, and resume when the client is "
+        "expected to want more (reading time at 300 words/min; at once for actions).",
+    )
     klass: str = Field("default", max_length=64, description="Request class (for per-class stats).")
 
     def deadline_s(self) -> float | None:
