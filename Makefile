@@ -6,7 +6,7 @@ PIP     := $(BIN)/python -m pip
 STAMP   := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 
-.PHONY: run demo test lint format bench bench-sim clean setup
+.PHONY: run demo test lint format bench bench-sim bench-peers clean setup
 
 setup: $(STAMP)
 
@@ -41,6 +41,15 @@ format: $(STAMP)
 
 bench-sim: $(STAMP)
 	$(BIN)/duetime bench sim
+
+# Opt-in: llama.cpp side by side in `duetime bench engine`. llama-cpp-python compiles
+# llama.cpp from source (cmake + g++; tens of minutes on 2 busy cores), installed
+# with constraints.txt so torch and friends stay pinned; then one short bench run.
+LLAMA_CPP_VERSION ?= 0.3.36
+bench-peers: $(STAMP)
+	$(PIP) install -c constraints.txt "llama-cpp-python==$(LLAMA_CPP_VERSION)"
+	$(BIN)/duetime bench engine --engine fp32 --engine q8 --transformers bf16 \
+		--prefill 128 --batch 1,4,16 --json out/bench-engine-peers.json
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache .ruff_cache .mypy_cache
