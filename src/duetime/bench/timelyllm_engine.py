@@ -184,9 +184,11 @@ def run_engine_system(
         "offloads": res.counters.get("offloads", 0),
         "preemptions": res.preemptions,
         "engine_steps": res.engine_steps,
+        "policy_calls": res.policy_calls,
         "tokens_generated": res.tokens_generated,
         "span_s": res.wall_s,
         "idle_skipped_s": clock.skipped,
+        "busy_step_mean_s": (res.wall_s - clock.skipped) / max(res.engine_steps, 1),
         "wall_s": wall,
     }
     cfg = SimConfig(
