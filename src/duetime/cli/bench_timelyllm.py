@@ -84,7 +84,7 @@ def run_engine(
         sim_bench.plot(
             fig,
             plot,
-            title=f"TimelyLLM vs baselines on the real engine (Gemma 3 270M {dtype}, "
+            title=f"TimelyLLM vs baselines on the real engine\n(Gemma 3 270M {dtype}, "
             f"{requests} tasks, time x{sc['time_x']:.2f})",
         )
     if json_path is not None:
