@@ -11,8 +11,9 @@ stores weights as int8 with one fp32 scale per output row:
     y[m, n] = s[n] · Σ_k W8[n, k] · x[m, k]
 
 Each 8 int8 weights are widened with ``vpmovsxbd`` + ``vcvtdq2ps`` and fed to
-FMAs; 4 output rows share each load of ``x`` (1-4 rows of ``x`` per tile; more
-rows reuse the same weight block from L1), and output rows are split across
+FMAs; up to 4 output rows share each load of ``x`` (1-4 rows of ``x`` per tile,
+at most 8 accumulators so none spill; more rows reuse the weight block from
+L1), and output rows are split across
 threads with ``at::parallel_for``. A fixed summation order per row makes the
 result independent of the thread count.
 
@@ -66,36 +67,47 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// One block of R output rows against M rows of x (stride Kp, zero-padded to Kp).
-// w: the block, laid out [Kp / 8][R][8] int8, one sequential stream.
-template <int M>
-void tile(const float* x, int64_t Kp, const int8_t* w, const float* s, float* y, int64_t ldy,
-          int64_t nr) {
-  __m256 acc[M][R];
+// Rows r0 .. r0 + RR of one block of R output rows against M rows of x (stride Kp,
+// zero-padded to Kp). w: the block, laid out [Kp / 8][R][8] int8, one sequential
+// stream. M * RR accumulators stay in registers (at most 8 of the 16 ymm).
+template <int M, int RR>
+void tile(const float* x, int64_t Kp, const int8_t* w, int r0, const float* s, float* y,
+          int64_t ldy, int64_t nr) {
+  __m256 acc[M][RR];
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int r = 0; r < RR; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < Kp; k += 8) {
-    const int8_t* wk = w + k * R;
+    const int8_t* wk = w + k * R + 8 * r0;
     _mm_prefetch((const char*)(wk + 1024), _MM_HINT_T0);
-    __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load8(wk + 8 * r);
+    __m256 wv[RR];
+    for (int r = 0; r < RR; ++r) wv[r] = load8(wk + 8 * r);
     for (int m = 0; m < M; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * Kp + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+      for (int r = 0; r < RR; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < nr; ++r) y[m * ldy + r] = hsum(acc[m][r]) * s[r];
+    for (int r = 0; r < RR && r0 + r < nr; ++r)
+      y[m * ldy + r0 + r] = hsum(acc[m][r]) * s[r0 + r];
 }
 
+// One block of R output rows against all M rows of x: 1-2 rows of x take the whole
+// block per pass; 3-4 rows take it in two halves (the second from L1), which keeps
+// the accumulators in registers instead of spilling 16 of them.
 void block(const float* x, int64_t M, int64_t Kp, const int8_t* w, const float* s, float* y,
            int64_t N, int64_t nr) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<4>(x + m * Kp, Kp, w, s, y + m * N, N, nr);
+  for (; m + 4 <= M; m += 4) {
+    tile<4, 2>(x + m * Kp, Kp, w, 0, s, y + m * N, N, nr);
+    tile<4, 2>(x + m * Kp, Kp, w, 2, s, y + m * N, N, nr);
+  }
   switch (M - m) {
-    case 3: tile<3>(x + m * Kp, Kp, w, s, y + m * N, N, nr); break;
-    case 2: tile<2>(x + m * Kp, Kp, w, s, y + m * N, N, nr); break;
-    case 1: tile<1>(x + m * Kp, Kp, w, s, y + m * N, N, nr); break;
+    case 3:
+      tile<3, 2>(x + m * Kp, Kp, w, 0, s, y + m * N, N, nr);
+      tile<3, 2>(x + m * Kp, Kp, w, 2, s, y + m * N, N, nr);
+      break;
+    case 2: tile<2, 4>(x + m * Kp, Kp, w, 0, s, y + m * N, N, nr); break;
+    case 1: tile<1, 4>(x + m * Kp, Kp, w, 0, s, y + m * N, N, nr); break;
     default: break;
   }
 }
