@@ -97,16 +97,10 @@ def periodic(jobs: Sequence[Job], budget_s: float) -> list[Job]:
     return out
 
 
-def fit_engine_cost(
-    model: Any, jobs: Sequence[Job], real_steps: Sequence[StepSample] = (), reps: int = 2
-) -> tuple[LinearStepCost, dict[str, Any]]:
-    """Fit ``duetime profile``'s step cost to the reference run's own steps (``real_steps``:
-    this workload's prompts and contexts, timed under the same machine load as the runs that
-    follow) plus a few short prompts and a short decode context timed here, which spread
-    the points so the quadratic prefill and the per-KV-token slope are not fitted from a
-    handful of nearby lengths."""
+def short_steps(model: Any, jobs: Sequence[Job], reps: int = 2) -> list[StepSample]:
+    """Prompts of ``N_x/8`` and ``N_x/2`` tokens and a short decode context, timed (after
+    ``measure_steps``' own warm-up); run before the reference so it also warms the engine."""
     from duetime.engine.profile import ProfileGrid, measure_steps
-    from duetime.predict.ete import fit_batch_cost, fit_timebill, mape_pct
 
     lo = min(j.request.prompt_len for j in jobs)
     short = tuple(sorted({max(lo // 8, 1), max(lo // 2, 1)}))
@@ -114,8 +108,21 @@ def fit_engine_cost(
         prompt_lens=short, batches=(1,), contexts=short[:1], mixed=(), reps=reps,
         max_setup_tokens=1 << 30,
     )  # fmt: skip
+    return measure_steps(model, grid)
+
+
+def fit_engine_cost(
+    short: Sequence[StepSample], real_steps: Sequence[StepSample]
+) -> tuple[LinearStepCost, dict[str, Any]]:
+    """Fit ``duetime profile``'s step cost to the reference run's own steps (``real_steps``:
+    this workload's prompts and contexts, timed under the same machine load as the runs that
+    follow) plus ``short`` steps (:func:`short_steps`), which spread the points so the
+    quadratic prefill and the per-KV-token slope are not fitted from a handful of nearby
+    lengths."""
+    from duetime.predict.ete import fit_batch_cost, fit_timebill, mape_pct
+
     t0 = time.perf_counter()
-    samples = [*measure_steps(model, grid), *real_steps]
+    samples = [*short, *real_steps]
     cost = fit_batch_cost(samples, name="timebill-engine-fit")
     ete = fit_timebill(samples)
     pred = np.array(
@@ -373,10 +380,13 @@ def run(
         j.request.max_tokens = n_max
         j.output_len = min(j.output_len, n_max)
     pred = make_predictor(predictor, seed)
+    if hasattr(pred, "calibrate"):  # also loads the encoder, before anything is timed
+        pred.calibrate([j.request.prompt_text or "" for j in base])
+    short = short_steps(model, base) if cost is None else []
     ref = reference(model, base, pred)
     cost_info: dict[str, Any] = {"source": "given"}
     if cost is None:
-        cost, cost_info = fit_engine_cost(model, base, ref["steps"])
+        cost, cost_info = fit_engine_cost(short, ref["steps"])
     from duetime.policies.timebill_math import ete_from_cost
 
     ete = ete_from_cost(cost)
@@ -384,8 +394,6 @@ def run(
     # What the policy will assume for a decode step at this workload's mean context.
     cost_info["ete_decode_step_s"] = float(ete.decode_step(n_x + n_max / 2))
     if hasattr(pred, "calibrate"):
-        texts = [j.request.prompt_text or "" for j in base]
-        pred.calibrate(texts)
         pred.prefill_time = lambda n: float(ete.prefill(n))
     bs, budget_info = budgets_for(ref, budget_scale)
     if budgets is not None:
