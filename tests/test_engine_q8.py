@@ -292,3 +292,25 @@ def test_cli_names_q8_among_the_dtypes_and_serve_defaults_to_it() -> None:
     assert "q4" in res.output
     assert "q8" in res.output  # the message lists the accepted dtypes
     assert inspect.signature(serve).parameters["dtype"].default == "q8"
+
+
+@needs_kernel
+@pytest.mark.real_model
+def test_real_gemma3_q8_decodes_like_fp32() -> None:
+    from duetime.engine import greedy_generate
+    from duetime.engine.gemma3 import Gemma3
+    from duetime.engine.q8_cache import Q8Store, q8_cache_path
+    from duetime.engine.weights import cache_path, default_gguf_path, load_weights
+    from duetime.tokenizer import encode
+
+    cfg, weights = load_weights(progress=False)
+    store = Q8Store(q8_cache_path(cache_path(default_gguf_path())))  # what load_model uses
+    q8 = Gemma3(cfg, weights, "q8", q8_quantize=store.quantize)
+    fp32 = Gemma3(cfg, weights, "fp32")
+    ids = encode("The capital of France is")
+    assert ids[0] == cfg.bos_token_id
+    # greedy decoding: every step after the prompt is a one-row product (the kernel)
+    assert greedy_generate(q8, [ids], 8) == greedy_generate(fp32, [ids], 8)
+    layer = q8.layers[0].gate_up
+    assert isinstance(layer, Q8Linear)
+    assert layer.q.nbytes < 0.26 * 4 * layer.q.out_features * layer.q.in_features
