@@ -78,7 +78,7 @@ def run(
         deadline_scale=deadline_scale,
     )
     rows: list[dict[str, Any]] = []
-    predictors = [(_predictor(sigma), sigma) for sigma in errors]
+    predictors: list[tuple[str, float | None]] = [(_predictor(s), s) for s in errors]
     if learned is not None:
         predictors.append((learned, None))
     learned_sigma: float | None = None
