@@ -113,7 +113,7 @@ def test_scaled_jobs_keep_utility_per_scaled_second() -> None:
     from duetime.bench.timelyllm_engine import EngineScale, scaled_jobs
     from duetime.workloads.lrtrace import lrtrace_jobs
 
-    scale = EngineScale(time_x=2.5, prompt_x=0.1, decode_step_s=0.05, prefill_350_s=0.1)
+    scale = EngineScale(time_x=2.5, prompt_x=0.1, decode_step_s=0.05, prefill_scaled_prompt_s=0.1)
     src = lrtrace_jobs(2, seed=0)[:10]
     jobs = scaled_jobs(2, 10, 0, scale, bos_id=2, vocab=256)
     t0 = src[0].request.arrival
@@ -135,7 +135,7 @@ def test_engine_bench_runs_all_five_systems_under_tight_memory(model: Any) -> No
     from duetime.bench.timelyllm import SYSTEMS
     from duetime.bench.timelyllm_engine import EngineScale, run
 
-    scale = EngineScale(time_x=1.0, prompt_x=0.1, decode_step_s=0.01, prefill_350_s=0.05)
+    scale = EngineScale(time_x=1.0, prompt_x=0.1, decode_step_s=0.01, prefill_scaled_prompt_s=0.05)
     fig = run(
         model,
         requests=6,
@@ -180,3 +180,30 @@ def test_cli_offload_flag_and_bad_engine_dtype(tmp_path: Any) -> None:
     res = runner.invoke(app, ["bench", "timelyllm", "--engine", "--dtype", "fp64"])
     assert res.exit_code == 2
     assert "--dtype must be one of" in res.output
+
+
+def test_calibration_round_trips_through_the_json_and_bad_files_are_clear(tmp_path: Any) -> None:
+    import json
+
+    from duetime.bench.timelyllm_engine import EngineScale, calibration_from_json
+
+    scale = EngineScale(time_x=3.0, prompt_x=0.2, decode_step_s=0.06, prefill_scaled_prompt_s=0.2)
+    fig = {
+        "scale": {
+            "time_x": 3.0,
+            "prompt_x": 0.2,
+            "decode_step_s": 0.06,
+            "prefill_scaled_prompt_s": 0.2,
+        },
+        "cost": SIMPLE_COST.to_profile(),
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(fig))
+    cost, back = calibration_from_json(path)
+    assert back == scale
+    assert cost.step_time(3, 9.0, 2, 50) == pytest.approx(SIMPLE_COST.step_time(3, 9.0, 2, 50))
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not the JSON of"):
+        calibration_from_json(path)
+    with pytest.raises(ValueError, match="not found"):
+        calibration_from_json(tmp_path / "missing.json")

@@ -33,6 +33,7 @@ import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,7 +60,7 @@ class EngineScale:
     time_x: float
     prompt_x: float
     decode_step_s: float  # fitted batch-1 decode step at 64 KV tokens
-    prefill_350_s: float  # fitted prefill of prompt_x · 350 tokens
+    prefill_scaled_prompt_s: float  # fitted prefill of prompt_x · 350 tokens
 
 
 def calibrate(model: Any, reps: int = 2) -> tuple[LinearStepCost, EngineScale]:
@@ -82,6 +83,29 @@ def calibrate(model: Any, reps: int = 2) -> tuple[LinearStepCost, EngineScale]:
     target = time_x * paper.prefill_time(PAPER_PROMPT)
     n = _tokens_within(cost.prefill_time, target, PAPER_PROMPT)
     return cost, EngineScale(time_x, n / PAPER_PROMPT, step, cost.prefill_time(n))
+
+
+def calibration_from_json(path: str | Path) -> tuple[LinearStepCost, EngineScale]:
+    """The cost and scale an earlier ``--engine --json`` run measured (to compare runs)."""
+    import json
+
+    try:
+        fig = json.loads(Path(path).read_text())
+        sc = fig["scale"]
+        cost = LinearStepCost(**fig["cost"]["coefficients"], name=fig["cost"]["name"])
+        scale = EngineScale(
+            float(sc["time_x"]),
+            float(sc["prompt_x"]),
+            float(sc["decode_step_s"]),
+            float(sc["prefill_scaled_prompt_s"]),
+        )
+    except FileNotFoundError:
+        raise ValueError(f"{path}: calibration file not found") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path}: not the JSON of `duetime bench timelyllm --engine` ({type(e).__name__}: {e})"
+        ) from None
+    return cost, scale
 
 
 def _tokens_within(prefill: Callable[[int], float], target: float, hi: int) -> int:
@@ -253,7 +277,7 @@ def run(
             "time_x": scale.time_x,
             "prompt_x": scale.prompt_x,
             "decode_step_s": scale.decode_step_s,
-            "prefill_scaled_prompt_s": scale.prefill_350_s,
+            "prefill_scaled_prompt_s": scale.prefill_scaled_prompt_s,
         },
         "cost": cost.to_profile(),
         "rows": rows,

@@ -372,6 +372,10 @@ def bench_timelyllm(
     threads: Annotated[
         int, typer.Option(min=1, help="--engine: torch threads (1 on a shared 2-core machine).")
     ] = 1,
+    calibration: Annotated[
+        Path | None,
+        typer.Option(help="--engine: reuse an earlier --engine JSON's cost and scale (same jobs)."),
+    ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
@@ -400,6 +404,7 @@ def bench_timelyllm(
             threads=threads,
             json_path=json_path,
             plot=plot,
+            calibration=calibration,
         )
         return
     with _user_errors():

@@ -35,8 +35,13 @@ def run_engine(
     threads: int,
     json_path: Path | None,
     plot: Path | None,
+    calibration: Path | None = None,
 ) -> None:
-    """Load Gemma 3 270M, calibrate, run the five systems on scaled LRTrace tasks, report."""
+    """Load Gemma 3 270M, calibrate, run the five systems on scaled LRTrace tasks, report.
+
+    ``calibration``: reuse the cost and scale of an earlier run's JSON, so two runs
+    (offload on and off, say) serve the same jobs.
+    """
     import torch
 
     from duetime.bench import timelyllm as sim_bench
@@ -48,9 +53,11 @@ def run_engine(
     with _user_errors():
         if dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        calib = bench.calibration_from_json(calibration) if calibration is not None else None
         torch.set_num_threads(threads)
         model = load_model(dtype=dtype, progress=False)  # type: ignore[arg-type]
-        err.print("calibrating the step cost (a few dozen timed steps)...")
+        if calib is None:
+            err.print("calibrating the step cost (a few dozen timed steps)...")
         fig = bench.run(
             model,
             wids=wids,
@@ -59,10 +66,12 @@ def run_engine(
             kv_capacity=kv_capacity or 8192,
             max_num_seqs=max_num_seqs or 16,
             offload=offload,
+            calibration=calib,
             progress=lambda s: err.print(f"running {s} on the engine"),
         )
     fig["dtype"] = dtype
     fig["torch_threads"] = threads
+    fig["calibration_from"] = None if calibration is None else str(calibration)
     sc = fig["scale"]
     out.print(sim_bench.table(fig))
     print_summary(fig)
