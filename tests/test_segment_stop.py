@@ -166,7 +166,7 @@ def test_server_segment_option_suspends_and_keeps_the_answer(monkeypatch: Any) -
     # "every 4 characters" so the server path is exercised for sure.
     every4 = segment_stop.SegmentRule("sentence", re.compile(r"(?s).{4}"), lambda t: 0.01)
     monkeypatch.setitem(segment_stop.RULES, "sentence", lambda: every4)
-    options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096)  # type: ignore[call-arg]
+    options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096)
     served_model, codec, name = load_served_model(options)
     state = build_state(options, served_model, codec, name)
     ex = state.engine.executor
@@ -177,7 +177,7 @@ def test_server_segment_option_suspends_and_keeps_the_answer(monkeypatch: Any) -
         calls.append(rid)
         return end_segment(rid, gap)
 
-    ex.end_segment = spy  # type: ignore[method-assign]
+    ex.end_segment = spy
     with serve_in_thread(create_app(state)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         kw: dict[str, Any] = {"model": name, "prompt": "Once upon a time", "max_tokens": 24}
