@@ -29,8 +29,8 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option(help="The model id clients send (default from the model).")
     ] = None,
-    # q8 by default: 1.4x fast and 2.6x fp32 at batch 1, top-1 = fp32 at 99.2 % of
-    # 384 decode positions (docs/engine.md); falls back to fast without a compiler.
+    # q8 by default: ~2x fast and ~4x fp32 at batch 1, top-1 = fp32 at 99.2 % of 384
+    # decode positions (docs/engine.md); falls back to fast without a compiler.
     dtype: Annotated[
         str,
         typer.Option(help="q8 (int8 decode kernel), fast (int8 head), fp32 (exact), bf16 or int8."),
