@@ -5,7 +5,6 @@ from __future__ import annotations
 from duetime.cli import (  # noqa: F401  (registers commands)
     advise,
     bench,
-    bench_eviction,
     engine,
     gateway,
     load,

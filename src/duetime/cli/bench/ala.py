@@ -1,0 +1,40 @@
+"""`duetime bench ala`: the ALA throughput model against regression baselines (Table I)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from duetime.cli.bench.options import SeedOpt
+from duetime.cli.bench.save import save_figures
+from duetime.cli.common import JsonOpt, PlotOpt, _progress, _user_errors, bench_app, out
+
+
+@bench_app.command("ala")
+def bench_ala(
+    config: Annotated[list[str] | None, typer.Option(help="Config(s); default: all.")] = None,
+    data: Annotated[
+        list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
+    ] = None,
+    sa_iters: Annotated[int, typer.Option(min=1, help="Simulated-annealing iterations.")] = 25,
+    seed: SeedOpt = 0,
+    json_path: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """ALA throughput model vs regression baselines on held-out (ii, oo) pairs; Table I."""
+    from duetime.bench import ala as bench
+
+    with _user_errors():
+        prog, cb = _progress(1, "configs")
+        with prog:
+            fig = bench.run(data, config, seed=seed, sa_iters=sa_iters, progress=cb)
+    for t in bench.tables(fig):
+        out.print(t)
+    for line in bench.sa_lines(fig):
+        out.print(line, highlight=False)
+    out.print(f"(x: candidate rejected); wall {fig['wall_s']:.1f} s")
+    save_figures(
+        fig, json_path=json_path, plot=plot, plot_fn=bench.plot, json_fig=bench.public(fig)
+    )

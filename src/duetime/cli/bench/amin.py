@@ -1,0 +1,152 @@
+"""`duetime bench amin`: Amax / Amin vs H-SF, simulated or (``--engine``) on the real engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from duetime.cli.bench.model import load_engine
+from duetime.cli.bench.options import (
+    EngineClockOpt,
+    EngineDtypeOpt,
+    EngineModelOpt,
+    EngineThreadsOpt,
+    SeedOpt,
+    WorkersOpt,
+    no_engine_options,
+)
+from duetime.cli.bench.save import save_figures
+from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
+
+
+@bench_app.command("amin")
+def bench_amin(
+    requests: Annotated[
+        int | None, typer.Option(min=1, help="ShareGPT requests [2000; --engine: 12].")
+    ] = None,
+    kv_capacity: Annotated[
+        int | None, typer.Option(min=1, help="KV memory M, tokens [111000; --engine: 224].")
+    ] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            help="Step-cost profile [a100-llama2-7b]; --engine: this engine's (timed if not given)."
+        ),
+    ] = None,
+    seed: SeedOpt = 0,
+    workers: WorkersOpt = 2,
+    two_point: Annotated[
+        bool, typer.Option(help="Also check A_ℓ and Amin on two-point lengths.")
+    ] = True,
+    engine: Annotated[
+        bool, typer.Option("--engine", help="Run H-SF/Amax/Amin on the real engine instead.")
+    ] = False,
+    model: EngineModelOpt = None,
+    dtype: EngineDtypeOpt = None,
+    threads: EngineThreadsOpt = None,
+    clock: EngineClockOpt = None,
+    max_prompt: Annotated[
+        int | None, typer.Option(min=2, help="--engine: prompt cap, tokens [256].")
+    ] = None,
+    max_output: Annotated[
+        int | None, typer.Option(min=1, help="--engine: output cap, tokens [48].")
+    ] = None,
+    intervals: Annotated[
+        str | None, typer.Option(help="--engine: constructions, e.g. overlap-0.95,rough.")
+    ] = None,
+    engine_reps: Annotated[
+        int | None,
+        typer.Option("--reps", min=1, help="--engine: interleaved runs per policy, medians [1]."),
+    ] = None,
+    json_path: JsonOpt = None,
+    plot: PlotOpt = Path("out/bench-amin.png"),
+) -> None:
+    """Amax / Amin vs H-SF per prediction-interval construction (Chen, Ye, Zhou 2025)."""
+    from duetime.bench import amin as bench
+
+    engine_only = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock,
+                   "--max-prompt": max_prompt, "--max-output": max_output,
+                   "--intervals": intervals, "--reps": engine_reps}  # fmt: skip
+    if engine:
+        with _user_errors():
+            fig = run_engine(
+                model=model or "gemma", dtype=dtype or "fp32", threads=threads or 1,
+                requests=requests or 12, kv_capacity=kv_capacity or 224,
+                max_prompt=max_prompt or 256, max_output=max_output or 48,
+                intervals=intervals or "overlap-0.95", profile=profile, seed=seed, plot=plot,
+                clock=clock or "cpu", reps=engine_reps or 1,
+            )  # fmt: skip
+        save_figures(fig, json_path=json_path)
+        return
+    no_engine_options(engine_only)
+    profile = profile or "a100-llama2-7b"
+    with _user_errors():
+        fig = bench.run(requests or 2000, seed, kv_capacity or 111_000, profile, workers, two_point)
+    w = fig["workload"]
+    out.print(
+        f"{w['requests']:,} ShareGPT requests at t = 0 (prompt mean {w['prompt_tokens_mean']:.0f}, "
+        f"output mean {w['output_tokens_mean']:.0f} tokens, <= 1,000); the paper used "
+        f"LMSYS-Chat-1M; unit = 1 step per time unit, linear = profile {profile}"
+    )
+    out.print(bench.table(fig))
+    if fig["two_point"]:
+        out.print(bench.two_point_table(fig))
+    out.print(f"wall {fig['wall_s']:.1f} s")
+    save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)
+
+
+def run_engine(
+    *,
+    model: str,
+    dtype: str,
+    threads: int,
+    requests: int,
+    kv_capacity: int,
+    max_prompt: int,
+    max_output: int,
+    intervals: str,
+    profile: str | None,
+    seed: int,
+    plot: Path | None,
+    clock: str,
+    reps: int = 1,
+) -> dict[str, Any]:
+    """Run H-SF / Amax / Amin on the engine beside the simulator; print the table.
+
+    Checks the interval names before the model loads, so a typo costs no load.
+    """
+    from duetime.bench import amin_engine as bench
+
+    constructions = tuple(c.strip() for c in intervals.split(",") if c.strip())
+    if not constructions:
+        raise ValueError("--intervals is empty")
+    for c in constructions:
+        bench.interval_spec(c, max_output)  # raises on an unknown name
+    eng = load_engine(model, dtype, threads, clock)
+    fig = bench.run(
+        eng,
+        model_name=f"{model}, {dtype}, {threads} thread(s), {clock} clock",
+        clock=clock,
+        reps=reps,
+        requests=requests,
+        kv_capacity=kv_capacity,
+        max_prompt=max_prompt,
+        max_output=max_output,
+        constructions=constructions,
+        profile=profile,
+        seed=seed,
+    )
+    out.print(bench.table(fig))
+    fit, w = fig["cost_fit"], fig["workload"]
+    fitted = f", fit MAPE {fit['fit_mape_pct']:.1f} %" if "fit_mape_pct" in fit else ""
+    out.print(
+        f"step costs: {fit['source']}{fitted}; prompts mean {w['prompt_tokens_mean']:.0f} "
+        f"(<= {w['max_prompt_tokens']}), outputs mean {w['output_tokens_mean']:.0f} "
+        f"(<= {w['max_output_tokens']}) tokens; wall {fig['wall_s']:.1f} s "
+        "(a shared machine: real TEL is noisy)"
+    )
+    if plot is not None:  # here, inside the command's error handling, as the simulator's is
+        bench.plot(fig, plot)
+    return fig

@@ -1,0 +1,56 @@
+"""`duetime bench engine`: the engine's prefill / decode speed against its peers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from duetime.cli.bench.save import save_figures
+from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
+
+
+@bench_app.command("engine")
+def bench_engine(
+    quick: Annotated[bool, typer.Option(help="Small sizes: a smoke run.")] = False,
+    engine: Annotated[
+        list[str] | None, typer.Option(help="Engine variant(s): fp32, fast, fp32-mkl, bf16, int8.")
+    ] = None,
+    transformers: Annotated[
+        str, typer.Option(help="transformers dtypes to compare, comma-separated ('' = none).")
+    ] = "fp32,bf16",
+    prefill: Annotated[str | None, typer.Option(help="Prompt lengths, e.g. 128,512,2048.")] = None,
+    batch: Annotated[str | None, typer.Option(help="Decode batch sizes, e.g. 1,4,16,64.")] = None,
+    context: Annotated[int | None, typer.Option(min=1, help="Prompt tokens before decode.")] = None,
+    reps: Annotated[int, typer.Option(min=1, help="Interleaved repetitions per cell.")] = 3,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch threads.")] = None,
+    json_path: JsonOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """Engine prefill / decode tok/s and peak RSS vs transformers (and llama.cpp if installed)."""
+    from duetime.bench import engine_speed as bench
+
+    def ints(s: str | None) -> tuple[int, ...] | None:
+        return tuple(int(x) for x in s.split(",") if x) if s else None
+
+    with _user_errors():
+        fig = bench.run(
+            quick=quick,
+            engines=tuple(engine or ("fp32", "fast", "fp32-mkl")),
+            prefill_tokens=ints(prefill),
+            batch_sizes=ints(batch),
+            context=context,
+            reps=reps,
+            transformers=tuple(x for x in transformers.split(",") if x),
+            threads=threads,
+        )
+    out.print(bench.table(fig))
+    for name, r in fig["ratios"].items():
+        for peer, cells in r.items():
+            out.print(f"{name} {peer}: " + ", ".join(f"{k} {v:.2f}x" for k, v in cells.items()))
+    for name, a in fig["agreement"].items():
+        out.print(f"{name}: top-1 = fp32 at {a['top1_agreement_vs_fp32']:.1%} of {a['positions']}")
+    for note in fig["notes"]:
+        out.print(note)
+    out.print(f"peak RSS {fig['peak_rss_mb']:.0f} MB, wall {fig['wall_s']:.1f} s")
+    save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)

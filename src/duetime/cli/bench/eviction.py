@@ -1,0 +1,80 @@
+"""`duetime bench eviction`: SnapKV vs StreamingLLM on the engine (cost and output kept).
+
+It loads its model itself rather than through :mod:`duetime.cli.bench.model`:
+its ``tiny`` model follows ``--seed`` and its GGUF path is not checked first,
+so the shared loader would change what it measures and the errors it gives.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Annotated
+
+import typer
+
+from duetime.cli.bench.save import save_figures
+from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
+
+
+@bench_app.command("eviction")
+def bench_eviction(
+    model: Annotated[
+        str, typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT prompts) or 'tiny' (random).")
+    ] = "gemma",
+    prompts: Annotated[int, typer.Option(min=1, help="Prompts to continue.")] = 8,
+    min_prompt: Annotated[int, typer.Option(min=1, help="Shortest prompt, tokens.")] = 256,
+    max_prompt: Annotated[int, typer.Option(min=1, help="Longest prompt, tokens.")] = 512,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens after eviction.")] = 32,
+    alphas: Annotated[str, typer.Option(help="Eviction ratios α, comma-separated.")] = "0.5",
+    window: Annotated[int, typer.Option(min=1, help="SnapKV observation window w.")] = 32,
+    chunk: Annotated[int, typer.Option(min=1, help="Prefill chunk, tokens.")] = 512,
+    repeats: Annotated[int, typer.Option(min=1, help="Prefill timing repetitions.")] = 5,
+    dtype: Annotated[str, typer.Option(help="fp32, fast, bf16 or int8.")] = "fp32",
+    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 2,
+    seed: Annotated[int, typer.Option(help="Prompt sampling seed.")] = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """Prefill overhead of SnapKV's observation window, eviction time, and how close the
+    greedy output after evicting α of the prompt's KV stays to the full-KV output."""
+    import torch
+
+    from duetime.bench import eviction as bench
+    from duetime.metrics import render_table
+
+    with _user_errors():
+        try:
+            ratios = [float(a) for a in alphas.split(",") if a]
+        except ValueError:
+            msg = f"--alphas must be numbers separated by commas, got {alphas!r}"
+            raise ValueError(msg) from None
+        if min_prompt > max_prompt:
+            raise ValueError(f"--min-prompt {min_prompt} exceeds --max-prompt {max_prompt}")
+        torch.set_num_threads(threads)
+        if model == "tiny":
+            from duetime.engine.testing import engine_from_hf, tiny_hf_model
+
+            m = engine_from_hf(tiny_hf_model(seed=seed), dtype)  # type: ignore[arg-type]
+            r = random.Random(seed)
+            ids = [
+                [r.randrange(m.config.vocab_size) for _ in range(r.randint(min_prompt, max_prompt))]
+                for _ in range(prompts)
+            ]
+        else:
+            from duetime.engine.load import load_model
+
+            m = load_model(None if model == "gemma" else model, dtype=dtype)  # type: ignore[arg-type]
+            ids = bench.sharegpt_prompts(prompts, min_prompt, max_prompt, seed)
+        fig = bench.run(
+            m, ids, alphas=ratios, new_tokens=new_tokens, window=window, chunk=chunk,
+            repeats=repeats,
+        )  # fmt: skip
+        fig.update(model=model, dtype=dtype, seed=seed)
+    out.print(render_table(bench.table_rows(fig), keys=list(fig["rows"][0])[2:]))
+    out.print(
+        f"prefill of {fig['prompt_tokens_max']} tokens: {fig['prefill_plain_s']:.4f} s plain, "
+        f"{fig['prefill_watched_s']:.4f} s with the observation window "
+        f"({fig['prefill_overhead_pct']:+.2f} %); the window's copies alone "
+        f"{fig['capture_s'] * 1e3:.3f} ms ({fig['capture_pct_of_prefill']:.2f} % of the prefill); "
+        f"wall {fig['wall_s']:.1f} s"
+    )
+    save_figures(fig, json_path=json_path)

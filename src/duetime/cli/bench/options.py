@@ -1,0 +1,43 @@
+"""Options that several `duetime bench` commands share with the same meaning.
+
+Defined once so that a fix to a default or a help text reaches every command
+that takes the option; commands whose option means something else (another
+default, another help) keep their own declaration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated
+
+import typer
+
+from duetime.cli.common import _fail
+
+SeedOpt = Annotated[int, typer.Option()]
+WorkersOpt = Annotated[int, typer.Option(min=1, help="Parallel workers.")]
+
+# The real-engine options of the commands whose `--engine` loads any engine model
+# (`amin`, `deferred-prefill`); unset means "the engine mode's default".
+EngineModelOpt = Annotated[
+    str | None, typer.Option(help="--engine: gemma (default), tiny or a GGUF path.")
+]
+EngineDtypeOpt = Annotated[
+    str | None, typer.Option(help="--engine: fp32 (default), fast, q8, bf16 or int8.")
+]
+EngineThreadsOpt = Annotated[
+    int | None, typer.Option(min=1, help="--engine: torch threads [1: a shared 2-core machine].")
+]
+EngineClockOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="--engine: time the engine in cpu seconds of this process (1 thread) or wall [cpu]."
+    ),
+]
+
+
+def no_engine_options(given: Mapping[str, object]) -> None:
+    """Engine-only options without ``--engine`` are a mistake, not something to ignore."""
+    bad = [name for name, v in given.items() if v is not None]
+    if bad:
+        _fail(f"{', '.join(bad)} only apply with --engine")

@@ -1,0 +1,31 @@
+"""Write a bench's figures where ``--plot`` and ``--json`` ask: the tail of every bench command."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+PlotFn = Callable[[dict[str, Any], Path], object]
+
+
+def save_figures(
+    fig: dict[str, Any],
+    *,
+    json_path: Path | None,
+    plot: Path | None = None,
+    plot_fn: PlotFn | None = None,
+    json_fig: Mapping[str, Any] | None = None,
+) -> None:
+    """Plot ``fig`` with ``plot_fn`` if ``--plot`` was given, then write ``--json``.
+
+    ``json_fig`` replaces ``fig`` in the JSON where a bench keeps private keys
+    (plot data, live objects) out of it. Plot first, JSON second: the order the
+    commands have always used, so a failing plot leaves no half-written run.
+    """
+    from duetime.metrics import write_json
+
+    if plot is not None and plot_fn is not None:
+        plot_fn(fig, plot)
+    if json_path is not None:
+        write_json(json_path, fig if json_fig is None else json_fig)
