@@ -14,7 +14,8 @@ from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
 def bench_engine(
     quick: Annotated[bool, typer.Option(help="Small sizes: a smoke run.")] = False,
     engine: Annotated[
-        list[str] | None, typer.Option(help="Engine variant(s): fp32, fast, fp32-mkl, bf16, int8.")
+        list[str] | None,
+        typer.Option(help="Engine variant(s): fp32, fast, q8, fp32-mkl, bf16, int8."),
     ] = None,
     transformers: Annotated[
         str, typer.Option(help="transformers dtypes to compare, comma-separated ('' = none).")

@@ -29,7 +29,7 @@ def bench_eviction(
     window: Annotated[int, typer.Option(min=1, help="SnapKV observation window w.")] = 32,
     chunk: Annotated[int, typer.Option(min=1, help="Prefill chunk, tokens.")] = 512,
     repeats: Annotated[int, typer.Option(min=1, help="Prefill timing repetitions.")] = 5,
-    dtype: Annotated[str, typer.Option(help="fp32, fast, bf16 or int8.")] = "fp32",
+    dtype: Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")] = "fp32",
     threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 2,
     seed: Annotated[int, typer.Option(help="Prompt sampling seed.")] = 0,
     json_path: JsonOpt = None,

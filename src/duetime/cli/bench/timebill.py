@@ -53,7 +53,7 @@ def bench_timebill(
         str | None, typer.Option(help="--engine: gemma (default) or tiny (random weights).")
     ] = None,
     dtype: Annotated[
-        str | None, typer.Option(help="--engine: fp32, fast (default), bf16 or int8.")
+        str | None, typer.Option(help="--engine: fp32, fast (default), q8, bf16 or int8.")
     ] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="--engine: torch threads [2].")] = None,
     prompts: Annotated[int | None, typer.Option(min=1, help="--engine: ShareGPT prompts [6].")] = (

@@ -35,9 +35,7 @@ def bench_timelyllm(
         typer.Option(help="Run on the real engine (Gemma 3 270M), small scale, time-scaled."),
     ] = False,
     requests: Annotated[int, typer.Option(min=2, help="--engine: tasks per workload.")] = 16,
-    dtype: Annotated[str, typer.Option(help="--engine: model dtype (see `duetime run`).")] = (
-        "fast"
-    ),
+    dtype: Annotated[str, typer.Option(help="--engine: fp32, fast, q8, bf16 or int8.")] = ("fast"),
     threads: Annotated[
         int, typer.Option(min=1, help="--engine: torch threads (1 on a shared 2-core machine).")
     ] = 1,
