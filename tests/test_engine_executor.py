@@ -244,3 +244,23 @@ def test_streaming_llm_keeps_sinks_and_recent_positions(model: Any) -> None:
     glob = model.config.sliding_layers.index(False)
     assert kv.positions(slot, glob)[0].tolist() == [0, 1, 2, 3, *range(24, 30)]
     assert kv.num_tokens(slot) == 10
+
+
+def test_skip_idle_jumps_over_gaps_and_keeps_the_trace_times(model: Any) -> None:
+    """A trace with a 1,000 s gap replays in compute time; times stay on the trace's axis."""
+    jobs = _jobs(2, seed=5)
+    late = jobs[1].request
+    jobs[1] = Job(
+        Request(rid=1, arrival=1000.0, prompt_len=late.prompt_len,
+                prompt_token_ids=late.prompt_token_ids, max_tokens=64),
+        jobs[1].output_len,
+    )  # fmt: skip
+    ex = EngineExecutor(make_policy("fcfs"), model, kv_capacity=10_000, skip_idle=True)
+    res = ex.run(jobs)
+    assert res.outputs == _reference(model, jobs)
+    assert 990.0 < ex.idle_skipped_s <= 1000.0
+    second = res.records[1]
+    assert second.first_token is not None
+    assert 1000.0 <= second.first_token < 1000.0 + 60.0  # served when it arrived, not early
+    assert res.wall_s >= 1000.0
+    assert ex.kv.total_tokens == 0

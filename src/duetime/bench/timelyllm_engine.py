@@ -23,7 +23,7 @@ text holds no robot actions (the text stop checkers are
 
 While the engine has nothing to run (every task is waiting for its robot),
 the clock jumps to the next arrival or ready time instead of sleeping
-(:class:`_SkipClock`): every step is still timed on the wall clock, and a run
+(``EngineExecutor(skip_idle=True)``): every step is still timed on the wall clock, and a run
 takes its compute time, not the trace's length.
 """
 
@@ -159,30 +159,6 @@ def scaled_jobs(
     return jobs
 
 
-class _SkipClock:
-    """perf_counter plus the idle time skipped so far."""
-
-    def __init__(self) -> None:
-        self.skipped = 0.0
-
-    def __call__(self) -> float:
-        return time.perf_counter() + self.skipped
-
-
-def _engine(model: Any, policy: Any, clock: _SkipClock, **kw: Any) -> Any:
-    from duetime.engine.executor import EngineExecutor
-
-    class SkippingEngine(EngineExecutor):
-        """Jumps over idle time instead of sleeping through it."""
-
-        def _sleep_until(self, t: float) -> None:
-            delay = t - (self._clock() - self._t0)
-            if delay > 0:
-                clock.skipped += delay
-
-    return SkippingEngine(policy, model, clock=clock, **kw)
-
-
 def run_engine_system(
     system: str, jobs: list[Job], model: Any, cost: LinearStepCost, limits: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -191,8 +167,10 @@ def run_engine_system(
     from duetime.sim import SimConfig, Simulator
 
     run_jobs = _unsegmented(jobs) if system == "vllm" else jobs
-    clock = _SkipClock()
-    ex = _engine(model, make_policy(_POLICY[system]), clock, cost=cost, **limits)
+    from duetime.engine.executor import EngineExecutor
+
+    policy = make_policy(_POLICY[system])
+    ex = EngineExecutor(policy, model, cost=cost, skip_idle=True, **limits)
     t0 = time.perf_counter()
     res = ex.run(copy.deepcopy(run_jobs))
     wall = time.perf_counter() - t0
@@ -211,8 +189,8 @@ def run_engine_system(
         "policy_calls": res.policy_calls,
         "tokens_generated": res.tokens_generated,
         "span_s": res.wall_s,
-        "idle_skipped_s": clock.skipped,
-        "busy_step_mean_s": (res.wall_s - clock.skipped) / max(res.engine_steps, 1),
+        "idle_skipped_s": ex.idle_skipped_s,
+        "busy_step_mean_s": (res.wall_s - ex.idle_skipped_s) / max(res.engine_steps, 1),
         "wall_s": wall,
     }
     cfg = SimConfig(

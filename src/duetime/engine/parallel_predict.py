@@ -35,16 +35,6 @@ class PredictTiming:
     wait_s: float = 0.0  # the engine idled for the predictor after the prefill
 
 
-class _SkipClock:
-    """``perf_counter`` plus the idle time skipped so far."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return time.perf_counter() + self.offset
-
-
 class ParallelPredictExecutor(EngineExecutor):
     """:class:`EngineExecutor` whose length predictor runs beside the prefill.
 
@@ -56,10 +46,7 @@ class ParallelPredictExecutor(EngineExecutor):
     def __init__(
         self, policy: Any, model: Any, *, predictor: Any = None, skip_idle: bool = True, **kw: Any
     ) -> None:
-        self._skip = _SkipClock() if skip_idle else None
-        if self._skip is not None:
-            kw["clock"] = self._skip
-        super().__init__(policy, model, predictor=None, **kw)
+        super().__init__(policy, model, predictor=None, skip_idle=skip_idle, **kw)
         self.length_predictor = predictor
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlp")
         self._futures: dict[int, Future[Any]] = {}
@@ -107,14 +94,6 @@ class ParallelPredictExecutor(EngineExecutor):
             if t is not None and t.prefill_s is None and seq.prefilled >= seq.prefill_target:
                 t.prefill_s = end - self._prefill_t0.pop(seq.rid)
         return dt
-
-    def _sleep_until(self, t: float) -> None:
-        if self._skip is None:
-            super()._sleep_until(t)
-            return
-        delay = t - self.clock_now()
-        if delay > 0:
-            self._skip.offset += delay
 
     def close(self) -> None:
         for rid, fut in list(self._futures.items()):
