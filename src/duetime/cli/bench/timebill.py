@@ -17,7 +17,6 @@ from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _fail, _user_errors, bench_app, out
 
 MODELS = ("gemma", "tiny")
-DTYPES = ("fp32", "fast", "bf16", "int8")
 
 
 @bench_app.command("timebill")
@@ -134,9 +133,10 @@ def bench_timebill(
 def load(model: str, dtype: str, threads: int) -> Any:
     """The packaged Gemma 3 270M (``gemma``) or a tiny random-weight one (``tiny``: tests).
 
-    Narrower than the shared loader: no GGUF path and no q8, the settings the
-    TimeBill engine bench was measured with.
+    Narrower than the shared loader: no GGUF path.
     """
+    from duetime.engine.gemma3 import DTYPES
+
     if model not in MODELS:
         raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {model!r}")
     if dtype not in DTYPES:
