@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 
@@ -38,7 +40,7 @@ def predictor() -> LearnedLengthPredictor:
     pred = LearnedLengthPredictor.__new__(LearnedLengthPredictor)
     pred.model, pred.coverage, pred.levels = model, 0.9, model.levels(0.9)
     pred.readout, pred.encoder, pred.use_cache = "median", HashEncoder(), False
-    pred._memo, pred._cache_loaded = {}, True
+    pred._memo, pred._fresh, pred._cache_loaded = {}, deque(), True
     return pred
 
 
@@ -77,6 +79,24 @@ def test_annotate_fills_requests_in_one_batch_and_memoises(predictor):
     predictor.annotate(jobs)
     assert all(j.request.predicted is not None for j in jobs)
     assert predictor.encoder.calls - calls <= 5  # repeated prompts are encoded once
+
+
+def test_memo_of_fresh_prompts_is_bounded(predictor, monkeypatch):
+    """A server sees endless new prompts: only the newest MAX_FRESH_MEMO stay memoised."""
+    monkeypatch.setattr(predictor, "MAX_FRESH_MEMO", 10)
+    first = predictor.predict_texts([f"stream {i}" for i in range(25)], [20] * 25, 512)
+    assert len(predictor._memo) <= 10
+    assert text_key("stream 24") in predictor._memo  # the newest stay
+    assert text_key("stream 0") not in predictor._memo
+    again = predictor.predict_texts(["stream 0", "stream 24"], [20, 20], 512)
+    # re-encoding an evicted prompt changes nothing (beyond float rounding of the batch)
+    assert [p.point for p in again] == pytest.approx([first[0].point, first[24].point])
+
+
+def test_warm_up_loads_the_encoder_before_the_first_request(predictor):
+    calls = predictor.encoder.calls
+    predictor.warm_up()
+    assert predictor.encoder.calls == calls + 1
 
 
 def test_a_request_without_its_prompt_is_refused():

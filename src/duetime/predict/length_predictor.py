@@ -16,6 +16,7 @@ makes repeated prompts free.
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -32,7 +33,11 @@ class LearnedLengthPredictor:
     over prompts like the calibration set's, that the answer lies in
     ``[lo, hi]``. ``readout`` overrides the model's (``argmax`` is TimeBill's
     Eq. 2). ``use_cache`` looks ShareGPT prompts up in the embedding cache.
+    Prompts encoded here are memoised too, but only the newest
+    ``MAX_FRESH_MEMO`` of them: a server sees an endless stream of new prompts.
     """
+
+    MAX_FRESH_MEMO = 65_536
 
     name = "learned"
 
@@ -58,6 +63,7 @@ class LearnedLengthPredictor:
         self.encoder = make_encoder(model.config.encoder, threads=threads)
         self.use_cache = use_cache
         self._memo: dict[int, np.ndarray] = {}
+        self._fresh: deque[int] = deque()  # memo keys the encoder produced, oldest first
         self._cache_loaded = False
 
     # --- prompts -> embeddings ---------------------------------------------------------------
@@ -83,9 +89,20 @@ class LearnedLengthPredictor:
         missing = list({k: i for i, k in enumerate(keys) if k not in self._memo}.values())
         if missing:  # each distinct new prompt is encoded once
             fresh = self.encoder.encode([texts[i] for i in missing])
-            for i, row in zip(missing, fresh, strict=True):
-                self._memo[keys[i]] = row
+            rows = {keys[i]: row for i, row in zip(missing, fresh, strict=True)}
+            out = [rows[k] if k in rows else self._memo[k] for k in keys]
+            for k, row in rows.items():
+                self._memo[k] = row
+                self._fresh.append(k)
+            while len(self._fresh) > self.MAX_FRESH_MEMO:
+                self._memo.pop(self._fresh.popleft(), None)
+            return np.stack(out)
         return np.stack([self._memo[k] for k in keys]) if keys else np.empty((0, self.encoder.dim))
+
+    def warm_up(self) -> None:
+        """Load the encoder (and the embedding cache) now rather than on the first
+        prediction: a server would otherwise charge ~4.5 s to its first request."""
+        self.predict_texts(["warm-up"], [2], 16)
 
     # --- predictions -------------------------------------------------------------------------
     def predict_texts(

@@ -88,6 +88,9 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
 
     engine = EngineLoop(make_executor, timer=timer, fixed_cost=cost is not None)
     predictor = _predictor(options)
+    warm_up = getattr(predictor, "warm_up", None)
+    if warm_up is not None:
+        warm_up()  # load the encoder before the server reports healthy, not on request one
     cfg = ServerConfig(
         model_name=name,
         max_context=min(model.config.max_position_embeddings, options.kv_capacity - 1),
