@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
+from duetime.core.decision import Decision
 from duetime.core.request import Job, Request
+from duetime.core.snapshot import EngineSnapshot
+from duetime.policies.base import QueuePolicy
 
 SIMPLE_COST = LinearStepCost.batch(c=0.01, a=1e-4, b=1e-4, d=1e-6)
 
@@ -44,3 +47,30 @@ def poisson_jobs(
         )
         for i in range(n)
     ]
+
+
+class EvictAfterPrefill(QueuePolicy):
+    """FCFS that evicts ratio α of each request's KV right after its prefill; with
+    ``swap`` it then swaps that request out for one step and back in, with ``cancel``
+    it cancels it instead."""
+
+    name = "evict-once"
+
+    def __init__(self, alpha: float, swap: bool = False, cancel: bool = False) -> None:
+        super().__init__(preempt_mode="swap" if swap else "recompute")
+        self.alpha, self.swap, self.cancel = alpha, swap, cancel
+        self.done: set[int] = set()
+        self.swapped: set[int] = set()
+
+    def schedule(self, snap: EngineSnapshot) -> Decision:
+        dec = super().schedule(snap)
+        for s in snap.running:
+            if s.prefill_done and s.rid not in self.done and s.rid not in dec.preempt:
+                dec.evict[s.rid] = self.alpha
+                self.done.add(s.rid)
+            elif self.cancel and s.rid in self.done:
+                dec.cancel.append(s.rid)
+            elif self.swap and s.rid in self.done and s.rid not in self.swapped:
+                dec.preempt.append(s.rid)
+                self.swapped.add(s.rid)
+        return dec

@@ -18,6 +18,7 @@ from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies.base import QueuePolicy
+from tests.factories import EvictAfterPrefill
 
 PROMPT = [random.Random(7).randrange(256) for _ in range(40)]
 
@@ -170,7 +171,7 @@ def test_bad_arguments_are_clear_errors(model: Gemma3) -> None:
     with pytest.raises(ValueError, match="no observation window"):
         snapkv_evict(kv, other, 4)
     with pytest.raises(ValueError, match="eviction must be one of"):
-        EngineExecutor(_EvictOnce(0.5), model, eviction="h2o")
+        EngineExecutor(EvictAfterPrefill(0.5), model, eviction="h2o")
 
 
 def test_window_is_freed_and_survives_export(model: Gemma3) -> None:
@@ -215,32 +216,6 @@ def test_evicted_sequence_export_restore_is_bit_exact(model: Gemma3) -> None:
 
 
 # ----------------------------------------------------------------- the executor
-class _EvictOnce(QueuePolicy):
-    """FCFS that evicts ratio α of each request's KV right after its prefill; with
-    ``swap_after`` it then swaps that request out for one step and back in."""
-
-    name = "evict-once"
-
-    def __init__(self, alpha: float, swap: bool = False, cancel: bool = False) -> None:
-        super().__init__(preempt_mode="swap" if swap else "recompute")
-        self.alpha, self.swap, self.cancel = alpha, swap, cancel
-        self.done: set[int] = set()
-        self.swapped: set[int] = set()
-
-    def schedule(self, snap: EngineSnapshot) -> Decision:
-        dec = super().schedule(snap)
-        for s in snap.running:
-            if s.prefill_done and s.rid not in self.done and s.rid not in dec.preempt:
-                dec.evict[s.rid] = self.alpha
-                self.done.add(s.rid)
-            elif self.cancel and s.rid in self.done:
-                dec.cancel.append(s.rid)
-            elif self.swap and s.rid in self.done and s.rid not in self.swapped:
-                dec.preempt.append(s.rid)
-                self.swapped.add(s.rid)
-        return dec
-
-
 def _jobs(n: int, seed: int, out: int = 10) -> list[Job]:
     r = random.Random(seed)
     jobs = []
@@ -254,7 +229,9 @@ def _jobs(n: int, seed: int, out: int = 10) -> list[Job]:
 
 def test_executor_snapkv_accounting_exact_under_chunked_prefill(model_w4: Gemma3) -> None:
     jobs = _jobs(6, seed=1)
-    ex = EngineExecutor(_EvictOnce(0.5), model_w4, max_batch_tokens=24)  # chunks, checks each step
+    ex = EngineExecutor(
+        EvictAfterPrefill(0.5), model_w4, max_batch_tokens=24
+    )  # chunks, checks each step
     assert ex.eviction == "snapkv"
     res = ex.run(jobs)
     assert all(rec.kv_evicted_ratio == 0.5 for rec in res.records)
@@ -266,14 +243,14 @@ def test_executor_snapkv_accounting_exact_under_chunked_prefill(model_w4: Gemma3
 
 def test_alpha_zero_output_equals_plain_greedy(model_w4: Gemma3) -> None:
     jobs = _jobs(5, seed=2)
-    res = EngineExecutor(_EvictOnce(0.0), model_w4, max_batch_tokens=32).run(jobs)
+    res = EngineExecutor(EvictAfterPrefill(0.0), model_w4, max_batch_tokens=32).run(jobs)
     prompts = [list(j.request.prompt_token_ids or ()) for j in jobs]
     ref = greedy_generate(model_w4, prompts, 10)
     assert [res.outputs[j.request.rid] for j in jobs] == ref
 
 
 def test_cancel_right_after_eviction_frees_everything(model_w4: Gemma3) -> None:
-    ex = EngineExecutor(_EvictOnce(0.5, cancel=True), model_w4, max_batch_tokens=16)
+    ex = EngineExecutor(EvictAfterPrefill(0.5, cancel=True), model_w4, max_batch_tokens=16)
     res = ex.run(_jobs(4, seed=3))
     assert res.counters["cancelled"] == 4
     assert ex.kv.total_tokens == 0
@@ -283,8 +260,8 @@ def test_cancel_right_after_eviction_frees_everything(model_w4: Gemma3) -> None:
 
 def test_swap_of_an_evicted_sequence_is_exact(model_w4: Gemma3) -> None:
     jobs = _jobs(4, seed=4)
-    plain = EngineExecutor(_EvictOnce(0.5), model_w4, max_batch_tokens=64).run(jobs)
-    ex = EngineExecutor(_EvictOnce(0.5, swap=True), model_w4, max_batch_tokens=64)
+    plain = EngineExecutor(EvictAfterPrefill(0.5), model_w4, max_batch_tokens=64).run(jobs)
+    ex = EngineExecutor(EvictAfterPrefill(0.5, swap=True), model_w4, max_batch_tokens=64)
     swapped = ex.run(jobs)
     assert swapped.counters["swaps"] == 4
     assert swapped.outputs == plain.outputs  # the evicted KV came back bit for bit
@@ -323,7 +300,7 @@ class _SwapThenEvict(QueuePolicy):
 
 def test_evicting_a_swapped_out_sequence_equals_evicting_it_in_place(model_w4: Gemma3) -> None:
     jobs = _jobs(3, seed=7)
-    plain = EngineExecutor(_EvictOnce(0.5), model_w4, max_batch_tokens=64).run(jobs)
+    plain = EngineExecutor(EvictAfterPrefill(0.5), model_w4, max_batch_tokens=64).run(jobs)
     ex = EngineExecutor(_SwapThenEvict(0.5), model_w4, max_batch_tokens=64)
     res = ex.run(jobs)
     assert res.counters["swaps"] == 3
@@ -334,7 +311,7 @@ def test_evicting_a_swapped_out_sequence_equals_evicting_it_in_place(model_w4: G
 
 
 def test_eviction_after_first_decode_falls_back_to_streaming(model_w4: Gemma3) -> None:
-    class _Late(_EvictOnce):
+    class _Late(EvictAfterPrefill):
         def schedule(self, snap: EngineSnapshot) -> Decision:
             dec = QueuePolicy.schedule(self, snap)
             for s in snap.running:
@@ -350,7 +327,7 @@ def test_eviction_after_first_decode_falls_back_to_streaming(model_w4: Gemma3) -
 
 
 def test_streaming_is_still_selectable(model_w4: Gemma3, monkeypatch: Any) -> None:
-    ex = EngineExecutor(_EvictOnce(0.5), model_w4, eviction="streaming", max_batch_tokens=24)
+    ex = EngineExecutor(EvictAfterPrefill(0.5), model_w4, eviction="streaming", max_batch_tokens=24)
     watched: list[int] = []
     monkeypatch.setattr(ex.kv, "watch", lambda slot, w: watched.append(slot))
     res = ex.run(_jobs(3, seed=6))
@@ -436,7 +413,7 @@ def test_real_gemma_snapkv_at_half_runs_exactly_accounted_and_frees_memory() -> 
     ids = tuple(encode(PASSAGE))
     assert len(ids) > 100
     job = Job(Request(rid=0, arrival=0.0, prompt_len=len(ids), prompt_token_ids=ids), 12)
-    ex = EngineExecutor(_EvictOnce(0.5), model, max_batch_tokens=64)  # chunked, checked
+    ex = EngineExecutor(EvictAfterPrefill(0.5), model, max_batch_tokens=64)  # chunked, checked
     res = ex.run([job])
     assert res.records[0].kv_evicted_ratio == 0.5
     assert "snapkv_fallbacks" not in res.counters

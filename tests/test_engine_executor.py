@@ -16,6 +16,7 @@ from duetime.engine.executor import EngineExecutor
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies import make_policy
 from duetime.policies.base import QueuePolicy
+from tests.factories import EvictAfterPrefill
 
 
 @pytest.fixture(scope="module")
@@ -190,25 +191,6 @@ def test_restart_preemption_regenerates_the_same_answer(model: Any) -> None:
     assert ex.kv.total_tokens == 0
 
 
-class _EvictAfterPrefill(QueuePolicy):
-    """FCFS that evicts a fixed ratio of each request's KV once its prefill is done."""
-
-    name = "evict-fixed"
-
-    def __init__(self, alpha: float) -> None:
-        super().__init__()
-        self.alpha = alpha
-        self.done: set[int] = set()
-
-    def schedule(self, snap: EngineSnapshot) -> Decision:
-        dec = super().schedule(snap)
-        for s in snap.running:
-            if s.prefill_done and s.rid not in self.done and s.rid not in dec.preempt:
-                dec.evict[s.rid] = self.alpha
-                self.done.add(s.rid)
-        return dec
-
-
 def test_streaming_llm_eviction_keeps_accounting_exact_and_frees_everything(model: Any) -> None:
     r = random.Random(5)
     jobs = []
@@ -216,7 +198,7 @@ def test_streaming_llm_eviction_keeps_accounting_exact_and_frees_everything(mode
         ids = tuple(r.randrange(256) for _ in range(40 + 5 * i))  # past the window of 4
         jobs.append(Job(Request(rid=i, arrival=0.0, prompt_len=len(ids), prompt_token_ids=ids), 12))
     ex = EngineExecutor(
-        _EvictAfterPrefill(0.5), model, kv_capacity=10_000, eviction="streaming"
+        EvictAfterPrefill(0.5), model, kv_capacity=10_000, eviction="streaming"
     )  # checks every step
     res = ex.run(jobs)
     assert all(rec.output_tokens == 12 for rec in res.records)
@@ -228,7 +210,7 @@ def test_streaming_llm_eviction_keeps_accounting_exact_and_frees_everything(mode
 
 def test_evicting_nothing_changes_nothing(model: Any) -> None:
     jobs = _jobs(6, seed=8)
-    res = EngineExecutor(_EvictAfterPrefill(0.0), model).run(jobs)
+    res = EngineExecutor(EvictAfterPrefill(0.0), model).run(jobs)
     assert res.outputs == _reference(model, jobs)
 
 
