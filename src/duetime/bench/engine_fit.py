@@ -141,23 +141,25 @@ def time_shapes(
     return samples
 
 
+def fit_mape_pct(cost: LinearStepCost, samples: Sequence[StepSample]) -> float:
+    """How well ``cost`` predicts the steps it was fitted to (MAPE, %)."""
+    from duetime.predict.ete import mape_pct
+
+    pred = [cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
+            for s in samples]  # fmt: skip
+    return mape_pct(np.array(pred), np.array([s.seconds for s in samples]))
+
+
 def fit_cost(samples: Sequence[StepSample], name: str) -> tuple[LinearStepCost, dict[str, Any]]:
     """The simulator's step cost fitted to ``samples``, and how well it fits them."""
-    from duetime.predict.ete import fit_batch_cost, mape_pct
+    from duetime.predict.ete import fit_batch_cost
 
     cost = fit_batch_cost(samples, name=name)
-    pred = np.array(
-        [
-            cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
-            for s in samples
-        ]
-    )
-    actual = np.array([s.seconds for s in samples])
     info = {
         "source": f"fitted to {len(samples)} engine steps timed by this bench",
         "timed_steps": len(samples),
-        "fit_mape_pct": mape_pct(pred, actual),
-        "timed_s": float(actual.sum()),
+        "fit_mape_pct": fit_mape_pct(cost, samples),
+        "timed_s": float(sum(s.seconds for s in samples)),
         "samples": [dataclasses.asdict(s) for s in samples],
     }
     return cost, info

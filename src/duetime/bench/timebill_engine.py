@@ -119,23 +119,18 @@ def fit_engine_cost(
     follow) plus ``short`` steps (:func:`short_steps`), which spread the points so the
     quadratic prefill and the per-KV-token slope are not fitted from a handful of nearby
     lengths."""
-    from duetime.predict.ete import fit_batch_cost, fit_timebill, mape_pct
+    from duetime.bench.engine_fit import fit_mape_pct
+    from duetime.predict.ete import fit_batch_cost, fit_timebill
 
     t0 = time.perf_counter()
     samples = [*short, *real_steps]
     cost = fit_batch_cost(samples, name="timebill-engine-fit")
     ete = fit_timebill(samples)
-    pred = np.array(
-        [
-            cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
-            for s in samples
-        ]
-    )
     info = {
         "source": f"fitted to {len(real_steps)} steps of the reference run and "
         f"{len(samples) - len(real_steps)} short steps timed by this bench",
         "timed_steps": len(samples),
-        "fit_mape_pct": mape_pct(pred, np.array([s.seconds for s in samples])),
+        "fit_mape_pct": fit_mape_pct(cost, samples),
         "fit_wall_s": time.perf_counter() - t0,
         "step_cost": {k: getattr(cost, k) for k in ("c0", "c_prefill", "a1", "a2", "b", "d")},
         "timebill_ete": {"a": ete.a, "b": ete.b, "c": ete.c, "p": ete.p, "q": ete.q},
