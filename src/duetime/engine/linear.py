@@ -56,6 +56,7 @@ __all__ = [
     "int8_available",
     "packed_available",
     "q8_or",
+    "topk_indices",
 ]
 
 
@@ -178,9 +179,34 @@ class RescoredInt8Head:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         logits = self._int8(x)
-        idx = logits.topk(self.k, dim=-1, sorted=False).indices  # [n, k]
+        idx = topk_indices(logits, self.k)  # [n, k]
         exact = torch.bmm(self.weight[idx], x[:, :, None])[:, :, 0]  # [n, k]
         return logits.scatter_(1, idx, exact)
+
+
+_TOPK_GROUP = 128
+
+
+def topk_indices(logits: torch.Tensor, k: int, group: int = _TOPK_GROUP) -> torch.Tensor:
+    """Indices ``[n, k]`` of each row's ``k`` largest values (unordered), via group maxima.
+
+    ``torch.topk`` over 262,144 logits took 5.2 ms for 16 rows here; this takes
+    0.8 ms: each row is cut into groups of ``group`` values, the ``k`` groups
+    with the largest maxima are kept, and ``topk`` runs over their ``k·group``
+    values only. Exact: a value among the row's top ``k`` has at most ``k − 1``
+    larger values, so at most ``k − 1`` groups have a larger maximum than its
+    group's, which is therefore among the top ``k`` groups (ties between equal
+    values may pick a different but equal-valued index). Rows whose length is
+    not a multiple of ``group`` (tiny test vocabularies) use ``torch.topk``.
+    """
+    n, v = logits.shape
+    if v % group or v // group < k:
+        return logits.topk(k, dim=-1, sorted=False).indices
+    blocks = logits.view(n, v // group, group)
+    top_groups = blocks.amax(-1).topk(k, dim=-1, sorted=False).indices  # [n, k]
+    cand = blocks.gather(1, top_groups[:, :, None].expand(n, k, group)).view(n, k * group)
+    inner = cand.topk(k, dim=-1, sorted=False).indices  # [n, k] into the candidates
+    return top_groups.gather(1, inner // group) * group + inner % group
 
 
 # Rows up to which Q8Linear uses the int8 kernel. Interleaved microbenchmarks on

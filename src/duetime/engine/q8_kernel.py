@@ -17,51 +17,34 @@ L1), and output rows are split across
 threads with ``at::parallel_for``. A fixed summation order per row makes the
 result independent of the thread count.
 
-The C++ is compiled with ``torch.utils.cpp_extension.load`` (g++ and
-ninja; ``-O3 -mavx2 -mfma -mf16c``) into
-``${DUETIME_CACHE:-~/.cache/duetime}/torch_ext/``, keyed by a hash of the
-source and the torch version, so later starts only load the ``.so``. When the
+The C++ is built on first use by :class:`~duetime.engine.cpp_ext.CppOps`
+(g++ and ninja; ``-O3 -mavx2 -mfma -mf16c``; cached per source hash). When the
 CPU lacks AVX2 or the build fails (no compiler), :func:`q8_ops` logs one
 warning and returns ``None``; callers then keep the fp32 path.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from duetime.engine.cpp_ext import CppOps
+
 __all__ = ["Q8Weight", "build_dir", "q8_available", "q8_linear", "q8_ops", "quantize_q8"]
 
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
-// Narrow ATen headers (not ATen/ATen.h): the build takes a few seconds, not a minute.
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
-#include <immintrin.h>
-#include <algorithm>
-#include <cstdint>
 
 namespace {
 
 constexpr int64_t R = 4;  // output rows per block (interleaved in the packed layout)
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
 
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
@@ -160,71 +143,22 @@ TORCH_LIBRARY_IMPL(duetime_q8, CPU, m) {
 }
 """
 
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
-_lock = threading.Lock()
-_state: dict[str, Any] = {}
+_EXT = CppOps("duetime_q8", _SOURCE, what="int8 weight-only kernel", env="DUETIME_Q8", logger=log)
 
 
 def build_dir() -> Path:
-    """Where the compiled kernel lives: one folder per (source, torch version)."""
-    key = hashlib.sha256((_SOURCE + torch.__version__ + " ".join(_FLAGS)).encode()).hexdigest()
-    root = Path(os.environ.get("DUETIME_CACHE") or Path.home() / ".cache" / "duetime")
-    return root / "torch_ext" / f"q8-{key[:16]}"
-
-
-def _build() -> Any:
-    """Compile (or load the cached build of) the kernel; ``torch.ops.duetime_q8``."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise RuntimeError(
-            f"CPU capability is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2"
-        )
-    # cpp_extension.load on a file we write rather than load_inline: load_inline
-    # prepends <torch/extension.h> (all of ATen + pybind11), which tripled the build.
-    from torch.utils.cpp_extension import load
-
-    where = build_dir()
-    where.mkdir(parents=True, exist_ok=True)
-    src = where / "q8_kernel.cpp"
-    if not src.exists() or src.read_text() != _SOURCE:
-        tmp = src.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(_SOURCE)
-        tmp.replace(src)
-    load(
-        name="duetime_q8",
-        sources=[str(src)],
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(where),
-        is_python_module=False,
-        verbose=False,
-    )
-    return torch.ops.duetime_q8
+    """Where the compiled kernel lives: one folder per (source, flags, torch version)."""
+    return _EXT.build_dir()
 
 
 def q8_ops() -> Any | None:
-    """The compiled ops (``.linear(x, w, s)``), or ``None`` once a build has failed.
+    """The compiled ops (``.linear(x, w, s, n)``), or ``None`` once a build has failed.
 
-    The first call compiles (tens of seconds) or loads the cached build; a failure
-    is logged once as a warning and remembered for the life of the process.
+    The first call compiles (seconds) or loads the cached build; a failure is
+    logged once as a warning and remembered for the life of the process.
     ``DUETIME_Q8=0`` disables the kernel (the fp32 fallback path is then used).
     """
-    with _lock:
-        if "ops" not in _state:
-            if os.environ.get("DUETIME_Q8", "1") == "0":
-                log.warning("int8 kernel disabled by DUETIME_Q8=0; using the fp32 path")
-                _state["ops"] = None
-                return None
-            try:
-                _state["ops"] = _build()
-            except Exception as exc:  # any build/load failure: keep serving on fp32
-                log.warning(
-                    "could not build the int8 weight-only kernel (%s: %s); "
-                    "q8 falls back to the fp32 path",
-                    type(exc).__name__,
-                    str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
-                )
-                _state["ops"] = None
-        return _state["ops"]
+    return _EXT.ops()
 
 
 def q8_available() -> bool:

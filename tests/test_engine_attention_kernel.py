@@ -1,0 +1,77 @@
+"""The C++ decode attention against SDPA, and the engine with and without it.
+
+Skips with a reason when the op cannot be built here (no compiler / no AVX2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duetime.engine import SeqChunk, attention_kernel
+from duetime.engine.attention import attend
+from duetime.engine.attention_kernel import decode_attention, decode_attention_ops
+from duetime.engine.kv_cache import KVView
+from duetime.engine.testing import engine_from_hf, tiny_hf_model
+
+needs_kernel = pytest.mark.skipif(
+    decode_attention_ops() is None, reason="decode attention op could not be built here"
+)
+
+
+def _views(g: torch.Generator, lengths: list[int], kvh: int, hd: int) -> list[KVView]:
+    out = []
+    for n in lengths:
+        # keys and values as the cache holds them: slices of a larger [2, kvh, cap, hd] buffer
+        buf = torch.randn(2, kvh, n + 7, hd, generator=g)
+        out.append(KVView(buf[0, :, 3 : 3 + n], buf[1, :, 3 : 3 + n], 0, None, needs_mask=False))
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kvh", "hd"),
+    [([1], 4, 1, 256), ([5, 1, 33], 4, 1, 16), ([7, 70], 8, 2, 13), ([300] * 3, 2, 2, 24)],
+)
+def test_kernel_equals_sdpa_per_sequence(lengths, heads, kvh, hd) -> None:
+    g = torch.Generator().manual_seed(len(lengths) + hd)
+    views = _views(g, lengths, kvh, hd)
+    q = torch.randn(len(lengths), heads, hd, generator=g)
+    got = decode_attention(q, [v.keys for v in views], [v.values for v in views], 0.3)
+    want = torch.cat([attend(q[i : i + 1], v, None, 0.3) for i, v in enumerate(views)])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_rejects_mismatched_inputs_with_a_clear_error() -> None:
+    q = torch.randn(2, 4, 8)
+    k = [torch.randn(1, 3, 8), torch.randn(1, 4, 8)]
+    with pytest.raises(RuntimeError, match="2 queries but 1 keys"):
+        decode_attention(q, k[:1], k[:1], 1.0)
+    with pytest.raises(RuntimeError, match="3 keys but 4 values"):
+        decode_attention(q, k, [k[1], k[1]], 1.0)
+    with pytest.raises(RuntimeError, match="fp32"):
+        decode_attention(q, [t.double() for t in k], k, 1.0)
+
+
+def _decode_logits(model, prompts: list[list[int]], steps: int) -> torch.Tensor:
+    kv = model.new_kv_cache()
+    slots = [kv.allocate() for _ in prompts]
+    model.step([SeqChunk(s, p, 0) for s, p in zip(slots, prompts, strict=True)], kv)
+    rows = []
+    for i in range(steps):
+        chunks = [SeqChunk(s, [3 + i], kv.seq_len(s)) for s in slots]
+        rows.append(model.step(chunks, kv))
+    return torch.stack(rows)
+
+
+@needs_kernel
+def test_engine_decodes_equal_with_and_without_the_kernel(monkeypatch) -> None:
+    hf = tiny_hf_model(seed=1)
+    model = engine_from_hf(hf)
+    prompts = [[2, 5, 9], [2, *range(10, 40)], [2, 7]]  # different lengths: padding path
+    with_kernel = _decode_logits(model, prompts, 6)
+    monkeypatch.setattr(attention_kernel._EXT, "_state", {"ops": None})
+    assert decode_attention_ops() is None
+    without = _decode_logits(model, prompts, 6)
+    torch.testing.assert_close(with_kernel, without, atol=1e-4, rtol=1e-4)
