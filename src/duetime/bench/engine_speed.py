@@ -7,8 +7,10 @@ reference; ``fast``: int8 output layer with fp32 re-scoring; ``q8``: ``fast`` pl
 weight-only int8 products for steps of few rows; ``fp32-mkl``: the
 previous kernels, for a before/after in one run) are measured *interleaved*,
 variant after variant within each repetition, so a neighbour's load hits them
-alike; figures are medians. transformers' ``generate`` (fp32 and bf16, same
-weights) and llama.cpp (when importable) run once per cell, being the slower.
+alike; figures are medians. llama.cpp (when importable; batched through its C
+API, see ``engine_peers.LlamaCppRunner``) is interleaved the same way;
+transformers' ``generate`` (fp32 and bf16, same weights), the slowest, runs
+once per cell.
 
 Beside each decode figure: the memory roofline, i.e. the batch ÷ (bytes one
 step must read — weights plus the KV it attends over — ÷ the bandwidth of a
@@ -285,7 +287,12 @@ def run(
         _rss_reset()
         rss0 = _rss_mb()
         t = time.perf_counter()
-        lc = LlamaCppRunner(Path(gguf_path), torch.get_num_threads(), max(*prefill, ctx) + 64)
+        lc = LlamaCppRunner(
+            Path(gguf_path),
+            torch.get_num_threads(),
+            n_ctx=max(*prefill, ctx + n_steps * reps + 8),
+            max_batch=max(batches, default=1),
+        )
         runners["llama.cpp"] = lc
         figs["llama.cpp"] = {
             "kind": "llama.cpp",
@@ -313,7 +320,7 @@ def run(
                         times[name].append(_prefill_s(r, ids))
                     elif rep == 0 and isinstance(r, HFRunner):
                         times[name].append(r.generate(torch.tensor([ids]), 1)[0])
-                    elif rep == 0:
+                    elif isinstance(r, LlamaCppRunner):
                         times[name].append(r.prefill_s(ids))
             for name, ts in times.items():
                 figs[name]["prefill"].append(
@@ -334,8 +341,8 @@ def run(
                         times[name] += engine_cells[name].steps(n_steps)
                     elif rep == 0 and isinstance(r, HFRunner):
                         times[name] += r.generate(torch.tensor(prompts), n_steps + 2)[1][1:]
-                    elif rep == 0 and b == 1:
-                        times[name] += r.decode_steps_s(prompts[0], n_steps)
+                    elif isinstance(r, LlamaCppRunner):
+                        times[name] += r.decode_steps_s(prompts, n_steps)
             del engine_cells
             for name, ts in times.items():
                 if not ts:
