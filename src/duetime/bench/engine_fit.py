@@ -21,7 +21,7 @@ import numpy as np
 from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job
 from duetime.engine.gemma3 import DTYPES
-from duetime.predict.ete import StepSample
+from duetime.predict.ete import StepSample, step_kind
 
 # "cpu": seconds of CPU this process used. On a shared 2-core machine another
 # process's burst stretches wall time by 2x or more while the engine waits for a
@@ -134,9 +134,9 @@ def time_shapes(
             for s in new:
                 kv.free(s)
             if rep:
-                kind = "decode" if not prompts else "prefill" if not d else "mixed"
                 p_tok = sum(prompts)
                 attn = float(sum(p * p for p in prompts))
+                kind = step_kind(p_tok, d)
                 samples.append(StepSample(p_tok, attn, d, held, max(dt, 1e-9), kind))
     return samples
 

@@ -46,7 +46,7 @@ import numpy as np
 from duetime.bench import timebill as sim_bench
 from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job
-from duetime.predict.ete import StepSample
+from duetime.predict.ete import StepSample, step_kind
 
 PAPER_BUDGETS_S = (5.0, 7.5, 10.0)
 BUDGET_SCALES = ("job", "step")
@@ -143,13 +143,6 @@ def steps_from_telemetry(path: Path) -> list[StepSample]:
     out = []
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        kind = (
-            "decode"
-            if r["prefill_tokens"] == 0
-            else "prefill"
-            if r["decode_seqs"] == 0
-            else "mixed"
-        )
         out.append(
             StepSample(
                 r["prefill_tokens"],
@@ -157,7 +150,7 @@ def steps_from_telemetry(path: Path) -> list[StepSample]:
                 r["decode_seqs"],
                 r["kv_tokens_attended"],
                 r["step_s"],
-                kind,
+                step_kind(r["prefill_tokens"], r["decode_seqs"]),
             )
         )
     return out

@@ -37,6 +37,13 @@ class StepSample:
     kind: str = "mixed"  # "prefill" (one prompt alone), "decode" (decoders only) or "mixed"
 
 
+def step_kind(prefill_tokens: int, decode_seqs: int) -> str:
+    """A step's :attr:`StepSample.kind` from its shape: decoders only, prompt work only, or both."""
+    if prefill_tokens == 0:
+        return "decode"
+    return "prefill" if decode_seqs == 0 else "mixed"
+
+
 def _features(samples: Sequence[StepSample]) -> np.ndarray:
     p = np.array([s.prefill_tokens for s in samples], dtype=float)
     return np.column_stack(
