@@ -59,6 +59,10 @@ SIM_GRID = Grid(
 # ~6 minutes per configuration on the shared 2-core machine (fp32, one thread): prefill
 # runs at ~150 tok/s and a decode step takes ~0.1-0.2 s, so prompts stay short.
 ENGINE_GRID = Grid(ii=(16, 64, 192), oo=(8, 24, 64), bb=(1, 2, 4, 8, 16))
+# 25 (ii, oo) pairs x 6 batch sizes for the 2-thread configurations: enough pairs
+# that a held-out pair has trained neighbours on both sides. ~16 min with q8 on an
+# idle machine (prefill ~500 tok/s, a decode step 25 ms at bb = 1 to ~0.14 s at 32).
+ENGINE_GRID_T2 = Grid(ii=(16, 48, 96, 192, 384), oo=(8, 16, 32, 64, 128), bb=(1, 2, 4, 8, 16, 32))
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +93,7 @@ class EngineSpec:
     max_batch_tokens: int = 2048
     description: str = ""
     source: str = "engine"
+    grid: Grid = ENGINE_GRID
 
 
 SIM_SPECS = (
@@ -116,7 +121,17 @@ ENGINE_SPECS = (
         "engine-gemma3-270m-fp32-t1", threads=1, description="real engine, fp32, 1 torch thread"
     ),
     EngineSpec(
-        "engine-gemma3-270m-fp32-t2", threads=2, description="real engine, fp32, 2 torch threads"
+        "engine-gemma3-270m-fp32-t2",
+        threads=2,
+        grid=ENGINE_GRID_T2,
+        description="real engine, fp32, 2 torch threads",
+    ),
+    EngineSpec(
+        "engine-gemma3-270m-q8-t2",
+        dtype="q8",
+        threads=2,
+        grid=ENGINE_GRID_T2,
+        description="real engine, q8 (int8 weight-only decode), 2 torch threads",
     ),
     EngineSpec(
         "engine-gemma3-270m-bf16-t1",
@@ -233,7 +248,8 @@ class EngineRunner:
 
 
 def default_grid(s: SimSpec | EngineSpec) -> Grid:
-    return SIM_GRID if isinstance(s, SimSpec) else ENGINE_GRID
+    """The grid a configuration collects unless the caller passes one."""
+    return SIM_GRID if isinstance(s, SimSpec) else s.grid
 
 
 def collect(
