@@ -1,6 +1,9 @@
 """`duetime profile`: time real engine steps of chosen shapes, for the cost models.
 
-Three families of steps, each timed ``reps`` times after a warm-up:
+Three families of steps, each timed ``reps`` times after a warm-up (one
+untimed step per decode shape too: the first decode after set-up measured
+10-30 % slower than the next ones, and the very first one of a process loads
+the C++ kernels):
 
 * one prompt of N tokens alone (TimeBill's prefill curve),
 * D sequences of context L decoding one token each (the decode curve; D = 1
@@ -91,9 +94,12 @@ def measure_steps(
     done = 0
     samples: list[StepSample] = []
 
-    # warm-up: first calls allocate and pick kernels
+    # warm-up: first calls allocate, pick kernels and load the C++ ops (a decode
+    # step loads the int8 and attention kernels: seconds, once per process)
     kv = model.new_kv_cache()
-    t.time_step([SeqChunk(kv.allocate(), t.ids(16), 0)], kv)
+    slot = kv.allocate()
+    t.time_step([SeqChunk(slot, t.ids(16), 0)], kv)
+    t.time_step(t.decode_chunks(kv, [slot]), kv)
 
     for n in g.prompt_lens:
         for _ in range(g.reps):
@@ -107,6 +113,7 @@ def measure_steps(
     for d, c in decode_shapes:
         kv = model.new_kv_cache()
         slots = t.setup(kv, d, c)
+        t.time_step(t.decode_chunks(kv, slots), kv)  # untimed: the first step after set-up
         for _ in range(g.reps):
             kv_tokens = sum(kv.num_tokens(s) for s in slots)
             sec = t.time_step(t.decode_chunks(kv, slots), kv)
