@@ -118,3 +118,23 @@ def test_profile_of_a_tiny_engine_loads_into_the_simulator(tmp_path) -> None:  #
     assert (cfg.kv_capacity, cfg.max_num_seqs, cfg.max_batch_tokens) == (999, 7, 321)
     assert cost.step_time(0, 0.0, 1, 10) > 0
     assert payload["heldout"]["batch_model_mape_pct"] is not None
+
+
+def test_serving_steps_are_the_executors_steps_of_a_real_run() -> None:
+    from duetime.core.request import Job, Request
+    from duetime.engine.profile import serving_steps
+    from duetime.engine.testing import engine_from_hf, tiny_hf_model
+
+    model = engine_from_hf(tiny_hf_model(seed=0))
+    jobs = [
+        Job(Request(rid=k, arrival=0.0, prompt_len=5 + 3 * k, max_tokens=6), output_len=6)
+        for k in range(4)
+    ]
+    steps = serving_steps(model, jobs=jobs, max_batch_tokens=8)
+    # 4 prompts of 5..14 tokens in chunks of <= 8 tokens, 6 tokens each: prefill and decode
+    assert sum(s.prefill_tokens for s in steps) == sum(5 + 3 * k for k in range(4))
+    assert sum(s.decode_seqs for s in steps) == 4 * 5  # the first token comes from prefill
+    assert {s.kind for s in steps} >= {"decode", "mixed"}
+    assert all(s.seconds > 0 for s in steps)
+    for s in steps:  # kinds follow the shapes
+        assert (s.kind == "decode") == (s.prefill_tokens == 0)

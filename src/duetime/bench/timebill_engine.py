@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +45,8 @@ import numpy as np
 from duetime.bench import timebill as sim_bench
 from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job
-from duetime.predict.ete import StepSample, step_kind
+from duetime.engine.profile import steps_from_telemetry
+from duetime.predict.ete import StepSample
 
 PAPER_BUDGETS_S = (5.0, 7.5, 10.0)
 BUDGET_SCALES = ("job", "step")
@@ -136,24 +136,6 @@ def fit_engine_cost(
         "timebill_ete": {"a": ete.a, "b": ete.b, "c": ete.c, "p": ete.p, "q": ete.q},
     }
     return cost, info
-
-
-def steps_from_telemetry(path: Path) -> list[StepSample]:
-    """The executor's per-step telemetry lines as cost-model samples."""
-    out = []
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        out.append(
-            StepSample(
-                r["prefill_tokens"],
-                float(r["prefill_attn"]),
-                r["decode_seqs"],
-                r["kv_tokens_attended"],
-                r["step_s"],
-                step_kind(r["prefill_tokens"], r["decode_seqs"]),
-            )
-        )
-    return out
 
 
 def make_predictor(spec: str, seed: int) -> Any:

@@ -39,11 +39,19 @@ def profile(
     kv_capacity: Annotated[int, typer.Option(help="KV tokens recorded in the profile.")] = 32_768,
     max_num_seqs: Annotated[int, typer.Option()] = 64,
     max_batch_tokens: Annotated[int, typer.Option()] = 2048,
+    serve_requests: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Also fit to the steps of a short serving run of this many ShareGPT "
+            "requests (seed 1; 0: the grid only).",
+        ),
+    ] = 40,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
 ) -> None:
     """Time real engine steps and fit the step-cost models (TimeBill ETE + batch form)."""
     from duetime.engine import load_model
-    from duetime.engine.profile import ProfileGrid, measure_steps, profile_payload
+    from duetime.engine.profile import ProfileGrid, measure_steps, profile_payload, serving_steps
     from duetime.metrics import write_json
 
     with _user_errors():
@@ -60,12 +68,22 @@ def profile(
         t0 = time.perf_counter()
         with prog:
             samples = measure_steps(model, grid, progress=cb)
+        grid_steps = len(samples)
+        if serve_requests:
+            with console.status(f"serving {serve_requests} ShareGPT requests for in-situ steps"):
+                samples += serving_steps(
+                    model,
+                    requests=4 if quick else serve_requests,
+                    max_prompt=32 if quick else 256,
+                    max_output=8 if quick else 64,
+                )
         measure_s = time.perf_counter() - t0
         name = f"gemma3-270m-cpu-{dtype}-t{threads}"
         source = (
             f"measured by `duetime profile` on {platform.node()} ({platform.machine()}, "
             f"{threads} torch threads, {dtype}) at "
-            f"{datetime.now(UTC).isoformat(timespec='seconds')}: {len(samples)} timed steps"
+            f"{datetime.now(UTC).isoformat(timespec='seconds')}: {len(samples)} timed steps "
+            f"({grid_steps} of the grid, {len(samples) - grid_steps} of a serving run)"
         )
         payload = profile_payload(
             samples,
@@ -83,6 +101,8 @@ def profile(
         "load_s": load_s,
         "measure_s": measure_s,
         "samples": len(samples),
+        "grid_samples": grid_steps,
+        "serving_samples": len(samples) - grid_steps,
         "batch_model_mape_pct": held["batch_model_mape_pct"],
         "ete_prefill_mape_pct": held["ete_prefill_mape_pct"],
         "ete_decode_mape_pct": held["ete_decode_mape_pct"],
