@@ -163,12 +163,12 @@ def test_ala_beats_linear_baseline_on_shipped_data() -> None:
 
 
 def test_extrapolation_splits_train_low_and_test_beyond() -> None:
-    from duetime.bench.ala import EXTRAPOLATE_BB, extrapolation, extrapolation_splits
+    from duetime.bench.ala import extrapolation, extrapolation_splits
 
     data = ala_data.config_data("sim-a100-llama2-7b")
     splits = extrapolation_splits(data)
     train, test = splits["batch"]
-    assert train.bb.max() <= EXTRAPOLATE_BB < test.bb.min()
+    assert train.bb.max() == 32 < test.bb.min()  # 6 of the grid's 9 batch sizes train
     assert set(train.pairs()) == set(test.pairs()) == set(data.pairs())
     train, test = splits["shape"]
     assert not set(train.pairs()) & set(test.pairs())
@@ -176,8 +176,13 @@ def test_extrapolation_splits_train_low_and_test_beyond() -> None:
     # The saturating curve extrapolates in bb where trees plateau at the last value seen.
     med = extrapolation(data, seed=0)["batch"]["median_err_pct"]
     assert med["ala"] < med["random_forest"]
-    # The small engine grid (bb <= 16) has nothing beyond bb = 32 to test.
-    assert "batch" not in extrapolation_splits(ala_data.config_data("engine-gemma3-270m-fp32-t1"))
+    # The 2-thread engine grid (bb 1..32): bb <= 8 train, 16 and 32 test.
+    train, test = extrapolation_splits(ala_data.config_data("engine-gemma3-270m-q8-t2"))["batch"]
+    assert (train.bb.max(), sorted(set(test.bb.tolist()))) == (8, [16, 32])
+    # too few batch sizes to leave three for the curve and some to test: no split
+    small = ala_data.config_data("engine-gemma3-270m-q8-t2")
+    three = small.select(small.bb <= 4)
+    assert "batch" not in extrapolation_splits(three)
 
 
 def test_prediction_interval_is_ordered() -> None:
