@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
+from duetime.bench.engine_agreement import agreement, agreement_prompts
 from duetime.bench.engine_peers import HFRunner, LlamaCppRunner, llama_cpp_available
+from duetime.bench.engine_speed_report import plot, ratios, table
 from duetime.engine.batch import SeqChunk
 from duetime.engine.config import Gemma3Config
 from duetime.engine.gemma3 import Gemma3
@@ -54,12 +56,6 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
 # (prompt lengths, decode batch sizes, context tokens before decode, decode steps per rep)
 FULL = ((128, 512, 2048), (1, 4, 16, 64), 128, 8)
 QUICK = ((16, 64), (1, 4), 16, 3)
-_TEXTS = (
-    "The capital of France is",
-    "Write a short poem about the sea.",
-    "def fibonacci(n):",
-    "Explain why the sky is blue in two sentences.",
-)
 
 
 def memory_bandwidth_gb_s(mb: int = 512, reps: int = 5) -> float:
@@ -146,44 +142,6 @@ def _prefill_s(model: Gemma3, ids: list[int]) -> float:
     t = time.perf_counter()
     model.step([chunk], kv)
     return time.perf_counter() - t
-
-
-@torch.no_grad()
-def agreement(
-    ref: Gemma3, other: Gemma3, prompts: list[list[int]], n: int, *, decode: bool = True
-) -> tuple[float, int]:
-    """Share of teacher-forced positions where ``other``'s arg-max equals ``ref``'s.
-
-    ``ref`` continues each prompt greedily for ``n`` tokens and scores prompt +
-    continuation in one step. ``other`` scores the same text the way it would
-    generate it (``decode=True``): the prompt in one step, then one token per
-    step — the single-row products that ``q8``'s int8 kernel serves (a one-step
-    score would run ``q8`` on its multi-row fp32 path and hide the kernel). With
-    ``decode=False`` it scores everything in one step too. Returns (share, positions).
-    """
-    from duetime.engine.generate import greedy_generate
-
-    conts = greedy_generate(ref, prompts, n)
-    hits = total = 0
-    for p, c in zip(prompts, conts, strict=True):
-        ids = p + c
-        kv = ref.new_kv_cache()
-        logits = ref.step([SeqChunk(kv.allocate(), ids, 0)], kv, all_logits=True)
-        want = logits[len(p) - 1 : -1].argmax(-1)
-        kv = other.new_kv_cache()
-        slot = kv.allocate()
-        if decode:
-            rows = [other.step([SeqChunk(slot, p, 0)], kv)]
-            rows += [
-                other.step([SeqChunk(slot, [t], len(p) + i)], kv) for i, t in enumerate(c[:-1])
-            ]
-            got = torch.cat(rows).argmax(-1)
-        else:
-            got = other.step([SeqChunk(slot, ids, 0)], kv, all_logits=True)[len(p) - 1 : -1]
-            got = got.argmax(-1)
-        hits += int((want == got).sum())
-        total += len(c)
-    return hits / max(total, 1), total
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -370,7 +328,7 @@ def run(
     agree: dict[str, Any] = {}
     ref = runners.get("fp32")
     if ref is not None:
-        prompts = _agreement_prompts(real, cfg, g)
+        prompts = agreement_prompts(real, cfg, g)
         for name in engines:
             if name != "fp32" and ENGINE_VARIANTS[name]["dtype"] != "fp32":
                 share, positions = agreement(ref, runners[name], prompts, 8 if quick else 32)
@@ -398,46 +356,11 @@ def run(
         "memory_bandwidth_gb_s": bandwidth,
         "peak_rss_mb": _peak_rss_mb(),
         "variants": figs,
-        "ratios": _ratios(figs),
+        "ratios": ratios(figs),
         "agreement": agree,
         "notes": notes,
         "wall_s": time.perf_counter() - wall0,
     }
-
-
-def _agreement_prompts(real: bool, cfg: Gemma3Config, g: torch.Generator) -> list[list[int]]:
-    if real:
-        try:
-            from duetime.tokenizer import encode
-
-            return [encode(t) for t in _TEXTS]
-        except Exception:  # the tokenizer is optional here: random ids still work
-            pass
-    return [_prompt(g, 12, cfg) for _ in range(3)]
-
-
-def _ratios(figs: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """``speedup_vs_<peer>``: engine ÷ peer tok/s per cell (``prefill_128``, ``decode_b16``)."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    peers = [k for k, f in figs.items() if f["kind"] != "engine"]
-    base = "fp32-mkl" if "fp32-mkl" in figs else None
-    for name, f in figs.items():
-        if f["kind"] != "engine":
-            continue
-        for peer in [p for p in (*peers, base) if p and p != name]:
-            cells = {}
-            for kind, key, unit in (
-                ("prefill", "tokens", "prefill_tok_s"),
-                ("decode", "batch", "decode_tok_s"),
-            ):
-                theirs = {c[key]: c[unit] for c in figs[peer][kind]}
-                for c in f[kind]:
-                    if c[key] in theirs:
-                        tag = f"{kind}_{c[key]}" if kind == "prefill" else f"decode_b{c[key]}"
-                        cells[tag] = c[unit] / theirs[c[key]]
-            key = "speedup_vs_" + peer.replace("-", "_").replace(".", "_")
-            out.setdefault(name, {})[key] = cells
-    return out
 
 
 def _cpu_name() -> str:
@@ -469,86 +392,3 @@ class _Progress:
     def __exit__(self, *exc: object) -> None:
         if self.enabled:
             self._bar.stop()
-
-
-def table(fig: dict[str, Any]) -> Any:
-    """A rich table: one row per variant, prefill and decode columns with roofline."""
-    from rich.table import Table
-
-    s = fig["settings"]
-    t = Table(
-        title=(
-            f"{fig['model']}: {fig['machine']['torch_threads']} threads, "
-            f"copy bandwidth {fig['memory_bandwidth_gb_s']:.1f} GB/s, decode after "
-            f"{s['context_tokens']} tokens (tok/s, roofline in brackets)"
-        )
-    )
-    t.add_column("variant")
-    for n in s["prefill_tokens"]:
-        t.add_column(f"prefill {n}", justify="right")
-    for b in s["batch_sizes"]:
-        t.add_column(f"decode b{b}", justify="right")
-    t.add_column("own RSS MB", justify="right")
-    for name, f in fig["variants"].items():
-        pre = {c["tokens"]: c for c in f["prefill"]}
-        dec = {c["batch"]: c for c in f["decode"]}
-        row = [name]
-        row += [f"{pre[n]['prefill_tok_s']:.0f}" if n in pre else "-" for n in s["prefill_tokens"]]
-        row += [
-            f"{dec[b]['decode_tok_s']:.1f} ({dec[b]['roofline_tok_s']:.0f})" if b in dec else "-"
-            for b in s["batch_sizes"]
-        ]
-        row.append(f"{f['own_rss_mb']:.0f}")
-        t.add_row(*row)
-    return t
-
-
-def plot(fig: dict[str, Any], path: str | Path) -> Path:
-    """Prefill and decode tok/s per variant (log scale), decode rooflines dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from duetime.metrics.atomic import save_png
-
-    f, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, v in fig["variants"].items():
-        if v["prefill"]:
-            a1.plot(
-                [c["tokens"] for c in v["prefill"]],
-                [c["prefill_tok_s"] for c in v["prefill"]],
-                "o-",
-                label=name,
-            )
-        if v["decode"]:
-            (line,) = a2.plot(
-                [c["batch"] for c in v["decode"]],
-                [c["decode_tok_s"] for c in v["decode"]],
-                "o-",
-                label=name,
-            )
-            if v["kind"] == "engine":
-                a2.plot(
-                    [c["batch"] for c in v["decode"]],
-                    [c["roofline_tok_s"] for c in v["decode"]],
-                    "--",
-                    color=line.get_color(),
-                    alpha=0.5,
-                )
-    for ax, title, xl in (
-        (a1, "prefill (one prompt)", "prompt tokens"),
-        (a2, "decode (dashed: memory roofline)", "batch"),
-    ):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(title)
-        ax.set_xlabel(xl)
-        ax.set_ylabel("tok/s")
-        ax.grid(alpha=0.3, which="both")
-    a2.legend(fontsize=8)
-    f.suptitle(
-        f"{fig['model']} on {fig['machine']['cpu']}, {fig['machine']['torch_threads']} threads"
-    )
-    f.tight_layout()
-    return save_png(f, path)

@@ -165,6 +165,7 @@ def run_engine(
     """Validate, run, print the tables and the predictor timing, write JSON and PNG."""
     from duetime.bench import timebill as sim_bench
     from duetime.bench import timebill_engine as bench
+    from duetime.bench import timebill_engine_report as report
 
     if min_prompt > max_prompt:
         raise ValueError(f"--min-prompt {min_prompt} > --max-prompt {max_prompt}")
@@ -195,7 +196,7 @@ def run_engine(
         f"{model} {dtype}, {threads} threads, eviction {fig['eviction']}; decode step "
         f"{1000 * fig['decode_step_s']:.1f} ms"
     )
-    for t in bench.table(fig):
+    for t in report.table(fig):
         out.print(t)
 
     def ms(x: float | None) -> str:
@@ -212,4 +213,4 @@ def run_engine(
         f"budgets {fig['budgets_s']} s ({fig['budget_scale']} scaling; step scaling would give "
         f"{fig['budgets_step_s']} s); wall {fig['wall_s']:.1f} s"
     )
-    save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)
+    save_figures(fig, json_path=json_path, plot=plot, plot_fn=report.plot)
