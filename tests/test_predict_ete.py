@@ -138,3 +138,36 @@ def test_serving_steps_are_the_executors_steps_of_a_real_run() -> None:
     assert all(s.seconds > 0 for s in steps)
     for s in steps:  # kinds follow the shapes
         assert (s.kind == "decode") == (s.prefill_tokens == 0)
+
+
+def test_evictions_are_timed_and_priced_into_the_profile(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from duetime.engine.profile import (
+        ProfileGrid,
+        fit_eviction_cost,
+        measure_evictions,
+        measure_steps,
+        profile_payload,
+    )
+    from duetime.engine.testing import engine_from_hf, tiny_hf_model
+    from duetime.sim.profiles import load_profile
+
+    model = engine_from_hf(tiny_hf_model(seed=0))
+    for method in ("snapkv", "streaming"):
+        ev = measure_evictions(model, (16, 40), method=method, reps=2)
+        assert [h for h, _ in ev] == [16, 16, 40, 40]  # KV held before each eviction
+        assert all(s > 0 for _, s in ev)
+    with pytest.raises(ValueError, match="snapkv or streaming"):
+        measure_evictions(model, (16,), method="h2o")
+    assert fit_eviction_cost([(100, 0.01), (200, 0.02)]) == pytest.approx(1e-4)
+    assert fit_eviction_cost([]) == 0.0
+    payload = profile_payload(
+        measure_steps(model, ProfileGrid.quick()), name="tiny", source="test",
+        kv_capacity_tokens=999, max_num_seqs=7, max_batch_tokens=321, evictions=ev,
+    )  # fmt: skip
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(payload))
+    cost, _ = load_profile(str(path))
+    assert cost.e == pytest.approx(fit_eviction_cost(ev))
+    assert cost.eviction_time(40) > 0

@@ -76,6 +76,56 @@ def test_alpha_star_meets_a_tight_budget_that_vanilla_misses() -> None:
     assert recs[0].completed
 
 
+def _run_cost(cost: LinearStepCost, jobs: list[Job], **kw: object) -> list:
+    sim = Simulator(make_policy("timebill", **kw), cost, CFG, predictor=OraclePredictor())
+    return sim.run(jobs).records
+
+
+def test_simulator_charges_the_eviction_time_once() -> None:
+    job = _job(0, 0.0, 10_000, 300, 100.0)
+    free = _run_cost(COST, [job], fixed_alpha=0.5)[0].finish
+    costly = dataclasses.replace(COST, e=1e-5)  # 10,000 tokens held: 0.1 s per eviction
+    paid = _run_cost(costly, [job], fixed_alpha=0.5)[0].finish
+    assert paid - free == pytest.approx(10_000 * 1e-5, rel=1e-9)
+    # no eviction, nothing charged
+    assert (
+        _run_cost(costly, [job], fixed_alpha=0.0)[0].finish
+        == _run_cost(COST, [job], fixed_alpha=0.0)[0].finish
+    )
+
+
+def test_alpha_star_pays_for_the_eviction_or_does_not_evict() -> None:
+    job = _job(0, 0.0, 10_000, 300, 1000.0)
+    vanilla = _run([job], fixed_alpha=0.0)[1][0].finish
+    budget = 0.95 * vanilla  # vanilla misses by 5 %: eviction can save up to ~5.98 s × α
+    # cheap eviction (0.1 s): still evicts, a bit more than the paper's α* to pay for itself
+    paper = _run([_job(0, 0.0, 10_000, 300, budget)], k=1.0)[1][0]
+    cheap = _run_cost(
+        dataclasses.replace(COST, e=1e-5), [_job(0, 0.0, 10_000, 300, budget)], k=1.0
+    )[0]
+    assert 0.0 < paper.kv_evicted_ratio < cheap.kv_evicted_ratio < 0.95
+    assert cheap.finish is not None
+    assert cheap.finish <= budget
+    # eviction costing more than any ratio can save (10 s vs <= 5.7 s): keep the full KV
+    dear = dataclasses.replace(COST, e=1e-3)
+    rec = _run_cost(dear, [_job(0, 0.0, 10_000, 300, budget)], k=1.0)[0]
+    assert rec.kv_evicted_ratio == 0.0
+    # an ample budget never evicts, whatever eviction costs
+    rec = _run_cost(dear, [_job(0, 0.0, 10_000, 300, 2 * vanilla)], k=1.0)[0]
+    assert rec.kv_evicted_ratio == 0.0
+    assert rec.completed
+
+
+def test_eviction_coefficient_round_trips_through_a_profile(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    cost = dataclasses.replace(COST, e=2.5e-4)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(cost.to_profile()))
+    assert LinearStepCost.from_profile(path).e == 2.5e-4
+    assert cost.eviction_time(400) == pytest.approx(0.1)
+
+
 def test_kill_cancels_at_the_deadline_step_and_frees_memory() -> None:
     jobs = [_job(0, 0.0, 5000, 2000, 1.0), _job(1, 0.5, 100, 20, 5.0, klass="t1")]
     sim, recs = _run(jobs, fixed_alpha=0.0)

@@ -33,6 +33,7 @@ scored.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import tempfile
 import time
@@ -46,7 +47,7 @@ from duetime.bench import timebill as sim_bench
 from duetime.bench.timebill_engine_report import predictor_report
 from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job
-from duetime.engine.profile import steps_from_telemetry
+from duetime.engine.profile import fit_eviction_cost, steps_from_telemetry
 from duetime.predict.ete import StepSample
 
 PAPER_BUDGETS_S = (5.0, 7.5, 10.0)
@@ -110,6 +111,17 @@ def short_steps(model: Any, jobs: Sequence[Job], reps: int = 2) -> list[StepSamp
         max_setup_tokens=1 << 30,
     )  # fmt: skip
     return measure_steps(model, grid)
+
+
+def eviction_samples(model: Any, jobs: Sequence[Job], method: str) -> list[tuple[int, float]]:
+    """Timed evictions (α = 0.5) of the workload's shortest, median and longest prompts:
+    the ``e`` the eviction-cost-aware α* charges (one SnapKV eviction was ~2 decode steps
+    on this engine, which the paper's model does not count)."""
+    from duetime.engine.profile import measure_evictions
+
+    lens = sorted(j.request.prompt_len for j in jobs)
+    picked = sorted({lens[0], lens[len(lens) // 2], lens[-1]})
+    return measure_evictions(model, picked, method="snapkv" if method == "snapkv" else "streaming")
 
 
 def fit_engine_cost(
@@ -319,11 +331,16 @@ def run(
     pred = make_predictor(predictor, seed)
     if hasattr(pred, "calibrate"):  # also loads the encoder, before anything is timed
         pred.calibrate([j.request.prompt_text or "" for j in base])
+    eviction = eviction_method()
     short = short_steps(model, base) if cost is None else []
+    evictions = eviction_samples(model, base, eviction) if cost is None else []
     ref = reference(model, base, pred)
     cost_info: dict[str, Any] = {"source": "given"}
     if cost is None:
         cost, cost_info = fit_engine_cost(short, ref["steps"])
+        cost = dataclasses.replace(cost, e=fit_eviction_cost(evictions))
+        cost_info["eviction_s_per_kv_token"] = cost.e
+        cost_info["evictions"] = [{"kv_tokens": h, "seconds": t} for h, t in evictions]
     from duetime.policies.timebill_math import ete_from_cost
 
     ete = ete_from_cost(cost)
@@ -335,7 +352,6 @@ def run(
     bs, budget_info = budgets_for(ref, budget_scale)
     if budgets is not None:
         bs = [float(b) for b in budgets]
-    eviction = eviction_method()
     rows, timings = [], list(ref["timing"].values())
     for o in strategies:
         for m in methods:

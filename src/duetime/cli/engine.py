@@ -51,7 +51,14 @@ def profile(
 ) -> None:
     """Time real engine steps and fit the step-cost models (TimeBill ETE + batch form)."""
     from duetime.engine import load_model
-    from duetime.engine.profile import ProfileGrid, measure_steps, profile_payload, serving_steps
+    from duetime.engine.profile import (
+        ProfileGrid,
+        fit_eviction_cost,
+        measure_evictions,
+        measure_steps,
+        profile_payload,
+        serving_steps,
+    )
     from duetime.metrics import write_json
 
     with _user_errors():
@@ -77,6 +84,7 @@ def profile(
                     max_prompt=32 if quick else 256,
                     max_output=8 if quick else 64,
                 )
+        evictions = measure_evictions(model, (32, 64) if quick else (128, 256, 512))
         measure_s = time.perf_counter() - t0
         name = f"gemma3-270m-cpu-{dtype}-t{threads}"
         source = (
@@ -92,6 +100,7 @@ def profile(
             kv_capacity_tokens=kv_capacity,
             max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
+            evictions=evictions,
         )
         write_json(out, payload)
     held = payload["heldout"]
@@ -106,12 +115,15 @@ def profile(
         "batch_model_mape_pct": held["batch_model_mape_pct"],
         "ete_prefill_mape_pct": held["ete_prefill_mape_pct"],
         "ete_decode_mape_pct": held["ete_decode_mape_pct"],
+        "eviction_s_per_kv_token": fit_eviction_cost(evictions),
+        "eviction_ms_at_max_len": 1e3 * max(evictions)[1] if evictions else None,
     }
     console.print(
         f"profiled {len(samples)} steps in {measure_s:.1f} s (model load {load_s:.1f} s); "
         f"held-out MAPE: batch model {held['batch_model_mape_pct']:.2f} %, "
         f"TimeBill prefill {held['ete_prefill_mape_pct']:.2f} %, "
-        f"decode {held['ete_decode_mape_pct']:.2f} % (target <= 5 %)\nwrote {out}"
+        f"decode {held['ete_decode_mape_pct']:.2f} % (target <= 5 %); SnapKV eviction "
+        f"{1e6 * fit_eviction_cost(evictions):.1f} µs per KV token held\nwrote {out}"
     )
     if json_path is not None:
         write_json(json_path, report)

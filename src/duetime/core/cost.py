@@ -10,6 +10,12 @@ D  sequences decoding one token,
 KV KV-cache tokens those decoders attend to,
 W  tokens swapped in or out during the step.
 
+Evicting part of a sequence's KV is not free either: ``e·N`` seconds for a
+sequence holding N tokens when it is evicted (SnapKV scores every stored key
+against its observation window, then gathers the kept ones), charged to the
+step the eviction precedes. TimeBill's model has ``e = 0``; on our CPU engine
+one SnapKV eviction costs about two decode steps (``duetime profile`` times it).
+
 TimeBill (Eq. 5–6): prefill ``aN² + bN + c`` and decode ``p·N_kv + q`` are
 ``c0=q, c_prefill=c−q, a1=b, a2=a, d=p``. The batch form of Vidur and of the
 Amin/Amax paper, ``c + a·P + b·D + d·KV``, sets the rest to zero.
@@ -59,7 +65,7 @@ class CostModelError(ValueError):
     """A cost model or profile file is invalid."""
 
 
-_COEFFS = ("c0", "c_prefill", "a1", "a2", "b", "d", "s")
+_COEFFS = ("c0", "c_prefill", "a1", "a2", "b", "d", "s", "e")
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,6 +79,7 @@ class LinearStepCost:
     b: float = 0.0
     d: float = 0.0
     s: float = 0.0
+    e: float = 0.0
     name: str = "linear"
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -141,6 +148,10 @@ class LinearStepCost:
         if prefill_tokens > 0:
             t += self.c_prefill
         return t
+
+    def eviction_time(self, kv_tokens: int) -> float:
+        """Seconds to evict part of a sequence that holds ``kv_tokens`` tokens of KV."""
+        return self.e * kv_tokens
 
     def prefill_time(self, n: int) -> float:
         """One whole prompt of n tokens alone (TimeBill's t_prefill)."""

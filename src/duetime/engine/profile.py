@@ -143,6 +143,54 @@ def measure_steps(
     return samples
 
 
+def measure_evictions(
+    model: Gemma3,
+    lengths: Sequence[int] = (128, 256, 512),
+    *,
+    method: str = "snapkv",
+    ratio: float = 0.5,
+    reps: int = 2,
+    window: int = 32,
+) -> list[tuple[int, float]]:
+    """``(KV tokens held, seconds)`` of evictions at ``ratio`` right after a prefill.
+
+    What :attr:`LinearStepCost.e` prices: SnapKV scores every stored key against
+    the prompt's last ``window`` queries and gathers the kept ones, so its cost
+    grows with the KV held; StreamingLLM (``method="streaming"``) only gathers.
+    One untimed eviction per length first (warm-up), then ``reps`` timed ones.
+    """
+    from duetime.engine.eviction import snapkv_evict, streaming_llm_evict
+
+    if method not in ("snapkv", "streaming"):
+        raise ValueError(f"method must be snapkv or streaming, got {method!r}")
+    t = _Timer(model)
+    out: list[tuple[int, float]] = []
+    for n in lengths:
+        for rep in range(reps + 1):
+            kv = model.new_kv_cache()
+            slot = kv.allocate(n)
+            if method == "snapkv":
+                kv.watch(slot, min(window, n))
+            model.step([SeqChunk(slot, t.ids(n), 0)], kv)
+            held = kv.num_tokens(slot)
+            drop = int(ratio * held)
+            t0 = time.perf_counter()
+            if method == "snapkv":
+                snapkv_evict(kv, slot, drop, window=min(window, n))
+            else:
+                streaming_llm_evict(kv, slot, drop)
+            dt = time.perf_counter() - t0
+            if rep:
+                out.append((held, dt))
+    return out
+
+
+def fit_eviction_cost(samples: Sequence[tuple[int, float]]) -> float:
+    """``e`` in seconds per KV token held, least squares through the origin (0 if none)."""
+    n = sum(h * h for h, _ in samples)
+    return sum(h * s for h, s in samples) / n if n else 0.0
+
+
 def steps_from_telemetry(path: Path) -> list[StepSample]:
     """The executor's per-step telemetry lines as cost-model samples."""
     out = []
@@ -232,11 +280,13 @@ def profile_payload(
     max_batch_tokens: int,
     holdout: float = 0.25,
     seed: int = 0,
+    evictions: Sequence[tuple[int, float]] = (),
 ) -> dict[str, object]:
     """Fit both models on a train split, score them on the held-out split, pack a profile.
 
     The coefficients written are refitted on *all* samples (the held-out
-    scores say how well that procedure generalises). The result is what
+    scores say how well that procedure generalises). ``evictions``
+    (:func:`measure_evictions`) set the eviction coefficient ``e``. The result is what
     ``LinearStepCost.from_profile`` and ``duetime sim --profile`` read.
     """
     from duetime.predict.ete import evaluate, fit_batch_cost, fit_timebill, split_samples
@@ -244,6 +294,8 @@ def profile_payload(
     train, test = split_samples(samples, holdout, seed)
     heldout = evaluate(fit_batch_cost(train), fit_timebill(train), test)
     cost = fit_batch_cost(samples, name=name)
+    if evictions:
+        cost = dataclasses.replace(cost, e=fit_eviction_cost(evictions))
     ete = fit_timebill(samples)
     payload = cost.to_profile()
     payload.update(
@@ -255,6 +307,7 @@ def profile_payload(
             "source": source,
             "timebill_ete": {"a": ete.a, "b": ete.b, "c": ete.c, "p": ete.p, "q": ete.q},
             "heldout": {**heldout, "samples": len(test), "train_samples": len(train)},
+            "evictions": [{"kv_tokens": h, "seconds": sec} for h, sec in evictions],
             "samples": len(samples),
         }
     )

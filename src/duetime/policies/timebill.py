@@ -201,14 +201,27 @@ class TimeBill(QueuePolicy):
             kv_others = sum(s.kv_tokens for s in snap.running if s.decoding and s is not seq)
             q = cost.c0 + cost.b * d + cost.d * kv_others
             growth = cost.d * d
-        return optimal_eviction_ratio(
-            deadline - snap.now,
-            0.0,  # the prefill is over: the measured remaining budget already excludes it
-            seq.kv_tokens,
-            n_w,
-            p,
-            q,
-            t_predict_s=self.t_predict_s,
-            alpha_max=self.alpha_max,
-            growth=growth,
-        )
+
+        def alpha_for(budget_s: float) -> float:
+            return optimal_eviction_ratio(
+                budget_s,
+                0.0,  # the prefill is over: the measured remaining budget already excludes it
+                seq.kv_tokens,
+                n_w,
+                p,
+                q,
+                t_predict_s=self.t_predict_s,
+                alpha_max=self.alpha_max,
+                growth=growth,
+            )
+
+        alpha = alpha_for(deadline - snap.now)  # the paper's α*
+        evict_s = cost.eviction_time(seq.kv_tokens)
+        if alpha <= 0.0 or evict_s <= 0.0:
+            return alpha
+        # Eviction takes time of its own (cost.e; zero in the paper's model): it comes
+        # out of the budget, and evicting must save more decode time than it costs,
+        # else the full KV finishes sooner (measured on the CPU engine: docs/timebill.md).
+        alpha = alpha_for(deadline - snap.now - evict_s)
+        saved = p * alpha * seq.kv_tokens * max(n_w - 1, 0)
+        return alpha if saved > evict_s else 0.0

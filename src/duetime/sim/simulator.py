@@ -78,13 +78,22 @@ class Simulator(ExecutorCore):
             offload_suspended=self.cfg.offload_suspended,
         )
         self.cost = cost
+        self._pending_evict_s = 0.0  # eviction work the next step pays (cost.eviction_time)
         self._area = 0.0  # ∫ (requests in system) dt, measured independently of the records
         self._area_run = 0.0  # ∫ (running sequences) dt
 
     def step_cost_model(self) -> LinearStepCost | None:
         return self.cost if isinstance(self.cost, LinearStepCost) else None
 
+    def _on_evict(self, seq: Seq, n_tokens: int, alpha: float) -> None:
+        evict = getattr(self.cost, "eviction_time", None)
+        if evict is not None:
+            self._pending_evict_s += evict(seq.kv_tokens)  # the KV it held before eviction
+
     def _advance(self, dt: float) -> None:
+        if self._pending_evict_s:
+            dt += self._pending_evict_s
+            self._pending_evict_s = 0.0
         n_run = len(self.running)
         self._area += (n_run + len(self.waiting) + len(self.suspended)) * dt
         self._area_run += n_run * dt
@@ -184,7 +193,7 @@ class Simulator(ExecutorCore):
                 self._prefill_step(chunks)
             elif self._n_dec:
                 self._decode_run(min(next_event, max_time))
-            elif self._pending_swap:
+            elif self._pending_swap or self._pending_evict_s:
                 self._prefill_step([])
             elif self.running or self.waiting or self.suspended:
                 if not dec.is_empty():
