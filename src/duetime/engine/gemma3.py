@@ -178,6 +178,10 @@ class Gemma3:
             self.lm_head = DenseLinear(head, cd)
         # one SDPA call for all plain decodes of a step (False: one per sequence, as before)
         self.batched_decode_attention = True
+        if self.compute_dtype == torch.float32:
+            # build (once per machine, seconds) or load the decode attention op now, as q8's
+            # kernel is, so that a server's first request does not pay for it
+            decode_attention_ops()
         self.final_norm = 1.0 + weights["model.norm.weight"].float()
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(cd)
         self.scale = config.query_pre_attn_scalar**-0.5
