@@ -44,12 +44,13 @@ bench-sim: $(STAMP)
 
 # Opt-in: llama.cpp side by side in `duetime bench engine`. llama-cpp-python compiles
 # llama.cpp from source (cmake + g++; tens of minutes on 2 busy cores), installed
-# with constraints.txt so torch and friends stay pinned; then one short bench run.
+# with constraints.txt so torch and friends stay pinned; then one short bench run that
+# prints every issue-#4 ratio (prefill 512, decode batch 1 and 16 vs llama.cpp and bf16).
 LLAMA_CPP_VERSION ?= 0.3.36
 bench-peers: $(STAMP)
 	$(PIP) install -c constraints.txt "llama-cpp-python==$(LLAMA_CPP_VERSION)"
-	$(BIN)/duetime bench engine --engine fp32 --engine q8 --transformers bf16 \
-		--prefill 128 --batch 1,4,16 --json out/bench-engine-peers.json
+	$(BIN)/duetime bench engine --engine q8 --transformers bf16 \
+		--prefill 512 --batch 1,16 --json out/bench-engine-peers.json
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache .ruff_cache .mypy_cache
