@@ -134,6 +134,14 @@ ENGINE_SPECS = (
         description="real engine, q8 (int8 weight-only decode), 2 torch threads",
     ),
     EngineSpec(
+        "engine-gemma3-270m-bf16-t2",
+        dtype="bf16",
+        threads=2,
+        grid=ENGINE_GRID_T2,
+        description="real engine, bf16 weights, activations and KV, 2 torch threads "
+        "(fast only on CPUs with AVX512-BF16)",
+    ),
+    EngineSpec(
         "engine-gemma3-270m-bf16-t1",
         dtype="bf16",
         threads=1,
