@@ -70,8 +70,11 @@ def test_engine_decodes_equal_with_and_without_the_kernel(monkeypatch) -> None:
     hf = tiny_hf_model(seed=1)
     model = engine_from_hf(hf)
     prompts = [[2, 5, 9], [2, *range(10, 40)], [2, 7]]  # different lengths: padding path
+    assert model.decode_kernel
     with_kernel = _decode_logits(model, prompts, 6)
-    monkeypatch.setattr(attention_kernel._EXT, "_state", {"ops": None})
+    monkeypatch.setattr(attention_kernel._EXT, "_state", {"ops": None})  # as with no compiler
     assert decode_attention_ops() is None
-    without = _decode_logits(model, prompts, 6)
+    plain = engine_from_hf(hf)
+    assert not plain.decode_kernel
+    without = _decode_logits(plain, prompts, 6)
     torch.testing.assert_close(with_kernel, without, atol=1e-4, rtol=1e-4)

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.nn.utils.rnn import pad_sequence
 
-from duetime.engine.attention_kernel import decode_attention, decode_attention_ops
 from duetime.engine.kv_cache import KVView
 
 __all__ = ["MaskCache", "attend", "attend_decodes"]
@@ -87,12 +86,11 @@ def attend_decodes(q: torch.Tensor, views: list[KVView], scale: float) -> torch.
     C++ call for keys, one for values) rather than 2·B slice copies from Python:
     ~170 µs less per layer at 16 sequences, ~3 ms per decode step.
 
-    In fp32, when it builds, :func:`~duetime.engine.attention_kernel.decode_attention`
-    does the same without any copy (it reads each sequence's KV where it lies).
+    In fp32, when it builds, the model calls
+    :func:`~duetime.engine.attention_kernel.decode_attention` instead, which does
+    the same without any copy (it reads each sequence's KV where it lies).
     """
     b, heads, hd = q.shape
-    if q.dtype == torch.float32 and decode_attention_ops() is not None:
-        return decode_attention(q, [v.keys for v in views], [v.values for v in views], scale)
     kvh = views[0].keys.shape[0]
     rep = heads // kvh
     lengths = [v.keys.shape[1] for v in views]

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from duetime.engine.attention import MaskCache, attend, attend_decodes
-from duetime.engine.attention_kernel import decode_attention_ops
+from duetime.engine.attention_kernel import decode_attention, decode_attention_ops
 from duetime.engine.batch import SeqChunk, StepBatch
 from duetime.engine.config import Gemma3Config
 from duetime.engine.kv_cache import KVCache
@@ -178,10 +178,11 @@ class Gemma3:
             self.lm_head = DenseLinear(head, cd)
         # one SDPA call for all plain decodes of a step (False: one per sequence, as before)
         self.batched_decode_attention = True
-        if self.compute_dtype == torch.float32:
-            # build (once per machine, seconds) or load the decode attention op now, as q8's
-            # kernel is, so that a server's first request does not pay for it
-            decode_attention_ops()
+        # the C++ decode attention op (fp32 only), built (once per machine, seconds) or loaded
+        # now, as q8's kernel is, so that a server's first request does not pay for it
+        self.decode_kernel = self.compute_dtype == torch.float32 and (
+            decode_attention_ops() is not None
+        )
         self.final_norm = 1.0 + weights["model.norm.weight"].float()
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(cd)
         self.scale = config.query_pre_attn_scalar**-0.5
@@ -282,12 +283,16 @@ class Gemma3:
             mask = masks.mask(view, c.start_pos, b - a, sliding) if view.needs_mask else None
             outs.append(attend(q[a:b], view, mask, self.scale))
         # the decode kernel serves even one decode; SDPA's batched call pays from two on
-        few = len(decode_views) < (1 if decode_attention_ops() is not None else 2)
+        few = len(decode_views) < (1 if self.decode_kernel else 2)
         if few or not self.batched_decode_attention:
             for a, view in zip(decode_rows, decode_views, strict=True):
                 outs.insert(batch.offsets.index(a), attend(q[a : a + 1], view, None, self.scale))
             return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-        dec = attend_decodes(q[decode_rows], decode_views, self.scale)
+        if self.decode_kernel:
+            keys, values = [v.keys for v in decode_views], [v.values for v in decode_views]
+            dec = decode_attention(q[decode_rows], keys, values, self.scale)
+        else:
+            dec = attend_decodes(q[decode_rows], decode_views, self.scale)
         if not outs:
             return dec  # a pure decode step: rows are already in chunk order
         out = torch.empty((q.shape[0], dec.shape[1]), dtype=dec.dtype)
