@@ -21,7 +21,7 @@ import numpy as np
 from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job
 from duetime.engine.gemma3 import DTYPES
-from duetime.predict.ete import StepSample, step_kind
+from duetime.predict.ete import StepSample, cost_mape_pct, step_kind
 
 # "cpu": seconds of CPU this process used. On a shared 2-core machine another
 # process's burst stretches wall time by 2x or more while the engine waits for a
@@ -141,15 +141,6 @@ def time_shapes(
     return samples
 
 
-def fit_mape_pct(cost: LinearStepCost, samples: Sequence[StepSample]) -> float:
-    """How well ``cost`` predicts the steps it was fitted to (MAPE, %)."""
-    from duetime.predict.ete import mape_pct
-
-    pred = [cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
-            for s in samples]  # fmt: skip
-    return mape_pct(np.array(pred), np.array([s.seconds for s in samples]))
-
-
 def fit_cost(samples: Sequence[StepSample], name: str) -> tuple[LinearStepCost, dict[str, Any]]:
     """The simulator's step cost fitted to ``samples``, and how well it fits them."""
     from duetime.predict.ete import fit_batch_cost
@@ -158,7 +149,7 @@ def fit_cost(samples: Sequence[StepSample], name: str) -> tuple[LinearStepCost, 
     info = {
         "source": f"fitted to {len(samples)} engine steps timed by this bench",
         "timed_steps": len(samples),
-        "fit_mape_pct": fit_mape_pct(cost, samples),
+        "fit_mape_pct": cost_mape_pct(cost, samples),
         "timed_s": float(sum(s.seconds for s in samples)),
         "samples": [dataclasses.asdict(s) for s in samples],
     }

@@ -132,8 +132,7 @@ def fit_engine_cost(
     follow) plus ``short`` steps (:func:`short_steps`), which spread the points so the
     quadratic prefill and the per-KV-token slope are not fitted from a handful of nearby
     lengths."""
-    from duetime.bench.engine_fit import fit_mape_pct
-    from duetime.predict.ete import fit_batch_cost, fit_timebill
+    from duetime.predict.ete import cost_mape_pct, fit_batch_cost, fit_timebill
 
     t0 = time.perf_counter()
     samples = [*short, *real_steps]
@@ -143,7 +142,7 @@ def fit_engine_cost(
         "source": f"fitted to {len(real_steps)} steps of the reference run and "
         f"{len(samples) - len(real_steps)} short steps timed by this bench",
         "timed_steps": len(samples),
-        "fit_mape_pct": fit_mape_pct(cost, samples),
+        "fit_mape_pct": cost_mape_pct(cost, samples),
         "fit_wall_s": time.perf_counter() - t0,
         "step_cost": {k: getattr(cost, k) for k in ("c0", "c_prefill", "a1", "a2", "b", "d")},
         "timebill_ete": {"a": ete.a, "b": ete.b, "c": ete.c, "p": ete.p, "q": ete.q},

@@ -63,6 +63,13 @@ def mape_pct(pred: np.ndarray, actual: np.ndarray) -> float:
     return float(100.0 * np.mean(np.abs(pred - actual) / actual))
 
 
+def cost_mape_pct(cost: LinearStepCost, samples: Sequence[StepSample]) -> float:
+    """MAPE (%) of a step-cost model on timed steps."""
+    pred = [cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
+            for s in samples]  # fmt: skip
+    return mape_pct(np.array(pred), np.array([s.seconds for s in samples]))
+
+
 def fit_batch_cost(samples: Sequence[StepSample], name: str = "fitted") -> LinearStepCost:
     """NNLS fit of ``c0, c_prefill, a1, a2, b, d`` minimising relative error."""
     if len(samples) < 6:
@@ -170,14 +177,7 @@ def evaluate(
 ) -> dict[str, float | None]:
     """MAPE of both models on ``samples``, per kind."""
     out: dict[str, float | None] = {}
-    y = np.array([s.seconds for s in samples])
-    pred = np.array(
-        [
-            cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
-            for s in samples
-        ]
-    )
-    out["batch_model_mape_pct"] = mape_pct(pred, y) if len(samples) else None
+    out["batch_model_mape_pct"] = cost_mape_pct(cost, samples) if len(samples) else None
     pre = [s for s in samples if s.kind == "prefill"]
     dec = [s for s in samples if s.kind == "decode" and s.decode_seqs == 1]
     out["ete_prefill_mape_pct"] = (
