@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from duetime.predict.length_data import LengthData, conversation_groups, split_rows
+from duetime.predict.length_data import LengthData, conversation_groups, merge_groups, split_rows
 from duetime.predict.length_fit import train_rlp
 from duetime.predict.length_model import (
     MODEL_VERSION,
@@ -48,6 +48,31 @@ def test_split_is_by_conversation_seeded_and_complete():
         assert all(where[g] == name for g in groups[r])  # no conversation straddles two splits
     again = split_rows(groups, seed=3)
     assert all(np.array_equal(splits[k], again[k]) for k in splits)
+
+
+def test_duplicated_chats_share_a_split_whatever_their_ids():
+    # 40 conversations; conversation k and k + 20 are the same chat shared under two ids,
+    # and one chat (key 99) also appears inside conversations 5 and 7.
+    groups = np.asarray([f"c{k}" for k in range(40)])
+    keys = np.asarray([k % 20 for k in range(40)])
+    keys[[5, 7]] = 99
+    merged = merge_groups(groups, keys)
+    assert merged[3] == merged[23] == "c23"  # the smaller name, compared as strings
+    assert merged[5] == merged[7]
+    assert len(set(merged)) == 21  # 18 pairs, {5, 7}, and 25 and 27 alone
+    for seed in range(5):
+        splits = split_rows(merged, seed=seed)
+        where = {int(r): name for name, rows in splits.items() for r in rows}
+        for k in range(20):
+            assert where[k] == where[k + 20]
+        assert where[5] == where[7]
+    # Without the keys the two copies are split apart for some seed: the test can fail.
+    apart = [split_rows(groups, seed=s) for s in range(5)]
+    assert any(
+        {int(r): n for n, rows in sp.items() for r in rows}[3]
+        != {int(r): n for n, rows in sp.items() for r in rows}[23]
+        for sp in apart
+    )
 
 
 def test_training_learns_and_saves_a_small_file(tmp_path):

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from duetime.predict.conformal import BucketCDF, DistributionConformal
-from duetime.predict.length_data import LengthData, from_sharegpt
+from duetime.predict.length_data import LengthData, from_sharegpt, pair_keys
 from duetime.predict.length_metrics import length_metrics
 from duetime.predict.length_model import (
     READOUTS,
@@ -64,6 +64,7 @@ def load_length_data(
         seed=seed,
         encoder=enc.identity,
         dataset=dataset_identity(lengths),
+        content_keys=pair_keys(lengths),
     )
 
 
