@@ -21,16 +21,34 @@ def predict_train_length(
         "out/rlp.npz"
     ),
     encoder: Annotated[
-        str, typer.Option(help="minilm[:word pieces] or minilm-static[:word pieces].")
+        str,
+        typer.Option(
+            help="minilm[:word pieces], minilm-static[:word pieces], or minilm-ft[:pieces[:layers]]"
+            " (fine-tuned with LoRA; use a GPU)."
+        ),
     ] = "minilm-static:512",
     bucket_size: Annotated[int, typer.Option(min=1, help="B, tokens per bucket.")] = 16,
     max_len: Annotated[int, typer.Option(min=1, help="N_model: longest answer kept.")] = 4096,
     hidden: Annotated[int, typer.Option(min=0, help="MLP width (0: linear head).")] = 256,
-    epochs: Annotated[int, typer.Option(min=1)] = 40,
+    dropout: Annotated[float, typer.Option(min=0.0, max=0.9, help="Head dropout.")] = 0.2,
+    epochs: Annotated[
+        int | None, typer.Option(min=1, help="Default 40 for a head, 6 for minilm-ft.")
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, help="Default 256 for a head, 32 for minilm-ft.")
+    ] = None,
+    lr: Annotated[float, typer.Option(help="Learning rate of the head.")] = 1e-3,
     label_sigma: Annotated[float, typer.Option(min=0.0, help="Label smoothing, buckets.")] = 0.0,
     readout: Annotated[str, typer.Option(help="median, mean or argmax (TimeBill).")] = "median",
     seed: Annotated[int, typer.Option(help="Seed of the split and the training.")] = 0,
     coverage: Annotated[float, typer.Option(help="Interval coverage for the report.")] = 0.9,
+    lora_rank: Annotated[int, typer.Option(min=1, help="minilm-ft: LoRA rank.")] = 16,
+    encoder_lr: Annotated[float, typer.Option(help="minilm-ft: adapters' learning rate.")] = 5e-4,
+    device: Annotated[str, typer.Option(help="minilm-ft: torch device (cpu, cuda).")] = "cpu",
+    bundle: Annotated[
+        Path | None,
+        typer.Option(help="minilm-ft: a token bundle from export-length-data instead of ShareGPT."),
+    ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the checkpoint beside --out.")
     ] = False,
@@ -38,38 +56,79 @@ def predict_train_length(
 ) -> None:
     """Train TimeBill's bucket classifier on ShareGPT; save a model file.
 
-    A checkpoint (``<out>.ckpt``) is written after every epoch and removed once
+    A frozen encoder trains only the head (a minute on this CPU); ``minilm-ft``
+    fine-tunes the encoder with it (minutes on a GPU, ``--device cuda``). A
+    checkpoint (``<out>.ckpt``) is written after every epoch and removed once
     the model file is saved; after an interruption, ``--resume`` continues it.
     """
     from duetime.metrics import write_json
-    from duetime.predict.length_fit import load_length_data, train_rlp
     from duetime.predict.length_model import RLPConfig
 
+    finetune = encoder.partition(":")[0] == "minilm-ft"
     with _user_errors():
+        if bundle is not None and not finetune:
+            raise ValueError("--bundle feeds a fine-tuned encoder only (--encoder minilm-ft...)")
         cfg = RLPConfig(
             bucket_size=bucket_size,
             max_len=max_len,
             encoder=encoder,
             hidden=hidden,
-            epochs=epochs,
+            dropout=dropout,
+            epochs=epochs or (6 if finetune else 40),
+            batch_size=batch_size or (32 if finetune else 256),
+            lr=lr,
             label_sigma=label_sigma,
             readout=readout,
             seed=seed,
+            lora_rank=lora_rank,
+            encoder_lr=encoder_lr,
         )
-        data = load_length_data(encoder, max_len=max_len, seed=seed)
         ckpt = out_path.with_name(out_path.name + ".ckpt")
-        rlp = train_rlp(data, cfg, checkpoint=ckpt, resume=resume, coverage=coverage)
+        if finetune:
+            from duetime.predict.length_finetune import train_finetuned_rlp
+            from duetime.predict.length_tokens import TokenBundle, build_bundle
+
+            tokens = (
+                TokenBundle.load(bundle)
+                if bundle is not None
+                else build_bundle(max_len=max_len, seed=seed)
+            )
+            rlp = train_finetuned_rlp(
+                tokens, cfg, device=device, checkpoint=ckpt, resume=resume, coverage=coverage
+            )
+        else:
+            from duetime.predict.length_fit import load_length_data, train_rlp
+
+            data = load_length_data(encoder, max_len=max_len, seed=seed)
+            rlp = train_rlp(data, cfg, checkpoint=ckpt, resume=resume, coverage=coverage)
         rlp.save(out_path)
         ckpt.unlink(missing_ok=True)  # the model file is written: nothing left to resume
     m = rlp.meta["test_metrics"][cfg.readout]
     out.print(
-        f"wrote {out_path} (best epoch {rlp.meta['best_epoch']}/{epochs}); test, {readout}: "
+        f"wrote {out_path} (best epoch {rlp.meta['best_epoch']}/{cfg.epochs}); test, {readout}: "
         f"MAE {m['mae_tokens']:.1f} tokens, RMSE {m['rmse_tokens']:.1f}, R² {m['r2']:.3f}, "
         f"bucket acc {m['bucket_acc']:.3f}, {coverage:.0%} interval covers {m['coverage']:.3f} "
         f"(mean width {m['interval_width_tokens']:.0f} tokens)"
     )
     if json_path is not None:
         write_json(json_path, {"config": rlp.config, "meta": rlp.meta})
+
+
+@predict_app.command("export-length-data")
+def predict_export_length_data(
+    out_path: Annotated[Path, typer.Option("--out", help="Bundle to write (.npz).")] = Path(
+        "out/rlp-tokens.npz"
+    ),
+    max_len: Annotated[int, typer.Option(min=1, help="N_model: longest answer kept.")] = 4096,
+    seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
+) -> None:
+    """Write the RLP's training rows as MiniLM word-piece ids (~4 MB): `train-length --bundle`
+    then fine-tunes on a machine without the ShareGPT package (a GPU box)."""
+    from duetime.predict.length_tokens import build_bundle
+
+    with _user_errors():
+        b = build_bundle(max_len=max_len, seed=seed).save(out_path)
+    out.print(f"wrote {b} ({b.stat().st_size / 1e6:.1f} MB)")
 
 
 @predict_app.command("throughput")

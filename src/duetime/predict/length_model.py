@@ -64,6 +64,8 @@ class RLPConfig:
     weight_decay: float = 1e-4
     readout: str = "median"  # default readout; argmax is TimeBill's Eq. 2
     seed: int = 0
+    lora_rank: int = 16  # minilm-ft only: rank of the encoder's LoRA adapters
+    encoder_lr: float = 5e-4  # minilm-ft only: learning rate of the adapters (lr is the head's)
 
     def __post_init__(self) -> None:
         if self.bucket_size < 1 or self.max_len < self.bucket_size:
@@ -195,8 +197,10 @@ def config_dict(cfg: RLPConfig) -> dict[str, Any]:
 
 MODEL_FORMAT = "duetime-rlp"
 # Bump when the file layout, the features or the head's meaning change; old files then refuse
-# to load with ModelVersionError instead of predicting garbage.
-MODEL_VERSION = 1
+# to load with ModelVersionError instead of predicting garbage. 2: encoder adapters
+# (minilm-ft) and the split that keeps duplicated chats together.
+MODEL_VERSION = 2
+_ADAPTER = "adapter:"  # prefix of the encoder's adapter arrays inside the .npz
 
 
 class ModelVersionError(ValueError):
@@ -209,14 +213,17 @@ class LengthModel:
 
     ``conformal_scores`` are the sorted ``|F̂(y) − ½|`` of the calibration
     split (see :class:`~duetime.predict.conformal.DistributionConformal`), so
-    any coverage can be asked for at prediction time. ``meta`` records the
-    encoder identity, the dataset, the split sizes and the test metrics.
+    any coverage can be asked for at prediction time. ``adapters`` are a
+    fine-tuned encoder's LoRA weights (``minilm-ft``; empty for frozen
+    encoders). ``meta`` records the encoder identity, the dataset, the split
+    sizes and the test metrics.
     """
 
     config: RLPConfig
     weights: HeadWeights
     conformal_scores: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
+    adapters: dict[str, np.ndarray] = field(default_factory=dict)
 
     def levels(self, coverage: float) -> tuple[float, float]:
         from duetime.predict.conformal import DistributionConformal
@@ -255,6 +262,7 @@ class LengthModel:
             "meta": self.meta,
         }
         arrays: dict[str, Any] = {k: v.astype(np.float16) for k, v in self.weights.arrays().items()}
+        arrays |= {_ADAPTER + k: v.astype(np.float16) for k, v in self.adapters.items()}
         with atomic_writer(path, binary=True) as f:
             np.savez_compressed(
                 f,
@@ -292,6 +300,11 @@ class LengthModel:
                 )
             arr = {k: data[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2") if k in data}
             scores = data["conformal_scores"].astype(np.float64)
+            adapters = {
+                k.removeprefix(_ADAPTER): data[k].astype(np.float32)
+                for k in data.files
+                if k.startswith(_ADAPTER)
+            }
         weights = HeadWeights(
             arr["w1"],
             arr["b1"],
@@ -300,4 +313,6 @@ class LengthModel:
             float(header["feat_mean"]),
             float(header["feat_std"]),
         )
-        return cls(RLPConfig.from_dict(header["config"]), weights, scores, header.get("meta", {}))
+        return cls(
+            RLPConfig.from_dict(header["config"]), weights, scores, header.get("meta", {}), adapters
+        )

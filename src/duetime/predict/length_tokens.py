@@ -1,0 +1,137 @@
+"""The RLP's training data as word-piece ids: one small portable file.
+
+Fine-tuning the encoder (``minilm-ft``) reads token ids, not frozen
+embeddings. A :class:`TokenBundle` holds every ShareGPT prompt's MiniLM word
+pieces (up to 512, ``[CLS]``/``[SEP]`` included, as the tokenizer truncates),
+the Gemma token counts of prompt and answer, and the seeded split, in one
+``.npz`` of ~4 MB. So the training can run on a machine that has a GPU but not
+the ShareGPT package (``duetime predict export-length-data``, then
+``train-length --bundle``), and every machine trains on the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from duetime.predict.length_data import SPLITS
+
+BUNDLE_FORMAT = "duetime-rlp-tokens"
+BUNDLE_VERSION = 1
+BUNDLE_TOKENS = 512  # word pieces kept per prompt: BERT's position limit
+SEP_ID = 102  # [SEP] in MiniLM's (BERT uncased) vocabulary
+
+
+def cut(seq: np.ndarray, max_tokens: int) -> np.ndarray:
+    """The first ``max_tokens`` pieces, ending in ``[SEP]``: what the tokenizer's truncation gives."""
+    if len(seq) <= max_tokens:
+        return seq
+    return np.concatenate([seq[: max_tokens - 1], np.asarray([SEP_ID], dtype=seq.dtype)])
+
+
+@dataclass(slots=True, eq=False)
+class TokenBundle:
+    """Word-piece ids of every row (ragged: ``ids[off[i]:off[i + 1]]``), labels and split."""
+
+    ids: np.ndarray  # uint16, all rows concatenated
+    off: np.ndarray  # int64, len(rows) + 1
+    prompt_len: np.ndarray  # Gemma tokens, <bos> included
+    output_len: np.ndarray  # Gemma tokens of the recorded answer
+    splits: dict[str, np.ndarray]
+    dataset: str  # identity of the rows (file, size, mtime, counter, count) and the split rule
+    tokenizer: str
+
+    def __len__(self) -> int:
+        return len(self.prompt_len)
+
+    def seqs(self, rows: np.ndarray) -> list[np.ndarray]:
+        """The id sequence of each row, as int64."""
+        return [self.ids[self.off[r] : self.off[r + 1]].astype(np.int64) for r in rows]
+
+    def save(self, path: str | Path) -> Path:
+        from duetime.workloads._files import atomic_writer
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = {
+            "format": BUNDLE_FORMAT,
+            "version": BUNDLE_VERSION,
+            "dataset": self.dataset,
+            "tokenizer": self.tokenizer,
+        }
+        with atomic_writer(path, binary=True) as f:
+            np.savez_compressed(
+                f,
+                header=np.asarray(json.dumps(header)),
+                ids=self.ids,
+                off=self.off,
+                prompt_len=self.prompt_len,
+                output_len=self.output_len,
+                **{f"split_{k}": v for k, v in self.splits.items()},
+            )
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> TokenBundle:
+        """Read a bundle; anything else (or another version) raises ``ValueError`` naming it."""
+        path = Path(path)
+        try:
+            data = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise ValueError(f"{path}: not a duetime token bundle ({e})") from None
+        with data:
+            header = json.loads(str(data["header"])) if "header" in data.files else {}
+            if header.get("format") != BUNDLE_FORMAT:
+                raise ValueError(f"{path}: not a duetime token bundle (format {header.get('format')!r})")
+            if header.get("version") != BUNDLE_VERSION:
+                raise ValueError(
+                    f"{path}: token bundle version {header.get('version')}, this duetime reads "
+                    f"{BUNDLE_VERSION}; export it again with `duetime predict export-length-data`"
+                )
+            bundle = cls(
+                data["ids"],
+                data["off"],
+                data["prompt_len"],
+                data["output_len"],
+                {k: data[f"split_{k}"] for k in SPLITS},
+                header["dataset"],
+                header["tokenizer"],
+            )
+        if len(bundle.off) != len(bundle) + 1 or bundle.off[-1] != len(bundle.ids):
+            raise ValueError(f"{path}: token bundle offsets do not match its ids")
+        return bundle
+
+
+def build_bundle(*, max_len: int, seed: int = 0, progress: bool = True) -> TokenBundle:
+    """Every ShareGPT row, tokenised for MiniLM, with the RLP's split (``length_fit``'s rule)."""
+    from duetime.predict.length_data import from_sharegpt, pair_keys
+    from duetime.predict.length_features import MiniLMEncoder, dataset_identity, sharegpt_prompts
+    from duetime.workloads import load_sharegpt_lengths
+
+    lengths = load_sharegpt_lengths(progress=progress)
+    rows = from_sharegpt(
+        lengths,
+        np.empty((len(lengths), 0), dtype=np.float32),
+        max_len=max_len,
+        seed=seed,
+        content_keys=pair_keys(lengths),
+    )
+    tok = MiniLMEncoder(BUNDLE_TOKENS, static=True)
+    seqs = tok.token_ids(sharegpt_prompts(lengths))
+    off = np.zeros(len(seqs) + 1, dtype=np.int64)
+    off[1:] = np.cumsum([len(s) for s in seqs])
+    ids = np.fromiter((i for s in seqs for i in s), dtype=np.uint16, count=int(off[-1]))
+    return TokenBundle(
+        ids,
+        off,
+        lengths.prompt_len.astype(np.int64),
+        lengths.output_len.astype(np.int64),
+        rows.splits,
+        f"{dataset_identity(lengths)}|split seed {seed}, max_len {max_len}",
+        tok.identity,
+    )

@@ -1,0 +1,170 @@
+"""The fine-tuned RLP (``minilm-ft``): token bundle, LoRA training, resumption, model file,
+and the predictor's CPU path. Real MiniLM weights cut to one layer and 16 word pieces."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from duetime.predict.length_data import split_rows
+from duetime.predict.length_finetune import train_finetuned_rlp
+from duetime.predict.length_ft_encoder import FinetunedMiniLMEncoder, parse_ft_spec
+from duetime.predict.length_model import LengthModel, RLPConfig
+from duetime.predict.length_predictor import LearnedLengthPredictor
+from duetime.predict.length_tokens import TokenBundle
+from duetime.predict.length_train import CheckpointError
+
+CFG = RLPConfig(
+    bucket_size=16,
+    max_len=512,
+    encoder="minilm-ft:16:1",
+    hidden=16,
+    dropout=0.0,
+    epochs=4,
+    batch_size=16,
+    lr=3e-2,
+    encoder_lr=1e-3,
+    lora_rank=2,
+)
+TOPICS = ["rivers", "cats", "tax law", "jazz", "volcanoes", "chess", "bread", "satellites"]
+
+
+def synthetic_texts(n: int = 160, seed: int = 0) -> tuple[list[str], np.ndarray]:
+    """Prompts asking for an essay get ~400-token answers, the others ~24: a learnable signal."""
+    rng = np.random.default_rng(seed)
+    texts, out = [], []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        if i % 2:
+            texts.append(f"write a long detailed essay about {topic} please")
+            out.append(int(rng.integers(360, 440)))
+        else:
+            texts.append(f"say hi about {topic}")
+            out.append(int(rng.integers(16, 32)))
+    return texts, np.asarray(out)
+
+
+def make_bundle(texts: list[str], out: np.ndarray) -> TokenBundle:
+    enc = FinetunedMiniLMEncoder(16, 1, {"unused.lora_A": np.zeros(1)})  # tokenizer only
+    seqs = enc.token_ids(texts)
+    off = np.zeros(len(seqs) + 1, dtype=np.int64)
+    off[1:] = np.cumsum([len(s) for s in seqs])
+    groups = np.asarray([f"c{i // 2}" for i in range(len(texts))])
+    return TokenBundle(
+        np.concatenate(seqs).astype(np.uint16),
+        off,
+        np.asarray([len(t.split()) + 1 for t in texts]),
+        out,
+        split_rows(groups, seed=0, fractions=(0.5, 0.2, 0.15, 0.15)),
+        "synthetic",
+        "minilm-wordpiece",
+    )
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[list[str], TokenBundle]:
+    texts, out = synthetic_texts()
+    return texts, make_bundle(texts, out)
+
+
+@pytest.fixture(scope="module")
+def trained(data):
+    return train_finetuned_rlp(data[1], CFG, progress=False, threads=1)
+
+
+def test_fine_tuning_learns_the_signal_and_calibrates(data, trained):
+    _, bundle = data
+    m = trained.meta["test_metrics"]["median"]
+    y = bundle.output_len[bundle.splits["test"]]
+    const_mae = np.mean(np.abs(y - np.median(bundle.output_len[bundle.splits["train"]])))
+    assert m["mae_tokens"] < 0.5 * const_mae
+    assert trained.adapters  # LoRA A and B of every adapted linear layer
+    n_modules = {k.rsplit(".", 1)[0] for k in trained.adapters}
+    assert len(n_modules) == 6  # query, key, value, attention/out, intermediate, output dense
+    assert trained.meta["best_epoch"] >= 1
+    assert len(trained.conformal_scores) == len(bundle.splits["calib"])
+
+
+def test_model_file_round_trips_and_the_predictor_reads_text(data, trained, tmp_path):
+    texts, bundle = data
+    path = trained.save(tmp_path / "ft.npz")
+    back = LengthModel.load(path)
+    assert back.config == trained.config
+    assert set(back.adapters) == set(trained.adapters)
+    for k, v in trained.adapters.items():
+        assert np.array_equal(back.adapters[k], v), k
+
+    rows = bundle.splits["test"]
+    enc = FinetunedMiniLMEncoder(16, 1, back.adapters)
+    from_ids = enc.encode_ids(bundle.seqs(rows))
+    from_text = enc.encode([texts[r] for r in rows])
+    np.testing.assert_allclose(from_text, from_ids, atol=1e-5)  # same features either way
+
+    pred = LearnedLengthPredictor(back, use_cache=False)
+    got = pred.predict_texts([texts[r] for r in rows], bundle.prompt_len[rows], 512)
+    want = back.predict(from_ids, bundle.prompt_len[rows], 512)
+    np.testing.assert_allclose([g.point for g in got], want.point, rtol=1e-6)
+    # the figures stored at training time are the ones this file reproduces
+    y = bundle.output_len[rows]
+    mae = float(np.mean(np.abs(np.asarray([g.point for g in got]) - y)))
+    assert mae == pytest.approx(trained.meta["test_metrics"]["median"]["mae_tokens"], rel=1e-5)
+
+
+def test_adapters_change_the_encoder(data, trained):
+    _, bundle = data
+    seqs = bundle.seqs(bundle.splits["test"][:8])
+    tuned = FinetunedMiniLMEncoder(16, 1, trained.adapters).encode_ids(seqs)
+    zero = {k: np.zeros_like(v) for k, v in trained.adapters.items()}
+    base = FinetunedMiniLMEncoder(16, 1, zero).encode_ids(seqs)
+    assert not np.allclose(tuned[:, :384], base[:, :384], atol=1e-4)  # contextual half moved
+    np.testing.assert_array_equal(tuned[:, 384:], base[:, 384:])  # static half is frozen
+
+
+def test_resume_from_checkpoint_equals_uninterrupted(data, tmp_path):
+    _, bundle = data
+    cfg = replace(CFG, epochs=3)
+    whole = train_finetuned_rlp(bundle, cfg, progress=False, threads=1)
+    ckpt = tmp_path / "ft.ckpt"
+    train_finetuned_rlp(bundle, cfg, checkpoint=ckpt, progress=False, stop_after=1, threads=1)
+    assert ckpt.exists()
+    resumed = train_finetuned_rlp(
+        bundle, cfg, checkpoint=ckpt, resume=True, progress=False, threads=1
+    )
+    assert resumed.meta["epochs_run"] == 3
+    for k, v in whole.adapters.items():
+        assert np.array_equal(v, resumed.adapters[k]), k
+    assert np.array_equal(whole.weights.w2, resumed.weights.w2)
+    with pytest.raises(CheckpointError, match="lora_rank"):
+        train_finetuned_rlp(
+            bundle, replace(cfg, lora_rank=4), checkpoint=ckpt, resume=True, progress=False
+        )
+
+
+def test_bundle_round_trip_and_bad_files(data, tmp_path):
+    _, bundle = data
+    back = TokenBundle.load(bundle.save(tmp_path / "b.npz"))
+    assert back.dataset == bundle.dataset
+    assert [s.tolist() for s in back.seqs(np.arange(5))] == [
+        s.tolist() for s in bundle.seqs(np.arange(5))
+    ]
+    for k in bundle.splits:
+        assert np.array_equal(back.splits[k], bundle.splits[k])
+    other = tmp_path / "other.npz"
+    np.savez(other, x=np.zeros(3))
+    with pytest.raises(ValueError, match="not a duetime token bundle"):
+        TokenBundle.load(other)
+
+
+def test_fine_tuned_encoder_specs():
+    assert parse_ft_spec("minilm-ft") == (128, 3)
+    assert parse_ft_spec("minilm-ft:64") == (64, 3)
+    assert parse_ft_spec("minilm-ft:64:6") == (64, 6)
+    for bad in ("minilm-ft:1", "minilm-ft:64:7", "minilm-ft:x", "minilm-ft:1:2:3"):
+        with pytest.raises(ValueError, match="minilm-ft"):
+            parse_ft_spec(bad)
+    from duetime.predict.length_features import make_encoder
+
+    with pytest.raises(ValueError, match="needs a model file's adapters"):
+        make_encoder("minilm-ft:64")
