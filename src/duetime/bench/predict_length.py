@@ -50,9 +50,12 @@ def score_model(
     from duetime.predict.length_model import LengthModel
     from duetime.workloads import load_sharegpt_lengths
 
+    from duetime.predict.length_features import make_encoder
+
     rlp = LengthModel.load(model_path)
     cfg = rlp.config
-    data = load_length_data(cfg.encoder, max_len=cfg.max_len, seed=cfg.seed, progress=progress)
+    encoder = make_encoder(cfg.encoder, adapters=rlp.adapters)
+    data = load_length_data(encoder, max_len=cfg.max_len, seed=cfg.seed, progress=progress)
     if data.encoder != rlp.meta.get("encoder"):
         raise ValueError(
             f"{model_path}: trained on encoder {rlp.meta.get('encoder')!r}, "
@@ -73,6 +76,9 @@ def score_model(
         base_rows[b.name] = length_metrics(y, point, lo, hi, bucket_size=cfg.bucket_size)
         base_rows[b.name]["coverage_grid"] = _grid(y, lambda c, p=point, b=b: b.interval(p, c))
         base_points[b.name] = point
+    if rlp.adapters:  # fine-tuned: also the head on the frozen features it started from
+        name, row, point = frozen_reference(cfg, data, coverage, progress=progress)
+        base_rows[name], base_points[name] = row, point
     best_name = min(base_rows, key=lambda k: base_rows[k]["mae_tokens"])
 
     pred = rlp.predict(emb, plen, cfg.max_len, coverage=coverage)
@@ -112,6 +118,34 @@ def score_model(
         "baseline_fit_s": baseline_fit_s,
         "_plot": {"y": y, "point": pred.point, "lo": pred.lo, "hi": pred.hi, "base": base_points},
     }
+
+
+FROZEN_REFERENCE = "minilm-static:512"
+
+
+def frozen_reference(
+    cfg: Any, data: Any, coverage: float, *, progress: bool
+) -> tuple[str, dict[str, Any], np.ndarray]:
+    """The regression head on frozen ``minilm-static:512`` features, same split and test rows:
+    what a fine-tuned encoder has to beat to be worth its milliseconds."""
+    from duetime.predict.length_baselines import regression_head
+    from duetime.predict.length_fit import load_length_data
+    from duetime.predict.length_metrics import length_metrics
+    from duetime.predict.length_model import RLPConfig
+
+    frozen = load_length_data(
+        FROZEN_REFERENCE, max_len=cfg.max_len, seed=cfg.seed, progress=progress
+    )
+    if not np.array_equal(frozen.splits["test"], data.splits["test"]):
+        raise ValueError("the frozen reference's split differs from the model's")
+    ref_cfg = RLPConfig(bucket_size=cfg.bucket_size, max_len=cfg.max_len, seed=cfg.seed)
+    b = regression_head(frozen, ref_cfg)
+    emb, plen, y = frozen.part("test")
+    point = np.maximum(b.predict(emb, plen), 1.0)
+    lo, hi = b.interval(point, coverage)
+    row = length_metrics(y, point, lo, hi, bucket_size=cfg.bucket_size)
+    row["coverage_grid"] = _grid(y, lambda c, p=point: b.interval(p, c))
+    return f"regression-head (frozen {FROZEN_REFERENCE})", row, point
 
 
 def _rlp_interval(rlp: Any, emb: np.ndarray, plen: np.ndarray, c: float) -> tuple[Any, Any]:
