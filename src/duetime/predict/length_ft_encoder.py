@@ -86,13 +86,17 @@ def _mean(hidden: Any, mask: Any) -> Any:
     return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
-def pooled_features(bert: Any, seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu") -> Any:
+def pooled_features(
+    bert: Any, seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu"
+) -> Any:
     """The ``FT_DIM`` feature rows (see the module docstring); training and inference share it."""
     import torch
 
     ids, mask = pad(seqs, max_tokens, device)
     ctx = _mean(bert(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
-    bag_ids, bag_mask = (ids, mask) if max_tokens >= BUNDLE_TOKENS else pad(seqs, BUNDLE_TOKENS, device)
+    bag_ids, bag_mask = (
+        (ids, mask) if max_tokens >= BUNDLE_TOKENS else pad(seqs, BUNDLE_TOKENS, device)
+    )
     static = _mean(bert.get_input_embeddings()(bag_ids), bag_mask)
     return torch.cat([ctx.float(), static.float()], dim=1)
 
@@ -107,7 +111,11 @@ def merge_adapters(bert: Any, arrays: dict[str, np.ndarray]) -> None:
         raise ValueError("a minilm-ft model needs its adapter weights; this file has none")
     with torch.no_grad():
         for name in names:
-            if name not in modules or f"{name}.lora_A" not in arrays or f"{name}.lora_B" not in arrays:
+            if (
+                name not in modules
+                or f"{name}.lora_A" not in arrays
+                or f"{name}.lora_B" not in arrays
+            ):
                 raise ValueError(f"adapter {name!r} does not fit MiniLM's first layers")
             a = torch.from_numpy(np.asarray(arrays[f"{name}.lora_A"], dtype=np.float32))
             b = torch.from_numpy(np.asarray(arrays[f"{name}.lora_B"], dtype=np.float32))

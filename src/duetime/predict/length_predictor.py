@@ -60,9 +60,7 @@ class LearnedLengthPredictor:
         self.coverage = coverage
         self.levels = model.levels(coverage)  # validates coverage once
         self.readout = readout or model.config.readout
-        self.encoder = make_encoder(
-            model.config.encoder, threads=threads, adapters=model.adapters
-        )
+        self.encoder = make_encoder(model.config.encoder, threads=threads, adapters=model.adapters)
         self.use_cache = use_cache
         self._memo: dict[int, np.ndarray] = {}
         self._fresh: deque[int] = deque()  # memo keys the encoder produced, oldest first

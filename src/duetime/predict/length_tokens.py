@@ -4,7 +4,7 @@ Fine-tuning the encoder (``minilm-ft``) reads token ids, not frozen
 embeddings. A :class:`TokenBundle` holds every ShareGPT prompt's MiniLM word
 pieces (up to 512, ``[CLS]``/``[SEP]`` included, as the tokenizer truncates),
 the Gemma token counts of prompt and answer, and the seeded split, in one
-``.npz`` of ~4 MB. So the training can run on a machine that has a GPU but not
+``.npz`` of ~2 MB. So the training can run on a machine that has a GPU but not
 the ShareGPT package (``duetime predict export-length-data``, then
 ``train-length --bundle``), and every machine trains on the same rows.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,7 @@ SEP_ID = 102  # [SEP] in MiniLM's (BERT uncased) vocabulary
 
 
 def cut(seq: np.ndarray, max_tokens: int) -> np.ndarray:
-    """The first ``max_tokens`` pieces, ending in ``[SEP]``: what the tokenizer's truncation gives."""
+    """The first ``max_tokens`` pieces, ending in ``[SEP]``, as the tokenizer truncates."""
     if len(seq) <= max_tokens:
         return seq
     return np.concatenate([seq[: max_tokens - 1], np.asarray([SEP_ID], dtype=seq.dtype)])
@@ -62,16 +63,15 @@ class TokenBundle:
             "dataset": self.dataset,
             "tokenizer": self.tokenizer,
         }
+        arrays: dict[str, Any] = {
+            "header": np.asarray(json.dumps(header)),
+            "ids": self.ids,
+            "off": self.off,
+            "prompt_len": self.prompt_len,
+            "output_len": self.output_len,
+        } | {f"split_{k}": v for k, v in self.splits.items()}
         with atomic_writer(path, binary=True) as f:
-            np.savez_compressed(
-                f,
-                header=np.asarray(json.dumps(header)),
-                ids=self.ids,
-                off=self.off,
-                prompt_len=self.prompt_len,
-                output_len=self.output_len,
-                **{f"split_{k}": v for k, v in self.splits.items()},
-            )
+            np.savez_compressed(f, **arrays)
         return path
 
     @classmethod
@@ -87,7 +87,9 @@ class TokenBundle:
         with data:
             header = json.loads(str(data["header"])) if "header" in data.files else {}
             if header.get("format") != BUNDLE_FORMAT:
-                raise ValueError(f"{path}: not a duetime token bundle (format {header.get('format')!r})")
+                raise ValueError(
+                    f"{path}: not a duetime token bundle (format {header.get('format')!r})"
+                )
             if header.get("version") != BUNDLE_VERSION:
                 raise ValueError(
                     f"{path}: token bundle version {header.get('version')}, this duetime reads "
