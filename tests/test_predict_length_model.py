@@ -120,9 +120,13 @@ def _rewrite_header(src, dst, **changes):
 
 def test_model_of_another_version_gives_a_clear_error(tmp_path):
     path = train_rlp(synthetic_data(), CFG, progress=False).save(tmp_path / "m.npz")
-    _rewrite_header(path, tmp_path / "old.npz", version=MODEL_VERSION + 1)
-    with pytest.raises(ModelVersionError, match=r"version 2, but this duetime reads version 1"):
-        LengthModel.load(tmp_path / "old.npz")
+    for other in (MODEL_VERSION - 1, MODEL_VERSION + 1):  # an old file, and a newer one
+        _rewrite_header(path, tmp_path / "other.npz", version=other)
+        with pytest.raises(
+            ModelVersionError,
+            match=rf"version {other}, but this duetime reads version {MODEL_VERSION}; retrain",
+        ):
+            LengthModel.load(tmp_path / "other.npz")
     _rewrite_header(path, tmp_path / "alien.npz", format="something-else")
     with pytest.raises(ModelVersionError, match="format"):
         LengthModel.load(tmp_path / "alien.npz")
