@@ -55,3 +55,27 @@ def test_effective_sigma_needs_predictions() -> None:
 
     with pytest.raises(ValueError, match="no job carries a prediction"):
         sensitivity.effective_sigma([Job(Request(rid=0, arrival=0.0, prompt_len=4), 3)])
+
+
+def test_heldout_workload_draws_only_rows_no_shipped_predictor_trained_on() -> None:
+    import numpy as np
+
+    from duetime.predict.length_data import heldout_rows
+    from duetime.predict.length_fit import SHIPPED_MODELS, shipped_model_path
+    from duetime.predict.length_model import LengthModel
+    from duetime.workloads import LengthCaps, ShareGPTSource, load_sharegpt_lengths
+
+    lengths = load_sharegpt_lengths(progress=False)
+    rows = heldout_rows(lengths)
+    for name in SHIPPED_MODELS:  # the shipped models were tested on exactly these rows
+        meta = LengthModel.load(shipped_model_path(name)).meta
+        assert meta["split_sizes"]["test"] == len(rows)
+    sample = ShareGPTSource(lengths, pool=rows).sample(
+        500, np.random.default_rng(0), LengthCaps(max_total_len=4096)
+    )
+    assert sample.rows is not None
+    assert np.isin(sample.rows, rows).all()
+    anywhere = ShareGPTSource(lengths).sample(
+        500, np.random.default_rng(0), LengthCaps(max_total_len=4096)
+    )
+    assert not np.isin(anywhere.rows, rows).all()  # without the pool, training rows come too

@@ -26,7 +26,9 @@ from duetime.sim.profiles import DEFAULT_PROFILE, load_profile
 class SimSpec:
     """Everything one simulated run depends on.
 
-    ``workload``: ``sharegpt``, ``synthetic`` or a path to a JSONL trace (then
+    ``workload``: ``sharegpt``, ``sharegpt-heldout`` (only the rows the shipped
+    length predictors were tested on, never trained on: the fair workload for
+    ``learned`` predictors), ``synthetic`` or a path to a JSONL trace (then
     ``requests``, ``rate`` and ``arrival`` are ignored). ``deadline_scale``:
     when set, each request without a deadline gets
     ``arrival + deadline_scale × (its time alone on the profile)``, the usual
@@ -56,7 +58,7 @@ def build_jobs(spec: SimSpec) -> list[Job]:
     """The workload of a spec (deadlines are added by :func:`run_spec`)."""
     from duetime import workloads as wl
 
-    if spec.workload not in ("sharegpt", "synthetic"):
+    if spec.workload not in ("sharegpt", "sharegpt-heldout", "synthetic"):
         return wl.read_trace(spec.workload)
     if spec.arrival == "poisson":
         arrivals: wl.ArrivalProcess = wl.Poisson(rate=spec.rate)
@@ -67,6 +69,11 @@ def build_jobs(spec: SimSpec) -> list[Job]:
     source: wl.LengthSource | None = None
     if spec.workload == "synthetic":
         source = wl.SyntheticSource(prompt_len=(16, 1024), output_len=(16, 512))
+    elif spec.workload == "sharegpt-heldout":
+        from duetime.predict.length_data import heldout_rows
+
+        lengths = wl.load_sharegpt_lengths()
+        source = wl.ShareGPTSource(lengths, pool=heldout_rows(lengths))
     caps = wl.LengthCaps(max_total_len=spec.max_context)
     return wl.build_jobs(
         spec.requests,
@@ -74,7 +81,8 @@ def build_jobs(spec: SimSpec) -> list[Job]:
         arrivals=arrivals,
         seed=spec.seed,
         caps=caps,
-        with_prompt_text=spec.workload == "sharegpt" and spec.predictor.startswith("learned"),
+        with_prompt_text=spec.workload.startswith("sharegpt")
+        and spec.predictor.startswith("learned"),
     )
 
 

@@ -8,10 +8,14 @@ predictor is the one thing that changes. FCFS, which reads no prediction, is
 the flat reference line.
 
 With ``learned`` set, each policy also runs on the trained response-length
-predictor (TimeBill's RLP, from the prompt text). Its row is placed on the
-σ axis at the predictor's *effective* error on these very jobs, the standard
+predictor (TimeBill's RLP, from the prompt text). Its row is placed on the σ
+axis at the predictor's *effective* error on these very jobs, the standard
 deviation of ``log((N̂ + 1) / (N + 1))``, so the plot shows where the shipped
 predictor sits on the noisy-oracle curves.
+
+The jobs come from ``sharegpt-heldout`` by default: the rows no shipped length
+model was trained on. A fine-tuned RLP's error on its own training rows is
+21 % lower (MAE 105.8 vs 133.3 tokens), which would flatter it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def run(
     seed: int = 0,
     profile: str = "a100-llama2-7b",
     learned: str | None = None,
+    workload: str = "sharegpt-heldout",
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """One simulation per (policy, σ) on identical jobs; figures named with units.
@@ -70,6 +75,7 @@ def run(
         raise ValueError(f"prediction errors must be >= 0, got {list(errors)}")
     t0 = time.perf_counter()
     base = SimSpec(
+        workload=workload,
         requests=requests,
         rate=rate,
         seed=seed,

@@ -130,6 +130,15 @@ def from_sharegpt(
     )
 
 
+def heldout_rows(lengths: ShareGPTLengths, *, seed: int = 0, max_len: int = 4096) -> np.ndarray:
+    """The ``test`` rows of the RLP's split at ``seed``: no shipped length model trained on them."""
+    empty = np.empty((len(lengths), 0), dtype=np.float32)
+    data = from_sharegpt(
+        lengths, empty, max_len=max_len, seed=seed, content_keys=pair_keys(lengths)
+    )
+    return data.splits["test"]
+
+
 def pair_keys(lengths: ShareGPTLengths) -> np.ndarray:
     """A 64-bit hash of each row's (prompt, answer) text: equal for a chat shared twice."""
     import hashlib

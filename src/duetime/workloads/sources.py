@@ -80,9 +80,14 @@ class LengthSource(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ShareGPTSource:
-    """Samples ShareGPT rows: without replacement when ``n`` fits in the pool, else with."""
+    """Samples ShareGPT rows: without replacement when ``n`` fits in the pool, else with.
+
+    ``pool`` restricts the rows that may be drawn (e.g. a predictor's held-out
+    split); None allows every row.
+    """
 
     lengths: ShareGPTLengths
+    pool: np.ndarray | None = None
 
     @classmethod
     def default(cls) -> ShareGPTSource:
@@ -90,6 +95,8 @@ class ShareGPTSource:
 
     def sample(self, n: int, rng: np.random.Generator, caps: LengthCaps) -> LengthSample:
         pool = np.flatnonzero(caps.mask(self.lengths.prompt_len, self.lengths.output_len))
+        if self.pool is not None:
+            pool = np.intersect1d(pool, self.pool)
         if pool.size == 0:
             raise ValueError(f"no ShareGPT pair fits {caps}")
         rows = rng.choice(pool, size=n, replace=n > pool.size)

@@ -31,6 +31,10 @@ def bench_sensitivity(
         str,
         typer.Option(help="Also run the trained length predictor: learned[:path], or 'none'."),
     ] = "learned",
+    workload: Annotated[
+        str,
+        typer.Option(help="sharegpt-heldout (rows no shipped RLP trained on) or sharegpt."),
+    ] = "sharegpt-heldout",
     seed: SeedOpt = 0,
     json_path: JsonOpt = None,
     plot: PlotOpt = Path("out/bench-sensitivity.png"),
@@ -60,6 +64,7 @@ def bench_sensitivity(
                 seed=seed,
                 profile=profile,
                 learned=extra,
+                workload=workload,
                 progress=cb,
             )
     learned_sigma = fig["learned_effective_sigma"]
