@@ -150,12 +150,14 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
     if fig.get("learned_effective_sigma") is not None:
         axes[1].annotate(
             f"★ learned RLP (effective σ = {fig['learned_effective_sigma']:.2f})",
-            xy=(0.02, 0.02),
+            xy=(0.02, 0.97),
             xycoords="axes fraction",
+            va="top",
         )
     w = fig["workload"]
     figure.suptitle(
-        f"{w['requests']} ShareGPT requests at {w['rate']}/s, KV {w['kv_capacity']} tokens, "
+        f"{w['requests']} requests ({w['workload']}) at {w['rate']}/s, "
+        f"KV {w['kv_capacity']} tokens, "
         f"deadline = {w['deadline_scale']}x time alone ({w['profile']})"
     )
     figure.tight_layout()
