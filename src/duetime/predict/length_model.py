@@ -247,12 +247,8 @@ class LengthModel:
 
     def save(self, path: str | Path) -> Path:
         """Write an ``.npz`` (no pickles): float16 weights, float32 scores, JSON metadata."""
-        import json
+        from duetime.predict.npz_file import save_npz
 
-        from duetime.workloads._files import atomic_writer
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         header = {
             "format": MODEL_FORMAT,
             "version": MODEL_VERSION,
@@ -261,50 +257,31 @@ class LengthModel:
             "feat_std": self.weights.feat_std,
             "meta": self.meta,
         }
-        arrays: dict[str, Any] = {k: v.astype(np.float16) for k, v in self.weights.arrays().items()}
+        arrays = {k: v.astype(np.float16) for k, v in self.weights.arrays().items()}
         arrays |= {_ADAPTER + k: v.astype(np.float16) for k, v in self.adapters.items()}
-        with atomic_writer(path, binary=True) as f:
-            np.savez_compressed(
-                f,
-                header=np.asarray(json.dumps(header, sort_keys=True)),
-                conformal_scores=self.conformal_scores.astype(np.float32),
-                **arrays,
-            )
-        return path
+        arrays["conformal_scores"] = self.conformal_scores.astype(np.float32)
+        return save_npz(path, header, arrays)
 
     @classmethod
     def load(cls, path: str | Path) -> LengthModel:
         """Read a model file; another format or version raises :class:`ModelVersionError`."""
-        import json
+        from duetime.predict.npz_file import load_npz
 
-        path = Path(path)
-        try:
-            data = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            if isinstance(e, FileNotFoundError):
-                raise
-            raise ModelVersionError(f"{path}: not a duetime length-model file ({e})") from None
-        with data:
-            if "header" not in data.files:
-                raise ModelVersionError(f"{path}: not a duetime length-model file (no header)")
-            header = json.loads(str(data["header"]))
-            if header.get("format") != MODEL_FORMAT:
-                raise ModelVersionError(
-                    f"{path}: format {header.get('format')!r}, expected {MODEL_FORMAT!r}"
-                )
-            if header.get("version") != MODEL_VERSION:
-                raise ModelVersionError(
-                    f"{path}: length-model file version {header.get('version')}, but this "
-                    f"duetime reads version {MODEL_VERSION}; retrain it with "
-                    "`duetime predict train-length`"
-                )
-            arr = {k: data[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2") if k in data}
-            scores = data["conformal_scores"].astype(np.float64)
-            adapters = {
-                k.removeprefix(_ADAPTER): data[k].astype(np.float32)
-                for k in data.files
-                if k.startswith(_ADAPTER)
-            }
+        header, data = load_npz(
+            path,
+            fmt=MODEL_FORMAT,
+            version=MODEL_VERSION,
+            what="duetime length-model file",
+            fix="retrain it with `duetime predict train-length`",
+            error=ModelVersionError,
+        )
+        arr = {k: data[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2") if k in data}
+        scores = data["conformal_scores"].astype(np.float64)
+        adapters = {
+            k.removeprefix(_ADAPTER): v.astype(np.float32)
+            for k, v in data.items()
+            if k.startswith(_ADAPTER)
+        }
         weights = HeadWeights(
             arr["w1"],
             arr["b1"],

@@ -11,10 +11,8 @@ the ShareGPT package (``duetime predict export-length-data``, then
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -53,48 +51,35 @@ class TokenBundle:
         return [self.ids[self.off[r] : self.off[r + 1]].astype(np.int64) for r in rows]
 
     def save(self, path: str | Path) -> Path:
-        from duetime.workloads._files import atomic_writer
+        from duetime.predict.npz_file import save_npz
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         header = {
             "format": BUNDLE_FORMAT,
             "version": BUNDLE_VERSION,
             "dataset": self.dataset,
             "tokenizer": self.tokenizer,
         }
-        arrays: dict[str, Any] = {
-            "header": np.asarray(json.dumps(header)),
+        arrays = {
             "ids": self.ids,
             "off": self.off,
             "prompt_len": self.prompt_len,
             "output_len": self.output_len,
         } | {f"split_{k}": v for k, v in self.splits.items()}
-        with atomic_writer(path, binary=True) as f:
-            np.savez_compressed(f, **arrays)
-        return path
+        return save_npz(path, header, arrays)
 
     @classmethod
     def load(cls, path: str | Path) -> TokenBundle:
         """Read a bundle; anything else (or another version) raises ``ValueError`` naming it."""
-        path = Path(path)
+        from duetime.predict.npz_file import load_npz
+
+        header, data = load_npz(
+            path,
+            fmt=BUNDLE_FORMAT,
+            version=BUNDLE_VERSION,
+            what="duetime token bundle",
+            fix="export it again with `duetime predict export-length-data`",
+        )
         try:
-            data = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            if isinstance(e, FileNotFoundError):
-                raise
-            raise ValueError(f"{path}: not a duetime token bundle ({e})") from None
-        with data:
-            header = json.loads(str(data["header"])) if "header" in data.files else {}
-            if header.get("format") != BUNDLE_FORMAT:
-                raise ValueError(
-                    f"{path}: not a duetime token bundle (format {header.get('format')!r})"
-                )
-            if header.get("version") != BUNDLE_VERSION:
-                raise ValueError(
-                    f"{path}: token bundle version {header.get('version')}, this duetime reads "
-                    f"{BUNDLE_VERSION}; export it again with `duetime predict export-length-data`"
-                )
             bundle = cls(
                 data["ids"],
                 data["off"],
@@ -104,6 +89,8 @@ class TokenBundle:
                 header["dataset"],
                 header["tokenizer"],
             )
+        except KeyError as e:
+            raise ValueError(f"{path}: token bundle lacks {e}") from None
         if len(bundle.off) != len(bundle) + 1 or bundle.off[-1] != len(bundle.ids):
             raise ValueError(f"{path}: token bundle offsets do not match its ids")
         return bundle

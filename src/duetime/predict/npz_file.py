@@ -1,0 +1,65 @@
+"""Versioned ``.npz`` files with a JSON header: the RLP's model file and its token bundle.
+
+Both are arrays plus a header naming their ``format`` and ``version``. They are
+written atomically (a half-written file never replaces a good one) and read
+without pickles; a file of another format or version is refused with an error
+that names the file, what it is, and how to make a readable one, instead of
+being misread.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def save_npz(path: str | Path, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> Path:
+    """Write ``arrays`` and ``header`` (JSON, under the key ``header``), compressed, atomically."""
+    from duetime.workloads._files import atomic_writer
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload: dict[str, Any] = {"header": np.asarray(json.dumps(header, sort_keys=True)), **arrays}
+    with atomic_writer(path, binary=True) as f:
+        np.savez_compressed(f, **payload)
+    return path
+
+
+def load_npz(
+    path: str | Path,
+    *,
+    fmt: str,
+    version: int,
+    what: str,
+    fix: str,
+    error: type[Exception] = ValueError,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(header, arrays)`` of a file of format ``fmt`` and version ``version``.
+
+    Anything else raises ``error``: "<path>: not a <what> (...)" for a file
+    that is not one, "<path>: <what> version N, but this duetime reads version
+    M; <fix>" for another version. A missing file raises FileNotFoundError.
+    """
+    path = Path(path)
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise error(f"{path}: not a {what} ({e})") from None
+    with data:
+        if "header" not in data.files:
+            raise error(f"{path}: not a {what} (no header)")
+        header = json.loads(str(data["header"]))
+        if header.get("format") != fmt:
+            raise error(f"{path}: not a {what} (format {header.get('format')!r}, expected {fmt!r})")
+        if header.get("version") != version:
+            raise error(
+                f"{path}: {what} version {header.get('version')}, but this duetime reads "
+                f"version {version}; {fix}"
+            )
+        arrays = {k: data[k] for k in data.files if k != "header"}
+    return header, arrays
