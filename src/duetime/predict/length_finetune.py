@@ -298,7 +298,7 @@ def train_finetuned_rlp(
     )
     max_tokens, layers = parse_ft_spec(cfg.encoder)
     enc = FinetunedMiniLMEncoder(max_tokens, layers, adapters, threads=threads)
-    rows = np.concatenate([bundle.splits[k] for k in ("val", "calib", "test")])
+    rows = np.concatenate([bundle.splits[k] for k in ("calib", "test")])  # all calibration reads
     emb = np.zeros((len(bundle), FT_DIM), dtype=np.float32)
     emb[rows] = enc.encode_ids(bundle.seqs(rows), progress=progress)
     data = LengthData(
