@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from duetime.predict.length_data import split_rows
+from duetime.predict.length_features import MiniLMEncoder
 from duetime.predict.length_finetune import train_finetuned_rlp
 from duetime.predict.length_ft_encoder import FinetunedMiniLMEncoder, parse_ft_spec
 from duetime.predict.length_model import LengthModel, RLPConfig
 from duetime.predict.length_predictor import LearnedLengthPredictor
-from duetime.predict.length_tokens import TokenBundle
+from duetime.predict.length_tokens import BUNDLE_TOKENS, TokenBundle
 from duetime.predict.length_train import CheckpointError
 
 CFG = RLPConfig(
@@ -47,8 +48,7 @@ def synthetic_texts(n: int = 160, seed: int = 0) -> tuple[list[str], np.ndarray]
 
 
 def make_bundle(texts: list[str], out: np.ndarray) -> TokenBundle:
-    enc = FinetunedMiniLMEncoder(16, 1, {"unused.lora_A": np.zeros(1)})  # tokenizer only
-    seqs = enc.token_ids(texts)
+    seqs = MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids(texts)  # as build_bundle does
     off = np.zeros(len(seqs) + 1, dtype=np.int64)
     off[1:] = np.cumsum([len(s) for s in seqs])
     groups = np.asarray([f"c{i // 2}" for i in range(len(texts))])

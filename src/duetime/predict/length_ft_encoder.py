@@ -30,8 +30,14 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from duetime.predict.length_features import CHARS_PER_PIECE, EMBED_DIM, minilm_dir, torch_threads
-from duetime.predict.length_tokens import BUNDLE_TOKENS, cut
+from duetime.predict.length_features import (
+    EMBED_DIM,
+    MiniLMEncoder,
+    minilm_dir,
+    pad,
+    torch_threads,
+)
+from duetime.predict.length_tokens import BUNDLE_TOKENS
 
 FT_KIND = "minilm-ft"
 FT_DIM = 2 * EMBED_DIM
@@ -65,20 +71,6 @@ def load_base(layers: int) -> Any:
     model.encoder.layer = model.encoder.layer[:layers]
     model.config.num_hidden_layers = layers
     return model.eval()
-
-
-def pad(seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu") -> tuple[Any, Any]:
-    """(ids, mask) tensors of the sequences cut to ``max_tokens``, right-padded with 0."""
-    import torch
-
-    cut_seqs = [cut(s, max_tokens) for s in seqs]
-    width = max(len(s) for s in cut_seqs)
-    ids = np.zeros((len(cut_seqs), width), dtype=np.int64)
-    mask = np.zeros((len(cut_seqs), width), dtype=np.int64)
-    for i, s in enumerate(cut_seqs):
-        ids[i, : len(s)] = s
-        mask[i, : len(s)] = 1
-    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
 def _mean(hidden: Any, mask: Any) -> Any:
@@ -150,12 +142,18 @@ class FinetunedMiniLMEncoder:
         self.identity = (
             f"all-minilm-l6-v2:ft:t{max_tokens}:l{layers}:{adapters_digest(arrays)}:v{_FT_VERSION}"
         )
-        self._tokenizer: Any = None
+        self._words = MiniLMEncoder(BUNDLE_TOKENS, static=True)  # word pieces, as a bundle has
         self._model: Any = None
 
     @property
     def spec(self) -> str:
         return f"{FT_KIND}:{self.max_tokens}:{self.layers}"
+
+    @property
+    def _tokenizer(self) -> Any:
+        """The word-piece tokenizer (``CompressingRLP`` cuts prompts with it)."""
+        self._words._load_tokenizer()
+        return self._words._tokenizer
 
     def _load(self) -> None:
         if self._model is not None:
@@ -166,16 +164,7 @@ class FinetunedMiniLMEncoder:
 
     def token_ids(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Up to 512 word pieces per text (the static half reads them all), as a bundle holds."""
-        if self._tokenizer is None:
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
-            tokenizer.no_padding()
-            tokenizer.enable_truncation(BUNDLE_TOKENS)
-            self._tokenizer = tokenizer
-        limit = BUNDLE_TOKENS * CHARS_PER_PIECE
-        enc = self._tokenizer.encode_batch([t[:limit] for t in texts])
-        return [np.asarray(e.ids, dtype=np.int64) for e in enc]
+        return [np.asarray(ids, dtype=np.int64) for ids in self._words.token_ids(texts)]
 
     def encode(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
         return self.encode_ids(self.token_ids(texts), progress=progress)

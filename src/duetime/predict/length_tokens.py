@@ -21,14 +21,6 @@ from duetime.predict.length_data import SPLITS
 BUNDLE_FORMAT = "duetime-rlp-tokens"
 BUNDLE_VERSION = 1
 BUNDLE_TOKENS = 512  # word pieces kept per prompt: BERT's position limit
-SEP_ID = 102  # [SEP] in MiniLM's (BERT uncased) vocabulary
-
-
-def cut(seq: np.ndarray, max_tokens: int) -> np.ndarray:
-    """The first ``max_tokens`` pieces, ending in ``[SEP]``, as the tokenizer truncates."""
-    if len(seq) <= max_tokens:
-        return seq
-    return np.concatenate([seq[: max_tokens - 1], np.asarray([SEP_ID], dtype=seq.dtype)])
 
 
 @dataclass(slots=True, eq=False)
