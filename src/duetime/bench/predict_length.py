@@ -46,7 +46,6 @@ def score_model(
     from duetime.predict.length_baselines import fit_baselines
     from duetime.predict.length_features import make_encoder, sharegpt_prompts
     from duetime.predict.length_fit import evaluate_rlp, load_length_data
-    from duetime.predict.length_metrics import length_metrics
     from duetime.predict.length_model import LengthModel
     from duetime.workloads import load_sharegpt_lengths
 
@@ -69,11 +68,7 @@ def score_model(
     base_rows: dict[str, dict[str, Any]] = {}
     base_points: dict[str, np.ndarray] = {}
     for b in baselines:
-        point = np.maximum(b.predict(emb, plen), 1.0)
-        lo, hi = b.interval(point, coverage)
-        base_rows[b.name] = length_metrics(y, point, lo, hi, bucket_size=cfg.bucket_size)
-        base_rows[b.name]["coverage_grid"] = _grid(y, lambda c, p=point, b=b: b.interval(p, c))
-        base_points[b.name] = point
+        base_rows[b.name], base_points[b.name] = _baseline_row(b, emb, plen, y, coverage, cfg)
     if rlp.adapters:  # fine-tuned: also the head on the frozen features it started from
         name, row, point = frozen_reference(cfg, data, coverage, progress=progress)
         base_rows[name], base_points[name] = row, point
@@ -128,7 +123,6 @@ def frozen_reference(
     what a fine-tuned encoder has to beat to be worth its milliseconds."""
     from duetime.predict.length_baselines import regression_head
     from duetime.predict.length_fit import load_length_data
-    from duetime.predict.length_metrics import length_metrics
     from duetime.predict.length_model import RLPConfig
 
     frozen = load_length_data(
@@ -137,13 +131,23 @@ def frozen_reference(
     if not np.array_equal(frozen.splits["test"], data.splits["test"]):
         raise ValueError("the frozen reference's split differs from the model's")
     ref_cfg = RLPConfig(bucket_size=cfg.bucket_size, max_len=cfg.max_len, seed=cfg.seed)
-    b = regression_head(frozen, ref_cfg)
-    emb, plen, y = frozen.part("test")
+    row, point = _baseline_row(
+        regression_head(frozen, ref_cfg), *frozen.part("test"), coverage, cfg
+    )
+    return f"regression-head (frozen {FROZEN_REFERENCE})", row, point
+
+
+def _baseline_row(
+    b: Any, emb: np.ndarray, plen: np.ndarray, y: np.ndarray, coverage: float, cfg: Any
+) -> tuple[dict[str, Any], np.ndarray]:
+    """A fitted baseline's figures on the test rows (with its coverage grid) and its points."""
+    from duetime.predict.length_metrics import length_metrics
+
     point = np.maximum(b.predict(emb, plen), 1.0)
     lo, hi = b.interval(point, coverage)
     row: dict[str, Any] = dict(length_metrics(y, point, lo, hi, bucket_size=cfg.bucket_size))
-    row["coverage_grid"] = _grid(y, lambda c, p=point: b.interval(p, c))
-    return f"regression-head (frozen {FROZEN_REFERENCE})", row, point
+    row["coverage_grid"] = _grid(y, lambda c: b.interval(point, c))
+    return row, point
 
 
 def _rlp_interval(rlp: Any, emb: np.ndarray, plen: np.ndarray, c: float) -> tuple[Any, Any]:
