@@ -23,7 +23,7 @@ def sim(
     policy: Annotated[str, typer.Option(help="Policy name (see `duetime policies`).")] = "fcfs",
     workload: Annotated[
         str, typer.Option(help="sharegpt, sharegpt-heldout, synthetic, or a JSONL trace path.")
-    ] = ("sharegpt"),
+    ] = "sharegpt",
     requests: Annotated[int, typer.Option(min=1, help="Number of requests.")] = 2000,
     rate: Annotated[float, typer.Option(min=0.0, help="Arrival rate, requests/s.")] = 4.0,
     arrival: Annotated[str, typer.Option(help="poisson or gamma.")] = "poisson",

@@ -33,7 +33,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from tqdm import tqdm
@@ -41,6 +41,9 @@ from tqdm import tqdm
 from duetime.tokenizer import cache_dir
 from duetime.workloads._files import atomic_writer, file_lock
 from duetime.workloads.sharegpt import ShareGPTLengths, load_sharegpt_lengths, read_pairs
+
+if TYPE_CHECKING:
+    from duetime.predict.length_ft_encoder import FinetunedMiniLMEncoder
 
 # Bump when pooling, truncation or the cache layout changes: every cached matrix is rebuilt.
 _FEATURE_VERSION = 1
@@ -221,7 +224,7 @@ class MiniLMEncoder:
 
 def make_encoder(
     spec: str, *, threads: int | None = 1, adapters: dict[str, np.ndarray] | None = None
-) -> Any:
+) -> MiniLMEncoder | FinetunedMiniLMEncoder:
     """``minilm[:T]``, ``minilm-static[:T]``, or ``minilm-ft[:T[:L]]`` with a model's ``adapters``.
 
     Returns a :class:`PromptEncoder` (:class:`MiniLMEncoder`, or

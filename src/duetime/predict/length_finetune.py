@@ -234,11 +234,11 @@ def _fit(
 
 
 def _load_trainable(net: Any, state: dict[str, Any]) -> None:
-    missing, unexpected = net.load_state_dict(state, strict=False)
+    # strict=False: the frozen base weights are missing from ``state`` by design
+    _, unexpected = net.load_state_dict(state, strict=False)
     wanted = {n for n, p in net.named_parameters() if p.requires_grad}
     if unexpected or wanted - set(state):
         raise CheckpointError("checkpoint does not hold this model's trainable weights")
-    del missing  # the frozen base weights, loaded from MiniLM itself
 
 
 def _val_mae(
