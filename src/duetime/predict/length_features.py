@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -194,32 +194,61 @@ class MiniLMEncoder:
         import torch
 
         self._load()
-        ids = self.token_ids(texts)
-        out = np.empty((len(ids), self.dim), dtype=np.float32)
-        order = np.argsort([len(x) for x in ids], kind="stable")  # little padding per batch
-        bar = tqdm(
-            total=len(ids),
+        ids = [np.asarray(x, dtype=np.int64) for x in self.token_ids(texts)]
+
+        def forward(seqs: list[np.ndarray]) -> Any:
+            batch, mask = pad(seqs, self.max_tokens)
+            if self.static:
+                hidden = self._model.embeddings.word_embeddings(batch)
+            else:
+                hidden = self._model(input_ids=batch, attention_mask=mask).last_hidden_state
+            return torch.nn.functional.normalize(masked_mean(hidden, mask), dim=-1)
+
+        return encode_in_batches(
+            ids,
+            self.dim,
+            forward,
+            max_tokens=self.max_tokens,
+            batch_size=self.batch_size,
+            threads=self.threads,
             desc=f"embedding prompts ({self.spec})",
-            unit="prompt",
-            disable=not progress,
-            file=sys.stderr,
+            progress=progress,
         )
-        with bar, torch_threads(self.threads), torch.inference_mode():
-            for lo in range(0, len(ids), self.batch_size):
-                idx = order[lo : lo + self.batch_size]
-                batch, mask = pad(
-                    [np.asarray(ids[i], dtype=np.int64) for i in idx], self.max_tokens
-                )
-                if self.static:
-                    hidden = self._model.embeddings.word_embeddings(batch)
-                else:
-                    hidden = self._model(input_ids=batch, attention_mask=mask).last_hidden_state
-                m = mask.unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
-                pooled = torch.nn.functional.normalize(pooled, dim=-1)
-                out[idx] = pooled.numpy()
-                bar.update(len(idx))
-        return out
+
+
+def masked_mean(hidden: Any, mask: Any) -> Any:
+    """Mean of ``hidden`` over the positions ``mask`` keeps (sentence-transformers' pooling)."""
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def encode_in_batches(
+    seqs: Sequence[np.ndarray],
+    dim: int,
+    forward: Callable[[list[np.ndarray]], Any],
+    *,
+    max_tokens: int,
+    batch_size: int,
+    threads: int | None,
+    desc: str,
+    progress: bool,
+) -> np.ndarray:
+    """``(len(seqs), dim)`` float32 rows of ``forward`` over batches of word-piece sequences.
+
+    Batches are formed shortest first (by the pieces read, at most
+    ``max_tokens``), so each pads little; rows come back in input order.
+    """
+    import torch
+
+    out = np.empty((len(seqs), dim), dtype=np.float32)
+    order = np.argsort([min(len(s), max_tokens) for s in seqs], kind="stable")
+    bar = tqdm(total=len(seqs), desc=desc, unit="prompt", disable=not progress, file=sys.stderr)
+    with bar, torch_threads(threads), torch.inference_mode():
+        for lo in range(0, len(seqs), batch_size):
+            idx = order[lo : lo + batch_size]
+            out[idx] = forward([seqs[i] for i in idx]).numpy()
+            bar.update(len(idx))
+    return out
 
 
 def make_encoder(

@@ -23,19 +23,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from duetime.predict.length_features import (
     EMBED_DIM,
     MiniLMEncoder,
+    encode_in_batches,
+    masked_mean,
     minilm_dir,
     pad,
-    torch_threads,
 )
 from duetime.predict.length_tokens import BUNDLE_TOKENS
 
@@ -73,11 +72,6 @@ def load_base(layers: int) -> Any:
     return model.eval()
 
 
-def _mean(hidden: Any, mask: Any) -> Any:
-    m = mask.unsqueeze(-1).to(hidden.dtype)
-    return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
-
-
 def pooled_features(
     bert: Any, seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu"
 ) -> Any:
@@ -85,11 +79,11 @@ def pooled_features(
     import torch
 
     ids, mask = pad(seqs, max_tokens, device)
-    ctx = _mean(bert(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+    ctx = masked_mean(bert(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
     bag_ids, bag_mask = (
         (ids, mask) if max_tokens >= BUNDLE_TOKENS else pad(seqs, BUNDLE_TOKENS, device)
     )
-    static = _mean(bert.get_input_embeddings()(bag_ids), bag_mask)
+    static = masked_mean(bert.get_input_embeddings()(bag_ids), bag_mask)
     return torch.cat([ctx.float(), static.float()], dim=1)
 
 
@@ -171,22 +165,14 @@ class FinetunedMiniLMEncoder:
 
     def encode_ids(self, seqs: Sequence[np.ndarray], *, progress: bool = False) -> np.ndarray:
         """Feature rows of already tokenised prompts (a :class:`TokenBundle`'s rows)."""
-        import torch
-
         self._load()
-        out = np.empty((len(seqs), self.dim), dtype=np.float32)
-        order = np.argsort([min(len(s), self.max_tokens) for s in seqs], kind="stable")
-        bar = tqdm(
-            total=len(seqs),
+        return encode_in_batches(
+            seqs,
+            self.dim,
+            lambda batch: pooled_features(self._model, batch, self.max_tokens),
+            max_tokens=self.max_tokens,
+            batch_size=self.batch_size,
+            threads=self.threads,
             desc=f"embedding prompts ({self.spec})",
-            unit="prompt",
-            disable=not progress,
-            file=sys.stderr,
+            progress=progress,
         )
-        with bar, torch_threads(self.threads), torch.inference_mode():
-            for lo in range(0, len(seqs), self.batch_size):
-                idx = order[lo : lo + self.batch_size]
-                feats = pooled_features(self._model, [seqs[i] for i in idx], self.max_tokens)
-                out[idx] = feats.numpy()
-                bar.update(len(idx))
-        return out
