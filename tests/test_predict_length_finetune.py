@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from duetime.predict.epoch_loop import CheckpointError
 from duetime.predict.length_data import split_rows
 from duetime.predict.length_features import MiniLMEncoder
 from duetime.predict.length_finetune import train_finetuned_rlp
@@ -15,7 +16,6 @@ from duetime.predict.length_ft_encoder import FinetunedMiniLMEncoder, parse_ft_s
 from duetime.predict.length_model import LengthModel, RLPConfig
 from duetime.predict.length_predictor import LearnedLengthPredictor
 from duetime.predict.length_tokens import BUNDLE_TOKENS, TokenBundle
-from duetime.predict.length_train import CheckpointError
 
 CFG = RLPConfig(
     bucket_size=16,

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from duetime.predict.epoch_loop import CheckpointError
 from duetime.predict.length_data import LengthData, conversation_groups, merge_groups, split_rows
 from duetime.predict.length_fit import train_rlp
 from duetime.predict.length_model import (
@@ -16,7 +17,6 @@ from duetime.predict.length_model import (
     ModelVersionError,
     RLPConfig,
 )
-from duetime.predict.length_train import CheckpointError
 
 CFG = RLPConfig(
     bucket_size=16, max_len=512, encoder="test", hidden=16, epochs=8, batch_size=64, lr=1e-2

@@ -7,25 +7,23 @@ Training takes minutes on a GPU (``--device cuda``) and hours on a 2-core
 CPU. The epoch kept is the one with the lowest validation MAE of the model's
 readout (the cross-entropy of 256 classes tracks MAE loosely here).
 
-As in :mod:`~duetime.predict.length_train`, each epoch's shuffle and dropout
-come from generators seeded by ``(seed, epoch)``, a checkpoint is written
-after every epoch, and a resumed run refuses a checkpoint made with other
-settings or data. On a CPU a resumed run ends with the same weights as an
-uninterrupted one; GPU kernels are not bit-reproducible.
+Epochs run as the frozen head's do (:func:`~duetime.predict.epoch_loop.run_epochs`:
+seeded shuffles and dropout, a checkpoint after every epoch, resumption that
+refuses other settings or data). On a CPU a resumed run ends with the same
+weights as an uninterrupted one; GPU kernels are not bit-reproducible.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from duetime.predict.conformal import BucketCDF
+from duetime.predict.epoch_loop import CheckpointError, TrainedEpochs, Trainee, run_epochs
 from duetime.predict.length_ft_encoder import (
     FT_DIM,
     LORA_TARGETS,
@@ -37,16 +35,8 @@ from duetime.predict.length_ft_encoder import (
 from duetime.predict.length_model import HeadWeights, LengthModel, RLPConfig, bucket_of
 from duetime.predict.length_model import readout_point as _readout
 from duetime.predict.length_tokens import TokenBundle
-from duetime.predict.length_train import (
-    CheckpointError,
-    _diff,
-    _epoch_seed,
-    _mlp,
-    head_weights,
-)
-from duetime.workloads._files import atomic_writer
+from duetime.predict.length_train import _mlp, head_weights
 
-CHECKPOINT_VERSION = 1
 WARMUP_FRACTION = 0.05
 _PEFT_PREFIX = "base_model.model."
 
@@ -98,28 +88,15 @@ def fit_finetuned(
     progress: bool = True,
     stop_after: int | None = None,
     threads: int | None = None,
-) -> tuple[dict[str, np.ndarray], HeadWeights, list[dict[str, float]]]:
-    """Train adapters and head on ``train``; keep the best ``val`` epoch.
+) -> tuple[dict[str, np.ndarray], HeadWeights, TrainedEpochs]:
+    """Train adapters and head on ``train``; keep the best-validation-MAE epoch.
 
-    Returns (adapters, head weights, per-epoch history). ``threads`` caps
+    Returns (adapters, head weights, the epochs' record). ``threads`` caps
     torch's CPU threads (``None``: leave them).
     """
-    from duetime.predict.length_features import torch_threads
-
-    with torch_threads(threads):
-        return _fit(cfg, bundle, device, checkpoint, resume, progress, stop_after)
-
-
-def _fit(
-    cfg: RLPConfig,
-    bundle: TokenBundle,
-    device: str,
-    checkpoint: Path | None,
-    resume: bool,
-    progress: bool,
-    stop_after: int | None,
-) -> tuple[dict[str, np.ndarray], HeadWeights, list[dict[str, float]]]:
     import torch
+
+    from duetime.predict.length_features import torch_threads
 
     max_tokens, _ = parse_ft_spec(cfg.encoder)
     tr, va = bundle.splits["train"], bundle.splits["val"]
@@ -150,44 +127,9 @@ def _fit(
         opt,
         lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))),
     )
-    identity = {
-        "version": CHECKPOINT_VERSION,
-        "config": asdict(cfg),
-        "data": bundle.dataset,
-        "split": {k: [len(v), int(v.sum()) if len(v) else 0] for k, v in bundle.splits.items()},
-    }
-
-    def trainable_state() -> dict[str, Any]:
-        return {n: p.detach().cpu().clone() for n, p in trainable}
-
-    start, history = 0, []
-    best: tuple[float, dict[str, Any]] = (float("inf"), {})
-    if resume and checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=True, map_location="cpu")
-        if state.get("identity") != identity:
-            raise CheckpointError(
-                f"{checkpoint}: checkpoint was made with other settings or data "
-                f"({_diff(state.get('identity'), identity)}); delete it or drop --resume"
-            )
-        _load_trainable(net, state["model"])
-        opt.load_state_dict(state["optim"])
-        sched.load_state_dict(state["sched"])
-        start, history = int(state["epoch"]), list(state["history"])
-        best = (float(state["best_mae"]), state["best_model"])
-
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
-    bar = tqdm(
-        range(start, cfg.epochs),
-        initial=start,
-        total=cfg.epochs,
-        unit="epoch",
-        desc=f"fine-tuning {cfg.encoder} (LoRA r={cfg.lora_rank}) on {device}",
-        disable=not progress,
-        file=sys.stderr,
-    )
-    for epoch in bar:
-        gen = torch.Generator().manual_seed(_epoch_seed(cfg.seed, epoch))
-        torch.manual_seed(_epoch_seed(cfg.seed, epoch) + 1)  # dropout masks
+
+    def train_epoch(gen: Any) -> float:
         net.train()
         loss_sum = 0.0
         perm = torch.randperm(len(tr), generator=gen).numpy()
@@ -202,35 +144,36 @@ def _fit(
             opt.step()
             sched.step()
             loss_sum += loss.item() * len(idx)
-        val_mae = _val_mae(net, cfg, seqs_va, z[va], y_va, max_tokens, device, autocast)
-        history.append(
-            {"epoch": epoch + 1, "train_loss": loss_sum / len(tr), "val_mae_tokens": val_mae}
+        return loss_sum / len(tr)
+
+    trainee = Trainee(
+        opt,
+        sched,
+        train_epoch,
+        validate=lambda: _val_mae(net, cfg, seqs_va, z[va], y_va, max_tokens, device, autocast),
+        weights=lambda: {n: p.detach().cpu().clone() for n, p in trainable},
+        load_weights=lambda state: _load_trainable(net, state),
+    )
+    identity = {
+        "config": asdict(cfg),
+        "data": bundle.dataset,
+        "split": {k: [len(v), int(v.sum()) if len(v) else 0] for k, v in bundle.splits.items()},
+    }
+    with torch_threads(threads):
+        epochs = run_epochs(
+            trainee,
+            epochs=cfg.epochs,
+            seed=cfg.seed,
+            score="val_mae_tokens",
+            identity=identity,
+            checkpoint=checkpoint,
+            resume=resume,
+            progress=progress,
+            stop_after=stop_after,
+            desc=f"fine-tuning {cfg.encoder} (LoRA r={cfg.lora_rank}) on {device}",
         )
-        if val_mae < best[0]:
-            best = (val_mae, trainable_state())
-        bar.set_postfix(train=f"{loss_sum / len(tr):.3f}", val_mae=f"{val_mae:.1f}")
-        if checkpoint is not None:
-            checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_writer(checkpoint, binary=True) as f:
-                torch.save(
-                    {
-                        "identity": identity,
-                        "epoch": epoch + 1,
-                        "model": trainable_state(),
-                        "optim": opt.state_dict(),
-                        "sched": sched.state_dict(),
-                        "history": history,
-                        "best_mae": best[0],
-                        "best_model": best[1],
-                    },
-                    f,
-                )
-        if stop_after is not None and epoch + 1 - start >= stop_after and epoch + 1 < cfg.epochs:
-            break
-    if best[1]:
-        _load_trainable(net, best[1])
     net.eval()
-    return export_adapters(net), head_weights(net["head"].cpu(), fm, fs), history
+    return export_adapters(net), head_weights(net["head"].cpu(), fm, fs), epochs
 
 
 def _load_trainable(net: Any, state: dict[str, Any]) -> None:
@@ -286,7 +229,7 @@ def train_finetuned_rlp(
     from duetime.predict.length_data import LengthData
     from duetime.predict.length_fit import calibrated_model
 
-    adapters, weights, history = fit_finetuned(
+    adapters, weights, epochs = fit_finetuned(
         cfg,
         bundle,
         device=device,
@@ -304,6 +247,6 @@ def train_finetuned_rlp(
     data = LengthData(
         emb, bundle.prompt_len, bundle.output_len, bundle.splits, enc.identity, bundle.dataset
     )
-    rlp = calibrated_model(data, cfg, weights, history, coverage=coverage, adapters=adapters)
+    rlp = calibrated_model(data, cfg, weights, epochs, coverage=coverage, adapters=adapters)
     rlp.meta["trained_on"] = device
     return rlp

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from duetime.predict.conformal import BucketCDF, DistributionConformal
+from duetime.predict.epoch_loop import TrainedEpochs
 from duetime.predict.length_data import LengthData, from_sharegpt, pair_keys
 from duetime.predict.length_features import PromptEncoder
 from duetime.predict.length_metrics import length_metrics
@@ -104,7 +105,7 @@ def train_rlp(
     data_id = f"{data.encoder}|{data.dataset}|" + ",".join(
         f"{k}:{len(v)}:{int(v.sum()) if len(v) else 0}" for k, v in data.splits.items()
     )
-    model, history = fit_head(
+    model, epochs = fit_head(
         cfg,
         features(e_tr, p_tr, fm, fs),
         _classes(y_tr, cfg),
@@ -116,14 +117,14 @@ def train_rlp(
         progress=progress,
         stop_after=stop_after,
     )
-    return calibrated_model(data, cfg, head_weights(model, fm, fs), history, coverage=coverage)
+    return calibrated_model(data, cfg, head_weights(model, fm, fs), epochs, coverage=coverage)
 
 
 def calibrated_model(
     data: LengthData,
     cfg: RLPConfig,
     weights: HeadWeights,
-    history: list[dict[str, float]],
+    epochs: TrainedEpochs,
     *,
     coverage: float = 0.9,
     adapters: dict[str, np.ndarray] | None = None,
@@ -136,16 +137,15 @@ def calibrated_model(
     e_ca, p_ca, y_ca = data.part("calib")
     cdf = BucketCDF(weights.probs(e_ca, p_ca), cfg.bucket_size)
     scores = DistributionConformal.fit(cdf, y_ca).scores
-    key = "val_loss" if history and "val_loss" in history[0] else "val_mae_tokens"
     meta: dict[str, Any] = {
         "encoder": data.encoder,
         "dataset": data.dataset,
         "split_seed": cfg.seed,
         "split_rule": SPLIT_RULE,
         "split_sizes": {k: len(v) for k, v in data.splits.items()},
-        "epochs_run": len(history),
-        "best_epoch": min(history, key=lambda h: h[key])["epoch"] if history else 0,
-        "history": history,
+        "epochs_run": len(epochs.history),
+        "best_epoch": epochs.best_epoch,
+        "history": epochs.history,
     }
     rlp = LengthModel(cfg, weights, scores, meta, dict(adapters or {}))
     if len(data.splits["test"]):

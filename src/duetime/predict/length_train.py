@@ -1,34 +1,22 @@
-"""Training loop for the length heads: seeded, checkpointed every epoch, resumable.
+"""Training the length heads on fixed feature rows (the classifier and the regression baseline).
 
-Every epoch is a pure function of (weights, optimiser state, seed, epoch):
-the shuffle and the dropout masks are drawn from generators seeded with
-``(seed, epoch)``. So a run stopped after epoch ``e`` and resumed from its
-checkpoint ends with the same weights as a run that never stopped.
-
-The weights kept are those of the epoch with the lowest validation loss
-(the checkpoint carries them too).
+What one epoch does is here; how epochs run (seeded shuffles and dropout,
+a checkpoint after every epoch, resumption, the best-validation-loss epoch
+kept) is :func:`duetime.predict.epoch_loop.run_epochs`.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from tqdm import tqdm
 
+from duetime.predict.epoch_loop import TrainedEpochs, Trainee, run_epochs
 from duetime.predict.length_model import HeadWeights, RLPConfig, soft_labels
-from duetime.workloads._files import atomic_writer
 
-CHECKPOINT_VERSION = 1
 Task = Literal["classify", "regress"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed: other version, settings or data."""
 
 
 def _mlp(d_in: int, d_out: int, hidden: int, dropout: float) -> Any:
@@ -39,10 +27,6 @@ def _mlp(d_in: int, d_out: int, hidden: int, dropout: float) -> Any:
     return nn.Sequential(
         nn.Linear(d_in, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, d_out)
     )
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    return (seed * 1_000_003 + epoch * 7_919) % (2**63 - 1)
 
 
 def _to_weights(model: Any, feat_mean: float, feat_std: float) -> HeadWeights:
@@ -73,55 +57,22 @@ def fit_head(
     data_id: str = "",
     progress: bool = True,
     stop_after: int | None = None,
-    on_epoch: Callable[[int, float, float], None] | None = None,
     threads: int | None = 1,
-) -> tuple[Any, list[dict[str, float]]]:
+) -> tuple[Any, TrainedEpochs]:
     """Train a head on feature rows ``x`` (embedding + standardised log prompt length).
 
     ``classify``: ``y`` are 0-based bucket classes, cross-entropy (with
     ``cfg.label_sigma`` smoothing). ``regress``: ``y`` are standardised
-    targets, mean squared error. Returns the best-validation torch module and
-    the per-epoch history. ``checkpoint`` is rewritten atomically after every
-    epoch; ``resume`` continues from it (it must come from the same settings
-    and data: ``data_id``). ``stop_after`` ends early after that many epochs
-    (to test resumption). ``threads`` caps torch's threads: the batches are small, and
-    one thread is faster than two on a shared 2-core machine.
+    targets, mean squared error. Returns the best-validation-loss torch module
+    (in eval mode) and the epochs' record. ``checkpoint``, ``resume`` (same
+    settings and data: ``data_id``) and ``stop_after``: see
+    :func:`~duetime.predict.epoch_loop.run_epochs`. ``threads`` caps torch's
+    threads: the batches are small, and one thread is faster than two on a
+    shared 2-core machine.
     """
-    from duetime.predict.length_features import torch_threads
-
-    with torch_threads(threads):
-        return _fit(
-            cfg,
-            x_train,
-            y_train,
-            x_val,
-            y_val,
-            task=task,
-            checkpoint=checkpoint,
-            resume=resume,
-            data_id=data_id,
-            progress=progress,
-            stop_after=stop_after,
-            on_epoch=on_epoch,
-        )
-
-
-def _fit(
-    cfg: RLPConfig,
-    x_train: np.ndarray,
-    y_train: np.ndarray,
-    x_val: np.ndarray,
-    y_val: np.ndarray,
-    *,
-    task: Task,
-    checkpoint: Path | None,
-    resume: bool,
-    data_id: str,
-    progress: bool,
-    stop_after: int | None,
-    on_epoch: Callable[[int, float, float], None] | None,
-) -> tuple[Any, list[dict[str, float]]]:
     import torch
+
+    from duetime.predict.length_features import torch_threads
 
     d_out = cfg.n_classes if task == "classify" else 1
     torch.manual_seed(cfg.seed)
@@ -137,28 +88,6 @@ def _fit(
         yt = torch.from_numpy(np.asarray(y_train, dtype=np.float32)[:, None])
         yv = torch.from_numpy(np.asarray(y_val, dtype=np.float32)[:, None])
 
-    identity = {
-        "version": CHECKPOINT_VERSION,
-        "task": task,
-        "config": asdict(cfg),
-        "data_id": data_id,
-        "shape": list(x_train.shape),
-    }
-    start, history = 0, []
-    best: tuple[float, dict[str, Any]] = (float("inf"), {})
-    if resume and checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=True)
-        if state.get("identity") != identity:
-            raise CheckpointError(
-                f"{checkpoint}: checkpoint was made with other settings or data "
-                f"({_diff(state.get('identity'), identity)}); delete it or drop --resume"
-            )
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        sched.load_state_dict(state["sched"])
-        start, history = int(state["epoch"]), list(state["history"])
-        best = (float(state["best_loss"]), state["best_model"])
-
     def loss_fn(out: Any, target: Any, train: bool) -> Any:
         if task == "regress":
             return torch.nn.functional.mse_loss(out, target)
@@ -166,18 +95,7 @@ def _fit(
             return -(target * torch.log_softmax(out, dim=1)).sum(dim=1).mean()
         return torch.nn.functional.cross_entropy(out, target)
 
-    bar = tqdm(
-        range(start, cfg.epochs),
-        initial=start,
-        total=cfg.epochs,
-        unit="epoch",
-        desc=f"training {task} head",
-        disable=not progress,
-        file=sys.stderr,
-    )
-    for epoch in bar:
-        gen = torch.Generator().manual_seed(_epoch_seed(cfg.seed, epoch))
-        torch.manual_seed(_epoch_seed(cfg.seed, epoch) + 1)  # dropout masks
+    def train_epoch(gen: Any) -> float:
         model.train()
         total = 0.0
         perm = torch.randperm(len(xt), generator=gen)
@@ -189,52 +107,42 @@ def _fit(
             opt.step()
             total += loss.item() * len(idx)
         sched.step()
+        return total / len(xt)
+
+    def validate() -> float:
         model.eval()
         with torch.no_grad():
-            val = float(loss_fn(model(xv), yv, False))
-        history.append({"epoch": epoch + 1, "train_loss": total / len(xt), "val_loss": val})
-        if val < best[0]:
-            best = (val, {k: v.clone() for k, v in model.state_dict().items()})
-        bar.set_postfix(train=f"{total / len(xt):.4f}", val=f"{val:.4f}")
-        if on_epoch is not None:
-            on_epoch(epoch + 1, total / len(xt), val)
-        if checkpoint is not None:
-            checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_writer(checkpoint, binary=True) as f:
-                torch.save(
-                    {
-                        "identity": identity,
-                        "epoch": epoch + 1,
-                        "model": model.state_dict(),
-                        "optim": opt.state_dict(),
-                        "sched": sched.state_dict(),
-                        "history": history,
-                        "best_loss": best[0],
-                        "best_model": best[1],
-                    },
-                    f,
-                )
-        if stop_after is not None and epoch + 1 - start >= stop_after and epoch + 1 < cfg.epochs:
-            break
-    if best[1]:
-        model.load_state_dict(best[1])
+            return float(loss_fn(model(xv), yv, False))
+
+    trainee = Trainee(
+        opt,
+        sched,
+        train_epoch,
+        validate,
+        weights=lambda: {k: v.clone() for k, v in model.state_dict().items()},
+        load_weights=model.load_state_dict,
+    )
+    identity = {
+        "task": task,
+        "config": asdict(cfg),
+        "data_id": data_id,
+        "shape": list(x_train.shape),
+    }
+    with torch_threads(threads):
+        epochs = run_epochs(
+            trainee,
+            epochs=cfg.epochs,
+            seed=cfg.seed,
+            score="val_loss",
+            identity=identity,
+            checkpoint=checkpoint,
+            resume=resume,
+            progress=progress,
+            stop_after=stop_after,
+            desc=f"training {task} head",
+        )
     model.eval()
-    return model, history
-
-
-def _diff(old: Any, new: dict[str, Any]) -> str:
-    if not isinstance(old, dict):
-        return "unreadable identity"
-    if old.get("version") != new["version"]:
-        return f"checkpoint version {old.get('version')}, this duetime writes {new['version']}"
-    keys = [k for k in new if old.get(k) != new[k]]
-    if "config" in keys:
-        cfg_old, cfg_new = old.get("config") or {}, new["config"]
-        changed = [
-            f"{k}: {cfg_old.get(k)!r} -> {v!r}" for k, v in cfg_new.items() if cfg_old.get(k) != v
-        ]
-        return "config " + ", ".join(changed)
-    return "differs in " + ", ".join(keys)
+    return model, epochs
 
 
 def head_weights(model: Any, feat_mean: float, feat_std: float) -> HeadWeights:
