@@ -82,7 +82,7 @@ class PredictTimeModel:
 class PredictCall:
     """What one prediction read and cost."""
 
-    pieces_full: int  # word pieces the encoder would read uncompressed (<= max_tokens)
+    pieces_full: int  # word pieces the encoder would read uncompressed (<= max_pieces)
     pieces_used: int
     t_prefill_hat_s: float | None  # the ETE's prefill estimate that bounded N_p
     seconds: float = 0.0
@@ -158,7 +158,10 @@ class CompressingRLP:
 
         t0 = time.perf_counter()
         text = prompt_text(req)
-        full, _ = self._pieces(text)
+        # the encoder reads no more than max_pieces: a longer prompt is not "over the bound"
+        # when the whole encoder fits the prefill (cutting it would drop what a bag-of-pieces
+        # feature reads beyond the contextual part, as minilm-ft's does)
+        full = min(self._pieces(text)[0], self.max_pieces)
         t_pre = None if self.prefill_time is None else float(self.prefill_time(req.prompt_len))
         used = full
         if t_pre is not None and self.time_model is not None:
