@@ -11,7 +11,7 @@ import pytest
 from duetime.predict.epoch_loop import CheckpointError
 from duetime.predict.length_data import split_rows
 from duetime.predict.length_features import MiniLMEncoder
-from duetime.predict.length_finetune import train_finetuned_rlp
+from duetime.predict.length_finetune import resolve_precision, train_finetuned_rlp
 from duetime.predict.length_ft_encoder import FinetunedMiniLMEncoder, parse_ft_spec
 from duetime.predict.length_model import LengthModel, RLPConfig
 from duetime.predict.length_predictor import LearnedLengthPredictor
@@ -140,6 +140,39 @@ def test_resume_from_checkpoint_equals_uninterrupted(data, tmp_path):
         train_finetuned_rlp(
             bundle, replace(cfg, lora_rank=4), checkpoint=ckpt, resume=True, progress=False
         )
+    other = "fp32" if resumed.meta["trained_precision"] == "bf16" else "bf16"
+    with pytest.raises(CheckpointError, match="precision"):
+        train_finetuned_rlp(
+            bundle, cfg, checkpoint=ckpt, resume=True, progress=False, precision=other
+        )
+
+
+def test_precision_auto_takes_bf16_only_where_it_is_native(monkeypatch):
+    import torch
+
+    assert resolve_precision("auto", "cuda") == "bf16"
+    assert resolve_precision("fp32", "cuda") == "fp32"
+    assert resolve_precision("bf16", "cpu") == "bf16"
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    assert resolve_precision("auto", "cpu") == "fp32"
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert resolve_precision("auto", "cpu") == "bf16"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        resolve_precision("fp16", "cpu")
+
+
+def test_fp32_and_bf16_training_both_learn(data):
+    _, bundle = data
+    cfg = replace(CFG, epochs=3)
+    maes = {
+        p: train_finetuned_rlp(bundle, cfg, progress=False, threads=1, precision=p).meta[
+            "test_metrics"
+        ]["median"]["mae_tokens"]
+        for p in ("fp32", "bf16")
+    }
+    y = bundle.output_len[bundle.splits["test"]]
+    const_mae = np.mean(np.abs(y - np.median(bundle.output_len[bundle.splits["train"]])))
+    assert max(maes.values()) < 0.5 * const_mae, maes
 
 
 def test_bundle_round_trip_and_bad_files(data, tmp_path):

@@ -3,9 +3,11 @@
 The loss is TimeBill's: cross-entropy over length buckets, here through the
 encoder as well as the head. LoRA (``peft``) keeps the trainable part small,
 so a model file carries ~1.6 MB of adapters instead of a 90 MB encoder.
-Training takes minutes on a GPU (``--device cuda``) and hours on a 2-core
-CPU. The epoch kept is the one with the lowest validation MAE of the model's
-readout (the cross-entropy of 256 classes tracks MAE loosely here).
+Training takes minutes on a GPU (``--device cuda``); on a CPU with native
+bfloat16 (AVX512-BF16) ~2.5 minutes an epoch on 2 cores, about half the
+float32 time (:func:`resolve_precision`). The epoch kept is the one with the
+lowest validation MAE of the model's readout (the cross-entropy of 256
+classes tracks MAE loosely here).
 
 Epochs run as the frozen head's do (:func:`~duetime.predict.epoch_loop.run_epochs`:
 seeded shuffles and dropout, a checkpoint after every epoch, resumption that
@@ -16,11 +18,13 @@ weights as an uninterrupted one; GPU kernels are not bit-reproducible.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from duetime.predict.conformal import BucketCDF
 from duetime.predict.epoch_loop import CheckpointError, TrainedEpochs, Trainee, run_epochs
@@ -38,6 +42,25 @@ from duetime.predict.length_tokens import TokenBundle
 from duetime.predict.length_train import _mlp, head_weights
 
 WARMUP_FRACTION = 0.05
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """``auto``: bfloat16 autocast on a GPU and on a CPU that computes bfloat16 natively
+    (there it halves a training step: 0.29 s vs 0.57 s for 32 prompts at 64 pieces on 2
+    EPYC cores), float32 elsewhere (emulated bfloat16 is slower than float32)."""
+    import torch
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision != "auto":
+        return precision
+    if device.startswith("cuda"):
+        return "bf16"
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return "bf16" if device == "cpu" and native else "fp32"
+
+
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -88,11 +111,13 @@ def fit_finetuned(
     progress: bool = True,
     stop_after: int | None = None,
     threads: int | None = None,
+    precision: str = "auto",
 ) -> tuple[dict[str, np.ndarray], HeadWeights, TrainedEpochs]:
     """Train adapters and head on ``train``; keep the best-validation-MAE epoch.
 
     Returns (adapters, head weights, the epochs' record). ``threads`` caps
-    torch's CPU threads (``None``: leave them).
+    torch's CPU threads (``None``: leave them); ``precision`` is the autocast
+    of the forward passes (:func:`resolve_precision`).
     """
     import torch
 
@@ -127,13 +152,26 @@ def fit_finetuned(
         opt,
         lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))),
     )
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
+    precision = resolve_precision(precision, device)
+    autocast = torch.autocast(
+        "cuda" if device.startswith("cuda") else "cpu",
+        dtype=torch.bfloat16,
+        enabled=precision == "bf16",
+    )
 
     def train_epoch(gen: Any) -> float:
         net.train()
         loss_sum = 0.0
         perm = torch.randperm(len(tr), generator=gen).numpy()
-        for lo in range(0, len(perm), cfg.batch_size):
+        batches = tqdm(
+            range(0, len(perm), cfg.batch_size),
+            unit="batch",
+            desc="epoch",
+            leave=False,
+            disable=not progress,
+            file=sys.stderr,
+        )
+        for lo in batches:
             idx = perm[lo : lo + cfg.batch_size]
             with autocast:
                 out = _logits(net, [seqs_tr[i] for i in idx], z[tr[idx]], max_tokens, device)
@@ -156,6 +194,7 @@ def fit_finetuned(
     )
     identity = {
         "config": asdict(cfg),
+        "precision": precision,
         "data": bundle.dataset,
         "split": {k: [len(v), int(v.sum()) if len(v) else 0] for k, v in bundle.splits.items()},
     }
@@ -170,7 +209,7 @@ def fit_finetuned(
             resume=resume,
             progress=progress,
             stop_after=stop_after,
-            desc=f"fine-tuning {cfg.encoder} (LoRA r={cfg.lora_rank}) on {device}",
+            desc=f"fine-tuning {cfg.encoder} (LoRA r={cfg.lora_rank}) on {device}, {precision}",
         )
     net.eval()
     return export_adapters(net), head_weights(net["head"].cpu(), fm, fs), epochs
@@ -218,6 +257,7 @@ def train_finetuned_rlp(
     coverage: float = 0.9,
     stop_after: int | None = None,
     threads: int | None = None,
+    precision: str = "auto",
 ) -> LengthModel:
     """Fine-tune on ``device``, then calibrate and score with the CPU inference path.
 
@@ -238,6 +278,7 @@ def train_finetuned_rlp(
         progress=progress,
         stop_after=stop_after,
         threads=threads,
+        precision=precision,
     )
     max_tokens, layers = parse_ft_spec(cfg.encoder)
     enc = FinetunedMiniLMEncoder(max_tokens, layers, adapters, threads=threads)
@@ -249,4 +290,5 @@ def train_finetuned_rlp(
     )
     rlp = calibrated_model(data, cfg, weights, epochs, coverage=coverage, adapters=adapters)
     rlp.meta["trained_on"] = device
+    rlp.meta["trained_precision"] = resolve_precision(precision, device)
     return rlp
