@@ -201,3 +201,38 @@ def test_fine_tuned_encoder_specs():
 
     with pytest.raises(ValueError, match="needs a model file's adapters"):
         make_encoder("minilm-ft:64")
+
+
+def test_cli_fine_tunes_from_a_bundle_and_rejects_bad_options(data, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    _, bundle = data
+    b = bundle.save(tmp_path / "b.npz")
+    out, js = tmp_path / "m.npz", tmp_path / "m.json"
+    args = ["predict", "train-length", "--encoder", "minilm-ft:16:1", "--bundle", str(b),
+            "--max-len", "512", "--hidden", "16", "--epochs", "2", "--batch-size", "16",
+            "--lr", "0.03", "--lora-rank", "2", "--precision", "fp32", "--out", str(out),
+            "--json", str(js)]  # fmt: skip
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "median: MAE" in r.output
+    model = LengthModel.load(out)
+    assert model.adapters
+    assert model.config.dropout == 0.1  # minilm-ft's default, not the head's 0.2
+    assert model.meta["trained_precision"] == "fp32"
+    assert json.loads(js.read_text())["meta"]["epochs_run"] == 2
+    assert not out.with_name(out.name + ".ckpt").exists()  # removed once the file is saved
+
+    bad = {
+        "--precision": (["--precision", "fp16"], "precision must be one of"),
+        "--bundle": (["--encoder", "minilm-static:512"], "--bundle feeds a fine-tuned encoder"),
+    }
+    for opt, (extra, needle) in bad.items():
+        r = CliRunner().invoke(app, [*args[:-4], "--out", str(tmp_path / "x.npz"), *extra])
+        assert r.exit_code == 2, (opt, r.output)
+        assert needle in r.output, (opt, r.output)
+        assert not (tmp_path / "x.npz").exists()

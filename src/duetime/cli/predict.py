@@ -30,7 +30,12 @@ def predict_train_length(
     bucket_size: Annotated[int, typer.Option(min=1, help="B, tokens per bucket.")] = 16,
     max_len: Annotated[int, typer.Option(min=1, help="N_model: longest answer kept.")] = 4096,
     hidden: Annotated[int, typer.Option(min=0, help="MLP width (0: linear head).")] = 256,
-    dropout: Annotated[float, typer.Option(min=0.0, max=0.9, help="Head dropout.")] = 0.2,
+    dropout: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0, max=0.9, help="Head dropout. Default 0.2 for a head, 0.1 for minilm-ft."
+        ),
+    ] = None,
     epochs: Annotated[
         int | None, typer.Option(min=1, help="Default 40 for a head, 6 for minilm-ft.")
     ] = None,
@@ -84,7 +89,7 @@ def predict_train_length(
             max_len=max_len,
             encoder=encoder,
             hidden=hidden,
-            dropout=dropout,
+            dropout=dropout if dropout is not None else (0.1 if finetune else 0.2),
             epochs=epochs or (6 if finetune else 40),
             batch_size=batch_size or (32 if finetune else 256),
             lr=lr,
