@@ -230,9 +230,75 @@ def test_cli_fine_tunes_from_a_bundle_and_rejects_bad_options(data, tmp_path):
     bad = {
         "--precision": (["--precision", "fp16"], "precision must be one of"),
         "--bundle": (["--encoder", "minilm-static:512"], "--bundle feeds a fine-tuned encoder"),
+        "--all-turns": (["--all-turns"], "a --bundle has its rows already"),
     }
     for opt, (extra, needle) in bad.items():
         r = CliRunner().invoke(app, [*args[:-4], "--out", str(tmp_path / "x.npz"), *extra])
         assert r.exit_code == 2, (opt, r.output)
         assert needle in r.output, (opt, r.output)
         assert not (tmp_path / "x.npz").exists()
+
+
+def test_later_turns_become_train_rows_only(tmp_path, monkeypatch):
+    import json
+
+    from duetime.predict.length_tokens import with_later_turns
+    from duetime.workloads import sharegpt
+
+    class Words:
+        identity = "words"
+
+        def count(self, texts, *, add_bos=False):
+            return np.asarray([len(t.split()) + add_bos for t in texts], dtype=np.int64)
+
+    monkeypatch.setenv("DUETIME_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sharegpt, "_MEMORY", {})
+
+    def chat(*texts):
+        return [{"from": ("human", "gpt")[i % 2], "value": t} for i, t in enumerate(texts)]
+
+    convs = [
+        {"id": "a", "conversations": chat("first a", "x y", "now shorter", "x", "long", "w " * 9)},
+        {"id": "b", "conversations": chat("first b", "x y z", "continue", "u v w")},
+        {"id": "c", "conversations": chat("first c", "x", "held out follow-up", "x y")},
+    ]  # fmt: skip
+    path = tmp_path / "chats.json"
+    path.write_text(json.dumps(convs), encoding="utf-8")
+    lengths = sharegpt.load_sharegpt_lengths(path, counter=Words(), progress=False)
+    seqs = MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids(["first a", "first b", "first c"])
+    off = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
+    empty = np.empty(0, dtype=np.int64)
+    splits = {"train": np.asarray([0, 1]), "val": empty, "calib": empty, "test": np.asarray([2])}
+    base = TokenBundle(np.concatenate(seqs).astype(np.uint16), off, lengths.prompt_len,
+                       lengths.output_len, splits, "chats", "minilm")  # fmt: skip
+
+    more = with_later_turns(base, lengths, Words(), max_len=8)
+    assert list(more.splits["train"]) == [0, 1, 3, 4]  # a's 2nd pair, b's 2nd; a's 3rd > 8 tokens
+    assert list(more.splits["test"]) == [2]  # c's follow-up is never added
+    assert list(more.output_len[3:]) == [1, 3]
+    assert list(more.prompt_len[3:]) == [2 + 1, 1 + 1]
+    want = MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids(["now shorter", "continue"])
+    assert [s.tolist() for s in more.seqs(np.asarray([3, 4]))] == [list(w) for w in want]
+    assert [s.tolist() for s in more.seqs(np.arange(3))] == [
+        s.tolist() for s in base.seqs(np.arange(3))
+    ]
+    assert more.dataset == "chats|all turns"
+
+    class Other(Words):
+        identity = "other"
+
+    with pytest.raises(ValueError, match="not the one the rows were counted with"):
+        with_later_turns(base, lengths, Other(), max_len=8)
+
+
+def test_cli_all_turns_is_for_fine_tuning_only(tmp_path):
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    out = tmp_path / "x.npz"
+    args = ["predict", "train-length", "--encoder", "minilm-static:512", "--all-turns"]
+    r = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert r.exit_code == 2, r.output
+    assert "--all-turns feeds a fine-tuned encoder only" in r.output
+    assert not out.exists()

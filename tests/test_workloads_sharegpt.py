@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from duetime.workloads import sharegpt
-from duetime.workloads.sharegpt import load_sharegpt_lengths, read_pairs
+from duetime.workloads.sharegpt import later_pairs, load_sharegpt_lengths, read_pairs
 
 
 class WordCounter:
@@ -134,3 +134,23 @@ def test_real_bundled_file_recovers_conversations_and_reports_skips() -> None:
     assert lengths.output_len.min() >= 1
     prompt, _answer = read_pairs(lengths, [0])[0]
     assert prompt.startswith("Summarize the main ideas of Jeff Walker")
+
+
+def test_later_pairs_are_the_human_gpt_pairs_after_the_kept_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DUETIME_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sharegpt, "_MEMORY", {})
+    turns = [("gpt", "hi"), ("human", "p1"), ("gpt", "a1"), ("human", "p2"), ("gpt", "a2"),
+             ("human", "  "), ("gpt", "blank prompt"), ("human", "p3"), ("human", "p4 é"),
+             ("gpt", "a4"), ("system", "s"), ("gpt", "after"), ("human", "last")]  # fmt: skip
+    convs = [
+        {"id": "single", "conversations": [_turn("human", "q"), _turn("gpt", "r")]},
+        {"id": "multi", "conversations": [_turn(w, t) for w, t in turns]},
+    ]
+    path = tmp_path / "multi.json"
+    path.write_text(json.dumps(convs, ensure_ascii=False), encoding="utf-8")
+    lengths = load_sharegpt_lengths(path, counter=WordCounter(), progress=False)
+    assert list(lengths.turn) == [0, 1]
+    assert later_pairs(lengths, [0, 1]) == [(1, "p2", "a2"), (1, "p4 é", "a4")]
+    assert later_pairs(lengths, [0]) == []

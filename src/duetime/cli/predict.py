@@ -14,6 +14,15 @@ from duetime.cli.common import (
     predict_app,
 )
 
+AllTurnsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--all-turns",
+        help="minilm-ft: also train on the later human/gpt pairs of the train conversations "
+        "(3.5x the rows; val, calib and test stay first pairs).",
+    ),
+]
+
 
 @predict_app.command("train-length")
 def predict_train_length(
@@ -60,6 +69,7 @@ def predict_train_length(
         Path | None,
         typer.Option(help="minilm-ft: a token bundle from export-length-data instead of ShareGPT."),
     ] = None,
+    all_turns: AllTurnsOpt = False,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the checkpoint beside --out.")
     ] = False,
@@ -80,6 +90,13 @@ def predict_train_length(
     with _user_errors():
         if bundle is not None and not finetune:
             raise ValueError("--bundle feeds a fine-tuned encoder only (--encoder minilm-ft...)")
+        if all_turns and not finetune:
+            raise ValueError(
+                "--all-turns feeds a fine-tuned encoder only (--encoder minilm-ft...): "
+                "a frozen encoder's head did not gain from them (docs/predictors.md)"
+            )
+        if all_turns and bundle is not None:
+            raise ValueError("--all-turns builds the rows; a --bundle has its rows already")
         if finetune:
             from duetime.predict.length_finetune import resolve_precision
 
@@ -107,7 +124,7 @@ def predict_train_length(
             tokens = (
                 TokenBundle.load(bundle)
                 if bundle is not None
-                else build_bundle(max_len=max_len, seed=seed)
+                else build_bundle(max_len=max_len, seed=seed, all_turns=all_turns)
             )
             rlp = train_finetuned_rlp(
                 tokens,
@@ -143,13 +160,15 @@ def predict_export_length_data(
     ),
     max_len: Annotated[int, typer.Option(min=1, help="N_model: longest answer kept.")] = 4096,
     seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
+    all_turns: AllTurnsOpt = False,
 ) -> None:
-    """Write the RLP's training rows as MiniLM word-piece ids (~2 MB): `train-length --bundle`
-    then fine-tunes on a machine without the ShareGPT package (a GPU box)."""
+    """Write the RLP's training rows as MiniLM word-piece ids (~2 MB; ~5 MB with
+    --all-turns): `train-length --bundle` then fine-tunes on a machine without the
+    ShareGPT package (a GPU box)."""
     from duetime.predict.length_tokens import build_bundle
 
     with _user_errors():
-        b = build_bundle(max_len=max_len, seed=seed).save(out_path)
+        b = build_bundle(max_len=max_len, seed=seed, all_turns=all_turns).save(out_path)
     out.print(f"wrote {b} ({b.stat().st_size / 1e6:.1f} MB)")
 
 

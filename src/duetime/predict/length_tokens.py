@@ -13,10 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from duetime.predict.length_data import SPLITS
+
+if TYPE_CHECKING:
+    from duetime.tokenizer import TokenCounter
+    from duetime.workloads.sharegpt import ShareGPTLengths
 
 BUNDLE_FORMAT = "duetime-rlp-tokens"
 BUNDLE_VERSION = 1
@@ -88,8 +93,14 @@ class TokenBundle:
         return bundle
 
 
-def build_bundle(*, max_len: int, seed: int = 0, progress: bool = True) -> TokenBundle:
-    """Every ShareGPT row, tokenised for MiniLM, with the RLP's split (``length_fit``'s rule)."""
+def build_bundle(
+    *, max_len: int, seed: int = 0, progress: bool = True, all_turns: bool = False
+) -> TokenBundle:
+    """Every ShareGPT row, tokenised for MiniLM, with the RLP's split (``length_fit``'s rule).
+
+    ``all_turns`` adds the later pairs of the train conversations as train rows
+    (:func:`with_later_turns`).
+    """
     from duetime.predict.length_data import from_sharegpt, pair_keys
     from duetime.predict.length_features import MiniLMEncoder, dataset_identity, sharegpt_prompts
     from duetime.workloads import load_sharegpt_lengths
@@ -107,7 +118,7 @@ def build_bundle(*, max_len: int, seed: int = 0, progress: bool = True) -> Token
     off = np.zeros(len(seqs) + 1, dtype=np.int64)
     off[1:] = np.cumsum([len(s) for s in seqs])
     ids = np.fromiter((i for s in seqs for i in s), dtype=np.uint16, count=int(off[-1]))
-    return TokenBundle(
+    bundle = TokenBundle(
         ids,
         off,
         lengths.prompt_len.astype(np.int64),
@@ -115,4 +126,50 @@ def build_bundle(*, max_len: int, seed: int = 0, progress: bool = True) -> Token
         rows.splits,
         f"{dataset_identity(lengths)}|split seed {seed}, max_len {max_len}",
         tok.identity,
+    )
+    if all_turns:
+        from duetime.tokenizer import get_token_counter
+
+        bundle = with_later_turns(bundle, lengths, get_token_counter(), max_len=max_len)
+    return bundle
+
+
+def with_later_turns(
+    bundle: TokenBundle, lengths: ShareGPTLengths, counter: TokenCounter, *, max_len: int
+) -> TokenBundle:
+    """``bundle`` plus every later pair of its ``train`` conversations, as more train rows.
+
+    A ShareGPT row is a conversation's first pair (the workload's request); its
+    later pairs (:func:`~duetime.workloads.sharegpt.later_pairs`) triple the
+    training rows (31,397 more at seed 0) and lowered the fine-tuned RLP's
+    validation MAE (docs/predictors.md). val / calib / test stay first pairs,
+    so every figure is still measured on the requests the workload replays.
+    Rows are appended in file order; answers outside ``[1, max_len]`` tokens
+    are dropped, as :func:`~duetime.predict.length_data.from_sharegpt` drops them.
+    """
+    from duetime.predict.length_features import MiniLMEncoder
+    from duetime.workloads.sharegpt import later_pairs
+
+    if counter.identity != lengths.tokenizer:
+        raise ValueError(
+            f"token counter {counter.identity!r} is not the one the rows were counted with "
+            f"({lengths.tokenizer!r})"
+        )
+    pairs = later_pairs(lengths, bundle.splits["train"])
+    prompt_len = counter.count([p for _, p, _ in pairs], add_bos=True).astype(np.int64)
+    output_len = counter.count([a for _, _, a in pairs]).astype(np.int64)
+    keep = np.flatnonzero((output_len >= 1) & (output_len <= max_len))
+    seqs = MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids([pairs[i][1] for i in keep])
+    new_ids = np.fromiter((i for s in seqs for i in s), dtype=np.uint16)
+    new_off = bundle.off[-1] + np.cumsum([len(s) for s in seqs], dtype=np.int64)
+    splits = dict(bundle.splits)
+    splits["train"] = np.concatenate([splits["train"], len(bundle) + np.arange(len(keep))])
+    return TokenBundle(
+        np.concatenate([bundle.ids, new_ids]),
+        np.concatenate([bundle.off, new_off]),
+        np.concatenate([bundle.prompt_len, prompt_len[keep]]),
+        np.concatenate([bundle.output_len, output_len[keep]]),
+        splits,
+        f"{bundle.dataset}|all turns",
+        bundle.tokenizer,
     )

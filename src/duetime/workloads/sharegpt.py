@@ -100,12 +100,17 @@ def pair_turn(element: Any) -> int | str:
         return "no_human_turn"
     if human + 1 >= len(turns) or turns[human + 1].get("from") != "gpt":
         return "no_gpt_reply"
-    prompt, answer = turns[human].get("value"), turns[human + 1].get("value")
-    if not (
-        isinstance(prompt, str) and prompt.strip() and isinstance(answer, str) and answer.strip()
-    ):
+    if _texts(turns[human], turns[human + 1]) is None:
         return "empty_text"
     return human
+
+
+def _texts(prompt_turn: dict[str, Any], answer_turn: dict[str, Any]) -> tuple[str, str] | None:
+    """The two turns' texts if both are non-blank strings."""
+    prompt, answer = prompt_turn.get("value"), answer_turn.get("value")
+    if isinstance(prompt, str) and prompt.strip() and isinstance(answer, str) and answer.strip():
+        return prompt, answer
+    return None
 
 
 def _byte_offsets(text: str) -> Callable[[int], int]:
@@ -247,14 +252,42 @@ def load_sharegpt_lengths(
     return lengths
 
 
-def read_pairs(lengths: ShareGPTLengths, rows: Iterable[int]) -> list[tuple[str, str]]:
-    """The (prompt, answer) texts of ``rows``, read by seeking: the file is not loaded whole."""
-    out = []
+def _conversations(
+    lengths: ShareGPTLengths, rows: Iterable[int]
+) -> Iterator[tuple[int, list[Any]]]:
+    """``(row, turns)`` of each row's conversation, read by seeking (the file is not loaded)."""
     with open(lengths.source, "rb") as f:
         for row in rows:
             f.seek(int(lengths.byte_start[row]))
             chunk = f.read(int(lengths.byte_end[row] - lengths.byte_start[row]))
-            turns = json.loads(chunk)["conversations"]
-            turn = int(lengths.turn[row])
-            out.append((turns[turn]["value"], turns[turn + 1]["value"]))
+            yield row, json.loads(chunk)["conversations"]
+
+
+def read_pairs(lengths: ShareGPTLengths, rows: Iterable[int]) -> list[tuple[str, str]]:
+    """The (prompt, answer) texts of ``rows``."""
+    out = []
+    for row, turns in _conversations(lengths, rows):
+        turn = int(lengths.turn[row])
+        out.append((turns[turn]["value"], turns[turn + 1]["value"]))
+    return out
+
+
+def later_pairs(lengths: ShareGPTLengths, rows: Iterable[int]) -> list[tuple[int, str, str]]:
+    """``(row, prompt, answer)`` for every pair after the row's own in its conversation.
+
+    A pair is a human turn followed by a gpt turn, both non-blank text (the rule
+    :func:`pair_turn` applies to the first). A row keeps the conversation's first
+    pair only, as vLLM's benchmark does; the later ones answer follow-ups
+    ("shorter", "continue") whose context the prompt alone lacks, and are
+    extra training rows for the length predictor, never workload requests.
+    """
+    out = []
+    for row, turns in _conversations(lengths, rows):
+        for i in range(int(lengths.turn[row]) + 1, len(turns) - 1):
+            a, b = turns[i], turns[i + 1]
+            if not (isinstance(a, dict) and isinstance(b, dict)):
+                continue
+            texts = _texts(a, b) if (a.get("from"), b.get("from")) == ("human", "gpt") else None
+            if texts is not None:
+                out.append((row, *texts))
     return out
