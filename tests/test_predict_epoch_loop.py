@@ -48,43 +48,22 @@ def test_best_epoch_weights_are_returned_not_the_last() -> None:
 
 def test_resumed_run_draws_what_an_uninterrupted_one_draws(tmp_path: Path) -> None:
     scores = [5.0, 4.0, 3.0, 2.0]
-    whole, whole_state = scripted(scores)
-    run_epochs(whole, epochs=4, seed=3, score="val", identity={"x": 1}, progress=False)
     ckpt = tmp_path / "c.ckpt"
+
+    def run(trainee: Trainee, identity: int = 1, **kw: Any) -> Any:
+        return run_epochs(
+            trainee, epochs=4, seed=3, score="val", identity={"x": identity}, progress=False, **kw
+        )
+
+    whole, whole_state = scripted(scores)
+    run(whole)
     first, first_state = scripted(scores)
-    run_epochs(
-        first,
-        epochs=4,
-        seed=3,
-        score="val",
-        identity={"x": 1},
-        checkpoint=ckpt,
-        progress=False,
-        stop_after=2,
-    )
+    run(first, checkpoint=ckpt, stop_after=2)
     second, second_state = scripted(scores)
-    done = run_epochs(
-        second,
-        epochs=4,
-        seed=3,
-        score="val",
-        identity={"x": 1},
-        checkpoint=ckpt,
-        resume=True,
-        progress=False,
-    )
+    done = run(second, checkpoint=ckpt, resume=True)
     assert first_state["draws"] + second_state["draws"] == whole_state["draws"]
     assert len(second_state["draws"]) == 2
     assert done.best_epoch == 4
     assert second_state["w"].item() == whole_state["w"].item() == 4.0
     with pytest.raises(CheckpointError, match="differs in x"):
-        run_epochs(
-            scripted(scores)[0],
-            epochs=4,
-            seed=3,
-            score="val",
-            identity={"x": 2},
-            checkpoint=ckpt,
-            resume=True,
-            progress=False,
-        )
+        run(scripted(scores)[0], identity=2, checkpoint=ckpt, resume=True)
