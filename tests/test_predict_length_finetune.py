@@ -15,7 +15,7 @@ from duetime.predict.length_finetune import resolve_precision, train_finetuned_r
 from duetime.predict.length_ft_encoder import FinetunedMiniLMEncoder, parse_ft_spec
 from duetime.predict.length_model import LengthModel, RLPConfig
 from duetime.predict.length_predictor import LearnedLengthPredictor
-from duetime.predict.length_tokens import BUNDLE_TOKENS, TokenBundle
+from duetime.predict.length_tokens import BUNDLE_TOKENS, TokenBundle, pack
 
 CFG = RLPConfig(
     bucket_size=16,
@@ -48,12 +48,10 @@ def synthetic_texts(n: int = 160, seed: int = 0) -> tuple[list[str], np.ndarray]
 
 
 def make_bundle(texts: list[str], out: np.ndarray) -> TokenBundle:
-    seqs = MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids(texts)  # as build_bundle does
-    off = np.zeros(len(seqs) + 1, dtype=np.int64)
-    off[1:] = np.cumsum([len(s) for s in seqs])
+    ids, off = pack(MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids(texts))  # as build_bundle
     groups = np.asarray([f"c{i // 2}" for i in range(len(texts))])
     return TokenBundle(
-        np.concatenate(seqs).astype(np.uint16),
+        ids,
         off,
         np.asarray([len(t.split()) + 1 for t in texts]),
         out,
@@ -265,11 +263,12 @@ def test_later_turns_become_train_rows_only(tmp_path, monkeypatch):
     path = tmp_path / "chats.json"
     path.write_text(json.dumps(convs), encoding="utf-8")
     lengths = sharegpt.load_sharegpt_lengths(path, counter=Words(), progress=False)
-    seqs = MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids(["first a", "first b", "first c"])
-    off = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
+    ids, off = pack(
+        MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids(["first a", "first b", "first c"])
+    )
     empty = np.empty(0, dtype=np.int64)
     splits = {"train": np.asarray([0, 1]), "val": empty, "calib": empty, "test": np.asarray([2])}
-    base = TokenBundle(np.concatenate(seqs).astype(np.uint16), off, lengths.prompt_len,
+    base = TokenBundle(ids, off, lengths.prompt_len,
                        lengths.output_len, splits, "chats", "minilm")  # fmt: skip
 
     more = with_later_turns(base, lengths, Words(), max_len=8)

@@ -93,6 +93,14 @@ class TokenBundle:
         return bundle
 
 
+def pack(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged id sequences as (``ids`` uint16, all concatenated; ``off`` int64, len + 1)."""
+    off = np.zeros(len(seqs) + 1, dtype=np.int64)
+    off[1:] = np.cumsum([len(s) for s in seqs])
+    ids = np.fromiter((i for s in seqs for i in s), dtype=np.uint16, count=int(off[-1]))
+    return ids, off
+
+
 def build_bundle(
     *, max_len: int, seed: int = 0, progress: bool = True, all_turns: bool = False
 ) -> TokenBundle:
@@ -114,10 +122,7 @@ def build_bundle(
         content_keys=pair_keys(lengths),
     )
     tok = MiniLMEncoder(BUNDLE_TOKENS, static=True)
-    seqs = tok.token_ids(sharegpt_prompts(lengths))
-    off = np.zeros(len(seqs) + 1, dtype=np.int64)
-    off[1:] = np.cumsum([len(s) for s in seqs])
-    ids = np.fromiter((i for s in seqs for i in s), dtype=np.uint16, count=int(off[-1]))
+    ids, off = pack(tok.token_ids(sharegpt_prompts(lengths)))
     bundle = TokenBundle(
         ids,
         off,
@@ -159,14 +164,14 @@ def with_later_turns(
     prompt_len = counter.count([p for _, p, _ in pairs], add_bos=True).astype(np.int64)
     output_len = counter.count([a for _, _, a in pairs]).astype(np.int64)
     keep = np.flatnonzero((output_len >= 1) & (output_len <= max_len))
-    seqs = MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids([pairs[i][1] for i in keep])
-    new_ids = np.fromiter((i for s in seqs for i in s), dtype=np.uint16)
-    new_off = bundle.off[-1] + np.cumsum([len(s) for s in seqs], dtype=np.int64)
+    new_ids, new_off = pack(
+        MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids([pairs[i][1] for i in keep])
+    )
     splits = dict(bundle.splits)
     splits["train"] = np.concatenate([splits["train"], len(bundle) + np.arange(len(keep))])
     return TokenBundle(
         np.concatenate([bundle.ids, new_ids]),
-        np.concatenate([bundle.off, new_off]),
+        np.concatenate([bundle.off, bundle.off[-1] + new_off[1:]]),
         np.concatenate([bundle.prompt_len, prompt_len[keep]]),
         np.concatenate([bundle.output_len, output_len[keep]]),
         splits,
