@@ -32,6 +32,7 @@ from duetime.predict.length_ft_encoder import (
     FT_DIM,
     LORA_TARGETS,
     FinetunedMiniLMEncoder,
+    FtSpec,
     load_base,
     parse_ft_spec,
     pooled_features,
@@ -68,7 +69,7 @@ def _build(cfg: RLPConfig, device: str) -> Any:
     from peft import LoraConfig, get_peft_model
     from torch import nn
 
-    _, layers = parse_ft_spec(cfg.encoder)
+    layers = parse_ft_spec(cfg.encoder).layers
     lora = LoraConfig(
         r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, target_modules=list(LORA_TARGETS)
     )
@@ -77,10 +78,10 @@ def _build(cfg: RLPConfig, device: str) -> Any:
     return nn.ModuleDict({"bert": bert, "head": head}).to(device)
 
 
-def _logits(net: Any, seqs: list[np.ndarray], z: np.ndarray, max_tokens: int, device: str) -> Any:
+def _logits(net: Any, seqs: list[np.ndarray], z: np.ndarray, ft: FtSpec, device: str) -> Any:
     import torch
 
-    feats = pooled_features(net["bert"], seqs, max_tokens, device)
+    feats = pooled_features(net["bert"], seqs, ft.tokens, device, tail=ft.tail)
     zt = torch.as_tensor(z, dtype=torch.float32, device=device)[:, None]
     return net["head"](torch.cat([feats, zt], dim=1)).float()
 
@@ -123,7 +124,7 @@ def fit_finetuned(
 
     from duetime.predict.length_features import torch_threads
 
-    max_tokens, _ = parse_ft_spec(cfg.encoder)
+    ft = parse_ft_spec(cfg.encoder)
     tr, va = bundle.splits["train"], bundle.splits["val"]
     seqs_tr, seqs_va = bundle.seqs(tr), bundle.seqs(va)
     logp = np.log(np.maximum(bundle.prompt_len, 1).astype(np.float64))
@@ -174,7 +175,7 @@ def fit_finetuned(
         for lo in batches:
             idx = perm[lo : lo + cfg.batch_size]
             with autocast:
-                out = _logits(net, [seqs_tr[i] for i in idx], z[tr[idx]], max_tokens, device)
+                out = _logits(net, [seqs_tr[i] for i in idx], z[tr[idx]], ft, device)
             target = torch.as_tensor(classes[tr[idx]], device=device)
             loss = torch.nn.functional.cross_entropy(out, target)
             opt.zero_grad()
@@ -188,7 +189,7 @@ def fit_finetuned(
         opt,
         sched,
         train_epoch,
-        validate=lambda: _val_mae(net, cfg, seqs_va, z[va], y_va, max_tokens, device, autocast),
+        validate=lambda: _val_mae(net, cfg, seqs_va, z[va], y_va, ft, device, autocast),
         weights=lambda: {n: p.detach().cpu().clone() for n, p in trainable},
         load_weights=lambda state: _load_trainable(net, state),
     )
@@ -229,7 +230,7 @@ def _val_mae(
     seqs: list[np.ndarray],
     z: np.ndarray,
     y: np.ndarray,
-    max_tokens: int,
+    ft: FtSpec,
     device: str,
     autocast: Any,
 ) -> float:
@@ -239,7 +240,7 @@ def _val_mae(
     probs = []
     with torch.no_grad(), autocast:
         for lo in range(0, len(seqs), 128):
-            out = _logits(net, seqs[lo : lo + 128], z[lo : lo + 128], max_tokens, device)
+            out = _logits(net, seqs[lo : lo + 128], z[lo : lo + 128], ft, device)
             probs.append(torch.softmax(out, dim=1).double().cpu().numpy())
     point = _readout(BucketCDF(np.concatenate(probs), cfg.bucket_size), cfg.readout)
     point = np.maximum(np.minimum(point, cfg.max_len), 1.0)
@@ -280,8 +281,7 @@ def train_finetuned_rlp(
         threads=threads,
         precision=precision,
     )
-    max_tokens, layers = parse_ft_spec(cfg.encoder)
-    enc = FinetunedMiniLMEncoder(max_tokens, layers, adapters, threads=threads)
+    enc = FinetunedMiniLMEncoder(parse_ft_spec(cfg.encoder), adapters, threads=threads)
     rows = np.concatenate([bundle.splits[k] for k in ("calib", "test")])  # all calibration reads
     emb = np.zeros((len(bundle), FT_DIM), dtype=np.float32)
     emb[rows] = enc.encode_ids(bundle.seqs(rows), progress=progress)
