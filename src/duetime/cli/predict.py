@@ -32,9 +32,8 @@ def predict_train_length(
     encoder: Annotated[
         str,
         typer.Option(
-            help="minilm[:word pieces], minilm-static[:word pieces], or "
-            "minilm-ft[:pieces[:layers[:tail pieces]]] (fine-tuned with LoRA: minutes on a GPU, "
-            "~15 min on 2 cores with native bf16)."
+            help="minilm[:word pieces], minilm-static[:word pieces], or minilm-ft[:pieces[:layers]]"
+            " (fine-tuned with LoRA: minutes on a GPU, ~15 min on 2 cores with native bf16)."
         ),
     ] = "minilm-static:512",
     bucket_size: Annotated[int, typer.Option(min=1, help="B, tokens per bucket.")] = 16,

@@ -53,28 +53,18 @@ CHARS_PER_PIECE = 16  # text read per word piece kept (English averages ~4)
 SEP_ID = 102  # [SEP] in MiniLM's (BERT uncased) vocabulary
 
 
-def cut(seq: np.ndarray, max_tokens: int, tail: int = 0) -> np.ndarray:
-    """At most ``max_tokens`` pieces of a ``[CLS] … [SEP]`` sequence.
-
-    ``tail == 0``: the first ``max_tokens``, ending in ``[SEP]``, as the
-    tokenizer truncates. ``tail > 0``: the first ``max_tokens − tail`` and the
-    last ``tail`` (which end in the sequence's own ``[SEP]``): a long prompt's
-    question often comes after the text it asks about.
-    """
+def cut(seq: np.ndarray, max_tokens: int) -> np.ndarray:
+    """The first ``max_tokens`` pieces, ending in ``[SEP]``, as the tokenizer truncates."""
     if len(seq) <= max_tokens:
         return seq
-    if tail:
-        return np.concatenate([seq[: max_tokens - tail], seq[len(seq) - tail :]])
     return np.concatenate([seq[: max_tokens - 1], np.asarray([SEP_ID], dtype=seq.dtype)])
 
 
-def pad(
-    seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu", *, tail: int = 0
-) -> tuple[Any, Any]:
-    """(ids, mask) tensors of the sequences :func:`cut` to ``max_tokens``, right-padded with 0."""
+def pad(seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu") -> tuple[Any, Any]:
+    """(ids, mask) tensors of the sequences cut to ``max_tokens``, right-padded with 0."""
     import torch
 
-    cut_seqs = [cut(s, max_tokens, tail) for s in seqs]
+    cut_seqs = [cut(s, max_tokens) for s in seqs]
     width = max(len(s) for s in cut_seqs)
     ids = np.zeros((len(cut_seqs), width), dtype=np.int64)
     mask = np.zeros((len(cut_seqs), width), dtype=np.int64)
@@ -264,8 +254,7 @@ def encode_in_batches(
 def make_encoder(
     spec: str, *, threads: int | None = 1, adapters: dict[str, np.ndarray] | None = None
 ) -> MiniLMEncoder | FinetunedMiniLMEncoder:
-    """``minilm[:T]``, ``minilm-static[:T]``, or ``minilm-ft[:T[:L[:K]]]`` with a model's
-    ``adapters``.
+    """``minilm[:T]``, ``minilm-static[:T]``, or ``minilm-ft[:T[:L]]`` with a model's ``adapters``.
 
     Returns a :class:`PromptEncoder` (:class:`MiniLMEncoder`, or
     :class:`~duetime.predict.length_ft_encoder.FinetunedMiniLMEncoder`).
@@ -274,17 +263,17 @@ def make_encoder(
     if name == "minilm-ft":
         from duetime.predict.length_ft_encoder import FinetunedMiniLMEncoder, parse_ft_spec
 
-        ft = parse_ft_spec(spec)
+        t, layers = parse_ft_spec(spec)
         if not adapters:
             raise ValueError(
                 f"encoder {spec!r} is fine-tuned: it needs a model file's adapters "
                 "(train one with `duetime predict train-length --encoder minilm-ft`)"
             )
-        return FinetunedMiniLMEncoder(ft, adapters, threads=threads)
+        return FinetunedMiniLMEncoder(t, layers, adapters, threads=threads)
     defaults = {"minilm": 64, "minilm-static": 512}
     if name not in defaults:
         raise ValueError(
-            f"unknown encoder {spec!r}; use minilm[:T], minilm-static[:T] or minilm-ft[:T[:L[:K]]]"
+            f"unknown encoder {spec!r}; use minilm[:T], minilm-static[:T] or minilm-ft[:T[:L]]"
         )
     try:
         max_tokens = int(arg) if arg else defaults[name]

@@ -32,7 +32,6 @@ from duetime.predict.length_ft_encoder import (
     FT_DIM,
     LORA_TARGETS,
     FinetunedMiniLMEncoder,
-    FtSpec,
     load_base,
     parse_ft_spec,
     pooled_features,
@@ -69,7 +68,7 @@ def _build(cfg: RLPConfig, device: str) -> Any:
     from peft import LoraConfig, get_peft_model
     from torch import nn
 
-    layers = parse_ft_spec(cfg.encoder).layers
+    _, layers = parse_ft_spec(cfg.encoder)
     lora = LoraConfig(
         r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, target_modules=list(LORA_TARGETS)
     )
@@ -78,10 +77,10 @@ def _build(cfg: RLPConfig, device: str) -> Any:
     return nn.ModuleDict({"bert": bert, "head": head}).to(device)
 
 
-def _logits(net: Any, seqs: list[np.ndarray], z: np.ndarray, ft: FtSpec, device: str) -> Any:
+def _logits(net: Any, seqs: list[np.ndarray], z: np.ndarray, max_tokens: int, device: str) -> Any:
     import torch
 
-    feats = pooled_features(net["bert"], seqs, ft.tokens, device, tail=ft.tail)
+    feats = pooled_features(net["bert"], seqs, max_tokens, device)
     zt = torch.as_tensor(z, dtype=torch.float32, device=device)[:, None]
     return net["head"](torch.cat([feats, zt], dim=1)).float()
 
@@ -124,7 +123,7 @@ def fit_finetuned(
 
     from duetime.predict.length_features import torch_threads
 
-    ft = parse_ft_spec(cfg.encoder)
+    max_tokens, _ = parse_ft_spec(cfg.encoder)
     tr, va = bundle.splits["train"], bundle.splits["val"]
     seqs_tr, seqs_va = bundle.seqs(tr), bundle.seqs(va)
     logp = np.log(np.maximum(bundle.prompt_len, 1).astype(np.float64))
@@ -175,7 +174,7 @@ def fit_finetuned(
         for lo in batches:
             idx = perm[lo : lo + cfg.batch_size]
             with autocast:
-                out = _logits(net, [seqs_tr[i] for i in idx], z[tr[idx]], ft, device)
+                out = _logits(net, [seqs_tr[i] for i in idx], z[tr[idx]], max_tokens, device)
             target = torch.as_tensor(classes[tr[idx]], device=device)
             loss = torch.nn.functional.cross_entropy(out, target)
             opt.zero_grad()
@@ -189,7 +188,7 @@ def fit_finetuned(
         opt,
         sched,
         train_epoch,
-        validate=lambda: _val_mae(net, cfg, seqs_va, z[va], y_va, ft, device, autocast),
+        validate=lambda: _val_mae(net, cfg, seqs_va, z[va], y_va, max_tokens, device, autocast),
         weights=lambda: {n: p.detach().cpu().clone() for n, p in trainable},
         load_weights=lambda state: _load_trainable(net, state),
     )
@@ -230,7 +229,7 @@ def _val_mae(
     seqs: list[np.ndarray],
     z: np.ndarray,
     y: np.ndarray,
-    ft: FtSpec,
+    max_tokens: int,
     device: str,
     autocast: Any,
 ) -> float:
@@ -240,7 +239,7 @@ def _val_mae(
     probs = []
     with torch.no_grad(), autocast:
         for lo in range(0, len(seqs), 128):
-            out = _logits(net, seqs[lo : lo + 128], z[lo : lo + 128], ft, device)
+            out = _logits(net, seqs[lo : lo + 128], z[lo : lo + 128], max_tokens, device)
             probs.append(torch.softmax(out, dim=1).double().cpu().numpy())
     point = _readout(BucketCDF(np.concatenate(probs), cfg.bucket_size), cfg.readout)
     point = np.maximum(np.minimum(point, cfg.max_len), 1.0)
@@ -281,7 +280,8 @@ def train_finetuned_rlp(
         threads=threads,
         precision=precision,
     )
-    enc = FinetunedMiniLMEncoder(parse_ft_spec(cfg.encoder), adapters, threads=threads)
+    max_tokens, layers = parse_ft_spec(cfg.encoder)
+    enc = FinetunedMiniLMEncoder(max_tokens, layers, adapters, threads=threads)
     rows = np.concatenate([bundle.splits[k] for k in ("calib", "test")])  # all calibration reads
     emb = np.zeros((len(bundle), FT_DIM), dtype=np.float32)
     emb[rows] = enc.encode_ids(bundle.seqs(rows), progress=progress)

