@@ -145,8 +145,8 @@ def with_later_turns(
     """``bundle`` plus every later pair of its ``train`` conversations, as more train rows.
 
     A ShareGPT row is a conversation's first pair (the workload's request); its
-    later pairs (:func:`~duetime.workloads.sharegpt.later_pairs`) triple the
-    training rows (31,397 more at seed 0) and lowered the fine-tuned RLP's
+    later pairs (:func:`~duetime.workloads.sharegpt.later_pairs`) make the
+    training rows 3.5x as many (31,397 more at seed 0) and lowered the fine-tuned RLP's
     validation MAE (docs/predictors.md). val / calib / test stay first pairs,
     so every figure is still measured on the requests the workload replays.
     Rows are appended in file order; answers outside ``[1, max_len]`` tokens
