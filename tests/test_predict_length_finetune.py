@@ -263,20 +263,19 @@ def test_later_turns_become_train_rows_only(tmp_path, monkeypatch):
     path = tmp_path / "chats.json"
     path.write_text(json.dumps(convs), encoding="utf-8")
     lengths = sharegpt.load_sharegpt_lengths(path, counter=Words(), progress=False)
-    ids, off = pack(
-        MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids(["first a", "first b", "first c"])
-    )
+    words = MiniLMEncoder(BUNDLE_TOKENS, static=True)
+    ids, off = pack(words.token_ids(["first a", "first b", "first c"]))
     empty = np.empty(0, dtype=np.int64)
     splits = {"train": np.asarray([0, 1]), "val": empty, "calib": empty, "test": np.asarray([2])}
     base = TokenBundle(ids, off, lengths.prompt_len,
-                       lengths.output_len, splits, "chats", "minilm")  # fmt: skip
+                       lengths.output_len, splits, "chats", words.identity)  # fmt: skip
 
-    more = with_later_turns(base, lengths, Words(), max_len=8)
+    more = with_later_turns(base, lengths, Words(), words, max_len=8)
     assert list(more.splits["train"]) == [0, 1, 3, 4]  # a's 2nd pair, b's 2nd; a's 3rd > 8 tokens
     assert list(more.splits["test"]) == [2]  # c's follow-up is never added
     assert list(more.output_len[3:]) == [1, 3]
     assert list(more.prompt_len[3:]) == [2 + 1, 1 + 1]
-    want = MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids(["now shorter", "continue"])
+    want = words.token_ids(["now shorter", "continue"])
     assert [s.tolist() for s in more.seqs(np.asarray([3, 4]))] == [list(w) for w in want]
     assert [s.tolist() for s in more.seqs(np.arange(3))] == [
         s.tolist() for s in base.seqs(np.arange(3))
@@ -287,7 +286,9 @@ def test_later_turns_become_train_rows_only(tmp_path, monkeypatch):
         identity = "other"
 
     with pytest.raises(ValueError, match="not the one the rows were counted with"):
-        with_later_turns(base, lengths, Other(), max_len=8)
+        with_later_turns(base, lengths, Other(), words, max_len=8)
+    with pytest.raises(ValueError, match="are not the bundle's"):
+        with_later_turns(base, lengths, Words(), MiniLMEncoder(64, static=True), max_len=8)
 
 
 def test_cli_all_turns_is_for_fine_tuning_only(tmp_path):

@@ -20,6 +20,7 @@ import numpy as np
 from duetime.predict.length_data import SPLITS
 
 if TYPE_CHECKING:
+    from duetime.predict.length_features import MiniLMEncoder
     from duetime.tokenizer import TokenCounter
     from duetime.workloads.sharegpt import ShareGPTLengths
 
@@ -135,12 +136,17 @@ def build_bundle(
     if all_turns:
         from duetime.tokenizer import get_token_counter
 
-        bundle = with_later_turns(bundle, lengths, get_token_counter(), max_len=max_len)
+        bundle = with_later_turns(bundle, lengths, get_token_counter(), tok, max_len=max_len)
     return bundle
 
 
 def with_later_turns(
-    bundle: TokenBundle, lengths: ShareGPTLengths, counter: TokenCounter, *, max_len: int
+    bundle: TokenBundle,
+    lengths: ShareGPTLengths,
+    counter: TokenCounter,
+    words: MiniLMEncoder,
+    *,
+    max_len: int,
 ) -> TokenBundle:
     """``bundle`` plus every later pair of its ``train`` conversations, as more train rows.
 
@@ -151,8 +157,9 @@ def with_later_turns(
     so every figure is still measured on the requests the workload replays.
     Rows are appended in file order; answers outside ``[1, max_len]`` tokens
     are dropped, as :func:`~duetime.predict.length_data.from_sharegpt` drops them.
+    ``counter`` must be the one that counted ``lengths``, and ``words`` the
+    word-piece encoder that tokenised ``bundle``: new rows must read as the old.
     """
-    from duetime.predict.length_features import MiniLMEncoder
     from duetime.workloads.sharegpt import later_pairs
 
     if counter.identity != lengths.tokenizer:
@@ -160,13 +167,15 @@ def with_later_turns(
             f"token counter {counter.identity!r} is not the one the rows were counted with "
             f"({lengths.tokenizer!r})"
         )
+    if words.identity != bundle.tokenizer:
+        raise ValueError(
+            f"word pieces of {words.identity!r} are not the bundle's ({bundle.tokenizer!r})"
+        )
     pairs = later_pairs(lengths, bundle.splits["train"])
     prompt_len = counter.count([p for _, p, _ in pairs], add_bos=True).astype(np.int64)
     output_len = counter.count([a for _, _, a in pairs]).astype(np.int64)
     keep = np.flatnonzero((output_len >= 1) & (output_len <= max_len))
-    new_ids, new_off = pack(
-        MiniLMEncoder(BUNDLE_TOKENS, static=True).token_ids([pairs[i][1] for i in keep])
-    )
+    new_ids, new_off = pack(words.token_ids([pairs[i][1] for i in keep]))
     splits = dict(bundle.splits)
     splits["train"] = np.concatenate([splits["train"], len(bundle) + np.arange(len(keep))])
     return TokenBundle(
