@@ -94,8 +94,11 @@ def test_model_file_round_trips_and_the_predictor_reads_text(data, trained, tmp_
     for k, v in trained.adapters.items():
         assert np.array_equal(back.adapters[k], v), k
 
+    assert back.infer_precision == trained.meta["infer_precision"]
+    assert back.infer_precision == resolve_precision("auto", "cpu")
     rows = bundle.splits["test"]
-    enc = FinetunedMiniLMEncoder(16, 1, back.adapters)
+    enc = back.encoder()
+    assert enc.precision == back.infer_precision
     from_ids = enc.encode_ids(bundle.seqs(rows))
     from_text = enc.encode([texts[r] for r in rows])
     np.testing.assert_allclose(from_text, from_ids, atol=1e-5)  # same features either way
@@ -159,18 +162,57 @@ def test_precision_auto_takes_bf16_only_where_it_is_native(monkeypatch):
         resolve_precision("fp16", "cpu")
 
 
-def test_fp32_and_bf16_training_both_learn(data):
-    _, bundle = data
+def test_fp32_and_bf16_training_both_learn_and_infer_as_calibrated(data):
+    texts, bundle = data
     cfg = replace(CFG, epochs=3)
-    maes = {
-        p: train_finetuned_rlp(bundle, cfg, progress=False, threads=1, precision=p).meta[
-            "test_metrics"
-        ]["median"]["mae_tokens"]
-        for p in ("fp32", "bf16")
-    }
-    y = bundle.output_len[bundle.splits["test"]]
+    rows = bundle.splits["test"]
+    y = bundle.output_len[rows]
+    maes = {}
+    for p in ("fp32", "bf16"):
+        model = train_finetuned_rlp(bundle, cfg, progress=False, threads=1, precision=p)
+        assert model.meta["infer_precision"] == p  # an explicit precision holds at inference too
+        maes[p] = model.meta["test_metrics"]["median"]["mae_tokens"]
+        pred = LearnedLengthPredictor(model, use_cache=False)
+        assert pred.encoder.precision == p
+        got = pred.predict_texts([texts[r] for r in rows], bundle.prompt_len[rows], 512)
+        mae = float(np.mean(np.abs(np.asarray([g.point for g in got]) - y)))
+        assert mae == pytest.approx(maes[p], rel=1e-5), p  # the predictor runs what was scored
     const_mae = np.mean(np.abs(y - np.median(bundle.output_len[bundle.splits["train"]])))
     assert max(maes.values()) < 0.5 * const_mae, maes
+
+
+def test_bf16_inference_is_close_to_fp32_under_its_own_identity(data, trained):
+    _, bundle = data
+    seqs = bundle.seqs(bundle.splits["test"])
+    fp32 = FinetunedMiniLMEncoder(16, 1, trained.adapters, precision="fp32")
+    bf16 = FinetunedMiniLMEncoder(16, 1, trained.adapters, precision="bf16")
+    a, b = fp32.encode_ids(seqs), bf16.encode_ids(seqs)
+    assert a.dtype == b.dtype == np.float32
+    assert not np.array_equal(a, b)  # it did run in bfloat16
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert cos.min() > 0.999, cos.min()
+    # the embedding cache keys on identity: fp32 keeps the one it always had
+    assert fp32.identity.endswith(":v1")
+    assert bf16.identity == fp32.identity + ":bf16"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        FinetunedMiniLMEncoder(16, 1, trained.adapters, precision="fp16")
+
+
+def test_files_without_a_recorded_precision_infer_in_fp32(trained, tmp_path):
+    from duetime.predict.length_features import make_encoder
+
+    old = LengthModel(
+        trained.config,
+        trained.weights,
+        trained.conformal_scores,
+        {k: v for k, v in trained.meta.items() if k != "infer_precision"},
+        trained.adapters,
+    )
+    back = LengthModel.load(old.save(tmp_path / "old.npz"))
+    assert back.infer_precision == "fp32"
+    assert back.encoder().precision == "fp32"
+    with pytest.raises(ValueError, match="runs in fp32 only"):
+        make_encoder("minilm-static:512", precision="bf16")
 
 
 def test_bundle_round_trip_and_bad_files(data, tmp_path):

@@ -44,14 +44,14 @@ def score_model(
 ) -> dict[str, Any]:
     """Every figure of one model file, with the baselines fitted on its features and split."""
     from duetime.predict.length_baselines import fit_baselines
-    from duetime.predict.length_features import make_encoder, sharegpt_prompts
+    from duetime.predict.length_features import sharegpt_prompts
     from duetime.predict.length_fit import evaluate_rlp, load_length_data
     from duetime.predict.length_model import LengthModel
     from duetime.workloads import load_sharegpt_lengths
 
     rlp = LengthModel.load(model_path)
     cfg = rlp.config
-    encoder = make_encoder(cfg.encoder, adapters=rlp.adapters)
+    encoder = rlp.encoder()
     data = load_length_data(encoder, max_len=cfg.max_len, seed=cfg.seed, progress=progress)
     if data.encoder != rlp.meta.get("encoder"):
         raise ValueError(

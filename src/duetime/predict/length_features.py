@@ -252,9 +252,14 @@ def encode_in_batches(
 
 
 def make_encoder(
-    spec: str, *, threads: int | None = 1, adapters: dict[str, np.ndarray] | None = None
+    spec: str,
+    *,
+    threads: int | None = 1,
+    adapters: dict[str, np.ndarray] | None = None,
+    precision: str = "fp32",
 ) -> MiniLMEncoder | FinetunedMiniLMEncoder:
-    """``minilm[:T]``, ``minilm-static[:T]``, or ``minilm-ft[:T[:L]]`` with a model's ``adapters``.
+    """``minilm[:T]``, ``minilm-static[:T]``, or ``minilm-ft[:T[:L]]`` with a model's ``adapters``
+    (and the ``precision`` it was calibrated in: fine-tuned encoders only).
 
     Returns a :class:`PromptEncoder` (:class:`MiniLMEncoder`, or
     :class:`~duetime.predict.length_ft_encoder.FinetunedMiniLMEncoder`).
@@ -269,7 +274,9 @@ def make_encoder(
                 f"encoder {spec!r} is fine-tuned: it needs a model file's adapters "
                 "(train one with `duetime predict train-length --encoder minilm-ft`)"
             )
-        return FinetunedMiniLMEncoder(t, layers, adapters, threads=threads)
+        return FinetunedMiniLMEncoder(t, layers, adapters, threads=threads, precision=precision)
+    if precision != "fp32":
+        raise ValueError(f"encoder {spec!r} runs in fp32 only, not {precision!r}")
     defaults = {"minilm": 64, "minilm-static": 512}
     if name not in defaults:
         raise ValueError(

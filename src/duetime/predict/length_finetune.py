@@ -262,13 +262,12 @@ def train_finetuned_rlp(
     """Fine-tune on ``device``, then calibrate and score with the CPU inference path.
 
     The conformal scores and test figures come from
-    :class:`FinetunedMiniLMEncoder` (float32, adapters merged, as a predictor
-    runs it), never from the training-time network, so the file predicts
-    exactly what was calibrated.
+    :class:`FinetunedMiniLMEncoder` (adapters merged, as a predictor runs it),
+    never from the training-time network, so the file predicts exactly what
+    was calibrated. Inference runs in ``precision`` resolved for this CPU
+    (``auto``: bfloat16 where it is native), recorded in the file as
+    ``infer_precision``.
     """
-    from duetime.predict.length_data import LengthData
-    from duetime.predict.length_fit import calibrated_model
-
     adapters, weights, epochs = fit_finetuned(
         cfg,
         bundle,
@@ -280,8 +279,41 @@ def train_finetuned_rlp(
         threads=threads,
         precision=precision,
     )
+    rlp = calibrate_finetuned(
+        bundle,
+        cfg,
+        adapters,
+        weights,
+        epochs,
+        precision=resolve_precision(precision, "cpu"),
+        coverage=coverage,
+        threads=threads,
+        progress=progress,
+    )
+    rlp.meta["trained_on"] = device
+    rlp.meta["trained_precision"] = resolve_precision(precision, device)
+    return rlp
+
+
+def calibrate_finetuned(
+    bundle: TokenBundle,
+    cfg: RLPConfig,
+    adapters: dict[str, np.ndarray],
+    weights: HeadWeights,
+    epochs: TrainedEpochs,
+    *,
+    precision: str = "fp32",
+    coverage: float = 0.9,
+    threads: int | None = None,
+    progress: bool = True,
+) -> LengthModel:
+    """Conformal scores on ``calib`` and figures on ``test`` through the inference encoder
+    in ``precision`` (``fp32`` or ``bf16``), which the model file then records."""
+    from duetime.predict.length_data import LengthData
+    from duetime.predict.length_fit import calibrated_model
+
     max_tokens, layers = parse_ft_spec(cfg.encoder)
-    enc = FinetunedMiniLMEncoder(max_tokens, layers, adapters, threads=threads)
+    enc = FinetunedMiniLMEncoder(max_tokens, layers, adapters, threads=threads, precision=precision)
     rows = np.concatenate([bundle.splits[k] for k in ("calib", "test")])  # all calibration reads
     emb = np.zeros((len(bundle), FT_DIM), dtype=np.float32)
     emb[rows] = enc.encode_ids(bundle.seqs(rows), progress=progress)
@@ -289,6 +321,5 @@ def train_finetuned_rlp(
         emb, bundle.prompt_len, bundle.output_len, bundle.splits, enc.identity, bundle.dataset
     )
     rlp = calibrated_model(data, cfg, weights, epochs, coverage=coverage, adapters=adapters)
-    rlp.meta["trained_on"] = device
-    rlp.meta["trained_precision"] = resolve_precision(precision, device)
+    rlp.meta["infer_precision"] = precision
     return rlp

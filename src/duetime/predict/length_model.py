@@ -225,6 +225,24 @@ class LengthModel:
     meta: dict[str, Any] = field(default_factory=dict)
     adapters: dict[str, np.ndarray] = field(default_factory=dict)
 
+    @property
+    def infer_precision(self) -> str:
+        """The precision its encoder runs in, as it was calibrated (``fp32`` for files
+        written before the field existed, which were all calibrated in float32)."""
+        return str(self.meta.get("infer_precision", "fp32"))
+
+    def encoder(self, *, threads: int | None = 1) -> Any:
+        """The prompt encoder this model reads, exactly as its scores were calibrated
+        (adapters merged, precision): a :class:`~duetime.predict.length_features.PromptEncoder`."""
+        from duetime.predict.length_features import make_encoder
+
+        return make_encoder(
+            self.config.encoder,
+            threads=threads,
+            adapters=self.adapters,
+            precision=self.infer_precision,
+        )
+
     def levels(self, coverage: float) -> tuple[float, float]:
         from duetime.predict.conformal import DistributionConformal
 

@@ -50,8 +50,6 @@ class LearnedLengthPredictor:
         use_cache: bool = True,
         threads: int | None = 1,
     ) -> None:
-        from duetime.predict.length_features import make_encoder
-
         if model is None or isinstance(model, str | Path):
             from duetime.predict.length_fit import default_model_path
 
@@ -60,7 +58,7 @@ class LearnedLengthPredictor:
         self.coverage = coverage
         self.levels = model.levels(coverage)  # validates coverage once
         self.readout = readout or model.config.readout
-        self.encoder = make_encoder(model.config.encoder, threads=threads, adapters=model.adapters)
+        self.encoder = model.encoder(threads=threads)
         self.use_cache = use_cache
         self._memo: dict[int, np.ndarray] = {}
         self._fresh: deque[int] = deque()  # memo keys the encoder produced, oldest first
