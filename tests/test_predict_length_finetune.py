@@ -198,6 +198,22 @@ def test_bf16_inference_is_close_to_fp32_under_its_own_identity(data, trained):
         FinetunedMiniLMEncoder(16, 1, trained.adapters, precision="fp16")
 
 
+def test_bf16_encoder_equals_autocast_over_the_float32_weights(data, trained):
+    """It casts the linear weights once instead of autocast casting them per call: same bits."""
+    import torch
+
+    from duetime.predict.length_ft_encoder import load_base, merge_adapters, pooled_features
+
+    _, bundle = data
+    bf16 = FinetunedMiniLMEncoder(16, 1, trained.adapters, precision="bf16")
+    plain = load_base(1)
+    merge_adapters(plain, trained.adapters)
+    for seq in bundle.seqs(bundle.splits["test"][:6]):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = pooled_features(plain, [seq], 16).numpy()
+        np.testing.assert_array_equal(bf16.encode_ids([seq]), want)
+
+
 def test_files_without_a_recorded_precision_infer_in_fp32(trained, tmp_path):
     from duetime.predict.length_features import make_encoder
 

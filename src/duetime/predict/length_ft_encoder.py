@@ -171,6 +171,15 @@ class FinetunedMiniLMEncoder:
             return
         model = load_base(self.layers)
         merge_adapters(model, self.arrays)
+        if self.precision == "bf16":
+            # Autocast would cast every linear weight to bfloat16 on every call (its cast
+            # cache serves only weights that need gradients): cast them once. The result is
+            # bit-identical (the same rounding, once), ~1.4 ms a prompt faster.
+            import torch
+
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.to(torch.bfloat16)
         self._model = model
 
     def token_ids(self, texts: Sequence[str]) -> list[np.ndarray]:
