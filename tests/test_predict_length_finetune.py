@@ -162,7 +162,10 @@ def test_precision_auto_takes_bf16_only_where_it_is_native(monkeypatch):
         resolve_precision("fp16", "cpu")
 
 
-def test_fp32_and_bf16_training_both_learn_and_infer_as_calibrated(data):
+def test_fp32_and_bf16_training_both_learn_and_infer_as_calibrated(data, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
     texts, bundle = data
     cfg = replace(CFG, epochs=3)
     rows = bundle.splits["test"]
@@ -212,6 +215,28 @@ def test_bf16_encoder_equals_autocast_over_the_float32_weights(data, trained):
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
             want = pooled_features(plain, [seq], 16).numpy()
         np.testing.assert_array_equal(bf16.encode_ids([seq]), want)
+
+
+def test_a_bf16_model_runs_in_fp32_where_bf16_is_not_native(data, trained, monkeypatch, caplog):
+    import torch
+
+    texts, bundle = data
+    model = LengthModel(
+        trained.config,
+        trained.weights,
+        trained.conformal_scores,
+        dict(trained.meta, infer_precision="bf16"),
+        trained.adapters,
+    )
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    with caplog.at_level("WARNING"):
+        pred = LearnedLengthPredictor(model, use_cache=False)
+    assert pred.encoder.precision == "fp32"
+    assert "does not compute natively" in caplog.text
+    rows = bundle.splits["test"][:5]
+    assert len(pred.predict_texts([texts[r] for r in rows], bundle.prompt_len[rows], 512)) == 5
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert model.encoder().precision == "bf16"
 
 
 def test_files_without_a_recorded_precision_infer_in_fp32(trained, tmp_path):

@@ -46,14 +46,15 @@ def score_model(
     from duetime.predict.length_baselines import fit_baselines
     from duetime.predict.length_features import sharegpt_prompts
     from duetime.predict.length_fit import evaluate_rlp, load_length_data
+    from duetime.predict.length_ft_encoder import weights_identity
     from duetime.predict.length_model import LengthModel
     from duetime.workloads import load_sharegpt_lengths
 
     rlp = LengthModel.load(model_path)
     cfg = rlp.config
-    encoder = rlp.encoder()
+    encoder = rlp.encoder()  # bf16 models run in fp32 where bf16 is not native: scored so
     data = load_length_data(encoder, max_len=cfg.max_len, seed=cfg.seed, progress=progress)
-    if data.encoder != rlp.meta.get("encoder"):
+    if weights_identity(data.encoder) != weights_identity(str(rlp.meta.get("encoder"))):
         raise ValueError(
             f"{model_path}: trained on encoder {rlp.meta.get('encoder')!r}, "
             f"but the cache gives {data.encoder!r}"
@@ -86,6 +87,7 @@ def score_model(
     return {
         "model": str(model_path),
         "encoder": cfg.encoder,
+        "infer_precision": getattr(encoder, "precision", "fp32"),
         "readout": cfg.readout,
         "bucket_size_tokens": cfg.bucket_size,
         "max_len_tokens": cfg.max_len,

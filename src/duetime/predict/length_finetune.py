@@ -33,6 +33,7 @@ from duetime.predict.length_ft_encoder import (
     LORA_TARGETS,
     FinetunedMiniLMEncoder,
     load_base,
+    native_bf16,
     parse_ft_spec,
     pooled_features,
 )
@@ -49,16 +50,13 @@ def resolve_precision(precision: str, device: str) -> str:
     """``auto``: bfloat16 autocast on a GPU and on a CPU that computes bfloat16 natively
     (there it halves a training step: 0.29 s vs 0.57 s for 32 prompts at 64 pieces on 2
     EPYC cores), float32 elsewhere (emulated bfloat16 is slower than float32)."""
-    import torch
-
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision != "auto":
         return precision
     if device.startswith("cuda"):
         return "bf16"
-    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    return "bf16" if device == "cpu" and native else "fp32"
+    return "bf16" if device == "cpu" and native_bf16() else "fp32"
 
 
 _PEFT_PREFIX = "base_model.model."

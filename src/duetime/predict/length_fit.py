@@ -30,7 +30,7 @@ from duetime.predict.length_train import fit_head, head_weights
 
 SHIPPED_MODELS = {
     "minilm-static": "rlp-minilm-static-b16.npz",  # the default: ~1 ms per prompt
-    "minilm": "rlp-minilm-b16.npz",  # contextual MiniLM over 64 word pieces: tens of ms
+    "minilm": "rlp-minilm-b16.npz",  # contextual MiniLM over 64 word pieces: ~11 ms p50
     "minilm-ft": "rlp-minilm-ft-b16.npz",  # fine-tuned (LoRA) 6 layers over 64 pieces + static
 }
 DEFAULT_SHIPPED = "minilm-static"

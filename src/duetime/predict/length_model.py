@@ -232,15 +232,17 @@ class LengthModel:
         return str(self.meta.get("infer_precision", "fp32"))
 
     def encoder(self, *, threads: int | None = 1) -> Any:
-        """The prompt encoder this model reads, exactly as its scores were calibrated
-        (adapters merged, precision): a :class:`~duetime.predict.length_features.PromptEncoder`."""
+        """The prompt encoder this model reads, as its scores were calibrated (adapters
+        merged, precision where this CPU runs it natively): a
+        :class:`~duetime.predict.length_features.PromptEncoder`."""
         from duetime.predict.length_features import make_encoder
+        from duetime.predict.length_ft_encoder import runtime_precision
 
         return make_encoder(
             self.config.encoder,
             threads=threads,
             adapters=self.adapters,
-            precision=self.infer_precision,
+            precision=runtime_precision(self.infer_precision),
         )
 
     def levels(self, coverage: float) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
 @bench_app.command("predict-length")
 def bench_predict_length(
     model: Annotated[
-        list[Path] | None, typer.Option(help="Model file(s); default: both shipped models.")
+        list[Path] | None, typer.Option(help="Model file(s); default: every shipped model.")
     ] = None,
     coverage: Annotated[float, typer.Option(help="Nominal interval coverage.")] = 0.9,
     infer_prompts: Annotated[int, typer.Option(min=1, help="Prompts to time.")] = 200,
@@ -58,7 +58,8 @@ def bench_predict_length(
             f" (<= 0.8: {met['mae_ratio']})\n"
             f"{coverage:.0%} interval coverage {f['coverage_90']:.3f}"
             f" (>= 0.88: {met['coverage_90']})"
-            f"\ninference p50 {f['infer_p50_ms']:.1f} ms, p99 {f['infer_p99_ms']:.1f} ms"
+            f"\ninference ({f['infer_precision']}) p50 {f['infer_p50_ms']:.1f} ms,"
+            f" p99 {f['infer_p99_ms']:.1f} ms"
             f" (<= 20 ms: {met['infer_p99_ms']})"
         )
     # Keys starting with "_" hold plot-only data, not figures.
