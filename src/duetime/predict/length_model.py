@@ -25,11 +25,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from duetime.predict.conformal import BucketCDF
+
+if TYPE_CHECKING:
+    from duetime.predict.length_features import MiniLMEncoder
+    from duetime.predict.length_ft_encoder import FinetunedMiniLMEncoder
 
 Readout = Literal["argmax", "median", "mean"]
 READOUTS: tuple[str, ...] = ("argmax", "median", "mean")
@@ -231,10 +235,9 @@ class LengthModel:
         written before the field existed, which were all calibrated in float32)."""
         return str(self.meta.get("infer_precision", "fp32"))
 
-    def encoder(self, *, threads: int | None = 1) -> Any:
+    def encoder(self, *, threads: int | None = 1) -> MiniLMEncoder | FinetunedMiniLMEncoder:
         """The prompt encoder this model reads, as its scores were calibrated (adapters
-        merged, precision where this CPU runs it natively): a
-        :class:`~duetime.predict.length_features.PromptEncoder`."""
+        merged, precision where this CPU runs it natively)."""
         from duetime.predict.length_features import make_encoder
         from duetime.predict.length_ft_encoder import runtime_precision
 
