@@ -11,11 +11,12 @@ import pytest
 from duetime.predict.epoch_loop import CheckpointError
 from duetime.predict.length_data import split_rows
 from duetime.predict.length_features import MiniLMEncoder
-from duetime.predict.length_finetune import resolve_precision, train_finetuned_rlp
+from duetime.predict.length_finetune import train_finetuned_rlp
 from duetime.predict.length_ft_encoder import FinetunedMiniLMEncoder, parse_ft_spec
 from duetime.predict.length_model import LengthModel, RLPConfig
 from duetime.predict.length_predictor import LearnedLengthPredictor
 from duetime.predict.length_tokens import BUNDLE_TOKENS, TokenBundle, pack
+from duetime.predict.precision import resolve_precision
 
 CFG = RLPConfig(
     bucket_size=16,

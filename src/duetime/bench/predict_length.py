@@ -46,8 +46,8 @@ def score_model(
     from duetime.predict.length_baselines import fit_baselines
     from duetime.predict.length_features import sharegpt_prompts
     from duetime.predict.length_fit import evaluate_rlp, load_length_data
-    from duetime.predict.length_ft_encoder import weights_identity
     from duetime.predict.length_model import LengthModel
+    from duetime.predict.precision import weights_identity
     from duetime.workloads import load_sharegpt_lengths
 
     rlp = LengthModel.load(model_path)

@@ -5,9 +5,9 @@ encoder as well as the head. LoRA (``peft``) keeps the trainable part small,
 so a model file carries ~1.6 MB of adapters instead of a 90 MB encoder.
 Training takes minutes on a GPU (``--device cuda``); on a CPU with native
 bfloat16 (AVX512-BF16) ~2.5 minutes an epoch on 2 cores, about half the
-float32 time (:func:`resolve_precision`). The epoch kept is the one with the
-lowest validation MAE of the model's readout (the cross-entropy of 256
-classes tracks MAE loosely here).
+float32 time (:func:`~duetime.predict.precision.resolve_precision`). The
+epoch kept is the one with the lowest validation MAE of the model's readout
+(the cross-entropy of 256 classes tracks MAE loosely here).
 
 Epochs run as the frozen head's do (:func:`~duetime.predict.epoch_loop.run_epochs`:
 seeded shuffles and dropout, a checkpoint after every epoch, resumption that
@@ -33,7 +33,6 @@ from duetime.predict.length_ft_encoder import (
     LORA_TARGETS,
     FinetunedMiniLMEncoder,
     load_base,
-    native_bf16,
     parse_ft_spec,
     pooled_features,
 )
@@ -41,24 +40,9 @@ from duetime.predict.length_model import HeadWeights, LengthModel, RLPConfig, bu
 from duetime.predict.length_model import readout_point as _readout
 from duetime.predict.length_tokens import TokenBundle
 from duetime.predict.length_train import _mlp, head_weights
+from duetime.predict.precision import resolve_precision
 
 WARMUP_FRACTION = 0.05
-PRECISIONS = ("auto", "bf16", "fp32")
-
-
-def resolve_precision(precision: str, device: str) -> str:
-    """``auto``: bfloat16 autocast on a GPU and on a CPU that computes bfloat16 natively
-    (there it halves a training step: 0.29 s vs 0.57 s for 32 prompts at 64 pieces on 2
-    EPYC cores), float32 elsewhere (emulated bfloat16 is slower than float32)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision != "auto":
-        return precision
-    if device.startswith("cuda"):
-        return "bf16"
-    return "bf16" if device == "cpu" and native_bf16() else "fp32"
-
-
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -115,7 +99,7 @@ def fit_finetuned(
 
     Returns (adapters, head weights, the epochs' record). ``threads`` caps
     torch's CPU threads (``None``: leave them); ``precision`` is the autocast
-    of the forward passes (:func:`resolve_precision`).
+    of the forward passes (:func:`~duetime.predict.precision.resolve_precision`).
     """
     import torch
 
@@ -318,6 +302,4 @@ def calibrate_finetuned(
     data = LengthData(
         emb, bundle.prompt_len, bundle.output_len, bundle.splits, enc.identity, bundle.dataset
     )
-    rlp = calibrated_model(data, cfg, weights, epochs, coverage=coverage, adapters=adapters)
-    rlp.meta["infer_precision"] = precision
-    return rlp
+    return calibrated_model(data, cfg, weights, epochs, coverage=coverage, adapters=adapters)

