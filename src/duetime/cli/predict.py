@@ -62,7 +62,8 @@ def predict_train_length(
     precision: Annotated[
         str,
         typer.Option(
-            help="minilm-ft: auto (bf16 on a GPU or a CPU with native bf16, else fp32), bf16, fp32."
+            help="Contextual encoders (minilm, minilm-ft): auto (bf16 on a GPU or a CPU with"
+            " native bf16, else fp32), bf16, fp32; the model runs in it (minilm-static: fp32)."
         ),
     ] = "auto",
     bundle: Annotated[
@@ -97,10 +98,9 @@ def predict_train_length(
             )
         if all_turns and bundle is not None:
             raise ValueError("--all-turns builds the rows; a --bundle has its rows already")
-        if finetune:
-            from duetime.predict.length_finetune import resolve_precision
+        from duetime.predict.precision import resolve_precision
 
-            resolve_precision(precision, device)  # a bad --precision fails before the data loads
+        resolve_precision(precision, device)  # a bad --precision fails before the data loads
         cfg = RLPConfig(
             bucket_size=bucket_size,
             max_len=max_len,
@@ -136,9 +136,15 @@ def predict_train_length(
                 precision=precision,
             )
         else:
+            from duetime.predict.length_features import make_encoder
             from duetime.predict.length_fit import load_length_data, train_rlp
 
-            data = load_length_data(encoder, max_len=max_len, seed=seed)
+            static = encoder.partition(":")[0] == "minilm-static"  # a lookup: fp32 unless asked
+            infer = (
+                "fp32" if static and precision == "auto" else resolve_precision(precision, "cpu")
+            )
+            enc = make_encoder(encoder, precision=infer)
+            data = load_length_data(enc, max_len=max_len, seed=seed)
             rlp = train_rlp(data, cfg, checkpoint=ckpt, resume=resume, coverage=coverage)
         rlp.save(out_path)
         ckpt.unlink(missing_ok=True)  # the model file is written: nothing left to resume

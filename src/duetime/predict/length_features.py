@@ -38,6 +38,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 from tqdm import tqdm
 
+from duetime.predict.precision import (
+    cast_linears_bf16,
+    check_infer_precision,
+    cpu_autocast,
+    identity_in,
+)
 from duetime.tokenizer import cache_dir
 from duetime.workloads._files import atomic_writer, file_lock
 from duetime.workloads.sharegpt import ShareGPTLengths, load_sharegpt_lengths, read_pairs
@@ -130,7 +136,9 @@ class MiniLMEncoder:
     ``max_tokens`` word pieces (``[CLS]`` and ``[SEP]`` included) are read
     from the start of each prompt. ``threads`` caps torch's threads while
     encoding: measured here, with another process busy on the second core,
-    one thread is faster than two.
+    one thread is faster than two. ``precision`` (contextual only) is the
+    number format of the transformer (:mod:`~duetime.predict.precision`); the
+    static encoder is a table lookup and runs in float32.
     """
 
     def __init__(
@@ -140,16 +148,22 @@ class MiniLMEncoder:
         static: bool = False,
         threads: int | None = 1,
         batch_size: int = 32,
+        precision: str = "fp32",
     ) -> None:
         if not 2 <= max_tokens <= 512:
             raise ValueError(f"max_tokens must be in [2, 512] (BERT positions), got {max_tokens}")
+        if static and precision != "fp32":
+            raise ValueError(f"minilm-static runs in fp32 only, not {precision!r}")
         self.max_tokens = max_tokens
         self.static = static
+        self.precision = check_infer_precision(precision)
         self.threads = threads
         self.batch_size = batch_size
         self.dim = EMBED_DIM
         kind = "static" if static else "ctx"
-        self.identity = f"all-minilm-l6-v2:{kind}:t{max_tokens}:v{_FEATURE_VERSION}"
+        self.identity = identity_in(
+            f"all-minilm-l6-v2:{kind}:t{max_tokens}:v{_FEATURE_VERSION}", precision
+        )
         self._tokenizer: Any = None
         self._model: Any = None
 
@@ -176,6 +190,8 @@ class MiniLMEncoder:
 
         self._load_tokenizer()
         self._model = AutoModel.from_pretrained(str(minilm_dir())).eval()
+        if self.precision == "bf16":
+            cast_linears_bf16(self._model)
 
     def token_ids(self, texts: Sequence[str]) -> list[list[int]]:
         """The (truncated) word-piece ids the encoder reads.
@@ -201,8 +217,9 @@ class MiniLMEncoder:
             if self.static:
                 hidden = self._model.embeddings.word_embeddings(batch)
             else:
-                hidden = self._model(input_ids=batch, attention_mask=mask).last_hidden_state
-            return torch.nn.functional.normalize(masked_mean(hidden, mask), dim=-1)
+                with cpu_autocast(self.precision):
+                    hidden = self._model(input_ids=batch, attention_mask=mask).last_hidden_state
+            return torch.nn.functional.normalize(masked_mean(hidden.float(), mask), dim=-1)
 
         return encode_in_batches(
             ids,
@@ -258,8 +275,8 @@ def make_encoder(
     adapters: dict[str, np.ndarray] | None = None,
     precision: str = "fp32",
 ) -> MiniLMEncoder | FinetunedMiniLMEncoder:
-    """``minilm[:T]``, ``minilm-static[:T]``, or ``minilm-ft[:T[:L]]`` with a model's ``adapters``
-    (and the ``precision`` it was calibrated in: fine-tuned encoders only).
+    """``minilm[:T]``, ``minilm-static[:T]``, or ``minilm-ft[:T[:L]]`` with a model's ``adapters``,
+    in ``precision`` (``fp32``, or ``bf16`` for the contextual ones).
 
     Returns a :class:`PromptEncoder` (:class:`MiniLMEncoder`, or
     :class:`~duetime.predict.length_ft_encoder.FinetunedMiniLMEncoder`).
@@ -275,8 +292,6 @@ def make_encoder(
                 "(train one with `duetime predict train-length --encoder minilm-ft`)"
             )
         return FinetunedMiniLMEncoder(t, layers, adapters, threads=threads, precision=precision)
-    if precision != "fp32":
-        raise ValueError(f"encoder {spec!r} runs in fp32 only, not {precision!r}")
     defaults = {"minilm": 64, "minilm-static": 512}
     if name not in defaults:
         raise ValueError(
@@ -286,7 +301,9 @@ def make_encoder(
         max_tokens = int(arg) if arg else defaults[name]
     except ValueError:
         raise ValueError(f"bad encoder {spec!r}: max tokens must be an integer") from None
-    return MiniLMEncoder(max_tokens, static=name == "minilm-static", threads=threads)
+    return MiniLMEncoder(
+        max_tokens, static=name == "minilm-static", threads=threads, precision=precision
+    )
 
 
 def text_key(text: str) -> int:
