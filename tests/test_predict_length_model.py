@@ -136,3 +136,7 @@ def test_model_of_another_version_gives_a_clear_error(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(ModelVersionError):
         LengthModel.load(tmp_path / "junk.npz")
+    model = LengthModel.load(path)
+    _rewrite_header(path, tmp_path / "fp16.npz", meta=model.meta | {"infer_precision": "fp16"})
+    with pytest.raises(ValueError, match=r"fp16.npz: infer_precision 'fp16' is not one of"):
+        LengthModel.load(tmp_path / "fp16.npz")

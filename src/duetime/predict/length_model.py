@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from duetime.predict.conformal import BucketCDF
+from duetime.predict.precision import INFER_PRECISIONS
 
 if TYPE_CHECKING:
     from duetime.predict.length_features import MiniLMEncoder
@@ -313,6 +314,10 @@ class LengthModel:
             float(header["feat_mean"]),
             float(header["feat_std"]),
         )
-        return cls(
-            RLPConfig.from_dict(header["config"]), weights, scores, header.get("meta", {}), adapters
-        )
+        meta = header.get("meta", {})
+        if meta.get("infer_precision", "fp32") not in INFER_PRECISIONS:
+            raise ValueError(
+                f"{path}: infer_precision {meta['infer_precision']!r} is not one of "
+                f"{INFER_PRECISIONS}; retrain it with `duetime predict train-length`"
+            )
+        return cls(RLPConfig.from_dict(header["config"]), weights, scores, meta, adapters)
