@@ -10,9 +10,10 @@ matters at one prompt per request.
 Two encoders share that model (:func:`make_encoder`):
 
 - ``minilm:T`` (contextual): the six transformer layers over the first ``T``
-  word pieces. This is TimeBill's "small language model encoder". On this
-  2-core AVX-only CPU it costs ~0.6 ms per word piece, so ``T`` trades
-  accuracy for latency (default 64).
+  word pieces. This is TimeBill's "small language model encoder". In float32
+  on a 2-core AVX2-only CPU it cost ~0.6 ms per word piece, so ``T`` trades
+  accuracy for latency (default 64); bfloat16, where the CPU has it natively,
+  about halves that (:mod:`~duetime.predict.precision`).
 - ``minilm-static:T``: the mean of the model's *input* token embeddings
   (model2vec-style: no transformer layers), over up to ``T`` word pieces.
   About 0.1 ms per prompt whatever its length, so it can read the whole prompt.
