@@ -149,20 +149,6 @@ def test_resume_from_checkpoint_equals_uninterrupted(data, tmp_path):
         )
 
 
-def test_precision_auto_takes_bf16_only_where_it_is_native(monkeypatch):
-    import torch
-
-    assert resolve_precision("auto", "cuda") == "bf16"
-    assert resolve_precision("fp32", "cuda") == "fp32"
-    assert resolve_precision("bf16", "cpu") == "bf16"
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
-    assert resolve_precision("auto", "cpu") == "fp32"
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
-    assert resolve_precision("auto", "cpu") == "bf16"
-    with pytest.raises(ValueError, match="precision must be one of"):
-        resolve_precision("fp16", "cpu")
-
-
 def test_fp32_and_bf16_training_both_learn_and_infer_as_calibrated(data, monkeypatch):
     import torch
 
