@@ -87,7 +87,7 @@ def score_model(
     return {
         "model": str(model_path),
         "encoder": cfg.encoder,
-        "infer_precision": getattr(encoder, "precision", "fp32"),
+        "infer_precision": encoder.precision,
         "readout": cfg.readout,
         "bucket_size_tokens": cfg.bucket_size,
         "max_len_tokens": cfg.max_len,
