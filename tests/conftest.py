@@ -8,6 +8,19 @@ worker is the fast setting here (speed itself is measured by `duetime bench`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def native(monkeypatch) -> Callable[[bool], None]:
+    """Set whether this 'CPU' computes bfloat16 natively (``duetime.predict.precision``)."""
+
+    def set_native(value: bool) -> None:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: value, raising=False)
+
+    return set_native

@@ -149,10 +149,8 @@ def test_resume_from_checkpoint_equals_uninterrupted(data, tmp_path):
         )
 
 
-def test_fp32_and_bf16_training_both_learn_and_infer_as_calibrated(data, monkeypatch):
-    import torch
-
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+def test_fp32_and_bf16_training_both_learn_and_infer_as_calibrated(data, native):
+    native(True)
     texts, bundle = data
     cfg = replace(CFG, epochs=3)
     rows = bundle.splits["test"]
@@ -204,9 +202,7 @@ def test_bf16_encoder_equals_autocast_over_the_float32_weights(data, trained):
         np.testing.assert_array_equal(bf16.encode_ids([seq]), want)
 
 
-def test_a_bf16_model_runs_in_fp32_where_bf16_is_not_native(data, trained, monkeypatch, caplog):
-    import torch
-
+def test_a_bf16_model_runs_in_fp32_where_bf16_is_not_native(data, trained, native, caplog):
     texts, bundle = data
     model = LengthModel(
         trained.config,
@@ -215,14 +211,14 @@ def test_a_bf16_model_runs_in_fp32_where_bf16_is_not_native(data, trained, monke
         dict(trained.meta, infer_precision="bf16"),
         trained.adapters,
     )
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    native(False)
     with caplog.at_level("WARNING"):
         pred = LearnedLengthPredictor(model, use_cache=False)
     assert pred.encoder.precision == "fp32"
     assert "does not compute natively" in caplog.text
     rows = bundle.splits["test"][:5]
     assert len(pred.predict_texts([texts[r] for r in rows], bundle.prompt_len[rows], 512)) == 5
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    native(True)
     assert model.encoder().precision == "bf16"
 
 

@@ -15,17 +15,6 @@ from duetime.predict.precision import (
 )
 
 
-@pytest.fixture
-def native(monkeypatch):
-    """Set whether this 'CPU' computes bfloat16 natively."""
-    import torch
-
-    def set_native(value: bool) -> None:
-        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: value, raising=False)
-
-    return set_native
-
-
 def test_precision_auto_takes_bf16_only_where_it_is_native(native):
     assert resolve_precision("auto", "cuda") == "bf16"
     assert resolve_precision("fp32", "cuda") == "fp32"
