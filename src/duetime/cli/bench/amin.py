@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from duetime.cli.bench.model import load_engine
+from duetime.cli.bench.model import EngineChoice, step_cost_note
 from duetime.cli.bench.options import (
     EngineClockOpt,
     EngineDtypeOpt,
@@ -72,11 +72,11 @@ def bench_amin(
     if engine:
         with _user_errors():
             fig = run_engine(
-                model=model or "gemma", dtype=dtype or "fp32", threads=threads or 1,
+                EngineChoice.from_options(model, dtype, threads, clock),
                 requests=requests or 12, kv_capacity=kv_capacity or 224,
                 max_prompt=max_prompt or 256, max_output=max_output or 48,
                 intervals=intervals or "overlap-0.95", profile=profile, seed=seed, plot=plot,
-                clock=clock or "cpu", reps=engine_reps or 1,
+                reps=engine_reps or 1,
             )  # fmt: skip
         save_figures(fig, json_path=json_path)
         return
@@ -98,10 +98,8 @@ def bench_amin(
 
 
 def run_engine(
+    choice: EngineChoice,
     *,
-    model: str,
-    dtype: str,
-    threads: int,
     requests: int,
     kv_capacity: int,
     max_prompt: int,
@@ -110,7 +108,6 @@ def run_engine(
     profile: str | None,
     seed: int,
     plot: Path | None,
-    clock: str,
     reps: int = 1,
 ) -> dict[str, Any]:
     """Run H-SF / Amax / Amin on the engine beside the simulator; print the table.
@@ -124,11 +121,10 @@ def run_engine(
         raise ValueError("--intervals is empty")
     for c in constructions:
         bench.interval_spec(c, max_output)  # raises on an unknown name
-    eng = load_engine(model, dtype, threads, clock)
     fig = bench.run(
-        eng,
-        model_name=f"{model}, {dtype}, {threads} thread(s), {clock} clock",
-        clock=clock,
+        choice.load(),
+        model_name=choice.label,
+        clock=choice.clock,
         reps=reps,
         requests=requests,
         kv_capacity=kv_capacity,
@@ -139,10 +135,9 @@ def run_engine(
         seed=seed,
     )
     out.print(bench.table(fig))
-    fit, w = fig["cost_fit"], fig["workload"]
-    fitted = f", fit MAPE {fit['fit_mape_pct']:.1f} %" if "fit_mape_pct" in fit else ""
+    w = fig["workload"]
     out.print(
-        f"step costs: {fit['source']}{fitted}; prompts mean {w['prompt_tokens_mean']:.0f} "
+        f"{step_cost_note(fig['cost_fit'])}; prompts mean {w['prompt_tokens_mean']:.0f} "
         f"(<= {w['max_prompt_tokens']}), outputs mean {w['output_tokens_mean']:.0f} "
         f"(<= {w['max_output_tokens']}) tokens; wall {fig['wall_s']:.1f} s "
         "(a shared machine: real TEL is noisy)"

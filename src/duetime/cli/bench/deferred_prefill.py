@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from duetime.cli.bench.model import load_engine
+from duetime.cli.bench.model import EngineChoice, step_cost_note
 from duetime.cli.bench.options import (
     EngineClockOpt,
     EngineDtypeOpt,
@@ -73,10 +73,10 @@ def bench_deferred_prefill(
     if engine:
         with _user_errors():
             fig = run_engine(
-                model=model or "gemma", dtype=dtype or "fp32", threads=threads or 1,
+                EngineChoice.from_options(model, dtype, threads, clock),
                 capacity=capacity or 16, prompt_len=prompt_len or 16,
                 mean_output=mean_output or 9.0, requests=requests or 80, ks=ks,
-                profile=profile, seed=seed, clock=clock or "cpu", reps=reps or 1,
+                profile=profile, seed=seed, reps=reps or 1,
             )  # fmt: skip
         save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)
         return
@@ -116,10 +116,8 @@ def parse_ks(ks: str | None) -> tuple[int, ...] | None:
 
 
 def run_engine(
+    choice: EngineChoice,
     *,
-    model: str,
-    dtype: str,
-    threads: int,
     capacity: int,
     prompt_len: int,
     mean_output: float,
@@ -127,7 +125,6 @@ def run_engine(
     ks: str | None,
     profile: str | None,
     seed: int,
-    clock: str,
     reps: int = 1,
 ) -> dict[str, Any]:
     """Run the real-engine deferred-prefill curve and print its table and summary.
@@ -139,11 +136,10 @@ def run_engine(
     k_grid = parse_ks(ks)
     if mean_output <= 1:
         raise ValueError(f"--mean-output must be > 1 token, got {mean_output}")
-    eng = load_engine(model, dtype, threads, clock)
     fig = bench.run(
-        eng,
-        model_name=f"{model}, {dtype}, {threads} thread(s), {clock} clock",
-        clock=clock,
+        choice.load(),
+        model_name=choice.label,
+        clock=choice.clock,
         reps=reps,
         capacity=capacity,
         prompt_len=prompt_len,
@@ -154,10 +150,9 @@ def run_engine(
         seed=seed,
     )
     out.print(bench.table(fig))
-    adv, fit = fig["advice"], fig["cost_fit"]
-    fitted = f", fit MAPE {fit['fit_mape_pct']:.1f} %" if "fit_mape_pct" in fit else ""
+    adv = fig["advice"]
     out.print(
-        f"step costs: {fit['source']}{fitted}; c_p = {adv['model_c_p'] * 1e3:.1f} ms, "
+        f"{step_cost_note(fig['cost_fit'])}; c_p = {adv['model_c_p'] * 1e3:.1f} ms, "
         f"t_p·d0/N = {adv['model_prefill_per_prompt'] * 1e3:.1f} ms, "
         f"c_d = {adv['model_c_d'] * 1e3:.1f} ms, t_d = {adv['model_t_d'] * 1e3:.2f} ms"
     )

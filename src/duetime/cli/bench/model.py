@@ -2,11 +2,15 @@
 
 Each engine mode used to set torch's threads and load its model its own way;
 they differ only in what they accept (a clock, a GGUF path), which each mode
-checks before calling this.
+checks before calling this. :class:`EngineChoice` is the model / dtype /
+threads / clock quadruple that `amin` and `deferred-prefill` resolve, label
+and load the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -24,3 +28,36 @@ def load_engine(spec: str, dtype: str, threads: int, clock: str | None = None) -
         bench_clock(clock, threads)
     torch.set_num_threads(threads)
     return load_bench_model(spec, dtype)
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine a `--engine` run loads, from the shared `Engine*Opt` options."""
+
+    model: str = "gemma"
+    dtype: str = "fp32"
+    threads: int = 1
+    clock: str = "cpu"
+
+    @classmethod
+    def from_options(
+        cls, model: str | None, dtype: str | None, threads: int | None, clock: str | None
+    ) -> EngineChoice:
+        """Unset options take the defaults above (those the options' help texts quote)."""
+        d = cls()
+        return cls(model or d.model, dtype or d.dtype, threads or d.threads, clock or d.clock)
+
+    @property
+    def label(self) -> str:
+        """How reports and figures name this engine."""
+        return f"{self.model}, {self.dtype}, {self.threads} thread(s), {self.clock} clock"
+
+    def load(self) -> Any:
+        """The model, with the clock checked first (see :func:`load_engine`)."""
+        return load_engine(self.model, self.dtype, self.threads, self.clock)
+
+
+def step_cost_note(fit: Mapping[str, Any]) -> str:
+    """``step costs: <source>[, fit MAPE x %]``: where a run's step-cost model came from."""
+    fitted = f", fit MAPE {fit['fit_mape_pct']:.1f} %" if "fit_mape_pct" in fit else ""
+    return f"step costs: {fit['source']}{fitted}"
