@@ -192,3 +192,12 @@ def test_memory_never_exceeded(overrun: str, alpha: float | None) -> None:
     assert all(r.completed or r.cancelled_at is not None for r in res.records)
     if overrun == "kill":
         assert all(r.finish is None or r.finish <= r.request.deadline + 0.1 for r in res.records)
+
+
+@pytest.mark.parametrize("own", [0.5, 0.9])
+def test_a_requests_own_ratio_is_passed_on_as_given(own: float) -> None:
+    """α* is rounded up to whole tokens; a ratio the client fixed is not (it was: 0.5 → 0.52)."""
+    job = _job(0, 0.0, 51, 40, 0.5)
+    job.request.kv_eviction = own
+    _, recs = _run([job])
+    assert recs[0].kv_evicted_ratio == own

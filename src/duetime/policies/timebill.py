@@ -126,12 +126,7 @@ class TimeBill(QueuePolicy):
                 continue
             self._evicted.add(seq.rid)
             alpha = self.eviction_ratio(seq, snap)
-            kv = seq.kv_tokens
-            if alpha > 0.0 and kv > 0:
-                if self.fixed_alpha is None:
-                    # Executors evict ⌊α·KV⌋ tokens: ask for ⌈α*·KV⌉ so the estimate holds.
-                    n = math.ceil(alpha * kv - 1e-9)
-                    alpha = min((n + 0.5) / kv, max(alpha, self.alpha_max))
+            if alpha > 0.0 and seq.kv_tokens > 0:
                 dec.evict[seq.rid] = alpha
         groups = (snap.running, snap.suspended, snap.waiting)
         if any(self._overrun_of(s) == "kill" for g in groups for s in g):
@@ -176,7 +171,8 @@ class TimeBill(QueuePolicy):
     def eviction_ratio(self, seq: Seq, snap: EngineSnapshot) -> float:
         """α for a sequence whose prefill just finished: fixed, or the paper's α*.
 
-        A request's own ``kv_eviction`` ("off", "auto" or a ratio) overrides the policy's.
+        A request's own ``kv_eviction`` ("off", "auto" or a ratio) overrides the policy's;
+        a ratio the client or the policy fixed is passed on as given.
         """
         own = seq.req.kv_eviction
         if own == "off":
@@ -185,6 +181,15 @@ class TimeBill(QueuePolicy):
             return float(own)
         if self.fixed_alpha is not None and own != "auto":
             return self.fixed_alpha
+        alpha, kv = self.optimal_ratio(seq, snap), seq.kv_tokens
+        if alpha <= 0.0 or kv <= 0:
+            return alpha
+        # Executors evict ⌊α·KV⌋ tokens: ask for ⌈α*·KV⌉ so the estimate holds.
+        n = math.ceil(alpha * kv - 1e-9)
+        return min((n + 0.5) / kv, max(alpha, self.alpha_max))
+
+    def optimal_ratio(self, seq: Seq, snap: EngineSnapshot) -> float:
+        """The paper's α* for ``seq`` under its deadline, net of the eviction's own time."""
         cost = snap.cost
         deadline = seq.req.deadline
         if deadline is None or not isinstance(cost, LinearStepCost):
