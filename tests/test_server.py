@@ -123,6 +123,28 @@ def test_stop_string_cuts_the_answer(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:probe]
 
 
+def test_an_answer_ended_by_a_stop_string_is_complete(served: tuple[str, ServerState]) -> None:
+    """Its deadline is judged and it counts as "stop" (it was an "abort" and a missed deadline)."""
+    url, state = served
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 24, "ignore_eos": True}
+    full = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = full[:2]
+    if not stop.isascii():
+        pytest.skip("the random model's answer starts with a partial character")
+    metrics = state.metrics
+    aborts, stops = (metrics.requests.labels(r)._value.get() for r in ("abort", "stop"))
+    r = httpx.post(
+        url + "/v1/completions", json={**body, "stop": [stop], "deadline_ms": 60_000}
+    ).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["text"] == ""
+    assert r["duetime"]["deadline_met"] is True
+    assert r["usage"]["completion_tokens"] <= len(stop)  # nothing generated after the stop
+    _idle(state)
+    assert metrics.requests.labels("abort")._value.get() == aborts
+    assert metrics.requests.labels("stop")._value.get() == stops + 1
+
+
 def test_models_health_metrics(served: tuple[str, ServerState]) -> None:
     url = served[0]
     assert httpx.get(url + "/health").json()["status"] == "ok"
@@ -150,7 +172,41 @@ def test_models_health_metrics(served: tuple[str, ServerState]) -> None:
         (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "empty"),
         (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "n"),
         (json.dumps({"model": MODEL, "prompt": "x", "deadline_ms": -1}).encode(), 400, "deadline"),
-        (json.dumps({"model": MODEL, "prompt": "x", "kv_eviction": 1.5}).encode(), 400, "kv_"),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "kv_eviction": 1.5}).encode(),
+            400,
+            "less than 1",
+        ),
+        # JSON's \ud800 escape makes a lone surrogate no tokenizer can encode (was a 500)
+        (b'{"model": "duetime-tiny", "prompt": "a\\ud800b"}', 400, "surrogate"),
+        (b'{"model": "duetime-tiny", "prompt": "x", "klass": "\\udc80"}', 400, "klass"),
+        # strict types (each was taken as 3, 1 or true)
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "3"}).encode(),
+            400,
+            "max_tokens",
+        ),
+        (json.dumps({"model": MODEL, "prompt": [True, False]}).encode(), 400, "prompt"),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "ignore_eos": "yes"}).encode(),
+            400,
+            "ignore_eos",
+        ),
+        (json.dumps({"model": MODEL, "prompt": [""]}).encode(), 400, "empty"),
+        # the bound a union member broke, not "(and 3 more)" about the other members
+        (
+            json.dumps({"model": MODEL, "prompt": [2, -1]}).encode(),
+            400,
+            "prompt.1: input should be greater",
+        ),
+        # fields that would change the response's shape are refused, not dropped
+        (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 5}).encode(), 400, "logprobs"),
+        (json.dumps({"model": MODEL, "prompt": "x", "best_of": 2}).encode(), 400, "best_of"),
+        (
+            b'{"model": "duetime-tiny", "prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+            400,
+            "nested",
+        ),
         (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "does not exist"),
         (json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode(), 413, "body"),
     ],
@@ -167,6 +223,63 @@ def test_bad_input_is_a_4xx_with_an_error_object(
     assert needle.lower() in err["message"].lower()
     assert err["type"]
     _idle(state)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"messages": [{"role": "user", "content": "a\ud800"}]}, "surrogate"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+            "surrogate",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "logprobs"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ],
+)
+def test_bad_chat_input_is_a_400(
+    served: tuple[str, ServerState], body: dict[str, object], needle: str
+) -> None:
+    url, state = served
+    # json.dumps writes a lone surrogate as the \udXXX escape a client would send
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        content=json.dumps({"model": MODEL, **body}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    _idle(state)
+
+
+def test_chat_without_max_tokens_fits_what_the_context_leaves(
+    served: tuple[str, ServerState],
+) -> None:
+    """The default cap (256) shrinks to the room left, as vLLM's does, instead of a 400."""
+    url, state = served
+    context = state.config.max_context
+    content = "y" * (context - 60)  # one token per byte: ~40 tokens of room with the template
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == context
+    full = {"model": MODEL, "messages": [{"role": "user", "content": "y" * context}]}
+    r = httpx.post(url + "/v1/chat/completions", json=full)
+    assert r.status_code == 400
+    assert "leaves no room" in r.json()["error"]["message"]
+    _idle(state)
+
+
+def test_echo_repeats_a_token_id_prompt(served: tuple[str, ServerState]) -> None:
+    url, state = served
+    ids = state.codec.encode("abc")
+    body = {"model": MODEL, "max_tokens": 3, "echo": True}
+    by_ids = httpx.post(url + "/v1/completions", json={**body, "prompt": ids}).json()
+    by_text = httpx.post(url + "/v1/completions", json={**body, "prompt": "abc"}).json()
+    assert by_ids["choices"][0]["text"].startswith("abc")
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
 
 
 def test_client_disconnect_frees_the_sequence(served: tuple[str, ServerState]) -> None:
@@ -233,13 +346,18 @@ def test_admission_refuses_unreachable_deadlines(tmp_path: Path) -> None:
             timeout=30,
         )
         assert ok.status_code == 200, ok.text
+        # A fixed ratio of 0 evicts nothing, so it is refused as "off" is (it was accepted).
+        zero = httpx.post(
+            url + "/v1/completions", json={**body, "deadline_ms": 200, "kv_eviction": 0.0}
+        )
+        assert zero.status_code == 429, zero.text
         # A deadline the estimate can meet is accepted outright.
         fine = httpx.post(
             url + "/v1/completions", json={**body, "max_tokens": 2, "deadline_ms": 60_000}
         )
         assert fine.status_code == 200
         metrics = httpx.get(url + "/metrics").text
-        assert 'duetime_rejected_total{why="deadline"} 1.0' in metrics
+        assert 'duetime_rejected_total{why="deadline"} 2.0' in metrics
         _idle(state)
 
 

@@ -51,6 +51,7 @@ class ServerConfig:
     model_name: str
     max_context: int  # prompt + max_tokens may not exceed this
     vocab_size: int
+    #: A chat request without max_tokens gets this many, or what the context has left.
     default_chat_max_tokens: int = 256
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 600.0
@@ -137,7 +138,10 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         text = render_chat(body.messages)
         ids = state.codec.encode(text)
-        limit = body.token_limit(state.config.default_chat_max_tokens)
+        limit = body.token_limit()
+        if limit is None:  # as vLLM: never more than the context has left
+            room = state.config.max_context - len(ids)
+            limit = max(1, min(state.config.default_chat_max_tokens, room))
         return await _serve(state, request, body, ids, text, limit, chat=True)
 
     return app
@@ -165,6 +169,14 @@ async def _serve(
         )
     if any(i >= cfg.vocab_size for i in ids):
         raise ApiError(400, f"prompt token ids must be < {cfg.vocab_size}", param="prompt")
+    if len(ids) >= cfg.max_context:
+        raise ApiError(
+            400,
+            f"the prompt ({len(ids)} tokens) leaves no room in the context length "
+            f"{cfg.max_context}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if len(ids) + max_tokens > cfg.max_context:
         raise ApiError(
             400,
@@ -206,7 +218,7 @@ async def _serve(
         prompt_len=len(ids),
         tokens=tokens,
         budget_s=budget,
-        allows_eviction=body.kv_eviction != "off",
+        allows_eviction=body.allows_eviction(),
     )
     if not verdict.accept:
         state.metrics.rejected.labels(verdict.why).inc()
@@ -237,7 +249,7 @@ async def _serve(
         model=cfg.model_name,
         chat=chat,
         prompt_tokens=len(ids),
-        echo=text if (not chat and getattr(body, "echo", False)) else None,
+        echo=_echo(state, body, ids, text),
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -247,6 +259,18 @@ async def _serve(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     return await _whole(relay, meta, request, cfg.request_timeout_s)
+
+
+def _echo(
+    state: ServerState,
+    body: CompletionRequest | ChatCompletionRequest,
+    ids: list[int],
+    text: str | None,
+) -> str | None:
+    """The prompt a completion with ``echo`` repeats: its text, or its ids decoded."""
+    if not isinstance(body, CompletionRequest) or not body.echo:
+        return None
+    return text if text is not None else state.codec.decode(ids)
 
 
 def _predict(state: ServerState, job: Job) -> LengthPrediction | None:
@@ -299,7 +323,6 @@ class _Relay:
         self.completion_tokens = 0
         self.outcome: Outcome | None = None
         self.stopped = False  # a stop string ended the answer
-        self._aborted = False
 
     async def deltas(self, timeout: float) -> AsyncIterator[str]:
         """Text deltas until the answer ends; sets ``outcome``."""
@@ -317,14 +340,17 @@ class _Relay:
                 if out:
                     yield out
                 break
+            if self.stopped:
+                continue  # generated before the engine saw the stop: not part of the answer
             self.completion_tokens += len(item)
             self.detok.add(item)
             out = self._emit(final=False)
             if out:
                 yield out
-            if self.stopped and not self._aborted:
-                self._aborted = True
-                self.state.engine.abort(self.rid)  # keep listening: the outcome still comes
+            if self.stopped:
+                # Ends the sequence as a normal "stop" (its deadline judged, its KV freed);
+                # keep listening: the outcome still comes.
+                self.state.engine.finish(self.rid)
 
     def _emit(self, *, final: bool) -> str:
         """The text that may be sent now: up to a stop string, holding back a possible start."""

@@ -159,8 +159,15 @@ class EngineLoop:
         self._wake.set()
 
     def abort(self, rid: int) -> None:
+        """End a request the client gave up on (outcome "abort")."""
         with self._lock:
             self._inbox.append(("abort", rid))
+        self._wake.set()
+
+    def finish(self, rid: int) -> None:
+        """End a request whose answer is complete (a stop string): outcome "stop"."""
+        with self._lock:
+            self._inbox.append(("finish", rid))
         self._wake.set()
 
     @property
@@ -241,7 +248,7 @@ class EngineLoop:
                 if segmenter is not None:
                     ex.segmenters[rid] = segmenter
             elif ex.abort(payload):
-                self._finish(payload, "abort")
+                self._finish(payload, "abort" if kind == "abort" else "stop")
         if ex.n_done != done_before:  # e.g. a prompt that can never fit was refused at admission
             self._publish_ends()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,17 +48,59 @@ def error_json(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# pydantic names the branch of a union it tried in the error's location: "str",
+# "list[constrained-int]", "literal['off','auto']", "constrained-float", ...
+_BRANCH_TYPES = {"str", "int", "float", "bool"}
+
+
+def _is_branch(part: object) -> bool:
+    return isinstance(part, str) and (part in _BRANCH_TYPES or any(c in part for c in "[-'"))
+
+
+def _is_type_error(error: Mapping[str, Any]) -> bool:
+    kind = str(error.get("type", ""))
+    return kind.endswith("_type") or kind == "literal_error"
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line for the client: the field, and what is wrong with it.
+
+    A union field (``prompt``, ``kv_eviction``) fails once per branch; a bound
+    that a value of the right type broke ("greater than or equal to 0") says
+    more than the branches of the wrong type, so it is the one reported, and
+    where every branch failed on type their expectations are joined.
+    """
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON: {first.get('msg', '')}".rstrip(": "), None
-    where = ".".join(loc) if loc else "body"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{where}: {first.get('msg', 'invalid')}{more}", where if loc else None
+    if errors[0].get("type") == "json_invalid":
+        return f"the body is not valid JSON: {errors[0].get('msg', '')}".rstrip(": "), None
+
+    def field(error: Mapping[str, Any]) -> tuple[str, ...]:
+        """The location up to the first union branch (the field the client wrote)."""
+        out: list[str] = []
+        for part in error.get("loc", ()):
+            if _is_branch(part):
+                break
+            if part != "body":
+                out.append(str(part))
+        return tuple(out)
+
+    def path(error: Mapping[str, Any]) -> str:
+        return ".".join(str(p) for p in error.get("loc", ()) if p != "body" and not _is_branch(p))
+
+    target = field(errors[0])
+    group = [e for e in errors if field(e) == target]
+    bounds = [e for e in group if not _is_type_error(e)]
+    if bounds:
+        where, message = path(bounds[0]), str(bounds[0].get("msg", "invalid"))
+    else:
+        where = ".".join(target)
+        msgs = list(dict.fromkeys(str(e.get("msg", "invalid")) for e in group))
+        message = ", or ".join([msgs[0], *(m.removeprefix("Input should be ") for m in msgs[1:])])
+    others = len({field(e) for e in errors}) - 1
+    more = f" (and {others} more field{'s' if others > 1 else ''})" if others else ""
+    return f"{where or 'body'}: {message}{more}", where or None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -78,8 +121,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
-        if message == "There was an error parsing the body":  # FastAPI's words for bad UTF-8
-            message = "the body could not be parsed: it must be UTF-8 JSON"
+        if message == "There was an error parsing the body":  # FastAPI's words for the rest
+            message = "the body could not be parsed: it must be UTF-8 JSON, nested not too deeply"
         return JSONResponse(
             error_json(message, kind), status_code=exc.status_code, headers=exc.headers
         )

@@ -7,25 +7,47 @@ arrive through the client's ``extra_body`` and are documented here, in the
 OpenAPI schema FastAPI serves at ``/docs`` and ``/openapi.json``.
 
 Decoding is greedy: ``temperature`` is accepted for compatibility and ignored
-(every benchmark in duetime compares policies on identical outputs).
+(every benchmark in duetime compares policies on identical outputs). Fields
+that would change the response's shape (``logprobs``, ``best_of`` > 1, ``n`` >
+1) are refused rather than silently dropped.
+
+Types are strict (``"max_tokens": "3"`` or ``true`` is a 400, not 3 or 1), and
+text must be valid Unicode: JSON's ``\ud800`` escapes can smuggle a lone
+surrogate into a Python string that no tokenizer can encode.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 #: Upper bound on any millisecond field: about 11.6 days, far past any sane deadline.
 MAX_MS = 1e9
 #: Upper bound on max_tokens accepted at all (the context length is checked later).
 MAX_TOKENS_LIMIT = 1 << 20
 
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"character {e.start} is a lone surrogate ({text[e.start]!a}): not valid Unicode"
+        ) from None
+    return text
+
+
+#: A string that can be encoded: what the tokenizer, the metrics and the logs receive.
+Text = Annotated[str, AfterValidator(_unicode)]
+
 
 class TUFSpec(BaseModel):
     """TimelyLLM's time-utility function ``TUF(t) = min(β, α·(t − ERT) + β)``, times in ms."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     ert_ms: float = Field(ge=0, le=MAX_MS, description="Expected response time (ms).")
     beta: float = Field(1.0, gt=0, le=1e6, description="Utility before ERT.")
@@ -34,6 +56,8 @@ class TUFSpec(BaseModel):
 
 class TimeFields(BaseModel):
     """duetime's extensions, shared by both endpoints (send them through ``extra_body``)."""
+
+    model_config = ConfigDict(strict=True)
 
     deadline_ms: float | None = Field(
         None,
@@ -65,7 +89,13 @@ class TimeFields(BaseModel):
         "robot action (a line like move(50)) keeping the KV cache, and resume when the client is "
         "expected to want more (reading time at 300 words/min; at once for actions).",
     )
-    klass: str = Field("default", max_length=64, description="Request class (for per-class stats).")
+    klass: Text = Field("default", max_length=64, description="Request class (per-class stats).")
+
+    def allows_eviction(self) -> bool:
+        """Whether the request lets the policy drop KV (a fixed ratio of 0 does not)."""
+        if isinstance(self.kv_eviction, str):
+            return self.kv_eviction == "auto"
+        return self.kv_eviction > 0
 
     def deadline_s(self) -> float | None:
         ms = self.deadline_ms if self.deadline_ms is not None else self.time_budget_ms
@@ -73,18 +103,20 @@ class TimeFields(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Common(TimeFields):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = Field(min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(0.0, ge=0, le=2, description="Ignored: decoding is greedy.")
     n: Literal[1] = Field(1, description="Only one choice per request.")
-    stop: str | list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+    stop: Text | list[Annotated[Text, Field(min_length=1, max_length=256)]] | None = Field(
         None, description="Up to 4 stop strings; the answer ends before the first one."
     )
     user: str | None = None
@@ -103,36 +135,52 @@ class _Common(TimeFields):
 class CompletionRequest(_Common):
     """``POST /v1/completions``."""
 
-    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] = Field(
+    prompt: Text | list[Annotated[int, Field(ge=0)]] | list[Text] = Field(
         description="Text, or a list of token ids; a list of strings must hold exactly one."
     )
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     echo: bool = False
+    logprobs: int | None = Field(None, description="Not supported: must be null.")
+    best_of: int | None = Field(None, description="Only 1 (or null).")
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and isinstance(v[0], str):
+        if isinstance(v, list) and v and isinstance(v[0], str):
             if len(v) != 1:
                 raise ValueError("only one prompt per request (n = 1 batching is the server's job)")
-            return v[0]
-        if isinstance(v, str) and not v:
+            v = v[0]
+        if not v:
             raise ValueError("prompt must not be empty")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> None:
+        if v is not None:
+            raise ValueError("logprobs are not supported (decoding is greedy): leave it null")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError("best_of must be 1: one greedy answer per request")
         return v
 
 
 class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: Text | list[ContentPart]
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -146,11 +194,21 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool | None = Field(None, description="Not supported: false or null.")
+    top_logprobs: int | None = Field(None, description="Not supported: must be null.")
 
-    def token_limit(self, default: int) -> int:
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
+        if v is not None and v is not False:
+            raise ValueError("logprobs are not supported (decoding is greedy)")
+        return v
+
+    def token_limit(self) -> int | None:
+        """The client's cap on the answer, or None where it sent none."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
-        return self.max_tokens if self.max_tokens is not None else default
+        return self.max_tokens
 
 
 class TimingInfo(BaseModel):
