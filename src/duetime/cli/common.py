@@ -9,6 +9,7 @@ without a traceback.
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(
     name="duetime",
@@ -34,14 +36,63 @@ app.add_typer(advise_app, name="advise")
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
+
+def writable(path: Path | None) -> Path | None:
+    """Option callback: refuse an output path that cannot be written, before any work.
+
+    A benchmark that runs for minutes and then fails to save is the costliest
+    typo; this tries a file beside the target (creating its parent
+    directories, as the final atomic write would).
+    """
+    from duetime.metrics.atomic import prepare_parent
+
+    if path is None:
+        return None
+    try:
+        prepare_parent(path)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as e:
+        raise typer.BadParameter(f"cannot write {path}: {e.strerror or e}") from None
+    return path
+
+
 JsonOpt = Annotated[
-    Path | None, typer.Option("--json", help="Write the figures to this JSON file.")
+    Path | None,
+    typer.Option("--json", help="Write the figures to this JSON file.", callback=writable),
 ]
-PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot here.")]
+PlotOpt = Annotated[
+    Path | None, typer.Option("--plot", help="Write a PNG plot here.", callback=writable)
+]
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+def _log_level(value: str) -> str:
+    if value.lower() not in _LOG_LEVELS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(_LOG_LEVELS)}")
+    return value.lower()
+
+
+LogLevelOpt = Annotated[
+    str, typer.Option(help=f"uvicorn log level: {', '.join(_LOG_LEVELS)}.", callback=_log_level)
+]
+
+
+def bound_port(host: str, port: int) -> int:
+    """``port``, or for 0 a free one picked now, so the URL printed is the one served."""
+    if port != 0:
+        return port
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _fail(msg: str) -> NoReturn:
-    err.print(f"[bold red]error:[/] {msg}", highlight=False)
+    # escape: a message quotes user input ("run[abc].jsonl"), which rich would read as markup
+    err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
     raise typer.Exit(2)
 
 
@@ -59,6 +110,10 @@ def _user_errors() -> Iterator[None]:
         _fail(str(e))
     except FileNotFoundError as e:
         _fail(f"{e.filename}: file not found")
+    except OSError as e:  # a path given that cannot be read or written (a directory, /proc)
+        if e.filename is None:
+            raise
+        _fail(f"{e.filename}: {e.strerror or e}")
 
 
 def _progress(total: int, label: str) -> tuple[Any, Callable[[int, int], None]]:

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import typer
 
-from duetime.cli.common import _user_errors, app, err
+from duetime.cli.common import LogLevelOpt, _user_errors, app, bound_port, err
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -63,7 +63,7 @@ def gateway(
         list[str], typer.Option(help="A backend's base URL (repeat): http://127.0.0.1:8001.")
     ] = [],  # noqa: B006 - typer needs a literal default
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")] = 8000,
     max_inflight: Annotated[int, typer.Option(min=1, help="Requests in flight per backend.")] = 8,
     max_queue: Annotated[int, typer.Option(min=1, help="Waiting requests before 429.")] = 1024,
     health_interval: Annotated[
@@ -74,7 +74,7 @@ def gateway(
         list[str], typer.Option(help="URL=path.json with ttft_s/tpot_s seeds (repeatable).")
     ] = [],  # noqa: B006
     allow_remote: Annotated[bool, typer.Option(help="Allow backends off loopback.")] = False,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    log_level: LogLevelOpt = "info",
 ) -> None:
     """Route OpenAI requests over several backends by predicted finish (docs/gateway.md)."""
     import uvicorn
@@ -94,6 +94,7 @@ def gateway(
             request_timeout_s=request_timeout,
         )
         gw_app = create_gateway_app(urls, config, profiles)
+        port = bound_port(host, port)
     err.print(
         f"duetime gateway on http://{host}:{port}/v1 over {len(urls)} backend(s): "
         + ", ".join(urls),

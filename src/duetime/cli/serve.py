@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from duetime.cli.common import _fail, _user_errors, app, err
+from duetime.cli.common import LogLevelOpt, _fail, _user_errors, app, bound_port, err, writable
 
 _DTYPE_HELP = (
     "fp32 (exact), fast (int8 head rescored in fp32), q8 (fast + int8 decode kernel), bf16 or int8."
@@ -46,7 +46,9 @@ def serve(
     profile: Annotated[
         Path | None, typer.Option(help="Fitted profile (`duetime profile`); default: fit online.")
     ] = None,
-    telemetry: Annotated[Path | None, typer.Option(help="Per-step JSONL telemetry.")] = None,
+    telemetry: Annotated[
+        Path | None, typer.Option(help="Per-step JSONL telemetry.", callback=writable)
+    ] = None,
     eviction: Annotated[
         str,
         typer.Option(
@@ -54,7 +56,7 @@ def serve(
             "snapkv (observation-window scores, per head) or streaming (sinks + recent)."
         ),
     ] = "snapkv",
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve the model over HTTP with OpenAI's API plus deadlines (see docs/server.md)."""
     import torch
@@ -95,6 +97,7 @@ def serve(
         except ImportError as e:
             _fail(str(e))
         state = build_state(options, loaded, codec, name)
+        port = bound_port(host, port)
     err.print(
         f"duetime: serving [bold]{name}[/] with policy [bold]{policy}[/] on "
         f"http://{host}:{port}/v1 (KV budget {kv_capacity} tokens)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
@@ -20,8 +21,11 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
     Parent directories are created. ``mode`` replaces mkstemp's private 0600:
     results are meant to be read by others.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        prepare_parent(target)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as e:  # name the file the caller asked for, not our temporary one
+        raise type(e)(e.errno, e.strerror, str(target)) from None
     os.close(fd)
     try:
         yield tmp
@@ -33,6 +37,20 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def prepare_parent(target: Path) -> None:
+    """Create ``target``'s parent directories, or raise an OSError that says why not.
+
+    Checked first: ``target`` being a directory, or a file where a parent
+    directory should be (mkdir would only say "File exists").
+    """
+    if target.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(target))
+    home = next(p for p in target.parents if p.exists())
+    if not home.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"{home} is not a directory", str(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
 
 
 def save_png(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:

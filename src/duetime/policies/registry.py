@@ -31,7 +31,12 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
     except KeyError:
         known = ", ".join(sorted(_REGISTRY))
         raise ValueError(f"unknown policy {name!r}; known policies: {known}") from None
-    return factory(**kwargs)
+    try:
+        return factory(**kwargs)
+    except TypeError as e:  # policies pass **kwargs up to their base: only the call can tell
+        if "keyword argument" not in str(e):
+            raise
+        raise ValueError(f"policy {name!r}: {e}") from None
 
 
 def available_policies() -> list[str]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from duetime.metrics.atomic import atomic_path
 
 try:
     import fcntl
@@ -17,23 +17,15 @@ except ImportError:  # pragma: no cover - not POSIX: builds are then merely not 
 
 @contextlib.contextmanager
 def atomic_writer(path: Path, binary: bool = False) -> Iterator[IO[Any]]:
-    """Write ``path`` all at once or not at all.
+    """Write ``path`` all at once or not at all: an open file on :func:`atomic_path`.
 
-    Data goes to a hidden temporary file in the same directory (so the final
-    rename cannot cross file systems), is flushed to disk, then renamed over
-    ``path``. If the body raises, the temporary file is removed and ``path`` --
-    old contents included -- is untouched.
+    If the body raises, ``path`` -- old contents included -- is untouched.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") if binary else open(tmp, "x", encoding="utf-8") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with (
+        atomic_path(Path(path)) as tmp,
+        open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as f,
+    ):
+        yield f
 
 
 @contextlib.contextmanager

@@ -1,0 +1,98 @@
+"""Output paths are checked before any work, and error lines print user input as given."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from duetime.cli import app
+from duetime.cli.common import bound_port
+from duetime.metrics.atomic import atomic_path
+from duetime.policies import make_policy
+from duetime.workloads._files import atomic_writer
+
+runner = CliRunner()
+SIM = ["sim", "--workload", "synthetic", "--requests", "5"]
+
+
+def _invoke(*args: str) -> tuple[int, str]:
+    """Exit code and output, unfolded from click's error box into one line of words."""
+    res = runner.invoke(app, list(args))
+    return res.exit_code, " ".join(res.output.replace("│", " ").split())
+
+
+def test_an_error_line_prints_brackets_as_given(tmp_path: Path) -> None:
+    """rich read "run[abc].jsonl" as markup and named "run.jsonl"; "[/]" was a traceback."""
+    code, out = _invoke("sim", "--workload", str(tmp_path / "run[abc].jsonl"))
+    assert code == 2
+    assert "run[abc].jsonl" in out
+    code, out = _invoke(*SIM, "--policy", "[/]")
+    assert code == 2
+    assert "unknown policy '[/]'" in out
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_unwritable_output_is_refused_before_the_run(tmp_path: Path, option: str) -> None:
+    a_file = tmp_path / "plain"
+    a_file.write_text("x")
+    code, out = _invoke(*SIM, option, str(a_file / "r.json"))  # parent is a file
+    assert code == 2
+    assert "cannot write" in out
+    code, out = _invoke(*SIM, option, str(tmp_path))
+    assert code == 2
+    assert "is a directory" in out
+    assert a_file.read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]  # no temporary left
+
+
+def test_atomic_writes_name_the_target_not_their_temporary(tmp_path: Path) -> None:
+    a_file = tmp_path / "plain"
+    a_file.write_text("x")
+    target = a_file / "out.json"
+    with (
+        pytest.raises(NotADirectoryError, match="plain is not a directory") as info,
+        atomic_path(target),
+    ):
+        pass
+    assert info.value.filename == str(target)
+    with pytest.raises(IsADirectoryError) as dir_info, atomic_writer(tmp_path):
+        pass
+    assert dir_info.value.errno == errno.EISDIR
+    assert dir_info.value.filename == str(tmp_path)
+
+
+def test_save_trace_to_an_unwritable_path_names_it(tmp_path: Path) -> None:
+    a_file = tmp_path / "plain"
+    a_file.write_text("x")
+    target = a_file / "t.jsonl"
+    code, out = _invoke(*SIM, "--save-trace", str(target))
+    assert code == 2
+    assert "t.jsonl" in out
+    assert ".tmp" not in out
+
+
+def test_unknown_policy_arguments_are_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"policy 'edf'.*'nope'"):
+        make_policy("edf", nope=1)
+    code, out = _invoke("serve", "--model", "tiny", "--policy-args", '{"nope": 1}')
+    assert code == 2
+    assert "'nope'" in out
+
+
+@pytest.mark.parametrize("command", ["serve", "gateway"])
+def test_an_unknown_log_level_is_refused(command: str) -> None:
+    code, out = _invoke(command, "--log-level", "nope")
+    assert code == 2
+    assert "--log-level" in out
+
+
+def test_port_zero_becomes_the_free_port_the_banner_prints() -> None:
+    assert bound_port("127.0.0.1", 8123) == 8123
+    port = bound_port("127.0.0.1", 0)
+    assert port > 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # it was free a moment ago; binding it works
