@@ -101,6 +101,10 @@ def predict_train_length(
         from duetime.predict.precision import resolve_precision
 
         resolve_precision(precision, device)  # a bad --precision fails before the data loads
+        if finetune:
+            from duetime.predict.length_finetune import check_device
+
+            check_device(device)  # and so does a bad --device
         cfg = RLPConfig(
             bucket_size=bucket_size,
             max_len=max_len,

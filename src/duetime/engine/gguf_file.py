@@ -61,10 +61,11 @@ _MAX_COUNT = 1 << 31
 _MAX_DIMS = 8
 
 
-class ModelFileError(Exception):
+class ModelFileError(ValueError):
     """A model file is missing, truncated, corrupt or not the model we expect.
 
     The message always names the path, so a user can tell which file to fetch again.
+    A ValueError because it is bad input: the CLI reports those as one line, exit 2.
     """
 
     def __init__(self, path: str | Path, problem: str) -> None:

@@ -103,6 +103,17 @@ def _float(text: str, where: str, name: str, positive: bool) -> float:
 def read_csv(path: str | Path) -> list[Measurement]:
     """Every row of one throughput CSV, validated."""
     path = Path(path)
+    # The text is decoded (and split into fields) lazily as rows are read: a binary file,
+    # or one in another encoding, fails mid-parse with an error that names no file.
+    try:
+        return _read_rows(path)
+    except UnicodeDecodeError:
+        raise AlaDataError(f"{path}: not UTF-8 text; expected a throughput CSV") from None
+    except csv.Error as e:
+        raise AlaDataError(f"{path}: not a throughput CSV ({e})") from None
+
+
+def _read_rows(path: Path) -> list[Measurement]:
     with path.open(newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         header = next(reader, None)
@@ -189,12 +200,20 @@ def append_rows(path: str | Path, rows: Iterable[Measurement]) -> None:
         w = csv.writer(f, lineterminator="\n")
         if new:
             w.writerow(COLUMNS)
+        elif not _ends_with_newline(path):  # an edited file: do not glue a row onto its last
+            f.write("\n")
         for r in rows:
             cells = list(astuple(r))
             cells[6] = f"{r.thpt_tok_s:.6g}"
             cells[7] = f"{r.wall_s:.6g}"
             w.writerow(cells)
         f.flush()
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) in (b"\n", b"\r")
 
 
 def done_keys(path: str | Path) -> set[tuple[str, int, int, int, int]]:

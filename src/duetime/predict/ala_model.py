@@ -237,6 +237,11 @@ class AlaPredictor:
         self.name = data.name
         self.coverage = coverage
         db = fit_database(data)
+        if len(db) < 2:  # the held-out error, hence the interval, needs a pair to hold out
+            raise ValueError(
+                f"throughput config {data.name!r}: {len(db)} (ii, oo) workload(s) could be "
+                "fitted, but ALA needs at least 2 (each with runs at 3 or more batch sizes)"
+            )
         self.model = AlaModel(db, seed=seed, log_targets=log_targets)
         self.confidence = PointConfidence(data.ii, data.oo, data.bb)
         fit_err = np.abs(self.model.predict(data.ii, data.oo, data.bb) / data.thpt - 1.0)

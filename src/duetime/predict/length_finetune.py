@@ -46,6 +46,31 @@ WARMUP_FRACTION = 0.05
 _PEFT_PREFIX = "base_model.model."
 
 
+def check_device(device: str) -> None:
+    """Refuse a ``--device`` training cannot use, before minutes of loading data.
+
+    Only ``cpu`` and ``cuda[:N]`` are accepted: autocast and precision are chosen
+    for those two (:func:`~duetime.predict.precision.resolve_precision`). torch
+    itself would fail only at the first ``.to(device)``, after the data loaded.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r} is not a torch device to train on; use cpu or cuda")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"--device {device!r}: torch sees no CUDA GPU here; use cpu")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(
+                f"--device {device!r}: torch sees {n} CUDA GPU(s), cuda:0 to cuda:{n - 1}"
+            )
+
+
 def _build(cfg: RLPConfig, device: str) -> Any:
     from peft import LoraConfig, get_peft_model
     from torch import nn

@@ -300,24 +300,32 @@ class LengthModel:
             error=ModelVersionError,
         )
         arr = {k: data[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2") if k in data}
-        scores = data["conformal_scores"].astype(np.float64)
         adapters = {
             k.removeprefix(_ADAPTER): v.astype(np.float32)
             for k, v in data.items()
             if k.startswith(_ADAPTER)
         }
-        weights = HeadWeights(
-            arr["w1"],
-            arr["b1"],
-            arr.get("w2"),
-            arr.get("b2"),
-            float(header["feat_mean"]),
-            float(header["feat_std"]),
-        )
+        # A file of the right format and version can still lack a piece (hand-made, or
+        # corrupt): name the file and the piece rather than fail on a bare key.
+        try:
+            scores = data["conformal_scores"].astype(np.float64)
+            weights = HeadWeights(
+                arr["w1"],
+                arr["b1"],
+                arr.get("w2"),
+                arr.get("b2"),
+                float(header["feat_mean"]),
+                float(header["feat_std"]),
+            )
+            config = RLPConfig.from_dict(header["config"])
+        except KeyError as e:
+            raise ModelVersionError(f"{path}: length-model file lacks {e}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ModelVersionError(f"{path}: malformed length-model file ({e})") from None
         meta = header.get("meta", {})
         if meta.get("infer_precision", "fp32") not in INFER_PRECISIONS:
             raise ValueError(
                 f"{path}: infer_precision {meta['infer_precision']!r} is not one of "
                 f"{INFER_PRECISIONS}; retrain it with `duetime predict train-length`"
             )
-        return cls(RLPConfig.from_dict(header["config"]), weights, scores, meta, adapters)
+        return cls(config, weights, scores, meta, adapters)

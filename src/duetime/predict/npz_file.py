@@ -10,6 +10,8 @@ being misread.
 from __future__ import annotations
 
 import json
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -46,20 +48,30 @@ def load_npz(
     path = Path(path)
     try:
         data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("a single .npy array, not an .npz archive")
+        with data:
+            raw = str(data["header"]) if "header" in data.files else None
+            arrays = {k: data[k] for k in data.files if k != "header"}
+    # A truncated or corrupt zip fails in zipfile or zlib, on opening or on reading a member
+    # (members are read lazily), with errors that name no file: all become "not a <what>".
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         if isinstance(e, FileNotFoundError):
             raise
         raise error(f"{path}: not a {what} ({e})") from None
-    with data:
-        if "header" not in data.files:
-            raise error(f"{path}: not a {what} (no header)")
-        header = json.loads(str(data["header"]))
-        if header.get("format") != fmt:
-            raise error(f"{path}: not a {what} (format {header.get('format')!r}, expected {fmt!r})")
-        if header.get("version") != version:
-            raise error(
-                f"{path}: {what} version {header.get('version')}, but this duetime reads "
-                f"version {version}; {fix}"
-            )
-        arrays = {k: data[k] for k in data.files if k != "header"}
+    if raw is None:
+        raise error(f"{path}: not a {what} (no header)")
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise error(f"{path}: not a {what} (its header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise error(f"{path}: not a {what} (its header is a JSON {type(header).__name__})")
+    if header.get("format") != fmt:
+        raise error(f"{path}: not a {what} (format {header.get('format')!r}, expected {fmt!r})")
+    if header.get("version") != version:
+        raise error(
+            f"{path}: {what} version {header.get('version')}, but this duetime reads "
+            f"version {version}; {fix}"
+        )
     return header, arrays
