@@ -12,6 +12,7 @@ from duetime.cli.common import (
     _user_errors,
     out,
     predict_app,
+    writable,
 )
 
 AllTurnsOpt = Annotated[
@@ -26,9 +27,9 @@ AllTurnsOpt = Annotated[
 
 @predict_app.command("train-length")
 def predict_train_length(
-    out_path: Annotated[Path, typer.Option("--out", help="Model file to write (.npz).")] = Path(
-        "out/rlp.npz"
-    ),
+    out_path: Annotated[
+        Path, typer.Option("--out", help="Model file to write (.npz).", callback=writable)
+    ] = Path("out/rlp.npz"),
     encoder: Annotated[
         str,
         typer.Option(
@@ -165,9 +166,9 @@ def predict_train_length(
 
 @predict_app.command("export-length-data")
 def predict_export_length_data(
-    out_path: Annotated[Path, typer.Option("--out", help="Bundle to write (.npz).")] = Path(
-        "out/rlp-tokens.npz"
-    ),
+    out_path: Annotated[
+        Path, typer.Option("--out", help="Bundle to write (.npz).", callback=writable)
+    ] = Path("out/rlp-tokens.npz"),
     max_len: Annotated[int, typer.Option(min=1, help="N_model: longest answer kept.")] = 4096,
     seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
     all_turns: AllTurnsOpt = False,
@@ -232,9 +233,9 @@ def predict_collect_throughput(
         list[str] | None,
         typer.Option(help="Configuration(s) to collect; default: the simulated ones."),
     ] = None,
-    out_path: Annotated[Path, typer.Option("--out", help="CSV to append to.")] = Path(
-        "out/ala-throughput.csv"
-    ),
+    out_path: Annotated[
+        Path, typer.Option("--out", help="CSV to append to.", callback=writable)
+    ] = Path("out/ala-throughput.csv"),
     quick: Annotated[bool, typer.Option(help="A tiny grid (smoke test).")] = False,
 ) -> None:
     """Measure throughput over an (ii, oo, bb) grid; resumable (skips rows already in --out)."""
