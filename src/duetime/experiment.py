@@ -9,6 +9,7 @@ reproducible.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,8 @@ def build_jobs(spec: SimSpec) -> list[Job]:
 
 def assign_deadlines(jobs: list[Job], cost: LinearStepCost, scale: float) -> None:
     """deadline = arrival + scale × (prefill + decode of the request alone)."""
-    if scale <= 0:
-        raise ValueError(f"deadline scale must be > 0, got {scale}")
+    if not (math.isfinite(scale) and scale > 0):  # NaN would silently drop every deadline
+        raise ValueError(f"--deadline-scale must be finite and > 0, got {scale}")
     for job in jobs:
         req = job.request
         if req.deadline is None:
@@ -101,8 +102,12 @@ def assign_deadlines(jobs: list[Job], cost: LinearStepCost, scale: float) -> Non
 def sim_config(spec: SimSpec) -> tuple[LinearStepCost, SimConfig]:
     cost, cfg = load_profile(spec.profile)
     if spec.kv_capacity is not None:
+        if spec.kv_capacity < 1:
+            raise ValueError(f"--kv-capacity must be >= 1 token, got {spec.kv_capacity}")
         cfg.kv_capacity = spec.kv_capacity
     if spec.max_num_seqs is not None:
+        if spec.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {spec.max_num_seqs}")
         cfg.max_num_seqs = spec.max_num_seqs
     return cost, cfg
 

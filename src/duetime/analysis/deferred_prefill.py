@@ -109,10 +109,14 @@ class DeferredPrefillModel:
         tokens averaged over its decode steps, so ``t_d = b + d·(d₀ + (1 − α)/α)``
         makes the per-request decode work ``t_d/α`` exact.
         """
-        if mean_output <= 1:
-            raise ValueError(f"mean output must be > 1 token, got {mean_output}")
-        if prompt_len <= 0:
-            raise ValueError(f"prompt length must be > 0, got {prompt_len}")
+        if not (math.isfinite(mean_output) and mean_output > 1):
+            raise ValueError(
+                f"mean output (--mean-output) must be finite and > 1 token, got {mean_output}"
+            )
+        if not (math.isfinite(prompt_len) and prompt_len > 0):
+            raise ValueError(
+                f"prompt length (--prompt-len) must be finite and > 0, got {prompt_len}"
+            )
         alpha = 1.0 / (mean_output - 1.0)
         alpha = min(alpha, 1.0)
         d0 = float(prompt_len)

@@ -163,6 +163,11 @@ def run(
     """Analytic and simulated throughput over K; figures named with their units."""
     from duetime.sim.profiles import load_profile
 
+    if requests < 2 * capacity:  # as the real-engine curve: else t1 == t0 and 0/0 throughput
+        raise ValueError(
+            f"--requests {requests} is too few for C = {capacity}: need >= {2 * capacity} so "
+            "that whole refill cycles fit between the first and the last prefill"
+        )
     t_start = time.perf_counter()
     cost = load_profile(profile)[0]
     share = sharegpt_jobs(requests, seed)

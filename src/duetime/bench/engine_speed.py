@@ -56,6 +56,7 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
 # (prompt lengths, decode batch sizes, context tokens before decode, decode steps per rep)
 FULL = ((128, 512, 2048), (1, 4, 16, 64), 128, 8)
 QUICK = ((16, 64), (1, 4), 16, 3)
+TRANSFORMERS_DTYPES = ("fp32", "bf16")  # the dtypes HFRunner is timed in
 
 
 def memory_bandwidth_gb_s(mb: int = 512, reps: int = 5) -> float:
@@ -179,6 +180,15 @@ def run(
     for e in engines:
         if e not in ENGINE_VARIANTS:
             raise ValueError(f"unknown engine variant {e!r}; known: {', '.join(ENGINE_VARIANTS)}")
+    for hf_dtype in transformers:
+        if hf_dtype not in TRANSFORMERS_DTYPES:
+            raise ValueError(
+                f"unknown --transformers dtype {hf_dtype!r}; "
+                f"known: {', '.join(TRANSFORMERS_DTYPES)}"
+            )
+    for opt, sizes_given in (("--prefill", prefill), ("--batch", batches)):
+        if not all(n >= 1 for n in sizes_given):
+            raise ValueError(f"{opt} sizes must be >= 1, got {','.join(map(str, sizes_given))}")
     if threads is not None:
         torch.set_num_threads(threads)
     real = source is None

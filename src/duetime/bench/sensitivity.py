@@ -20,6 +20,7 @@ model was trained on. A fine-tuned RLP's error on its own training rows is
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -71,8 +72,8 @@ def run(
     ``learned`` ("learned" or "learned:PATH") adds one run per policy on the
     trained length predictor, placed at its effective σ (:func:`effective_sigma`).
     """
-    if any(e < 0 for e in errors):
-        raise ValueError(f"prediction errors must be >= 0, got {list(errors)}")
+    if not all(math.isfinite(e) and e >= 0 for e in errors):
+        raise ValueError(f"--errors must be finite and >= 0, got {list(errors)}")
     t0 = time.perf_counter()
     base = SimSpec(
         workload=workload,

@@ -9,6 +9,7 @@ measured mean running count is printed beside it so the claim can be checked.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,9 @@ def calibrate_rate(spec_rate: float, make: Any, target_running: float, iters: in
 def run(requests: int = 100_000, seed: int = 0, target_running: float = 128.0) -> dict[str, Any]:
     """Run the benchmark; returns figures named with their units."""
     import time
+
+    if not (math.isfinite(target_running) and target_running > 0):
+        raise ValueError(f"--target-running must be finite and > 0 sequences, got {target_running}")
 
     from duetime.experiment import SimSpec, build_jobs, run_spec
     from duetime.sim.profiles import load_profile

@@ -33,7 +33,9 @@ for what quality is traded; the F1 / ROUGE-L score is in the real-engine mode
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,12 @@ def periodic_jobs(
         )
         jobs.append(Job(request=req, output_len=output))
     return jobs
+
+
+def check_budgets(budgets: Sequence[float] | None) -> None:
+    """Refuse a time budget that is no period: 0, negative, NaN or infinite."""
+    if budgets is not None and not all(math.isfinite(b) and b > 0 for b in budgets):
+        raise ValueError(f"--budget must be finite and > 0 s, got {list(budgets)}")
 
 
 def scaled_budgets(cost: Any) -> list[float]:
@@ -178,6 +186,7 @@ def run(
     """Every method × strategy × budget; a per-strategy summary averaged over budgets."""
     from duetime.sim.profiles import load_profile
 
+    check_budgets(budgets)
     t0 = time.perf_counter()
     cost, cfg = load_profile(profile)
     lengths = pairs(jobs, seed, with_text=predictor.startswith("learned"))

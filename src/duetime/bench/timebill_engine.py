@@ -318,8 +318,7 @@ def run(
         raise ValueError(f"unknown overrun strategy {bad}; choose from {sim_bench.STRATEGIES}")
     if budget_scale not in BUDGET_SCALES:
         raise ValueError(f"--budget-scale must be job or step, got {budget_scale!r}")
-    if budgets is not None and any(not b > 0 for b in budgets):
-        raise ValueError(f"budgets must be > 0 s, got {list(budgets)}")
+    sim_bench.check_budgets(budgets)
     t0 = time.perf_counter()
     base = (
         list(jobs) if jobs is not None else workload(prompts, n_max, min_prompt, max_prompt, seed)

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from duetime.cli.common import _progress, _user_errors, app
+from duetime.cli.common import _progress, _user_errors, app, writable
 from duetime.cli.common import out as console
 
 
@@ -33,12 +33,14 @@ def profile(
     ] = "fp32",
     threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
     quick: Annotated[bool, typer.Option(help="A small grid (smoke test).")] = False,
-    out: Annotated[Path, typer.Option("--out", help="Profile JSON to write.")] = Path(
-        "out/gemma3-270m-cpu.json"
-    ),
-    kv_capacity: Annotated[int, typer.Option(help="KV tokens recorded in the profile.")] = 32_768,
-    max_num_seqs: Annotated[int, typer.Option()] = 64,
-    max_batch_tokens: Annotated[int, typer.Option()] = 2048,
+    out: Annotated[
+        Path, typer.Option("--out", help="Profile JSON to write.", callback=writable)
+    ] = Path("out/gemma3-270m-cpu.json"),
+    kv_capacity: Annotated[
+        int, typer.Option(min=1, help="KV tokens recorded in the profile.")
+    ] = 32_768,
+    max_num_seqs: Annotated[int, typer.Option(min=1)] = 64,
+    max_batch_tokens: Annotated[int, typer.Option(min=1)] = 2048,
     serve_requests: Annotated[
         int,
         typer.Option(
@@ -47,7 +49,9 @@ def profile(
             "requests (seed 1; 0: the grid only).",
         ),
     ] = 40,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write the report here.", callback=writable)
+    ] = None,
 ) -> None:
     """Time real engine steps and fit the step-cost models (TimeBill ETE + batch form)."""
     from duetime.engine import load_model
@@ -139,7 +143,7 @@ def validate(
     policy: Annotated[str, typer.Option()] = "fcfs",
     requests: Annotated[int, typer.Option(min=1)] = 100,
     rate: Annotated[float, typer.Option(min=0.0)] = 2.0,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     dtype: Annotated[
         str,
         typer.Option(help="fp32 (exact), fast (int8 head), q8 (fast + int8 decode), bf16 or int8."),
@@ -147,8 +151,8 @@ def validate(
     threads: Annotated[int, typer.Option(min=1)] = 2,
     max_prompt: Annotated[int, typer.Option(min=1)] = 512,
     max_output: Annotated[int, typer.Option(min=1)] = 128,
-    plot: Annotated[Path, typer.Option("--plot")] = Path("out/validate.png"),
-    json_path: Annotated[Path | None, typer.Option("--json")] = None,
+    plot: Annotated[Path, typer.Option("--plot", callback=writable)] = Path("out/validate.png"),
+    json_path: Annotated[Path | None, typer.Option("--json", callback=writable)] = None,
     eviction: Annotated[
         str, typer.Option(help="KV eviction for policies that evict: snapkv or streaming.")
     ] = "snapkv",

@@ -30,7 +30,7 @@ def load(
     ] = "1",
     arrival: Annotated[str, typer.Option(help="poisson or gamma.")] = "poisson",
     cv: Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Random seed (lengths, arrivals, classes).")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Random seed (lengths, arrivals, classes).")] = 0,
     prompt_len: Annotated[str, typer.Option(help="Synthetic prompt tokens: N or LO-HI.")] = (
         "16-512"
     ),

@@ -55,7 +55,7 @@ def predict_train_length(
     lr: Annotated[float, typer.Option(help="Learning rate of the head.")] = 1e-3,
     label_sigma: Annotated[float, typer.Option(min=0.0, help="Label smoothing, buckets.")] = 0.0,
     readout: Annotated[str, typer.Option(help="median, mean or argmax (TimeBill).")] = "median",
-    seed: Annotated[int, typer.Option(help="Seed of the split and the training.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the split and the training.")] = 0,
     coverage: Annotated[float, typer.Option(help="Interval coverage for the report.")] = 0.9,
     lora_rank: Annotated[int, typer.Option(min=1, help="minilm-ft: LoRA rank.")] = 16,
     encoder_lr: Annotated[float, typer.Option(help="minilm-ft: adapters' learning rate.")] = 5e-4,
@@ -170,7 +170,7 @@ def predict_export_length_data(
         Path, typer.Option("--out", help="Bundle to write (.npz).", callback=writable)
     ] = Path("out/rlp-tokens.npz"),
     max_len: Annotated[int, typer.Option(min=1, help="N_model: longest answer kept.")] = 4096,
-    seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the split.")] = 0,
     all_turns: AllTurnsOpt = False,
 ) -> None:
     """Write the RLP's training rows as MiniLM word-piece ids (~2 MB; ~5 MB with

@@ -15,6 +15,7 @@ from duetime.cli.common import (
     _user_errors,
     app,
     out,
+    writable,
 )
 
 
@@ -28,7 +29,7 @@ def sim(
     rate: Annotated[float, typer.Option(min=0.0, help="Arrival rate, requests/s.")] = 4.0,
     arrival: Annotated[str, typer.Option(help="poisson or gamma.")] = "poisson",
     cv: Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Random seed.")] = 0,
     profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
         "a100-llama2-7b"
     ),
@@ -38,9 +39,11 @@ def sim(
     deadline_scale: Annotated[
         float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
     ] = None,
-    kv_capacity: Annotated[int | None, typer.Option(help="Override KV tokens.")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="Override batch cap.")] = None,
-    save_trace: Annotated[Path | None, typer.Option(help="Save the workload as JSONL.")] = None,
+    kv_capacity: Annotated[int | None, typer.Option(min=1, help="Override KV tokens.")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(min=1, help="Override batch cap.")] = None,
+    save_trace: Annotated[
+        Path | None, typer.Option(help="Save the workload as JSONL.", callback=writable)
+    ] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
@@ -113,6 +116,8 @@ def sweep(
             seed_list = [int(s) for s in seeds.split(",")]
         except ValueError:
             _fail(f"--rates and --seeds must be comma-separated numbers, got {rates!r}, {seeds!r}")
+        if any(s < 0 for s in seed_list):
+            _fail(f"--seeds must be non-negative integers, got {seeds!r}")
         specs = [
             SimSpec(
                 policy=p.strip(),

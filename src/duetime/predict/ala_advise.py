@@ -13,6 +13,7 @@ to ``max_batch`` rather than assumed monotonic.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from duetime.predict.ala_model import ThroughputPredictor
@@ -59,8 +60,8 @@ def advise_batch(
     predictor: ThroughputPredictor, ii: int, oo: int, deadline_s: float, max_batch: int = 256
 ) -> dict[str, object]:
     """``bb_safe`` / ``bb_expected`` (None when even bb = 1 misses) and the options table."""
-    if deadline_s <= 0:
-        raise ValueError(f"deadline must be > 0 s, got {deadline_s}")
+    if not (math.isfinite(deadline_s) and deadline_s > 0):
+        raise ValueError(f"--deadline must be finite and > 0 s, got {deadline_s}")
     opts = batch_options(predictor, ii, oo, max_batch)
     safe = [o for o in opts if o.wall_hi_s <= deadline_s]
     expected = [o for o in opts if o.wall_s <= deadline_s]

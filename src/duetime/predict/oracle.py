@@ -8,6 +8,7 @@ property of the experiment, never of the policy.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import numpy as np
@@ -43,8 +44,8 @@ class NoisyOraclePredictor:
     name = "noisy"
 
     def __init__(self, rel_error: float = 0.3, coverage: float = 0.9, seed: int = 0) -> None:
-        if rel_error < 0:
-            raise ValueError(f"rel_error must be >= 0, got {rel_error}")
+        if not (math.isfinite(rel_error) and rel_error >= 0):
+            raise ValueError(f"rel_error must be finite and >= 0, got {rel_error}")
         if not 0 < coverage < 1:
             raise ValueError(f"coverage must be in (0, 1), got {coverage}")
         from scipy.stats import norm

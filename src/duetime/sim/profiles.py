@@ -46,7 +46,10 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> tuple[LinearStepCost, S
     ):
         if key in raw:
             try:
-                setattr(cfg, attr, int(raw[key]))
-            except (TypeError, ValueError):
+                value = int(raw[key])
+            except (TypeError, ValueError, OverflowError):
                 raise CostModelError(f"{path}: {key} must be an integer") from None
+            if value < 1:
+                raise CostModelError(f"{path}: {key} must be >= 1, got {raw[key]}")
+            setattr(cfg, attr, value)
     return cost, cfg

@@ -39,6 +39,13 @@ class SimConfig:
     max_time: float = math.inf  # stop the clock here (unfinished requests stay unfinished)
     offload_suspended: bool = False  # page suspended KV out under pressure (TimelyLLM §4.1)
 
+    def check(self) -> None:
+        """Refuse limits no engine has (a negative KV capacity rejects every request)."""
+        for name in ("kv_capacity", "max_num_seqs", "max_batch_tokens"):
+            value = getattr(self, name)
+            if not value >= 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
 
 @dataclass(slots=True)
 class SimResult:
@@ -69,6 +76,7 @@ class Simulator(ExecutorCore):
         predictor: JobPredictor | None = None,
     ) -> None:
         self.cfg = config or SimConfig()
+        self.cfg.check()
         super().__init__(
             policy,
             kv_capacity=self.cfg.kv_capacity,

@@ -24,6 +24,11 @@ class ArrivalProcess(Protocol):
         ...
 
 
+# Gamma cv outside this range is no workload (shape 1/cv² under- or overflows well before
+# 1e-200 or inf, and 1e-3 is already a metronome, 1e3 one burst): refused, not computed.
+CV_MIN, CV_MAX = 1e-3, 1e3
+
+
 def _check_rate(rate: float) -> None:
     if not rate > 0:  # also rejects NaN
         raise ValueError(f"rate must be > 0 requests/s (math.inf: all at start), got {rate}")
@@ -49,6 +54,7 @@ class Gamma:
 
     ``cv`` > 1 is burstier than Poisson, < 1 more regular, and ``cv = 1`` is
     exactly Poisson (shape 1). Shape ``k = 1 / cv²``, scale ``1 / (rate·k)``.
+    ``cv`` must lie in [``CV_MIN``, ``CV_MAX``].
     """
 
     rate: float
@@ -57,8 +63,11 @@ class Gamma:
 
     def __post_init__(self) -> None:
         _check_rate(self.rate)
-        if not self.cv > 0:
-            raise ValueError(f"cv must be > 0, got {self.cv}")
+        if not CV_MIN <= self.cv <= CV_MAX:  # also rejects NaN and inf
+            raise ValueError(
+                f"cv must be > 0 and finite: a gamma coefficient of variation in "
+                f"[{CV_MIN:g}, {CV_MAX:g}], got {self.cv}"
+            )
 
     def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
         shape = 1.0 / self.cv**2

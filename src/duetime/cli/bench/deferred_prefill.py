@@ -5,6 +5,7 @@ Analytic and simulated by default; ``--engine`` adds the real engine's curve.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -134,8 +135,8 @@ def run_engine(
     from duetime.bench import deferred_prefill_engine as bench
 
     k_grid = parse_ks(ks)
-    if mean_output <= 1:
-        raise ValueError(f"--mean-output must be > 1 token, got {mean_output}")
+    if not (math.isfinite(mean_output) and mean_output > 1):
+        raise ValueError(f"--mean-output must be finite and > 1 token, got {mean_output}")
     fig = bench.run(
         choice.load(),
         model_name=choice.label,

@@ -31,15 +31,21 @@ def bench_engine(
     """Engine prefill / decode tok/s and peak RSS vs transformers (and llama.cpp if installed)."""
     from duetime.bench import engine_speed as bench
 
-    def ints(s: str | None) -> tuple[int, ...] | None:
-        return tuple(int(x) for x in s.split(",") if x) if s else None
+    def ints(s: str | None, opt: str) -> tuple[int, ...] | None:
+        try:
+            vals = tuple(int(x) for x in s.split(",") if x.strip()) if s else None
+        except ValueError:
+            raise ValueError(
+                f"{opt} {s!r}: expected comma-separated integers, e.g. 1,4,16"
+            ) from None
+        return vals  # sizes >= 1: checked by bench.run, before any model loads
 
     with _user_errors():
         fig = bench.run(
             quick=quick,
             engines=tuple(engine or ("fp32", "fast", "fp32-mkl")),
-            prefill_tokens=ints(prefill),
-            batch_sizes=ints(batch),
+            prefill_tokens=ints(prefill, "--prefill"),
+            batch_sizes=ints(batch, "--batch"),
             context=context,
             reps=reps,
             transformers=tuple(x for x in transformers.split(",") if x),

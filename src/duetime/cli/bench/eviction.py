@@ -31,7 +31,7 @@ def bench_eviction(
     repeats: Annotated[int, typer.Option(min=1, help="Prefill timing repetitions.")] = 5,
     dtype: Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")] = "fp32",
     threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 2,
-    seed: Annotated[int, typer.Option(help="Prompt sampling seed.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")] = 0,
     json_path: JsonOpt = None,
 ) -> None:
     """Prefill overhead of SnapKV's observation window, eviction time, and how close the

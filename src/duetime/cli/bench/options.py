@@ -14,7 +14,7 @@ import typer
 
 from duetime.cli.common import _fail
 
-SeedOpt = Annotated[int, typer.Option()]
+SeedOpt = Annotated[int, typer.Option(min=0)]
 WorkersOpt = Annotated[int, typer.Option(min=1, help="Parallel workers.")]
 
 # The real-engine options of the commands whose `--engine` loads any engine model

@@ -174,6 +174,7 @@ def run_engine(
         raise ValueError(f"unknown --method {bad}; choose from {', '.join(sim_bench.METHODS)}")
     if budget_scale not in bench.BUDGET_SCALES:
         raise ValueError(f"--budget-scale must be job or step, got {budget_scale!r}")
+    sim_bench.check_budgets(budgets)
     cost = None
     if profile is not None:
         from duetime.sim.profiles import load_profile
