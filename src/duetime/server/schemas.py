@@ -27,9 +27,6 @@ MAX_MS = 1e9
 #: Upper bound on max_tokens accepted at all (the context length is checked later).
 MAX_TOKENS_LIMIT = 1 << 20
 
-_STRICT = ConfigDict(strict=True, extra="forbid")
-
-
 def _unicode(text: str) -> str:
     try:
         text.encode("utf-8")
@@ -47,7 +44,7 @@ Text = Annotated[str, AfterValidator(_unicode)]
 class TUFSpec(BaseModel):
     """TimelyLLM's time-utility function ``TUF(t) = min(β, α·(t − ERT) + β)``, times in ms."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     ert_ms: float = Field(ge=0, le=MAX_MS, description="Expected response time (ms).")
     beta: float = Field(1.0, gt=0, le=1e6, description="Utility before ERT.")
@@ -159,7 +156,6 @@ class CompletionRequest(_Common):
     def _no_logprobs(cls, v: int | None) -> None:
         if v is not None:
             raise ValueError("logprobs are not supported (decoding is greedy): leave it null")
-        return v
 
     @field_validator("best_of")
     @classmethod
