@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
@@ -39,6 +40,11 @@ def _check_backends(backends: list[str], allow_remote: bool) -> list[str]:
     return urls
 
 
+def _seconds(v: object) -> bool:
+    """A JSON number of seconds: not a string, not a bool, not NaN / Infinity, > 0."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
 def _load_profiles(items: list[str], urls: list[str]) -> dict[str, dict[str, float]]:
     """``URL=path.json`` with ``ttft_s`` and ``tpot_s`` (seconds): seeds for the estimates."""
     out: dict[str, dict[str, float]] = {}
@@ -50,10 +56,10 @@ def _load_profiles(items: list[str], urls: list[str]) -> dict[str, dict[str, flo
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a profile must be a JSON object")
-        seed = {k: float(data[k]) for k in ("ttft_s", "tpot_s") if k in data}
-        if not seed or any(v <= 0 for v in seed.values()):
-            raise ValueError(f"{path}: needs positive ttft_s and/or tpot_s (seconds)")
-        out[url] = seed
+        seed = {k: data[k] for k in ("ttft_s", "tpot_s") if k in data}
+        if not seed or not all(_seconds(v) for v in seed.values()):
+            raise ValueError(f"{path}: needs ttft_s and/or tpot_s as finite numbers > 0 (seconds)")
+        out[url] = {k: float(v) for k, v in seed.items()}
     return out
 
 

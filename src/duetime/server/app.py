@@ -390,6 +390,7 @@ class _Relay:
             kv_eviction_ratio=o.kv_evicted_ratio,
             predicted_tokens=o.predicted_tokens,
             preemptions=o.preemptions,
+            completion_tokens=self.completion_tokens,
         )
 
 

@@ -15,7 +15,12 @@ answers, streamed or whole, through byte for byte.
 * **Failures**: a connection error marks the backend down at once (the health
   probe brings it back). A request that failed before any byte reached its
   client is retried once on another backend; a stream that breaks midway ends
-  with an SSE ``error`` event naming the backend, then ``data: [DONE]``.
+  with an SSE ``error`` event naming the backend, then ``data: [DONE]``. A
+  backend that times out answers 504 and is neither retried nor marked down
+  (its slowness is fed to its estimate instead).
+* **Clients that leave**: queued, waiting for a whole answer or streaming, the
+  upstream request is closed (so the backend frees its sequence) and the slot
+  or queue place is given back.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
+from duetime.server.schemas import MAX_MS, MAX_TOKENS_LIMIT
 
 __all__ = ["Backend", "Gateway", "GatewayConfig", "choose_backend", "create_gateway_app"]
 
@@ -71,6 +77,10 @@ class Backend:
     observed: int = 0
     models: list[str] = field(default_factory=list)
 
+    def serves(self, model: str | None) -> bool:
+        """Whether a request for ``model`` may go here (a backend not yet listed takes any)."""
+        return model is None or not self.models or model in self.models
+
     def request_time(self, max_tokens: int) -> float:
         return self.ttft_s + self.tpot_s * max(1, max_tokens)
 
@@ -96,14 +106,20 @@ def choose_backend(
     best: Backend | None = None
     best_t = math.inf
     for b in backends:
-        if not b.up or b.in_flight >= max_inflight:
-            continue
-        if model is not None and b.models and model not in b.models:
+        if not b.up or b.in_flight >= max_inflight or not b.serves(model):
             continue
         t = b.predicted_finish(max_tokens)
         if t < best_t:
             best, best_t = b, t
     return best
+
+
+def model_ids(payload: Any) -> list[dict[str, Any]]:
+    """The model entries of a ``/v1/models`` answer; anything malformed counts as none."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [d for d in data if isinstance(d, dict) and isinstance(d.get("id"), str)]
 
 
 class _BackendFailedError(Exception):
@@ -173,24 +189,26 @@ class Gateway:
         self.m_up.labels(b.url).set(1 if up else 0)
         if up:
             self._pump()
-        elif not any(x.up for x in self.backends):
-            self._fail_waiters(ApiError(503, "no backend is up", type="server_error"))
+        else:
+            self._fail_stranded()
 
     async def probe(self, b: Backend) -> None:
+        """Health and model list of one backend; whatever it answers, the loop goes on."""
         assert self.client is not None
         try:
             r = await self.client.get(b.url + "/health", timeout=1.0)
             ok = r.status_code == 200
             if ok and not b.models:
                 m = await self.client.get(b.url + "/v1/models", timeout=1.0)
-                b.models = [d["id"] for d in m.json().get("data", [])]
-        except (httpx.HTTPError, ValueError, KeyError):
+                b.models = [d["id"] for d in model_ids(m.json())]
+        except Exception as e:  # a probe that raises must not stop probing for good
+            log.debug("probe of %s failed: %r", b.url, e)
             ok = False
         self.mark(b, ok)
 
     async def health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self.probe(b) for b in self.backends))
+            await asyncio.gather(*(self.probe(b) for b in self.backends), return_exceptions=True)
             await asyncio.sleep(self.config.health_interval_s)
 
     # --- slots --------------------------------------------------------------------
@@ -205,26 +223,43 @@ class Gateway:
         self._pump()
 
     def _pump(self) -> None:
-        """Hand free slots to waiters, earliest deadline first."""
-        while self._queue:
-            w = self._queue[0]
+        """Hand free slots to waiters, earliest deadline first.
+
+        A waiter whose backends are all busy does not hold up the ones behind it
+        that another (free) backend can serve: requests for different models, or
+        retries that exclude a backend, share one queue.
+        """
+        served: list[_Waiter] = []
+        for w in sorted(self._queue):
+            if not any(b.up and b.in_flight < self.config.max_inflight for b in self.backends):
+                break
             if w.future.done():
-                heapq.heappop(self._queue)
+                served.append(w)
                 continue
             cands = [b for b in self.backends if b.url not in w.exclude]
             b = choose_backend(cands, w.max_tokens, self.config.max_inflight, w.model)
-            if b is None:
-                break
-            heapq.heappop(self._queue)
-            w.future.set_result(self._take(b))
+            if b is not None:
+                w.future.set_result(self._take(b))
+                served.append(w)
+        self._drop(served)
+
+    def _drop(self, waiters: list[_Waiter]) -> None:
+        if waiters:
+            gone = {id(w) for w in waiters}
+            self._queue = [w for w in self._queue if id(w) not in gone]
+            heapq.heapify(self._queue)
         self.m_queued.set(len(self._queue))
 
-    def _fail_waiters(self, exc: ApiError) -> None:
-        while self._queue:
-            w = heapq.heappop(self._queue)
+    def _up_for(self, model: str | None, exclude: frozenset[str] = frozenset()) -> list[Backend]:
+        return [b for b in self.backends if b.up and b.url not in exclude and b.serves(model)]
+
+    def _fail_stranded(self) -> None:
+        """Fail the waiters that no backend still up could serve (their model's went down)."""
+        stranded = [w for w in self._queue if not self._up_for(w.model, w.exclude)]
+        for w in stranded:
             if not w.future.done():
-                w.future.set_exception(exc)
-        self.m_queued.set(0)
+                w.future.set_exception(_no_backend(w.model))
+        self._drop(stranded)
 
     async def acquire(
         self,
@@ -235,10 +270,6 @@ class Gateway:
         exclude: frozenset[str] = frozenset(),
     ) -> Backend:
         """A backend slot: at once if one is free, else after the requests due earlier."""
-        cands = [b for b in self.backends if b.url not in exclude]
-        up = [b for b in cands if b.up]
-        if not up:
-            raise ApiError(503, "no backend is up", type="server_error", code="no_backend")
         if model is not None:
             known = {m for b in self.backends for m in b.models}
             if known and model not in known:
@@ -249,6 +280,9 @@ class Gateway:
                     param="model",
                     code="model_not_found",
                 )
+        up = self._up_for(model, exclude)
+        if not up:
+            raise _no_backend(model)
         if deadline_s is not None:
             # Predicted finish including the queue ahead, spread over the backends that are up.
             share = len(self._queue) / len(up)
@@ -262,10 +296,6 @@ class Gateway:
                     code="deadline_unreachable",
                     headers={"Retry-After": str(max(1, math.ceil(best - deadline_s)))},
                 )
-        if not self._queue:
-            b = choose_backend(cands, max_tokens, self.config.max_inflight, model)
-            if b is not None:
-                return self._take(b)
         if len(self._queue) >= self.config.max_queue:
             raise ApiError(
                 429,
@@ -284,10 +314,18 @@ class Gateway:
             return await asyncio.wait_for(fut, self.config.request_timeout_s)
         except TimeoutError:
             raise ApiError(504, "timed out waiting for a backend", type="server_error") from None
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client left: give back the place or the slot
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release(fut.result())  # granted just as the client left
             raise
+        finally:
+            if w in self._queue:
+                self._drop([w])
+
+
+def _no_backend(model: str | None) -> ApiError:
+    what = "no backend" if model is None else f"no backend serving {model!r}"
+    return ApiError(503, f"{what} is up", type="server_error", code="no_backend")
 
 
 # --- the app ----------------------------------------------------------------------------
@@ -299,12 +337,40 @@ def _request_fields(body: Any, chat: bool) -> tuple[int, float | None, int, str 
         mt = body.get("max_tokens")
     if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
         mt = 256 if chat else _DEFAULT_MAX_TOKENS
+    if mt > MAX_TOKENS_LIMIT:  # the backend refuses it too; here it would overflow the estimate
+        raise ApiError(400, f"max_tokens must be <= {MAX_TOKENS_LIMIT}", param="max_tokens")
     ms = body.get("deadline_ms", body.get("time_budget_ms"))
+    if isinstance(ms, int | float) and not isinstance(ms, bool) and ms > MAX_MS:
+        raise ApiError(400, f"deadline_ms must be <= {MAX_MS:.0f}", param="deadline_ms")
     deadline = float(ms) / 1000.0 if isinstance(ms, int | float) and ms > 0 else None
     prio = body.get("priority", 0)
     prio = prio if isinstance(prio, int) and not isinstance(prio, bool) else 0
     model = body.get("model") if isinstance(body.get("model"), str) else None
     return mt, deadline, prio, model, bool(body.get("stream", False))
+
+
+_TAIL_BYTES = 8192  # the end of a stream, where its usage / duetime summary event sits
+
+
+def stream_tokens(tail: bytes) -> int | None:
+    """The answer's length from the last events of a stream, if they say it.
+
+    ``usage.completion_tokens`` (when the client asked for usage) or duetime's
+    ``duetime.completion_tokens``; a duetime backend sends one event per batch
+    of tokens, not per token, so counting events would make it look ~30x slower.
+    """
+    for line in reversed(tail.split(b"\n")):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = json.loads(line[len(b"data: ") :])
+        except ValueError:
+            continue  # the first line of the tail may be cut
+        for box in (event.get("usage"), event.get("duetime")):
+            n = box.get("completion_tokens") if isinstance(box, dict) else None
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+                return n
+    return None
 
 
 def _sse_error(message: str, backend: str) -> bytes:
@@ -330,7 +396,7 @@ def create_gateway_app(
             timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
         )
-        await asyncio.gather(*(gw.probe(b) for b in gw.backends))
+        await asyncio.gather(*(gw.probe(b) for b in gw.backends), return_exceptions=True)
         task = asyncio.create_task(gw.health_loop())
         try:
             yield
@@ -379,9 +445,9 @@ def create_gateway_app(
                 continue
             try:
                 r = await gw.client.get(b.url + "/v1/models", timeout=2.0)
-                for d in r.json().get("data", []):
+                for d in model_ids(r.json()):
                     seen.setdefault(d["id"], d)
-            except (httpx.HTTPError, ValueError, KeyError):
+            except (httpx.HTTPError, ValueError):
                 continue
         return {"object": "list", "data": list(seen.values())}
 
@@ -411,7 +477,12 @@ async def _forward(gw: Gateway, request: Request, path: str, *, chat: bool) -> R
         if left is not None and left <= 0:
             break
         try:
-            b = await gw.acquire(max_tokens, left, prio, model, frozenset(tried))
+            b = await _unless_client_leaves(
+                request, gw.acquire(max_tokens, left, prio, model, frozenset(tried))
+            )
+        except _ClientGoneError:
+            gw.m_requests.labels("client_gone").inc()
+            return Response(status_code=499)
         except ApiError as e:
             if last is not None:
                 break
@@ -423,13 +494,48 @@ async def _forward(gw: Gateway, request: Request, path: str, *, chat: bool) -> R
         try:
             if stream:
                 return await _open_stream(gw, b, path, raw, max_tokens)
-            return await _whole(gw, b, path, raw, max_tokens)
+            return await _unless_client_leaves(request, _whole(gw, b, path, raw, max_tokens))
+        except _ClientGoneError:  # _whole's cancellation closed the upstream request
+            gw.m_requests.labels("client_gone").inc()
+            return Response(status_code=499)
         except _BackendFailedError as e:
             last = e
             continue
     gw.m_requests.labels("failed").inc()
     msg = str(last) if last is not None else "the deadline passed before a retry"
     raise ApiError(502, msg, type="server_error", code="backend_failed")
+
+
+class _ClientGoneError(Exception):
+    """The client disconnected while its request waited or ran upstream."""
+
+
+async def _unless_client_leaves(request: Request, work: Any, poll_s: float = 0.25) -> Any:
+    """Await ``work``, cancelling it (which closes an upstream request) if the client leaves.
+
+    Starlette tells a handler about a disconnect only when asked, so it is polled.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with suppress(asyncio.CancelledError, Exception):
+                    await task
+                raise _ClientGoneError
+    except BaseException:
+        task.cancel()
+        raise
+
+
+def _timed_out(gw: Gateway, b: Backend, elapsed_s: float, e: Exception) -> ApiError:
+    """A backend timeout: 504, not retried and not marked down; its estimate learns it is slow."""
+    gw.m_requests.labels("http_504").inc()
+    b.observe(None, elapsed_s, 1, gw.config.ewma_alpha)
+    return ApiError(504, f"backend {b.url} timed out ({type(e).__name__})", type="server_error")
 
 
 def _headers(b: Backend, upstream: httpx.Response) -> dict[str, str]:
@@ -447,8 +553,7 @@ async def _whole(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int
             b.url + path, content=raw, headers={"content-type": "application/json"}
         )
     except httpx.TimeoutException as e:
-        gw.m_requests.labels("http_504").inc()
-        raise ApiError(504, f"backend {b.url} timed out", type="server_error") from e
+        raise _timed_out(gw, b, time.monotonic() - t0, e) from e
     except httpx.TransportError as e:
         gw.mark(b, False)
         raise _BackendFailedError(b, e) from e
@@ -490,8 +595,7 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
         r = await gw.client.send(req, stream=True)
     except httpx.TimeoutException as e:
         release()
-        gw.m_requests.labels("http_504").inc()
-        raise ApiError(504, f"backend {b.url} timed out", type="server_error") from e
+        raise _timed_out(gw, b, time.monotonic() - t0, e) from e
     except httpx.TransportError as e:
         release()
         gw.mark(b, False)
@@ -516,6 +620,10 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
         first = await chunks.__anext__()
     except StopAsyncIteration:
         first = b""
+    except httpx.TimeoutException as e:
+        await r.aclose()
+        release()
+        raise _timed_out(gw, b, time.monotonic() - t0, e) from e
     except httpx.TransportError as e:
         await r.aclose()
         release()
@@ -529,6 +637,7 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
 
     async def relay() -> AsyncIterator[bytes]:
         sent = first
+        tail = first[-_TAIL_BYTES:]
         events = first.count(b"\n\n")
         outcome = "client_gone"
         try:
@@ -537,16 +646,17 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
             try:
                 async for chunk in chunks:
                     sent = chunk
+                    tail = (tail + chunk)[-_TAIL_BYTES:]
                     events += chunk.count(b"\n\n")
                     yield chunk
                 outcome = "ok"
             except httpx.TransportError as e:
-                gw.mark(b, False)
-                outcome = "failed_midstream"
-                msg = (
-                    f"backend {b.url} failed mid-stream ({type(e).__name__}); "
-                    "the answer is incomplete"
-                )
+                timeout = isinstance(e, httpx.TimeoutException)
+                if not timeout:  # a slow backend is not a dead one
+                    gw.mark(b, False)
+                outcome = "timeout_midstream" if timeout else "failed_midstream"
+                how = "timed out" if timeout else "failed"
+                msg = f"backend {b.url} {how} mid-stream ({type(e).__name__}): answer incomplete"
                 pad = b"" if not sent or sent.endswith(b"\n\n") else b"\n\n"
                 yield pad + _sse_error(msg, b.url) + b"data: [DONE]\n\n"
         finally:
@@ -554,8 +664,9 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
             release()
             gw.m_requests.labels(outcome).inc()
             if outcome == "ok":
-                # Events minus role/finish/[DONE]: about one per token on duetime backends.
-                tokens = max(1, min(max_tokens, events - 2))
+                tokens = stream_tokens(tail)
+                if tokens is None:  # one event per token (vLLM), less role / finish / [DONE]
+                    tokens = max(1, min(max_tokens, events - 2))
                 b.observe(ttft, time.monotonic() - t0, tokens, gw.config.ewma_alpha)
 
     headers = _headers(b, r)

@@ -26,6 +26,7 @@ from typing import TypeVar
 import numpy as np
 
 from duetime.core.request import Job
+from duetime.server.schemas import MAX_MS
 
 ANY_CLASS = "*"  # key of a value given without a class name: it applies to every class
 DEFAULT_CLASS = "default"
@@ -113,6 +114,16 @@ class LoadWorkload:
             deadline = r.time_budget
             if deadline is None:
                 deadline = _lookup(self.deadlines, klass)
+            elif not 0 < deadline <= MAX_MS / 1000:  # the server refuses 0 and absurd budgets
+                raise ValueError(
+                    f"trace request {r.rid}: deadline - arrival = {deadline:g} s; "
+                    f"it must be > 0 and <= {MAX_MS / 1000:g} s"
+                )
+            if self.is_trace and r.prompt_len + job.output_len > self.max_context:
+                raise ValueError(
+                    f"trace request {r.rid}: prompt_len + output_len = "
+                    f"{r.prompt_len + job.output_len} exceeds --max-context {self.max_context}"
+                )
             priority = r.priority or _lookup(self.priorities, klass)
             out.append(
                 LoadRequest(

@@ -27,6 +27,7 @@ MAX_MS = 1e9
 #: Upper bound on max_tokens accepted at all (the context length is checked later).
 MAX_TOKENS_LIMIT = 1 << 20
 
+
 def _unicode(text: str) -> str:
     try:
         text.encode("utf-8")
@@ -216,6 +217,9 @@ class TimingInfo(BaseModel):
     kv_eviction_ratio: float
     predicted_tokens: float | None
     preemptions: int = 0
+    #: Tokens in the answer (also in a stream's last event, where usage may be absent):
+    #: what a gateway's speed estimate divides by.
+    completion_tokens: int | None = None
 
 
 class Usage(BaseModel):
