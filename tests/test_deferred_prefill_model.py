@@ -146,3 +146,24 @@ def test_advise_matches_model() -> None:
     assert adv["gain_vs_k1_pct"] == pytest.approx(
         100 * (MODEL.throughput(9) / MODEL.throughput(1) - 1)
     )
+
+
+@pytest.mark.parametrize("stall", [True, False])
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_request_that_outgrows_memory_is_cancelled_not_a_deadlock(k: int, stall: bool) -> None:
+    """1 + 5 tokens in a 4-token KV: preempted at 4, it could never be admitted again, and
+    the run stopped with "scheduled nothing ... would never end" (found by property tests)."""
+    from duetime.core.request import Job, Request
+
+    jobs = [
+        Job(Request(rid=0, arrival=0.0, prompt_len=1, max_tokens=5), output_len=5),
+        Job(Request(rid=1, arrival=0.1, prompt_len=1, max_tokens=2), output_len=2),
+    ]
+    policy = make_policy("deferred-prefill", k=k, stall_decode=stall)
+    cfg = SimConfig(kv_capacity=4, max_num_seqs=4, max_batch_tokens=64)
+    res = Simulator(policy, LinearStepCost(c0=0.01, b=0.001), cfg).run(jobs)
+    big, small = sorted(res.records, key=lambda r: r.request.rid)
+    assert big.finish is None
+    assert big.cancelled_at is not None
+    assert small.finish is not None
+    assert small.output_tokens == 2

@@ -64,6 +64,11 @@ class DeferredPrefill(QueuePolicy):
             budget = snap.max_batch_tokens - (0 if self.stall_decode else snap.num_decoding)
             for seq in snap.waiting:
                 need = seq.prefill_target
+                if need + 1 > snap.kv_capacity:
+                    # Grew (before a recompute preemption) past what memory can ever hold:
+                    # give up on it, as QueuePolicy does, or it blocks the queue for good.
+                    dec.cancel.append(seq.rid)
+                    continue
                 if n >= cap or need + 1 > free or need > budget:
                     break
                 admit.append((seq.rid, need))
