@@ -43,6 +43,12 @@ class QueuePolicy:
         self.preempt_mode: PreemptMode = preempt_mode
         self.admit_headroom = admit_headroom
 
+    def may_chunk(self, seq: Seq, snap: EngineSnapshot) -> bool:
+        """Whether ``seq``'s prefill may run in pieces: always with chunked prefill,
+        and without it when the whole prefill is longer than a step's token budget,
+        since then no step could ever take it in one go (it would wait forever)."""
+        return self.chunked_prefill or seq.prefill_target > snap.max_batch_tokens
+
     # --- the three choices --------------------------------------------------
     def forget(self, rid: int) -> None:
         """Drop any state kept for request ``rid`` (it is finished and gone).
@@ -83,7 +89,7 @@ class QueuePolicy:
                 n = min(seq.prefill_remaining, budget, free)
                 if n <= 0:
                     continue
-                if n < seq.prefill_remaining and not self.chunked_prefill:
+                if n < seq.prefill_remaining and not self.may_chunk(seq, snap):
                     continue
                 dec.prefill.append((seq.rid, n))
                 budget -= n
@@ -102,7 +108,7 @@ class QueuePolicy:
             fits = need + 1 + self.admit_headroom <= free
             if fits and self.admissible(seq, snap):
                 n = min(need, budget)
-                if n < need and not self.chunked_prefill:
+                if n < need and not self.may_chunk(seq, snap):
                     fits = False
                 else:
                     dec.prefill.append((seq.rid, n))
@@ -116,19 +122,26 @@ class QueuePolicy:
             self._break_deadlock(snap, dec)
         return dec
 
-    def _break_deadlock(self, snap: EngineSnapshot, dec: Decision) -> None:
+    def _break_deadlock(self, snap: EngineSnapshot, dec: Decision) -> Seq | None:
         """Nothing can run: idle KV holders (suspended, half-prefilled) fill the memory
-        that the work in front of them needs. Release one so the next call can progress."""
+        that the work in front of them needs. Release one so the next call can progress.
+
+        Returns the sequence preempted, if any."""
         prefilling = list(snap.prefilling)
         parked = [s for s in snap.suspended if not s.kv_offloaded]
         ready = [s for s in parked if s.ready_at <= snap.now]
         blocked = bool(snap.waiting) or bool(prefilling) or bool(ready)
         holders = prefilling + parked
         if not holders or not blocked:
-            return
+            return None
         now = snap.now
+        if self.preempt_mode == "restart" and any(s.ready_at > now for s in parked):
+            # A restart throws the holder's answer away and, first in the queue again, it
+            # would redo it and park again: a livelock. Its gap ends by itself; wait.
+            return None
         victim = max(holders, key=lambda s: self.victim_key(s, now))
         dec.preempt.append(victim.rid)
+        return victim
 
     def _make_room(
         self, snap: EngineSnapshot, dec: Decision, free: int, decoders: int, n_seqs: int
@@ -157,8 +170,8 @@ class QueuePolicy:
         """Suspended sequences to resume, in the order to try them.
 
         Default: those whose segment gap is over, by the waiting key. A policy
-        changes *which* and *in what order* here; the memory, ``max_num_seqs``
-        and never-fits checks in :meth:`_resume_ready` apply to every policy.
+        changes *which* and *in what order* here; the memory, ``max_num_seqs``,
+        step-token and never-fits checks in :meth:`_resume_ready` apply to every policy.
         """
         ready = [s for s in snap.suspended if s.ready_at <= snap.now]
         ready.sort(key=lambda s: (self.waiting_key(s), s.order))
@@ -174,7 +187,9 @@ class QueuePolicy:
             if s.kv_tokens + 1 > snap.kv_capacity:
                 dec.cancel.append(s.rid)  # cannot take another token even alone
                 continue
-            if n_seqs >= snap.max_num_seqs or need > free:
+            # A resumed sequence decodes in this very step, so it takes a token of the
+            # step's budget too: more decoders than max_batch_tokens is an illegal step.
+            if n_seqs >= snap.max_num_seqs or need > free or decoders >= snap.max_batch_tokens:
                 break
             dec.resume.append(s.rid)
             free -= need

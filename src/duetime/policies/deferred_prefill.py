@@ -58,15 +58,18 @@ class DeferredPrefill(QueuePolicy):
         n = len(snap.running) + len(stalled)
         # Every held request decodes in the step after this one: reserve a token each.
         free = snap.kv_free - snap.num_decoding - len(stalled)
+        back, free, n = self._segments_back(snap, dec, stalled, free, n, cap)
 
         admit: list[tuple[int, int]] = []
         if snap.waiting and (cap - n >= min(self.k, cap) or n == 0):
             budget = snap.max_batch_tokens - (0 if self.stall_decode else snap.num_decoding)
             for seq in snap.waiting:
                 need = seq.prefill_target
-                if need + 1 > snap.kv_capacity:
-                    # Grew (before a recompute preemption) past what memory can ever hold:
-                    # give up on it, as QueuePolicy does, or it blocks the queue for good.
+                if need + 1 > snap.kv_capacity or need > snap.max_batch_tokens:
+                    # Grew (before a recompute preemption) past what memory can ever hold,
+                    # or longer than any prefill step takes (this policy prefills whole
+                    # prompts): give up on it, as QueuePolicy does for memory, or it
+                    # blocks the queue for good.
                     dec.cancel.append(seq.rid)
                     continue
                 if n >= cap or need + 1 > free or need > budget:
@@ -81,10 +84,10 @@ class DeferredPrefill(QueuePolicy):
                 dec.suspend = [s.rid for s in snap.running if s.prefill_done]
                 self._stalled = stalled + [s for s in snap.running if s.prefill_done]
             else:
-                dec.resume = [s.rid for s in stalled]
-            return dec
+                dec.resume = [s.rid for s in stalled] + back
+            return dec  # with stalled decoding, ``back`` resumes after the prefill step
 
-        dec.resume = [s.rid for s in stalled]
+        dec.resume = [s.rid for s in stalled] + back
         if free < 0:  # memory pressure: give up the newest requests (vLLM)
             pool = sorted([*snap.running, *stalled], key=lambda s: s.order, reverse=True)
             for v in pool:
@@ -95,3 +98,28 @@ class DeferredPrefill(QueuePolicy):
                 dec.preempt.append(v.rid)
                 free += v.kv_tokens + (1 if v.prefill_done else 0)
         return dec
+
+    def _segments_back(
+        self, snap: EngineSnapshot, dec: Decision, stalled: list[Seq], free: int, n: int, cap: int
+    ) -> tuple[list[int], int, int]:
+        """Requests whose segment gap is over (TimelyLLM segments) rejoin the batch.
+
+        They take a slot and memory before any admission: the paper has no
+        segments, and a request half answered should not queue behind new ones.
+        Returns the rids to resume and what is left of ``free`` and the slots.
+        """
+        ours = {s.rid for s in stalled}
+        back: list[int] = []
+        for s in self.resume_candidates(snap):
+            if s.rid in ours:
+                continue
+            if s.kv_tokens + 1 > snap.kv_capacity:
+                dec.cancel.append(s.rid)  # cannot take another token even alone
+                continue
+            need = 1 + (s.kv_tokens if s.kv_offloaded else 0)
+            if n >= cap or need > free:
+                break
+            back.append(s.rid)
+            free -= need
+            n += 1
+        return back, free, n

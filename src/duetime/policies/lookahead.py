@@ -139,6 +139,12 @@ class LookaheadPolicy(QueuePolicy):
         mem.extend(rs, cs)
 
         free -= decoders
+        resumed = self._resume(snap, dec, mem, free, n_seqs)
+        for s in resumed:
+            free -= 1 + (s.kv_tokens if s.kv_offloaded else 0)
+            decoders += 1
+            dec_kv += s.kv_tokens
+        n_seqs += len(resumed)
         budget = snap.max_batch_tokens - decoders
         for seq in snap.prefilling:  # chunked prefills in progress (none unless enabled)
             if seq.rid not in gone and budget > 0:
@@ -155,12 +161,17 @@ class LookaheadPolicy(QueuePolicy):
                 break
             need = seq.prefill_target
             r = self.assumed_len(seq) - seq.generated
-            room = min(mem.allowance(r), free, budget)
+            allowed = min(mem.allowance(r), free)
+            room = min(allowed, budget)
             alone = n_seqs == 0 and not dec.prefill  # nothing else could ever make room
-            if need <= room or (alone and need <= free and need <= budget):
-                dec.prefill.append((seq.rid, need))
+            # The whole prompt in one step, unless chunked prefill is on or it is longer
+            # than any step takes; memory is reserved for all of it either way.
+            step = min(need, budget) if self.may_chunk(seq, snap) else need
+            fits = need <= allowed or (alone and need <= free)
+            if fits and 1 <= step <= budget:
+                dec.prefill.append((seq.rid, step))
                 mem.add(r, need)
-                budget -= need
+                budget -= step
                 free -= need
                 n_seqs += 1
                 continue
@@ -181,7 +192,43 @@ class LookaheadPolicy(QueuePolicy):
             j = min((w for w in waits if w is not None), default=None)
             if j is not None:
                 dec.wake_at = _step_time(snap, j, decoders, dec_kv)
+        if not (dec.prefill or dec.resume or decoders > 0 or dec.cancel or dec.preempt):
+            # Suspended requests hold the memory that they and the queue need.
+            victim = self._break_deadlock(snap, dec)
+            if victim is not None:
+                self.on_cancel(victim)
         return dec
+
+    def _resume(
+        self, snap: EngineSnapshot, dec: Decision, mem: FutureMemory, free: int, n_seqs: int
+    ) -> list[Seq]:
+        """Resume suspended sequences whose segment gap is over, if their assumed rest fits.
+
+        A resumed sequence's KV moves from the static part of ``mem`` into the
+        batch; alone in the engine it resumes whenever its next token fits, as
+        admission does, so a segmented request can never wait forever.
+        """
+        resumed: list[Seq] = []
+        for s in self.resume_candidates(snap):
+            if s.kv_tokens + 1 > snap.kv_capacity:
+                dec.cancel.append(s.rid)  # cannot take another token even alone
+                continue
+            if n_seqs >= snap.max_num_seqs:
+                break
+            held = 0 if s.kv_offloaded else s.kv_tokens
+            need = 1 + s.kv_tokens - held  # next token, plus swapping the KV back in
+            r = self.assumed_len(s) - s.generated
+            mem.static -= held
+            if need <= free and (s.kv_tokens + 1 <= mem.allowance(r) or n_seqs == 0):
+                mem.add(r, s.kv_tokens + 1)
+                dec.resume.append(s.rid)
+                resumed.append(s)
+                free -= need
+                n_seqs += 1
+                continue
+            mem.static += held
+            break
+        return resumed
 
 
 def _step_time(snap: EngineSnapshot, j: int, decoders: int, kv: int) -> float | None:
