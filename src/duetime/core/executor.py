@@ -342,8 +342,14 @@ class ExecutorCore:
                 self._static_kv -= n
             self.records[rid].kv_evicted_ratio = alpha
         chunks: list[tuple[Seq, int]] = []
+        named: set[int] = set()
         for rid, n in dec.prefill:
             seq = self._get(rid, "prefill")
+            if rid in named:
+                # Both chunks would start where the prefill stands: the same tokens twice
+                # (the engine's cache would store them twice, the books count them twice).
+                raise PolicyError(f"policy {name!r}: prefill of request {rid} twice in one step")
+            named.add(rid)
             if seq.status is SeqStatus.WAITING:
                 self._on_admit(seq)
                 self.waiting.remove(seq)

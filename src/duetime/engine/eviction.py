@@ -6,10 +6,14 @@ entries per KV head and no sliding-window layer keeps more, so the executor's
 token accounting (``old - n_drop``) and the cache agree exactly afterwards.
 
 StreamingLLM (Xiao et al. 2023): keep the first ``sinks`` positions (attention
-sinks) and the most recent ones, drop the middle. The kept *positions* are
-chosen on a global layer and then applied to every layer, so sliding-window
-layers, which only hold recent entries, lose exactly the entries whose
-positions were dropped.
+sinks) and the most recent ones, drop the middle. Each layer and KV head keeps
+its own oldest ``sinks`` and newest ``old - n_drop - sinks`` entries, counted on
+the ``old`` entries a global layer holds; a sliding-window layer holds only the
+newest of those, so it keeps the sinks only while it still has them. Until a
+SnapKV eviction every head of every layer holds the same positions, so these
+are the same positions everywhere. After one, heads and layers hold different
+positions, and every global layer still keeps exactly ``old - n_drop``
+(positions chosen on one head of one global layer are not all in the others).
 
 SnapKV (Li et al. 2024, the method TimeBill evicts with): per layer and per KV
 head, score each entry by the attention the last ``window`` prompt queries (the
@@ -64,22 +68,22 @@ def streaming_llm_evict(kv: KVCache, slot: int, n_drop: int, sinks: int = DEFAUL
     if n_drop <= 0:
         return
     cfg = kv.config
-    glob = next(i for i, sliding in enumerate(cfg.sliding_layers) if not sliding)
-    gpos = kv.positions(slot, glob)[0]  # StreamingLLM keeps the same positions for every head
-    length = gpos.shape[0]
-    keep_total = length - n_drop
+    old = kv.num_tokens(slot)
+    keep_total = old - n_drop
     if keep_total < 1:
-        raise ValueError(f"cannot drop {n_drop} of {length} KV tokens: at least one must stay")
+        raise ValueError(f"cannot drop {n_drop} of {old} KV tokens: at least one must stay")
     s = min(sinks, keep_total)
     recent = keep_total - s
-    kept = torch.cat([gpos[:s], gpos[length - recent :]]) if recent else gpos[:s]
     for layer in range(cfg.num_layers):
-        pos = kv.positions(slot, layer)
-        mask = torch.isin(pos[0], kept)
-        idx = mask.nonzero().flatten()
-        if idx.numel() == pos.shape[1]:
+        length = kv.positions(slot, layer).shape[1]
+        # A layer's entries are the newest ``length`` of the ``old`` a global layer holds
+        # (heads alike), so the sinks it still holds are its first ``s - (old - length)``.
+        held_sinks = max(0, s - max(0, old - length))
+        idx = torch.arange(length)
+        keep = idx[(idx < held_sinks) | (idx >= length - recent)]
+        if keep.numel() == length:
             continue  # nothing of this layer was dropped (a sliding layer's recent window)
-        kv.retain(slot, layer, idx.expand(cfg.num_kv_heads, -1))
+        kv.retain(slot, layer, keep.expand(cfg.num_kv_heads, -1))
 
 
 def snapkv_scores(kv: KVCache, slot: int, layer: int, window: int = DEFAULT_WINDOW) -> torch.Tensor:

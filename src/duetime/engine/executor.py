@@ -162,8 +162,10 @@ class EngineExecutor(ExecutorCore):
                 f"request {job.request.rid}: the engine needs prompt_token_ids of length "
                 f"prompt_len={job.request.prompt_len}"
             )
-        self.tokens[job.request.rid] = list(ids)
+        # The core refuses a duplicate id; only then may the ids be stored, or a live
+        # request with that id would go on decoding from the newcomer's prompt.
         super().admit_arrival(job)
+        self.tokens[job.request.rid] = list(ids)
 
     def _on_admit(self, seq: Seq) -> None:
         slot = self.slots[seq.rid] = self.kv.allocate(seq.prefill_target + 16)
