@@ -103,6 +103,23 @@ def test_sweep_process_pool_rows_and_plot(tmp_path: Path) -> None:
     assert p.stat().st_size > 10_000
 
 
+def test_sweep_predictor_reaches_every_run(tmp_path: Path) -> None:
+    """``--predictor`` applies to each policy; 'policy' keeps each one's own default."""
+    j = tmp_path / "s.json"
+    rows = {}
+    for predictor in ("none", "oracle"):
+        code, output = _invoke(
+            "sweep", "--policies", "spf", "--rates", "30", "--workload", "synthetic",
+            "--requests", "300", "--workers", "1", "--predictor", predictor, "--json", str(j),
+        )  # fmt: skip
+        assert code == 0, output
+        (row,) = json.loads(j.read_text())["rows"]
+        assert row["predictor"] == predictor
+        rows[predictor] = row
+    # shortest-predicted-first with no prediction is FCFS; with the truth it is SJF
+    assert rows["oracle"]["e2e_mean_s"] < rows["none"]["e2e_mean_s"]
+
+
 def test_sweep_on_local_ray() -> None:
     ray = pytest.importorskip("ray")
     from duetime.experiment import SimSpec

@@ -96,3 +96,12 @@ def test_port_zero_becomes_the_free_port_the_banner_prints() -> None:
     assert port > 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # it was free a moment ago; binding it works
+
+
+def test_help_shows_bracketed_defaults() -> None:
+    """Help texts are plain: rich markup read "[a100-llama2-7b]" as a tag and dropped it."""
+    code, output = _invoke("bench", "amin", "--help")
+    assert code == 0, output
+    assert "[a100-llama2-7b]" in output
+    code, output = _invoke("bench", "timebill", "--help")
+    assert "[noisy; --engine: learned]" in " ".join(output.split())

@@ -444,3 +444,14 @@ def test_cli_trace_replay_one_rate_plots_cdf(
     assert {b["deadline_ms"] for b in fake.bodies} == {5000.0}
     assert {b["priority"] for b in fake.bodies} == {2}
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_models_endpoint_that_is_not_there_is_one_line(server: tuple[FakeServer, str]) -> None:
+    """A 404 from /v1/models: one line naming the URL and the status, no httpx docs link."""
+    from duetime.server.load_target import discover_model
+
+    _, url = server
+    with pytest.raises(ValueError, match="cannot list models") as e:
+        discover_model(f"{url}/nothing-here")
+    assert "\n" not in str(e.value)
+    assert "404" in str(e.value)

@@ -25,12 +25,19 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts are plain: "[a100-llama2-7b]" is a default, not a tag
 )
-bench_app = typer.Typer(help="Benchmarks (speed targets live here, never in tests).")
+bench_app = typer.Typer(
+    help="Benchmarks (speed targets live here, never in tests).", rich_markup_mode=None
+)
 app.add_typer(bench_app, name="bench")
-predict_app = typer.Typer(help="Train and inspect predictors.", no_args_is_help=True)
+predict_app = typer.Typer(
+    help="Train and inspect predictors.", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(predict_app, name="predict")
-advise_app = typer.Typer(help="Settings suggested by the analytic models.", no_args_is_help=True)
+advise_app = typer.Typer(
+    help="Settings suggested by the analytic models.", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(advise_app, name="advise")
 
 out = Console()

@@ -173,7 +173,7 @@ def predict_export_length_data(
     seed: Annotated[int, typer.Option(min=0, help="Seed of the split.")] = 0,
     all_turns: AllTurnsOpt = False,
 ) -> None:
-    """Write the RLP's training rows as MiniLM word-piece ids (~2 MB; ~5 MB with
+    """Write the RLP's training rows as MiniLM word-piece ids (~2 MB; ~4 MB with
     --all-turns): `train-length --bundle` then fine-tunes on a machine without the
     ShareGPT package (a GPU box)."""
     from duetime.predict.length_tokens import build_bundle

@@ -34,7 +34,11 @@ def sim(
         "a100-llama2-7b"
     ),
     predictor: Annotated[
-        str, typer.Option(help="policy (its default), none, oracle, noisy, noisy:<err>.")
+        str,
+        typer.Option(
+            help="policy (its default), none, oracle, noisy[:<err>], interval:<spec> "
+            "or learned[:path] (the trained length model, from the prompt text)."
+        ),
     ] = "policy",
     deadline_scale: Annotated[
         float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
@@ -92,11 +96,24 @@ def sweep(
     policies: Annotated[str, typer.Option(help="Comma-separated policy names.")] = "fcfs,edf",
     rates: Annotated[str, typer.Option(help="Comma-separated arrival rates.")] = "2,4,8",
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0",
-    workload: Annotated[str, typer.Option(help="sharegpt, synthetic or a trace.")] = "sharegpt",
-    requests: Annotated[int, typer.Option(min=1)] = 2000,
-    arrival: Annotated[str, typer.Option()] = "poisson",
-    profile: Annotated[str, typer.Option()] = "a100-llama2-7b",
-    deadline_scale: Annotated[float | None, typer.Option()] = None,
+    workload: Annotated[
+        str, typer.Option(help="sharegpt, sharegpt-heldout, synthetic, or a JSONL trace path.")
+    ] = "sharegpt",
+    requests: Annotated[int, typer.Option(min=1, help="Requests per run.")] = 2000,
+    arrival: Annotated[str, typer.Option(help="poisson or gamma.")] = "poisson",
+    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
+        "a100-llama2-7b"
+    ),
+    predictor: Annotated[
+        str,
+        typer.Option(
+            help="For every policy: policy (its own default), none, oracle, noisy[:<err>], "
+            "interval:<spec> or learned[:path]."
+        ),
+    ] = "policy",
+    deadline_scale: Annotated[
+        float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
+    ] = None,
     workers: Annotated[int, typer.Option(min=1, help="Parallel workers.")] = 2,
     use_ray: Annotated[bool, typer.Option("--ray", help="Run on a Ray cluster.")] = False,
     metrics: Annotated[str, typer.Option(help="Metrics to plot.")] = (
@@ -127,6 +144,7 @@ def sweep(
                 arrival=arrival,
                 seed=s,
                 profile=profile,
+                predictor=predictor,
                 deadline_scale=deadline_scale,
             )
             for p in policies.split(",")

@@ -75,6 +75,7 @@ def discover_model(base: str, *, api_key: str | None = None, timeout_s: float = 
         models = resp.json().get("data") or []
         return str(models[0]["id"])
     except httpx.HTTPError as e:
-        raise ValueError(f"cannot list models at {base}/v1/models ({e}); pass --model") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__  # httpx adds a docs link
+        raise ValueError(f"cannot list models at {base}/v1/models ({why}); pass --model") from None
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise ValueError(f"{base}/v1/models lists no model; pass --model") from None

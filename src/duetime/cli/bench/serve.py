@@ -19,7 +19,14 @@ def bench_serve(
     ),
     requests: Annotated[int, typer.Option(min=1, help="Requests per policy.")] = 24,
     rate: Annotated[float, typer.Option(min=0.0, help="Poisson arrival rate, req/s.")] = 0.5,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens (ignore-EOS).")] = 32,
+    max_tokens: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Longest answer: ShareGPT pairs with longer answers are left out; each "
+            "request asks (ignore-EOS) for its recorded answer's length.",
+        ),
+    ] = 32,
     deadline: Annotated[
         list[str] | None, typer.Option(help="Per-class deadline CLASS=SECONDS (repeatable).")
     ] = None,
