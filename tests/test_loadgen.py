@@ -414,6 +414,7 @@ def test_cli_sweep_writes_json_rows_and_png(server: tuple[FakeServer, str], tmp_
     assert payload["config"]["model"] == "fake-model"  # discovered from /v1/models
     rows = payload["rows"]
     assert [r["rate"] for r in rows] == [200.0, 400.0]
+    assert [r["run"] for r in rows] == ["200/s", "400/s"]
     for row in rows:
         assert row["sent"] == 10
         assert row["ok"] + row["rejected"] + row["errors"] == 10
@@ -455,3 +456,19 @@ def test_a_models_endpoint_that_is_not_there_is_one_line(server: tuple[FakeServe
         discover_model(f"{url}/nothing-here")
     assert "\n" not in str(e.value)
     assert "404" in str(e.value)
+
+
+def test_cli_rate_inf_is_labelled_in_the_json(
+    server: tuple[FakeServer, str], tmp_path: Path
+) -> None:
+    """Strict JSON writes an infinite rate as null, as for a trace: the label tells them apart."""
+    _, url = server
+    j = tmp_path / "load.json"
+    code, output = _invoke(
+        "--url", url, "--workload", "synthetic", "--prompt-len", "8", "--output-len", "3",
+        "--max-requests", "4", "--rate", "inf", "--json", str(j),
+    )  # fmt: skip
+    assert code == 0, output
+    (row,) = json.loads(j.read_text())["rows"]
+    assert row["rate"] is None
+    assert row["run"] == "inf/s"

@@ -127,7 +127,8 @@ def load(
         prog, cb = _progress(min(len(plan), requests), f"load {label}")
         with prog:
             run = run_load(plan, target, bounds, progress=cb)
-        row = {"rate": r, **summarize_run(run)}
+        # "run" tells "trace" from "inf/s": strict JSON writes both rates as null
+        row = {"rate": r, "run": label, **summarize_run(run)}
         rows.append(row)
         records[label] = [to_record(o) for o in run.sent]
         if row["top_errors"]:
