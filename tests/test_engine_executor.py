@@ -191,6 +191,45 @@ def test_restart_preemption_regenerates_the_same_answer(model: Any) -> None:
     assert ex.kv.total_tokens == 0
 
 
+def test_a_restarted_answer_is_replayed_not_resampled(model: Any) -> None:
+    """Once restarted, the model here would pick other tokens (as another batch's rounding
+    can on a near-tie); what the client was already sent must not change under it."""
+    jobs = _jobs(10, seed=3)
+    ex = EngineExecutor(
+        make_policy("fcfs", preempt_mode="restart"), model, kv_capacity=120, max_batch_tokens=32
+    )
+    voided: dict[int, list[int]] = {}
+    on_restart = ex._on_restart
+
+    def spy(seq: Any) -> None:
+        answer = ex.tokens[seq.rid][seq.req.prompt_len :]
+        if len(answer) > len(voided.get(seq.rid, [])):
+            voided[seq.rid] = list(answer)
+        on_restart(seq)
+
+    ex._on_restart = spy  # type: ignore[method-assign]
+    step = model.step
+
+    def drifted(chunks: Any, kv: Any) -> torch.Tensor:
+        logits = step(chunks, kv)
+        if voided:  # after the first restart every argmax is token 7
+            logits = logits.clone()
+            logits[:, 7] = logits.max() + 1.0
+        return logits
+
+    try:
+        model.step = drifted
+        res = ex.run(jobs)
+    finally:
+        del model.step
+    assert voided
+    for rid, before in voided.items():
+        assert res.outputs[rid][: len(before)] == before
+        assert set(res.outputs[rid][len(before) :]) <= {7}
+    assert not ex._replay  # every replay ran to its end
+    assert ex.kv.total_tokens == 0
+
+
 def test_streaming_llm_eviction_keeps_accounting_exact_and_frees_everything(model: Any) -> None:
     r = random.Random(5)
     jobs = []

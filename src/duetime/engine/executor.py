@@ -138,6 +138,8 @@ class EngineExecutor(ExecutorCore):
         self.skip_idle = skip_idle
         self.idle_skipped_s = 0.0
         self.tokens: dict[int, list[int]] = {}  # prompt ids + generated ids
+        # A restarted answer, to be made again token for token (see _on_restart).
+        self._replay: dict[int, list[int]] = {}
         self.slots: dict[int, int] = {}
         self._telemetry_path = Path(telemetry) if telemetry is not None else None
         self._telemetry: IO[str] | None = None
@@ -181,7 +183,16 @@ class EngineExecutor(ExecutorCore):
             spooled.unlink(missing_ok=True)
 
     def _on_restart(self, seq: Seq) -> None:
-        del self.tokens[seq.rid][seq.req.prompt_len :]  # the answer so far is void
+        """The answer so far is void for the books (its KV is gone, it is generated again),
+        but a client may have it already: the new run replays those tokens instead of
+        sampling them, so the answer cannot change under it when a different batch
+        (other float rounding, a near-tie) would pick another token. The steps, time
+        and memory are those of generating them."""
+        ids = self.tokens[seq.rid]
+        answer = ids[seq.req.prompt_len :]
+        if len(answer) > len(self._replay.get(seq.rid, ())):
+            self._replay[seq.rid] = answer
+        del ids[seq.req.prompt_len :]
         seg = self.segmenters.get(seq.rid)
         if seg is not None:
             seg.reset()
@@ -247,9 +258,13 @@ class EngineExecutor(ExecutorCore):
         next_ids = torch.argmax(logits, dim=-1).tolist()
         dt = self._clock() - t0
         produced: list[tuple[int, int]] = []
+        replay = self._replay
         for (seq, sampled), tok in zip(owners, next_ids, strict=True):
             if sampled:
-                self.tokens[seq.rid].append(int(tok))
+                ids = self.tokens[seq.rid]
+                if replay and seq.rid in replay:
+                    tok = self._replayed(seq, len(ids) - seq.req.prompt_len, tok)
+                ids.append(int(tok))
                 produced.append((seq.rid, int(tok)))
         self.now = self._clock() - self._t0
         self._after_step(chunks)
@@ -401,9 +416,20 @@ class EngineExecutor(ExecutorCore):
     def clock_origin(self) -> float:
         return self._t0
 
+    def _replayed(self, seq: Seq, index: int, sampled: int) -> int:
+        """Token ``index`` of ``seq``'s answer: the one made before its restart, while any."""
+        before = self._replay[seq.rid]
+        if index >= len(before):
+            del self._replay[seq.rid]
+            return sampled
+        if index == len(before) - 1:
+            del self._replay[seq.rid]
+        return before[index]
+
     def forget(self, rid: int) -> None:
         super().forget(rid)
         self.tokens.pop(rid, None)
+        self._replay.pop(rid, None)
         self.stop_on_eos.pop(rid, None)
         self.segmenters.pop(rid, None)
 
