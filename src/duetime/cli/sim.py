@@ -18,31 +18,36 @@ from duetime.cli.common import (
     writable,
 )
 
+# Options `sim` and `sweep` share (a sweep runs `sim` for every policy × rate × seed).
+WorkloadOpt = Annotated[
+    str, typer.Option(help="sharegpt, sharegpt-heldout, synthetic, or a JSONL trace path.")
+]
+ArrivalOpt = Annotated[str, typer.Option(help="poisson or gamma.")]
+ProfileOpt = Annotated[str, typer.Option(help="Shipped profile name or JSON path.")]
+PredictorOpt = Annotated[
+    str,
+    typer.Option(
+        help="policy (the policy's own default), none, oracle, noisy[:<err>], interval:<spec> "
+        "or learned[:path] (the trained length model, from the prompt text)."
+    ),
+]
+DeadlineScaleOpt = Annotated[
+    float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
+]
+
 
 @app.command()
 def sim(
     policy: Annotated[str, typer.Option(help="Policy name (see `duetime policies`).")] = "fcfs",
-    workload: Annotated[
-        str, typer.Option(help="sharegpt, sharegpt-heldout, synthetic, or a JSONL trace path.")
-    ] = "sharegpt",
+    workload: WorkloadOpt = "sharegpt",
     requests: Annotated[int, typer.Option(min=1, help="Number of requests.")] = 2000,
     rate: Annotated[float, typer.Option(min=0.0, help="Arrival rate, requests/s.")] = 4.0,
-    arrival: Annotated[str, typer.Option(help="poisson or gamma.")] = "poisson",
+    arrival: ArrivalOpt = "poisson",
     cv: Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")] = 1.0,
     seed: Annotated[int, typer.Option(min=0, help="Random seed.")] = 0,
-    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
-        "a100-llama2-7b"
-    ),
-    predictor: Annotated[
-        str,
-        typer.Option(
-            help="policy (its default), none, oracle, noisy[:<err>], interval:<spec> "
-            "or learned[:path] (the trained length model, from the prompt text)."
-        ),
-    ] = "policy",
-    deadline_scale: Annotated[
-        float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
-    ] = None,
+    profile: ProfileOpt = "a100-llama2-7b",
+    predictor: PredictorOpt = "policy",
+    deadline_scale: DeadlineScaleOpt = None,
     kv_capacity: Annotated[int | None, typer.Option(min=1, help="Override KV tokens.")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(min=1, help="Override batch cap.")] = None,
     save_trace: Annotated[
@@ -96,24 +101,12 @@ def sweep(
     policies: Annotated[str, typer.Option(help="Comma-separated policy names.")] = "fcfs,edf",
     rates: Annotated[str, typer.Option(help="Comma-separated arrival rates.")] = "2,4,8",
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0",
-    workload: Annotated[
-        str, typer.Option(help="sharegpt, sharegpt-heldout, synthetic, or a JSONL trace path.")
-    ] = "sharegpt",
+    workload: WorkloadOpt = "sharegpt",
     requests: Annotated[int, typer.Option(min=1, help="Requests per run.")] = 2000,
-    arrival: Annotated[str, typer.Option(help="poisson or gamma.")] = "poisson",
-    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
-        "a100-llama2-7b"
-    ),
-    predictor: Annotated[
-        str,
-        typer.Option(
-            help="For every policy: policy (its own default), none, oracle, noisy[:<err>], "
-            "interval:<spec> or learned[:path]."
-        ),
-    ] = "policy",
-    deadline_scale: Annotated[
-        float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
-    ] = None,
+    arrival: ArrivalOpt = "poisson",
+    profile: ProfileOpt = "a100-llama2-7b",
+    predictor: PredictorOpt = "policy",
+    deadline_scale: DeadlineScaleOpt = None,
     workers: Annotated[int, typer.Option(min=1, help="Parallel workers.")] = 2,
     use_ray: Annotated[bool, typer.Option("--ray", help="Run on a Ray cluster.")] = False,
     metrics: Annotated[str, typer.Option(help="Metrics to plot.")] = (
