@@ -221,21 +221,25 @@ class ExecutorCore:
         if self.predictor is not None and req.predicted is None:
             req.predicted = self.predictor.predict_job(job)
         seq = Seq(req, self.clock, self._order)
-        self._order += 1
         target = min(job.output_len, req.max_tokens)
-        self._jobs[req.rid] = job
         seq.segment_end = min(job.segments[0], target) if job.segments else target
-        self.seqs[req.rid] = seq
         rec = RequestRecord(request=req, target_tokens=target)
+        never_fits = req.prompt_len + 1 > self.kv_capacity
+        if not never_fits:
+            # Queued before it is registered: a policy's waiting key that raises (hsf with
+            # no length prediction) must leave no trace, or a server that refuses the
+            # request and goes on would hold it, unreachable and unfinished, for good.
+            self.waiting.push(seq)
+        self._order += 1
+        self._jobs[req.rid] = job
+        self.seqs[req.rid] = seq
         self.records[req.rid] = rec
-        if req.prompt_len + 1 > self.kv_capacity:
+        if never_fits:
             # Can never fit: refuse at once, as vLLM rejects prompts over max_model_len.
             seq.status = SeqStatus.CANCELLED
             rec.cancelled_at = self.now
             self.counters["rejected"] += 1
             self.n_done += 1
-            return
-        self.waiting.push(seq)
 
     # --- applying a decision -------------------------------------------------------
     def _get(self, rid: int, what: str) -> Seq:

@@ -26,6 +26,7 @@ class HindsightShortestFirst(LookaheadPolicy):
 
     name = "hsf"
     default_predictor: str | None = "oracle"
+    needs_prediction = True  # a server refuses to start it without a length predictor
 
     def assumed_len(self, seq: Seq) -> int:
         p = seq.req.predicted

@@ -154,10 +154,14 @@ class TimeBill(QueuePolicy):
                 overrunning[k] = min(overrunning.get(k, s.order), s.order)
         if not overrunning:
             return killed
+        # A job killed on its own deadline (its request said "kill") may also be a job to
+        # skip: cancelling it twice is an illegal decision that fails the whole step.
+        dead = set(killed)
         return killed + [
             s.rid
             for s in snap.waiting
-            if s.prefilled == 0
+            if s.rid not in dead
+            and s.prefilled == 0
             and s.generated == 0
             and s.req.klass in overrunning
             and s.order > overrunning[s.req.klass]

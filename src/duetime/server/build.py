@@ -65,7 +65,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
     cost = LinearStepCost.from_profile(options.profile) if options.profile else None
     timer = StepTimer(prior=cost)
     kwargs = dict(options.policy_kwargs or {})
-    make_policy(options.policy, **kwargs)  # fail now, not on the engine thread
+    policy = make_policy(options.policy, **kwargs)  # fail now, not on the engine thread
     if options.eviction not in EVICTION_METHODS:
         raise ValueError(
             f"eviction must be one of {', '.join(EVICTION_METHODS)}, not {options.eviction!r}"
@@ -88,6 +88,11 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
 
     engine = EngineLoop(make_executor, timer=timer, fixed_cost=cost is not None)
     predictor = _predictor(options)
+    if predictor is None and getattr(policy, "needs_prediction", False):
+        raise ValueError(
+            f"policy {options.policy!r} orders requests by their predicted length and "
+            "cannot run without a predictor; serve it with --predictor learned[:<path>]"
+        )
     warm_up = getattr(predictor, "warm_up", None)
     if warm_up is not None:
         warm_up()  # load the encoder before the server reports healthy, not on request one

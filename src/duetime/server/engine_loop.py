@@ -105,6 +105,10 @@ class _Live:
     job: Job
     stream: Stream
     emitted: int = 0  # generated tokens already sent (a restarted sequence re-makes them)
+    #: When the client's first token went out. The record's ``first_token`` is not it after
+    #: a restart: the executor voids it (the simulator's books), but the client keeps what
+    #: it has, so its TTFT stands.
+    first_sent: float | None = None
 
 
 class EngineLoop:
@@ -240,7 +244,10 @@ class EngineLoop:
                 try:
                     ex.admit_arrival(job)
                 except Exception as e:  # one bad request must not stop the loop
-                    stream.put(self._outcome(job, "error", error=str(e)))
+                    outcome = self._outcome(job, "error", error=str(e))
+                    stream.put(outcome)
+                    if self.on_outcome is not None:  # counted, as _fail_all's errors are
+                        self.on_outcome(job, outcome)
                     continue
                 self._live[rid] = _Live(job, stream)
                 if stop_on_eos:
@@ -263,6 +270,8 @@ class EngineLoop:
             if position <= live.emitted:
                 continue  # re-generated after a restart: the client has it already
             live.emitted = position
+            if live.first_sent is None:
+                live.first_sent = ex.now
             batches.setdefault(rid, []).append(tok)
         for rid, toks in batches.items():
             self._live[rid].stream.put(toks)
@@ -276,30 +285,48 @@ class EngineLoop:
                 self._finish(rid, "abort")
             else:
                 rec = ex.records[rid]
-                hit_eos = rec.output_tokens < min(
+                short = rec.output_tokens < min(
                     self._live[rid].job.output_len, rec.request.max_tokens
                 )
-                self._finish(rid, "stop" if hit_eos else "length")
+                self._finish(rid, "stop" if short or self._ended_on_eos(rid) else "length")
+
+    def _ended_on_eos(self, rid: int) -> bool:
+        """Whether the answer's last token is an end-of-sequence that ends it. An EOS that
+        is also the ``max_tokens``-th token leaves the answer no shorter than the limit,
+        but the model finished it: "stop", as vLLM and OpenAI say, not "length"."""
+        ex = self.executor
+        min_tokens = ex.stop_on_eos.get(rid)
+        toks = ex.tokens.get(rid)
+        if min_tokens is None or not toks or toks[-1] != ex.eos_token_id:
+            return False
+        return ex.records[rid].output_tokens >= max(min_tokens, 1)
 
     def _finish(self, rid: int, reason: FinishReason) -> None:
         live = self._live.pop(rid, None)
         if live is None:
             return
-        outcome = self._outcome(live.job, reason)
+        outcome = self._outcome(live.job, reason, first_sent=live.first_sent)
         live.stream.put(outcome)
         if self.on_outcome is not None:
             self.on_outcome(live.job, outcome)
         self.executor.forget(rid)
 
-    def _outcome(self, job: Job, reason: FinishReason, error: str | None = None) -> Outcome:
+    def _outcome(
+        self,
+        job: Job,
+        reason: FinishReason,
+        error: str | None = None,
+        first_sent: float | None = None,
+    ) -> Outcome:
         ex = self.executor
         req = job.request
         rec = ex.records.get(req.rid)
         pred = req.predicted
+        first = first_sent if first_sent is not None else (rec.first_token if rec else None)
         return Outcome(
             finish_reason=reason,
             arrival=req.arrival,
-            first_token=rec.first_token if rec else None,
+            first_token=first,
             end=ex.clock_now(),
             output_tokens=rec.output_tokens if rec else 0,
             kv_evicted_ratio=rec.kv_evicted_ratio if rec else 0.0,
@@ -316,7 +343,7 @@ class EngineLoop:
             self._errors += 1
         message = why.strip().splitlines()[-1] if why.strip() else "engine error"
         for live in list(self._live.values()):
-            outcome = self._outcome(live.job, "error", error=message)
+            outcome = self._outcome(live.job, "error", error=message, first_sent=live.first_sent)
             live.stream.put(outcome)
             if self.on_outcome is not None:
                 self.on_outcome(live.job, outcome)
