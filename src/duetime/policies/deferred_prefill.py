@@ -56,48 +56,82 @@ class DeferredPrefill(QueuePolicy):
         stalled = [s for s in self._stalled if s.status is SeqStatus.SUSPENDED]
         self._stalled = []
         n = len(snap.running) + len(stalled)
-        # Every held request decodes in the step after this one: reserve a token each.
-        free = snap.kv_free - snap.num_decoding - len(stalled)
+        # Every held request decodes in the step after this one: reserve a token each, and
+        # the KV of a stalled one that was paged out meanwhile (offload_suspended).
+        free = snap.kv_free - snap.num_decoding
+        free -= sum(1 + (s.kv_tokens if s.kv_offloaded else 0) for s in stalled)
         back, free, n = self._segments_back(snap, dec, stalled, free, n, cap)
 
+        # Without stalling, this step also decodes the batch and what resumes into it.
+        budget = snap.max_batch_tokens
+        if not self.stall_decode:
+            budget -= snap.num_decoding + len(stalled) + len(back)
+        # A prompt longer than a step takes was admitted in pieces: it goes on first (its
+        # memory was reserved when it was admitted, and is not in kv_free yet).
         admit: list[tuple[int, int]] = []
+        for seq in snap.prefilling:
+            free -= seq.prefill_remaining
+            step = min(seq.prefill_remaining, budget)
+            if step > 0:
+                admit.append((seq.rid, step))
+                budget -= step
         if snap.waiting and (cap - n >= min(self.k, cap) or n == 0):
-            budget = snap.max_batch_tokens - (0 if self.stall_decode else snap.num_decoding)
             for seq in snap.waiting:
                 need = seq.prefill_target
-                if need + 1 > snap.kv_capacity or need > snap.max_batch_tokens:
-                    # Grew (before a recompute preemption) past what memory can ever hold,
-                    # or longer than any prefill step takes (this policy prefills whole
-                    # prompts): give up on it, as QueuePolicy does for memory, or it
-                    # blocks the queue for good.
+                if need + 1 > snap.kv_capacity:
+                    # Grew (before a recompute preemption) past what memory can ever hold:
+                    # give up on it, as QueuePolicy does, or it blocks the queue for good.
                     dec.cancel.append(seq.rid)
                     continue
-                if n >= cap or need + 1 > free or need > budget:
+                # Whole prompts, unless one is longer than any step takes (may_chunk).
+                step = min(need, budget) if self.may_chunk(seq, snap) else need
+                if n >= cap or need + 1 > free or not 1 <= step <= budget:
                     break
-                admit.append((seq.rid, need))
+                admit.append((seq.rid, step))
                 free -= need
-                budget -= need
+                budget -= step
                 n += 1
         if admit:
             dec.prefill = admit
             if self.stall_decode:  # the prefill step runs alone; the batch waits for it
                 dec.suspend = [s.rid for s in snap.running if s.prefill_done]
                 self._stalled = stalled + [s for s in snap.running if s.prefill_done]
-            else:
-                dec.resume = [s.rid for s in stalled] + back
-            return dec  # with stalled decoding, ``back`` resumes after the prefill step
-
+                return dec  # ``back`` resumes after the prefill step
         dec.resume = [s.rid for s in stalled] + back
-        if free < 0:  # memory pressure: give up the newest requests (vLLM)
-            pool = sorted([*snap.running, *stalled], key=lambda s: s.order, reverse=True)
-            for v in pool:
-                if free >= 0:
-                    break
-                if v in stalled:
-                    dec.resume.remove(v.rid)
-                dec.preempt.append(v.rid)
-                free += v.kv_tokens + (1 if v.prefill_done else 0)
+        self._relieve(snap, dec)
         return dec
+
+    def _relieve(self, snap: EngineSnapshot, dec: Decision) -> None:
+        """Memory pressure: give up the newest requests (vLLM) until the next step fits.
+
+        The step adds a token per decoder, each prefill chunk, and for a resumed
+        sequence a token plus its KV if it was paged out. A decoding batch keeps
+        growing under a prompt prefilled in pieces, so this runs after mixed steps too.
+        """
+        chunks = dict(dec.prefill)
+        resumed = set(dec.resume)
+
+        def adds(s: Seq) -> int:
+            if s.rid in chunks:
+                return chunks[s.rid]
+            if s.rid in resumed:
+                return 1 + (s.kv_tokens if s.kv_offloaded else 0)
+            return 1 if s.prefill_done else 0
+
+        pool = [*snap.running, *(s for s in snap.suspended if s.rid in resumed)]
+        need = sum(adds(s) for s in pool) + sum(
+            n for rid, n in dec.prefill if rid not in {s.rid for s in pool}
+        )
+        have = snap.kv_free
+        for v in sorted(pool, key=lambda s: s.order, reverse=True):
+            if need <= have:
+                break
+            need -= adds(v)
+            have += 0 if v.kv_offloaded else v.kv_tokens
+            dec.prefill = [(rid, n) for rid, n in dec.prefill if rid != v.rid]
+            if v.rid in resumed:
+                dec.resume.remove(v.rid)
+            dec.preempt.append(v.rid)
 
     def _segments_back(
         self, snap: EngineSnapshot, dec: Decision, stalled: list[Seq], free: int, n: int, cap: int
