@@ -472,3 +472,26 @@ def test_cli_rate_inf_is_labelled_in_the_json(
     (row,) = json.loads(j.read_text())["rows"]
     assert row["rate"] is None
     assert row["run"] == "inf/s"
+
+
+def test_a_trace_sends_each_requests_overrun_and_eviction(tmp_path: Path) -> None:
+    """The server takes both per request; a trace that sets them must have them sent."""
+    from duetime.core.request import Job, Request
+    from duetime.workloads import write_trace
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(
+        trace,
+        [
+            Job(Request(rid=0, arrival=0.0, prompt_len=4, overrun="skip-next", kv_eviction=0.5), 2),
+            Job(Request(rid=1, arrival=0.1, prompt_len=4, kv_eviction="auto"), 2),
+            Job(Request(rid=2, arrival=0.2, prompt_len=4), 2),
+        ],
+    )
+    reqs = LoadWorkload(workload=str(trace), requests=3).build(1.0)
+    bodies = [request_body(r, Target(base="http://x", model="m")) for r in reqs]
+    assert [(b.get("overrun"), b.get("kv_eviction")) for b in bodies] == [
+        ("skip_next", 0.5),
+        (None, "auto"),
+        (None, None),
+    ]

@@ -35,6 +35,8 @@ def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
                 priority=-3,
                 klass="robot",
                 tuf=TimeUtility(ert=1.5, beta=2.0, alpha=-0.5),
+                overrun="skip-next",
+                kv_eviction=0.25,
             ),
             output_len=60,
             segments=(20, 30, 10),
@@ -45,6 +47,21 @@ def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
     assert write_trace(path, jobs) == 2
     back = read_trace(path)
     assert back == jobs
+
+
+def test_a_trace_carries_each_requests_overrun_and_eviction(tmp_path: Path) -> None:
+    """A client can set both per request (the server takes them); a trace dropped them."""
+    jobs = [
+        Job(Request(rid=i, arrival=0.0, prompt_len=5, overrun=o, kv_eviction=e), 2)
+        for i, (o, e) in enumerate([("kill", "auto"), (None, "off"), ("skip-next", 0.0)])
+    ]
+    path = tmp_path / "t.jsonl"
+    write_trace(path, jobs)
+    assert [(j.request.overrun, j.request.kv_eviction) for j in read_trace(path)] == [
+        ("kill", "auto"),
+        (None, "off"),
+        ("skip-next", 0.0),
+    ]
 
 
 def test_lines_are_sorted_by_arrival_and_rids_kept(tmp_path: Path) -> None:
@@ -80,6 +97,10 @@ BAD_LINES = [
     (_line(output_len=9, max_tokens=8), "field 'output_len': 9 exceeds max_tokens 8"),
     (_line(output_len=5000), "exceeds max_tokens 4096 (the default; give max_tokens)"),
     (_line(klass=""), "field 'klass': must not be empty"),
+    (_line(overrun="skip_next"), "field 'overrun': Input should be 'kill' or 'skip-next'"),
+    (_line(kv_eviction=1.5), "field 'kv_eviction': must be 'off', 'auto' or a ratio in [0, 1)"),
+    (_line(kv_eviction=True), "field 'kv_eviction': must be 'off', 'auto' or a ratio"),
+    (_line(kv_eviction="always"), "field 'kv_eviction': must be 'off', 'auto' or a ratio"),
     ('{"rid": 0, "arrival": 0,', "invalid JSON: "),
     ("[1, 2]", "expected a JSON object, got list"),
 ]

@@ -60,6 +60,8 @@ class LoadRequest:
     klass: str = DEFAULT_CLASS
     deadline_s: float | None = None
     priority: int | None = None
+    overrun: str | None = None  # a trace's per-request TimeBill fields, sent as given
+    kv_eviction: str | float | None = None
 
 
 @dataclass(slots=True)
@@ -135,6 +137,8 @@ class LoadWorkload:
                     klass=klass,
                     deadline_s=deadline,
                     priority=priority,
+                    overrun=r.overrun,
+                    kv_eviction=r.kv_eviction,
                 )
             )
         return out

@@ -126,6 +126,10 @@ def request_body(req: LoadRequest, target: Target) -> dict[str, Any]:
         body["priority"] = req.priority
     if req.klass != DEFAULT_CLASS:
         body["klass"] = req.klass  # duetime keeps per-class statistics
+    if req.overrun is not None:
+        body["overrun"] = req.overrun.replace("-", "_")  # the API spells it skip_next
+    if req.kv_eviction is not None:
+        body["kv_eviction"] = req.kv_eviction
     return body
 
 

@@ -2,8 +2,10 @@
 
 A line holds ``rid``, ``arrival`` (seconds), ``prompt_len``, ``output_len`` and
 optionally ``max_tokens`` (default 4096), ``deadline`` (absolute seconds),
-``priority``, ``klass``, ``tuf`` ``{ert, beta, alpha}``, ``segments`` and
-``segment_gaps`` -- the fields of :class:`~duetime.core.request.Job`. Types are
+``priority``, ``klass``, ``tuf`` ``{ert, beta, alpha}``, ``segments``,
+``segment_gaps``, ``overrun`` (``"kill"`` or ``"skip-next"``) and
+``kv_eviction`` (``"off"``, ``"auto"`` or a ratio in [0, 1)) -- the fields of
+:class:`~duetime.core.request.Job`. Types are
 strict (``"5"`` or ``5.0`` is not a token count; ``5`` is a valid arrival time),
 unknown fields are errors (a typo must not silently fall back to a default),
 blank lines are ignored. Lines need not be in arrival order: jobs come back
@@ -18,9 +20,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from duetime.core.request import Job, Request, TimeUtility
 from duetime.workloads._files import atomic_writer
@@ -55,6 +57,16 @@ class _JobLine(_Strict):
     tuf: _TufLine | None = None
     segments: list[Annotated[int, Field(ge=1)]] = []
     segment_gaps: list[Annotated[float, Field(ge=0)]] = []
+    overrun: Literal["kill", "skip-next"] | None = None
+    kv_eviction: Any = None  # checked below: one message for a union (not one per branch)
+
+    @field_validator("kv_eviction")
+    @classmethod
+    def _eviction(cls, value: Any) -> str | float | None:
+        ok_ratio = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is None or value in ("off", "auto") or (ok_ratio and 0 <= value < 1):
+            return float(value) if ok_ratio else value
+        raise ValueError("must be 'off', 'auto' or a ratio in [0, 1)")
 
 
 _MESSAGES = {
@@ -79,6 +91,8 @@ def _describe(error: Any) -> tuple[str, str]:
     if kind in ("greater_than_equal", "less_than_equal"):
         op, bound = (">=", ctx["ge"]) if kind == "greater_than_equal" else ("<=", ctx["le"])
         message = f"must be {op} {bound}"
+    elif kind == "value_error":
+        message = str(ctx.get("error", error["msg"]))
     else:
         message = _MESSAGES.get(kind, error["msg"])
     if kind not in ("missing", "extra_forbidden"):
@@ -120,6 +134,8 @@ def _to_job(line: _JobLine) -> Job:
         priority=line.priority,
         tuf=tuf,
         klass=line.klass,
+        overrun=line.overrun,
+        kv_eviction=line.kv_eviction,
     )
     return Job(request, line.output_len, tuple(line.segments), tuple(line.segment_gaps))
 
@@ -188,6 +204,10 @@ def job_to_dict(job: Job) -> dict[str, Any]:
         line["segments"] = list(job.segments)
     if job.segment_gaps:
         line["segment_gaps"] = list(job.segment_gaps)
+    if r.overrun is not None:
+        line["overrun"] = r.overrun
+    if r.kv_eviction is not None:
+        line["kv_eviction"] = r.kv_eviction
     return line
 
 
