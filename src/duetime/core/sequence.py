@@ -122,6 +122,12 @@ class Seq:
         return self.req.prompt_len + self.generated - 1 - self.kv_evicted
 
     @property
+    def resume_tokens(self) -> int:
+        """KV tokens the step that resumes this suspended sequence adds: its next token,
+        plus all of its KV when that was paged out (swapped, or offloaded while parked)."""
+        return 1 + (self.kv_tokens if self.kv_offloaded else 0)
+
+    @property
     def context_len(self) -> int:
         """Tokens in the sequence (prompt + generated), whatever the cache keeps."""
         return self.req.prompt_len + self.generated

@@ -183,7 +183,7 @@ class QueuePolicy:
         if not snap.suspended:
             return free, decoders, n_seqs
         for s in self.resume_candidates(snap):
-            need = 1 + (s.kv_tokens if s.kv_offloaded else 0)
+            need = s.resume_tokens
             if s.kv_tokens + 1 > snap.kv_capacity:
                 dec.cancel.append(s.rid)  # cannot take another token even alone
                 continue

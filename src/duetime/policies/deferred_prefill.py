@@ -59,7 +59,7 @@ class DeferredPrefill(QueuePolicy):
         # Every held request decodes in the step after this one: reserve a token each, and
         # the KV of a stalled one that was paged out meanwhile (offload_suspended).
         free = snap.kv_free - snap.num_decoding
-        free -= sum(1 + (s.kv_tokens if s.kv_offloaded else 0) for s in stalled)
+        free -= sum(s.resume_tokens for s in stalled)
         back, free, n = self._segments_back(snap, dec, stalled, free, n, cap)
 
         # Without stalling, this step also decodes the batch and what resumes into it.
@@ -115,13 +115,12 @@ class DeferredPrefill(QueuePolicy):
             if s.rid in chunks:
                 return chunks[s.rid]
             if s.rid in resumed:
-                return 1 + (s.kv_tokens if s.kv_offloaded else 0)
+                return s.resume_tokens
             return 1 if s.prefill_done else 0
 
         pool = [*snap.running, *(s for s in snap.suspended if s.rid in resumed)]
-        need = sum(adds(s) for s in pool) + sum(
-            n for rid, n in dec.prefill if rid not in {s.rid for s in pool}
-        )
+        # Chunks of newly admitted prompts (not in the pool) count through ``chunks``.
+        need = sum(chunks.values()) + sum(adds(s) for s in pool if s.rid not in chunks)
         have = snap.kv_free
         for v in sorted(pool, key=lambda s: s.order, reverse=True):
             if need <= have:
@@ -150,7 +149,7 @@ class DeferredPrefill(QueuePolicy):
             if s.kv_tokens + 1 > snap.kv_capacity:
                 dec.cancel.append(s.rid)  # cannot take another token even alone
                 continue
-            need = 1 + (s.kv_tokens if s.kv_offloaded else 0)
+            need = s.resume_tokens
             if n >= cap or need > free:
                 break
             back.append(s.rid)

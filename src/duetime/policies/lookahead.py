@@ -139,11 +139,9 @@ class LookaheadPolicy(QueuePolicy):
         mem.extend(rs, cs)
 
         free -= decoders
-        resumed = self._resume(snap, dec, mem, free, n_seqs)
-        for s in resumed:
-            free -= 1 + (s.kv_tokens if s.kv_offloaded else 0)
-            decoders += 1
-            dec_kv += s.kv_tokens
+        resumed, free = self._resume(snap, dec, mem, free, n_seqs)
+        decoders += len(resumed)
+        dec_kv += sum(s.kv_tokens for s in resumed)
         n_seqs += len(resumed)
         budget = snap.max_batch_tokens - decoders
         for seq in snap.prefilling:  # chunked prefills in progress (none unless enabled)
@@ -201,12 +199,13 @@ class LookaheadPolicy(QueuePolicy):
 
     def _resume(
         self, snap: EngineSnapshot, dec: Decision, mem: FutureMemory, free: int, n_seqs: int
-    ) -> list[Seq]:
+    ) -> tuple[list[Seq], int]:
         """Resume suspended sequences whose segment gap is over, if their assumed rest fits.
 
         A resumed sequence's KV moves from the static part of ``mem`` into the
         batch; alone in the engine it resumes whenever its next token fits, as
-        admission does, so a segmented request can never wait forever.
+        admission does, so a segmented request can never wait forever. Returns
+        the sequences resumed and what is left of ``free``.
         """
         resumed: list[Seq] = []
         for s in self.resume_candidates(snap):
@@ -216,7 +215,7 @@ class LookaheadPolicy(QueuePolicy):
             if n_seqs >= snap.max_num_seqs:
                 break
             held = 0 if s.kv_offloaded else s.kv_tokens
-            need = 1 + s.kv_tokens - held  # next token, plus swapping the KV back in
+            need = s.resume_tokens
             r = self.assumed_len(s) - s.generated
             mem.static -= held
             if need <= free and (s.kv_tokens + 1 <= mem.allowance(r) or n_seqs == 0):
@@ -228,7 +227,7 @@ class LookaheadPolicy(QueuePolicy):
                 continue
             mem.static += held
             break
-        return resumed
+        return resumed, free
 
 
 def _step_time(snap: EngineSnapshot, j: int, decoders: int, kv: int) -> float | None:

@@ -180,7 +180,7 @@ class TimelyLLM(QueuePolicy):
                 ):
                     break  # one more sequence would make the most urgent generation late
             if s.status is SeqStatus.SUSPENDED:
-                need = 1 + (s.kv_tokens if s.kv_offloaded else 0)
+                need = s.resume_tokens
                 if s.kv_tokens + 1 > snap.kv_capacity:
                     dec.cancel.append(s.rid)
                     continue
