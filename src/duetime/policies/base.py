@@ -16,6 +16,7 @@ loop below turns them into a :class:`Decision`:
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterator
 from operator import attrgetter
 from typing import Any
 
@@ -170,23 +171,39 @@ class QueuePolicy:
         """Suspended sequences to resume, in the order to try them.
 
         Default: those whose segment gap is over, by the waiting key. A policy
-        changes *which* and *in what order* here; the memory, ``max_num_seqs``,
-        step-token and never-fits checks in :meth:`_resume_ready` apply to every policy.
+        changes *which* and *in what order* here; the never-fits rule of
+        :meth:`resumable` and the memory, ``max_num_seqs`` and step-token checks
+        in :meth:`_resume_ready` apply to every policy that resumes through them.
         """
         ready = [s for s in snap.suspended if s.ready_at <= snap.now]
         ready.sort(key=lambda s: (self.waiting_key(s), s.order))
         return ready
+
+    def resumable(
+        self, snap: EngineSnapshot, dec: Decision, skip: Container[int] = ()
+    ) -> Iterator[Seq]:
+        """:meth:`resume_candidates` in order, less ``skip``; one that can never fit is cancelled.
+
+        A sequence that cannot take another token even alone in memory would wait
+        for good and hold the memory it has, so the resume loops (this class's,
+        the Amin family's, deferred prefill's) draw their candidates from here and
+        add only their own limits (slots, memory, step budget, future memory).
+        """
+        for s in self.resume_candidates(snap):
+            if s.rid in skip:
+                continue
+            if s.kv_tokens + 1 > snap.kv_capacity:
+                dec.cancel.append(s.rid)
+                continue
+            yield s
 
     def _resume_ready(
         self, snap: EngineSnapshot, dec: Decision, free: int, decoders: int, n_seqs: int
     ) -> tuple[int, int, int]:
         if not snap.suspended:
             return free, decoders, n_seqs
-        for s in self.resume_candidates(snap):
+        for s in self.resumable(snap, dec):
             need = s.resume_tokens
-            if s.kv_tokens + 1 > snap.kv_capacity:
-                dec.cancel.append(s.rid)  # cannot take another token even alone
-                continue
             # A resumed sequence decodes in this very step, so it takes a token of the
             # step's budget too: more decoders than max_batch_tokens is an illegal step.
             if n_seqs >= snap.max_num_seqs or need > free or decoders >= snap.max_batch_tokens:

@@ -141,14 +141,8 @@ class DeferredPrefill(QueuePolicy):
         segments, and a request half answered should not queue behind new ones.
         Returns the rids to resume and what is left of ``free`` and the slots.
         """
-        ours = {s.rid for s in stalled}
         back: list[int] = []
-        for s in self.resume_candidates(snap):
-            if s.rid in ours:
-                continue
-            if s.kv_tokens + 1 > snap.kv_capacity:
-                dec.cancel.append(s.rid)  # cannot take another token even alone
-                continue
+        for s in self.resumable(snap, dec, skip={s.rid for s in stalled}):
             need = s.resume_tokens
             if n >= cap or need > free:
                 break

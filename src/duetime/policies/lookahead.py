@@ -208,10 +208,7 @@ class LookaheadPolicy(QueuePolicy):
         the sequences resumed and what is left of ``free``.
         """
         resumed: list[Seq] = []
-        for s in self.resume_candidates(snap):
-            if s.kv_tokens + 1 > snap.kv_capacity:
-                dec.cancel.append(s.rid)  # cannot take another token even alone
-                continue
+        for s in self.resumable(snap, dec):
             if n_seqs >= snap.max_num_seqs:
                 break
             held = 0 if s.kv_offloaded else s.kv_tokens
