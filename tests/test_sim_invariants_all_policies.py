@@ -265,3 +265,30 @@ def test_deferred_prefill_never_overcommits_the_next_step(
     res = _run("deferred-prefill", jobs, cfg, {"k": 1, "stall_decode": stall}, 0)
     assert res.kv_peak <= kv
     assert [r.output_tokens for r in res.records] == [4, 2, 1]
+
+
+def test_timebill_does_not_resume_a_request_it_kills() -> None:
+    """A segmented request whose deadline passed while its gap ran out was both killed
+    and resumed in one decision: a PolicyError ("resume of CANCELLED request 7")."""
+    one = [
+        Job(Request(rid=i, arrival=0.0, prompt_len=1), n)
+        for i, n in enumerate((1, 1, 1, 1, 38, 43))
+    ]
+    later = [
+        Job(Request(rid=6, arrival=0.19140625, prompt_len=1), 10),
+        Job(
+            Request(rid=7, arrival=0.1953125, prompt_len=123, deadline=0.4609375),
+            12,
+            (11, 1),
+            (0.1015625,),
+        ),
+        *(Job(Request(rid=i, arrival=0.1953125, prompt_len=1), 1) for i in (8, 9, 10)),
+        Job(Request(rid=11, arrival=0.1953125, prompt_len=7), 20),
+    ]
+    cfg = SimConfig(kv_capacity=228, max_num_seqs=8, max_batch_tokens=64)
+    options = {"overrun": "kill", "fixed_alpha": 0.0, "batch_aware": False}
+    res = _run("timebill", one + later, cfg, options, 0)
+    killed = res.records[7]
+    assert killed.finish is None
+    assert 0 < killed.output_tokens < 12
+    assert all(r.finish is not None for i, r in enumerate(res.records) if i != 7)

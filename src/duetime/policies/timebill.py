@@ -110,6 +110,11 @@ class TimeBill(QueuePolicy):
     def admissible(self, seq: Seq, snap: EngineSnapshot) -> bool:
         return seq.rid not in self._skip
 
+    def resume_candidates(self, snap: EngineSnapshot) -> list[Seq]:
+        # A segmented request killed at its deadline while between segments must not be
+        # resumed in the same decision (cancel + resume of one request is illegal).
+        return [s for s in super().resume_candidates(snap) if s.rid not in self._skip]
+
     # --- the decision ----------------------------------------------------------
     def schedule(self, snap: EngineSnapshot) -> Decision:
         now = snap.now
