@@ -4,6 +4,11 @@ Each test pins a bug an adversarial run found: head-of-line blocking across
 models, requests for a down model waiting out the timeout, a health loop killed
 by a malformed /v1/models, streamed answers read as ~30x slower than they were,
 a timed-out stream retried and its backend marked down, huge integers as 500s.
+The later ones (fake backends from ``tests/gateway_fakes.py``) pin what the
+property-based run and a read of the code found: 400s missing from /metrics, a
+streaming client that left before the first byte holding its backend, a stalled
+error answer retried as if its backend were dead, connect timeouts not retried,
+and slots lost when a client left at the wrong moment.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from duetime.server.gateway import (
     _open_stream,
     _request_fields,
     _unless_client_leaves,
+    create_gateway_app,
     model_ids,
     stream_tokens,
 )
 from duetime.server.load_workload import LoadWorkload
+from tests.gateway_fakes import MODEL, FakeBackend, FakeFleet, Fate, call
 
 
 def _gateway(max_inflight: int = 1) -> Gateway:
@@ -207,3 +214,141 @@ def test_a_load_trace_request_the_server_cannot_take_is_refused(
     trace.write_text(json.dumps({"rid": 0, "arrival": 0.0, "max_tokens": 8, **line}) + "\n")
     with pytest.raises(ValueError, match=needle):
         LoadWorkload(workload=str(trace)).build(1.0)
+
+
+# --- found by tests/test_gateway_properties.py and by reading along -------------------
+def _metrics(gw: Gateway) -> dict[str, float]:
+    from prometheus_client import generate_latest
+
+    out: dict[str, float] = {}
+    for line in generate_latest(gw.registry).decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _outcome(gw: Gateway, outcome: str) -> float:
+    return _metrics(gw).get(f'duetime_gateway_requests_total{{outcome="{outcome}"}}', 0.0)
+
+
+async def _with_fakes(backends: list[FakeBackend], config: GatewayConfig, scenario: Any) -> Any:
+    """Run ``scenario(app, gateway)`` with the gateway in front of fake backends."""
+    app = create_gateway_app([b.url for b in backends], config, transport=FakeFleet(backends))
+    async with app.router.lifespan_context(app):
+        return await scenario(app, app.state.gateway)
+
+
+def _body(stream: bool = False, **extra: Any) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "hi", "stream": stream, **extra}).encode()
+
+
+def test_a_refused_body_is_counted_in_metrics() -> None:
+    """/metrics counted every outcome but a 400 for a bad body (the sum fell short)."""
+
+    async def scenario(app: Any, gw: Gateway) -> None:
+        seen = await call(app, "POST", "/v1/completions", _body(max_tokens=10**12))
+        assert seen.status == 400
+        seen = await call(app, "POST", "/v1/completions", b"{not json")
+        assert seen.status == 400
+        assert _outcome(gw, "http_400") == 2
+
+    asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(), scenario))
+
+
+def test_a_stream_whose_client_leaves_before_the_first_byte_is_closed_upstream() -> None:
+    """A streaming client that hung up while the backend had sent nothing yet kept its
+    upstream request and slot until the first byte came (or the request timed out)."""
+
+    async def scenario(app: Any, gw: Gateway) -> None:
+        silent.gate = asyncio.Event()  # never set: the backend sends nothing
+        leaves = call(app, "POST", "/v1/completions", _body(stream=True), leave_after_s=0.05)
+        seen = await asyncio.wait_for(leaves, 20.0)  # the request timeout is 600 s
+        assert seen.left
+        assert silent.current == 0  # the upstream request was closed
+        assert gw.backends[0].in_flight == 0
+        assert _outcome(gw, "client_gone") == 1
+
+    silent = FakeBackend("b0")
+    asyncio.run(_with_fakes([silent], GatewayConfig(request_timeout_s=600.0), scenario))
+
+
+def test_an_error_answer_that_stalls_is_a_504_and_is_not_retried() -> None:
+    """A stream answered 5xx whose error body then timed out was taken for a dead
+    backend: marked down and retried elsewhere, though it may still be working."""
+
+    async def scenario(app: Any, gw: Gateway) -> None:
+        seen = await call(app, "POST", "/v1/completions", _body(stream=True))
+        assert seen.status == 504
+        assert not other.attempts  # not retried
+        assert gw.backends[0].up  # slow is not dead
+
+    stalls = FakeBackend("b0", fates=[Fate("status_stalled", status=500)])
+    other = FakeBackend("b1")
+    config = GatewayConfig(request_timeout_s=0.2, health_interval_s=60.0)
+    asyncio.run(_with_fakes([stalls, other], config, scenario))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_connect_timeout_is_retried_on_another_backend(stream: bool) -> None:
+    """A connect timeout was a 504 like a read timeout, though nothing reached the
+    backend: as with a refused connection, retrying elsewhere is safe."""
+
+    async def scenario(app: Any, gw: Gateway) -> None:
+        seen = await call(app, "POST", "/v1/completions", _body(stream=stream))
+        assert seen.status == 200
+        assert seen.headers["x-duetime-backend"] == other.url
+        assert not gw.backends[0].up
+        assert _metrics(gw)["duetime_gateway_retries_total"] == 1
+
+    unreachable = FakeBackend("b0", fates=[Fate("connect_timeout")])
+    other = FakeBackend("b1")
+    asyncio.run(_with_fakes([unreachable, other], GatewayConfig(health_interval_s=60.0), scenario))
+
+
+class _LeavesAsTheSlotFrees:
+    """A client whose disconnect check frees the slot its request waits for."""
+
+    def __init__(self, gw: Gateway, ticks: int) -> None:
+        self.gw, self.ticks = gw, ticks
+
+    async def is_disconnected(self) -> bool:
+        self.gw.release(self.gw.backends[0])  # the slot goes to the waiting request...
+        for _ in range(self.ticks):  # ...which may even have taken it by the time we look
+            await asyncio.sleep(0)
+        return True
+
+
+@pytest.mark.parametrize("ticks", [0, 3])
+def test_a_slot_granted_as_its_client_leaves_is_not_lost(ticks: int) -> None:
+    """On Python 3.11 asyncio.wait_for returns a result that arrives with a cancellation,
+    and _unless_client_leaves dropped a result that came in while it looked: either
+    way the backend lost a slot for good."""
+
+    async def scenario() -> None:
+        gw = _gateway()
+        a, _ = gw.backends
+        await gw.acquire(16, None, 0, "x")  # a is full
+        request = _LeavesAsTheSlotFrees(gw, ticks)
+        try:
+            got = await _unless_client_leaves(request, gw.acquire(16, None, 0, "x"), 0.01)  # type: ignore[arg-type]
+        except _ClientGoneError:
+            got = None
+        assert a.in_flight == (0 if got is None else 1)  # nobody holds a slot unknowingly
+        assert not gw._queue
+
+    asyncio.run(scenario())
+
+
+def test_a_slot_comes_back_even_when_closing_the_upstream_is_cancelled() -> None:
+    """The relay gave the slot back after awaiting the upstream close; a transport whose
+    close yields (httpcore's does not) let the client's cancellation skip it."""
+
+    async def scenario(app: Any, gw: Gateway) -> None:
+        seen = await call(app, "POST", "/v1/completions", _body(stream=True), leave_after_s=0.03)
+        assert seen.left
+        assert gw.backends[0].in_flight == 0
+        assert _outcome(gw, "client_gone") == 1
+
+    slow = FakeBackend("b0", tokens=40, pieces=40, gap_s=0.01, shield_close=False)
+    asyncio.run(_with_fakes([slow], GatewayConfig(), scenario))

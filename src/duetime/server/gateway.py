@@ -12,15 +12,16 @@ answers, streamed or whole, through byte for byte.
   is refused at once with 429 and ``Retry-After``.
 * **Ordering**: when every backend is at ``max_inflight``, requests wait in a
   queue ordered by absolute deadline (then priority, then arrival).
-* **Failures**: a connection error marks the backend down at once (the health
-  probe brings it back). A request that failed before any byte reached its
-  client is retried once on another backend; a stream that breaks midway ends
-  with an SSE ``error`` event naming the backend, then ``data: [DONE]``. A
-  backend that times out answers 504 and is neither retried nor marked down
-  (its slowness is fed to its estimate instead).
-* **Clients that leave**: queued, waiting for a whole answer or streaming, the
-  upstream request is closed (so the backend frees its sequence) and the slot
-  or queue place is given back.
+* **Failures**: a connection error (refused, reset, connect timeout) marks the
+  backend down at once (the health probe brings it back). A request that
+  failed before any byte reached its client is retried once on another
+  backend; a stream that breaks midway ends with an SSE ``error`` event naming
+  the backend, then ``data: [DONE]``. A read timeout once the request reached
+  the backend answers 504 and is neither retried nor marked down (its
+  slowness is fed to its estimate instead).
+* **Clients that leave**: queued, waiting for a whole answer or a stream's first
+  byte, or streaming, the upstream request is closed (so the backend frees its
+  sequence) and the slot or queue place is given back.
 """
 
 from __future__ import annotations
@@ -311,12 +312,18 @@ class Gateway:
         heapq.heappush(self._queue, w)
         self._pump()
         try:
-            return await asyncio.wait_for(fut, self.config.request_timeout_s)
-        except TimeoutError:
-            raise ApiError(504, "timed out waiting for a backend", type="server_error") from None
-        except asyncio.CancelledError:  # the client left: give back the place or the slot
+            # Not asyncio.wait_for: on Python 3.11 it returns a result that arrives
+            # together with a cancellation, so a client that left just as a slot was
+            # granted took the slot with it, and the backend lost it for good.
+            async with asyncio.timeout(self.config.request_timeout_s):
+                return await fut
+        except BaseException as e:  # the client left, or no slot came in time
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.release(fut.result())  # granted just as the client left
+                self.release(fut.result())  # granted just as the wait ended: give it back
+            if isinstance(e, TimeoutError):
+                raise ApiError(
+                    504, "timed out waiting for a backend", type="server_error"
+                ) from None
             raise
         finally:
             if w in self._queue:
@@ -383,8 +390,13 @@ def create_gateway_app(
     backends: list[str],
     config: GatewayConfig | None = None,
     profiles: dict[str, dict[str, float]] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
-    """The gateway's ASGI app in front of ``backends`` (base URLs, without ``/v1``)."""
+    """The gateway's ASGI app in front of ``backends`` (base URLs, without ``/v1``).
+
+    ``transport`` replaces the network (tests put fake backends behind it); its
+    requests still carry the configured timeouts in ``request.extensions``.
+    """
     gw = Gateway(backends, config, profiles)
     cfg = gw.config
 
@@ -395,6 +407,7 @@ def create_gateway_app(
             trust_env=False,
             timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+            transport=transport,
         )
         await asyncio.gather(*(gw.probe(b) for b in gw.backends), return_exceptions=True)
         task = asyncio.create_task(gw.health_loop())
@@ -465,10 +478,14 @@ def create_gateway_app(
 async def _forward(gw: Gateway, request: Request, path: str, *, chat: bool) -> Response:
     raw = await request.body()
     try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
-    max_tokens, deadline, prio, model, stream = _request_fields(body, chat)
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        max_tokens, deadline, prio, model, stream = _request_fields(body, chat)
+    except ApiError as e:  # a refused body is an outcome too: /metrics counts every request
+        gw.m_requests.labels(f"http_{e.status}").inc()
+        raise
     t0 = time.monotonic()
     tried: set[str] = set()
     last: _BackendFailedError | None = None
@@ -492,10 +509,9 @@ async def _forward(gw: Gateway, request: Request, path: str, *, chat: bool) -> R
         if last is not None:
             gw.m_retries.inc()
         try:
-            if stream:
-                return await _open_stream(gw, b, path, raw, max_tokens)
-            return await _unless_client_leaves(request, _whole(gw, b, path, raw, max_tokens))
-        except _ClientGoneError:  # _whole's cancellation closed the upstream request
+            send = _open_stream if stream else _whole
+            return await _unless_client_leaves(request, send(gw, b, path, raw, max_tokens))
+        except _ClientGoneError:  # the cancellation closed the upstream request
             gw.m_requests.labels("client_gone").inc()
             return Response(status_code=499)
         except _BackendFailedError as e:
@@ -514,6 +530,8 @@ async def _unless_client_leaves(request: Request, work: Any, poll_s: float = 0.2
     """Await ``work``, cancelling it (which closes an upstream request) if the client leaves.
 
     Starlette tells a handler about a disconnect only when asked, so it is polled.
+    Work that completes although it was cancelled returns (or raises) as usual:
+    the caller goes on, sends to a client that is gone, and counts one outcome.
     """
     task = asyncio.ensure_future(work)
     try:
@@ -523,12 +541,25 @@ async def _unless_client_leaves(request: Request, work: Any, poll_s: float = 0.2
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
-                with suppress(asyncio.CancelledError, Exception):
-                    await task
-                raise _ClientGoneError
+                await asyncio.wait({task})
+                if task.cancelled():
+                    raise _ClientGoneError
+                # It finished meanwhile: its result stands, since dropping it would drop
+                # a backend slot (acquire) or count an answered request twice (_whole).
+                return task.result()
     except BaseException:
         task.cancel()
         raise
+
+
+def _still_working(e: httpx.TransportError) -> bool:
+    """A timeout after the request reached the backend, which may still be working on it.
+
+    Such a request is not retried and its backend not marked down. A connect
+    timeout is not one: nothing reached the backend, as with a refused
+    connection, so retrying elsewhere is safe.
+    """
+    return isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout)
 
 
 def _timed_out(gw: Gateway, b: Backend, elapsed_s: float, e: Exception) -> ApiError:
@@ -536,6 +567,15 @@ def _timed_out(gw: Gateway, b: Backend, elapsed_s: float, e: Exception) -> ApiEr
     gw.m_requests.labels("http_504").inc()
     b.observe(None, elapsed_s, 1, gw.config.ewma_alpha)
     return ApiError(504, f"backend {b.url} timed out ({type(e).__name__})", type="server_error")
+
+
+def _failed(gw: Gateway, b: Backend, t0: float, e: httpx.TransportError) -> Exception:
+    """What a transport error before any byte reached the client becomes: a 504 for a
+    backend still working on it, else the backend is down and the request may retry."""
+    if _still_working(e):
+        return _timed_out(gw, b, time.monotonic() - t0, e)
+    gw.mark(b, False)
+    return _BackendFailedError(b, e)
 
 
 def _headers(b: Backend, upstream: httpx.Response) -> dict[str, str]:
@@ -552,11 +592,8 @@ async def _whole(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int
         r = await gw.client.post(
             b.url + path, content=raw, headers={"content-type": "application/json"}
         )
-    except httpx.TimeoutException as e:
-        raise _timed_out(gw, b, time.monotonic() - t0, e) from e
     except httpx.TransportError as e:
-        gw.mark(b, False)
-        raise _BackendFailedError(b, e) from e
+        raise _failed(gw, b, t0, e) from e
     finally:
         gw.release(b)
     e2e = time.monotonic() - t0
@@ -577,63 +614,52 @@ async def _whole(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int
 
 async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int) -> Response:
     """Open the upstream stream and read its first bytes before answering, so that a
-    backend that fails that early is retried and the client never sees it."""
+    backend that fails that early is retried and the client never sees it.
+
+    Whatever ends it (an error, the client leaving, the relay finishing), the
+    upstream response is closed and the slot given back exactly once.
+    """
     assert gw.client is not None
     t0 = time.monotonic()
     req = gw.client.build_request(
         "POST", b.url + path, content=raw, headers={"content-type": "application/json"}
     )
-    released = False
+    r: httpx.Response | None = None
+    closed = False
 
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            gw.release(b)
+    async def close() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            try:
+                if r is not None:
+                    await r.aclose()
+            finally:  # even if closing was cancelled, or the slot would leak
+                gw.release(b)
 
     try:
         r = await gw.client.send(req, stream=True)
-    except httpx.TimeoutException as e:
-        release()
-        raise _timed_out(gw, b, time.monotonic() - t0, e) from e
-    except httpx.TransportError as e:
-        release()
-        gw.mark(b, False)
-        raise _BackendFailedError(b, e) from e
-    if r.status_code != 200:
-        try:
+        if r.status_code != 200:  # an error answer is read whole and passed through
             content = await r.aread()
-        except httpx.TransportError as e:
-            release()
-            gw.mark(b, False)
-            raise _BackendFailedError(b, e) from e
-        finally:
-            await r.aclose()
-        release()
-        gw.m_requests.labels(f"http_{r.status_code}").inc()
-        ctype = r.headers.get("content-type", "application/json")
-        return Response(
-            content, status_code=r.status_code, media_type=ctype, headers=_headers(b, r)
-        )
-    chunks = r.aiter_raw()
-    try:
-        first = await chunks.__anext__()
-    except StopAsyncIteration:
-        first = b""
-    except httpx.TimeoutException as e:
-        await r.aclose()
-        release()
-        raise _timed_out(gw, b, time.monotonic() - t0, e) from e
+            await close()
+            gw.m_requests.labels(f"http_{r.status_code}").inc()
+            ctype = r.headers.get("content-type", "application/json")
+            return Response(
+                content, status_code=r.status_code, media_type=ctype, headers=_headers(b, r)
+            )
+        chunks = r.aiter_raw()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
     except httpx.TransportError as e:
-        await r.aclose()
-        release()
-        gw.mark(b, False)
-        raise _BackendFailedError(b, e) from e
-    except BaseException:
-        await r.aclose()
-        release()
+        await close()
+        raise _failed(gw, b, t0, e) from e
+    except BaseException:  # the client left (cancelled) before the first byte
+        await close()
         raise
     ttft = time.monotonic() - t0
+    assert r is not None
 
     async def relay() -> AsyncIterator[bytes]:
         sent = first
@@ -659,15 +685,14 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
                 msg = f"backend {b.url} {how} mid-stream ({type(e).__name__}): answer incomplete"
                 pad = b"" if not sent or sent.endswith(b"\n\n") else b"\n\n"
                 yield pad + _sse_error(msg, b.url) + b"data: [DONE]\n\n"
-        finally:
-            await r.aclose()
-            release()
+        finally:  # count first: under a cancelled client, the await in close() may raise
             gw.m_requests.labels(outcome).inc()
             if outcome == "ok":
                 tokens = stream_tokens(tail)
                 if tokens is None:  # one event per token (vLLM), less role / finish / [DONE]
                     tokens = max(1, min(max_tokens, events - 2))
                 b.observe(ttft, time.monotonic() - t0, tokens, gw.config.ewma_alpha)
+            await close()
 
     headers = _headers(b, r)
     headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
