@@ -129,20 +129,24 @@ def _client(draw: Any, rid: int) -> Client:
 
 
 @st.composite
-def _scenario(draw: Any) -> tuple[list[FakeBackend], list[Client], int]:
+def _scenario(draw: Any) -> tuple[list[FakeBackend], list[Client], GatewayConfig]:
     n_backends = draw(st.integers(1, 3))
     backends = [draw(_backend(i)) for i in range(n_backends)]
     clients = [draw(_client(i)) for i in range(draw(st.integers(1, 12)))]
-    return backends, clients, draw(st.integers(1, 3))
+    config = GatewayConfig(
+        max_inflight=draw(st.integers(1, 3)),
+        health_interval_s=0.01,
+        request_timeout_s=READ_TIMEOUT_S,
+        suspect_after_timeouts=draw(st.sampled_from([0, 1, 3])),
+        suspect_cooldown_s=draw(st.sampled_from([0.05, 30.0])),
+    )
+    return backends, clients, config
 
 
 async def _run(
-    backends: list[FakeBackend], clients: list[Client], max_inflight: int
+    backends: list[FakeBackend], clients: list[Client], config: GatewayConfig
 ) -> tuple[list[Seen], dict[str, float], dict[str, Any]]:
     """Serve every client, then read /metrics and the gateway's own counts."""
-    config = GatewayConfig(
-        max_inflight=max_inflight, health_interval_s=0.01, request_timeout_s=READ_TIMEOUT_S
-    )
     app = create_gateway_app([b.url for b in backends], config, transport=FakeFleet(backends))
     gw = app.state.gateway
     for b in backends:  # down windows count from now
@@ -278,15 +282,15 @@ def _check(
 @settings(derandomize=True, deadline=None, max_examples=EXAMPLES)
 @given(_scenario())
 def test_every_client_gets_one_answer_and_nothing_leaks(
-    scenario: tuple[list[FakeBackend], list[Client], int],
+    scenario: tuple[list[FakeBackend], list[Client], GatewayConfig],
 ) -> None:
-    backends, clients, max_inflight = scenario
-    note(f"max_inflight={max_inflight}")
+    backends, clients, config = scenario
+    note(repr(config))
     for b in backends:
         note(repr(b))
     for c in clients:
         note(repr(c))
-    seen, metrics, state = asyncio.run(_run(backends, clients, max_inflight))
+    seen, metrics, state = asyncio.run(_run(backends, clients, config))
     for c, s in zip(clients, seen, strict=True):
         note(f"{c.rid}: {s.status} left={s.left} {bytes(s.body)[-160:]!r}")
-    _check(backends, clients, max_inflight, seen, metrics, state)
+    _check(backends, clients, config.max_inflight, seen, metrics, state)

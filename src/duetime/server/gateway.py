@@ -19,6 +19,11 @@ answers, streamed or whole, through byte for byte.
   the backend, then ``data: [DONE]``. A read timeout once the request reached
   the backend answers 504 and is neither retried nor marked down (its
   slowness is fed to its estimate instead).
+* **Hanging backends**: ``suspect_after_timeouts`` read timeouts in a row make a
+  backend suspect (it may answer ``/health`` and hang on completions): for
+  ``suspect_cooldown_s`` it gets no request another backend could take, then
+  one at a time until an answer arrives whole, which clears it. When every
+  backend for a model is suspect they are used anyway.
 * **Clients that leave**: queued, waiting for a whole answer or a stream's first
   byte, or streaming, the upstream request is closed (so the backend frees its
   sequence) and the slot or queue place is given back.
@@ -46,7 +51,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
 from duetime.server.schemas import MAX_MS, MAX_TOKENS_LIMIT
 
-__all__ = ["Backend", "Gateway", "GatewayConfig", "choose_backend", "create_gateway_app"]
+__all__ = [
+    "Backend",
+    "Gateway",
+    "GatewayConfig",
+    "choose_backend",
+    "create_gateway_app",
+    "routable",
+]
 
 log = logging.getLogger("duetime.gateway")
 
@@ -64,6 +76,13 @@ class GatewayConfig:
     max_queue: int = 1024
     ewma_alpha: float = 0.2
     max_body_bytes: int = 1 << 20
+    #: Read timeouts in a row after which a backend is suspect (0: never). A backend
+    #: that answers /health but hangs on completions is up for the probe; without
+    #: this it kept taking every request the others had no room for.
+    suspect_after_timeouts: int = 3
+    #: Seconds a suspect backend gets no request that another backend could take;
+    #: after that it is on probation (one request at a time) until one is answered.
+    suspect_cooldown_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -77,6 +96,16 @@ class Backend:
     tpot_s: float = _DEFAULT_TPOT_S  # EWMA of seconds per output token
     observed: int = 0
     models: list[str] = field(default_factory=list)
+    timeouts: int = 0  # read timeouts in a row; any answer that arrives whole resets it
+    suspect_until: float = 0.0  # monotonic end of the cool-down; 0: not suspect
+
+    def ejected(self, now: float) -> bool:
+        """Suspect and within its cool-down: no traffic while another backend can take it."""
+        return now < self.suspect_until
+
+    def on_probation(self, now: float) -> bool:
+        """Suspect, cool-down over, nothing answered since: one request at a time."""
+        return 0.0 < self.suspect_until <= now
 
     def serves(self, model: str | None) -> bool:
         """Whether a request for ``model`` may go here (a backend not yet listed takes any)."""
@@ -100,14 +129,31 @@ class Backend:
         self.observed += 1
 
 
+def routable(backends: list[Backend], now: float) -> list[Backend]:
+    """The backends a request may go to: those not ejected, else all (better a
+    suspect backend than none, as Envoy's panic mode and SGLang's router do)."""
+    return [b for b in backends if not b.ejected(now)] or backends
+
+
 def choose_backend(
-    backends: list[Backend], max_tokens: int, max_inflight: int, model: str | None = None
+    backends: list[Backend],
+    max_tokens: int,
+    max_inflight: int,
+    model: str | None = None,
+    now: float | None = None,
 ) -> Backend | None:
-    """The up backend with room and the earliest predicted finish (None: none has room)."""
+    """The up backend with room and the earliest predicted finish (None: none has room).
+
+    A suspect backend is passed over, even when the others are full (the request
+    waits for them instead of hanging), unless no other backend serves the model;
+    on probation it takes one request at a time.
+    """
+    now = time.monotonic() if now is None else now
+    usable = [b for b in backends if b.up and b.serves(model)]
     best: Backend | None = None
     best_t = math.inf
-    for b in backends:
-        if not b.up or b.in_flight >= max_inflight or not b.serves(model):
+    for b in routable(usable, now):
+        if b.in_flight >= (1 if b.on_probation(now) else max_inflight):
             continue
         t = b.predicted_finish(max_tokens)
         if t < best_t:
@@ -178,9 +224,16 @@ class Gateway:
             "duetime_gateway_retries", "Requests retried on another backend", registry=self.registry
         )
         self.m_queued = Gauge("duetime_gateway_queued", "Requests waiting", registry=self.registry)
+        self.m_suspect = Gauge(
+            "duetime_gateway_backend_suspect",
+            "1 while suspect: read timeouts in a row, no answer since",
+            ["backend"],
+            registry=self.registry,
+        )
         for b in self.backends:
             self.m_up.labels(b.url).set(0)
             self.m_inflight.labels(b.url).set(0)
+            self.m_suspect.labels(b.url).set(0)
 
     # --- health -------------------------------------------------------------------
     def mark(self, b: Backend, up: bool) -> None:
@@ -192,6 +245,28 @@ class Gateway:
             self._pump()
         else:
             self._fail_stranded()
+
+    def timed_out(self, b: Backend) -> None:
+        """Count a read timeout; ``suspect_after_timeouts`` in a row make ``b`` suspect.
+
+        Each further timeout (one on probation included) starts a new cool-down.
+        """
+        b.timeouts += 1
+        n = self.config.suspect_after_timeouts
+        if n and b.timeouts >= n:
+            if not b.suspect_until:
+                log.warning("backend %s is suspect: %d timeouts in a row", b.url, b.timeouts)
+            b.suspect_until = time.monotonic() + self.config.suspect_cooldown_s
+            self.m_suspect.labels(b.url).set(1)
+
+    def answered(self, b: Backend) -> None:
+        """An answer (of any status) arrived whole: ``b`` does not hang."""
+        b.timeouts = 0
+        if b.suspect_until:
+            log.warning("backend %s answers again: no longer suspect", b.url)
+            b.suspect_until = 0.0
+            self.m_suspect.labels(b.url).set(0)
+            self._pump()  # it may take more than one request again
 
     async def probe(self, b: Backend) -> None:
         """Health and model list of one backend; whatever it answers, the loop goes on."""
@@ -285,9 +360,10 @@ class Gateway:
         if not up:
             raise _no_backend(model)
         if deadline_s is not None:
-            # Predicted finish including the queue ahead, spread over the backends that are up.
-            share = len(self._queue) / len(up)
-            best = min((share + b.in_flight + 1) * b.request_time(max_tokens) for b in up)
+            # Predicted finish including the queue ahead, spread over the backends it may use.
+            pool = routable(up, time.monotonic())
+            share = len(self._queue) / len(pool)
+            best = min((share + b.in_flight + 1) * b.request_time(max_tokens) for b in pool)
             if best > deadline_s:
                 raise ApiError(
                     429,
@@ -437,6 +513,8 @@ def create_gateway_app(
                         "in_flight": b.in_flight,
                         "ttft_ms": round(b.ttft_s * 1000, 3),
                         "tpot_ms": round(b.tpot_s * 1000, 3),
+                        "suspect": b.suspect_until > 0,
+                        "timeouts": b.timeouts,
                     }
                     for b in gw.backends
                 ],
@@ -566,6 +644,7 @@ def _timed_out(gw: Gateway, b: Backend, elapsed_s: float, e: Exception) -> ApiEr
     """A backend timeout: 504, not retried and not marked down; its estimate learns it is slow."""
     gw.m_requests.labels("http_504").inc()
     b.observe(None, elapsed_s, 1, gw.config.ewma_alpha)
+    gw.timed_out(b)
     return ApiError(504, f"backend {b.url} timed out ({type(e).__name__})", type="server_error")
 
 
@@ -597,6 +676,7 @@ async def _whole(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int
     finally:
         gw.release(b)
     e2e = time.monotonic() - t0
+    gw.answered(b)
     if r.status_code == 200:
         with suppress(ValueError, KeyError, TypeError, AttributeError):
             data = r.json()
@@ -642,6 +722,7 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
         if r.status_code != 200:  # an error answer is read whole and passed through
             content = await r.aread()
             await close()
+            gw.answered(b)
             gw.m_requests.labels(f"http_{r.status_code}").inc()
             ctype = r.headers.get("content-type", "application/json")
             return Response(
@@ -653,8 +734,9 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
         except StopAsyncIteration:
             first = b""
     except httpx.TransportError as e:
+        err = _failed(gw, b, t0, e)  # first: the slot freed next must not go to b if it hangs
         await close()
-        raise _failed(gw, b, t0, e) from e
+        raise err from e
     except BaseException:  # the client left (cancelled) before the first byte
         await close()
         raise
@@ -678,7 +760,9 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
                 outcome = "ok"
             except httpx.TransportError as e:
                 timeout = isinstance(e, httpx.TimeoutException)
-                if not timeout:  # a slow backend is not a dead one
+                if timeout:  # a slow backend is not a dead one, but it may be hanging
+                    gw.timed_out(b)
+                else:
                     gw.mark(b, False)
                 outcome = "timeout_midstream" if timeout else "failed_midstream"
                 how = "timed out" if timeout else "failed"
@@ -688,6 +772,7 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
         finally:  # count first: under a cancelled client, the await in close() may raise
             gw.m_requests.labels(outcome).inc()
             if outcome == "ok":
+                gw.answered(b)
                 tokens = stream_tokens(tail)
                 if tokens is None:  # one event per token (vLLM), less role / finish / [DONE]
                     tokens = max(1, min(max_tokens, events - 2))
