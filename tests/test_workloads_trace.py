@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -129,8 +130,8 @@ def test_missing_and_non_utf8_files(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match=r"nope\.jsonl: cannot read: No such file"):
         read_trace(tmp_path / "nope.jsonl")
     binary = tmp_path / "bin.jsonl"
-    binary.write_bytes(b'{"rid": 0}\n\xff\xfe\n')
-    with pytest.raises(TraceError, match=r"bin\.jsonl: not UTF-8"):
+    binary.write_bytes(_line().encode() + b"\n\xff\xfe\n")
+    with pytest.raises(TraceError, match=r"bin\.jsonl:2: not UTF-8 text \(byte 0xff at column 1\)"):
         read_trace(binary)
 
 
@@ -160,4 +161,81 @@ def test_failed_write_keeps_old_file_and_leaves_no_temp(tmp_path: Path) -> None:
 def test_failed_write_to_new_path_creates_nothing(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError):
         write_trace(tmp_path / "new.jsonl", _jobs_then_crash(2))
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- found by tests/test_load_and_trace_properties.py ------------------------------------------
+
+
+def test_a_trace_read_and_written_again_is_the_same_file(tmp_path: Path) -> None:
+    """An int arrival (or ratio, gap, ERT) was written "5", read back as 5.0, rewritten "5.0"."""
+    job = Job(
+        Request(rid=0, arrival=5, prompt_len=3, deadline=7, kv_eviction=0, tuf=TimeUtility(ert=1)),
+        output_len=2,
+        segments=(1, 1),
+        segment_gaps=(0,),
+    )
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_trace(first, [job])
+    write_trace(second, read_trace(first))
+    assert second.read_bytes() == first.read_bytes()
+    assert '"arrival":5.0,' in first.read_text()
+
+
+def test_a_key_given_twice_in_a_line_is_refused(tmp_path: Path) -> None:
+    """JSON keeps the last of two "rid"s: the trace silently meant another request."""
+    path = _write_lines(tmp_path / "t.jsonl", [_line(), _line(rid=1)[:-1] + ', "rid": 2}'])
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: field 'rid': given more than once$"):
+        read_trace(path)
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    """Windows editors start a UTF-8 file with one; it was 'invalid JSON: Unexpected UTF-8 BOM'."""
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (_line() + "\r\n").encode())
+    assert [job.request.rid for job in read_trace(path)] == [0]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (  # json raised a plain ValueError: the CLI printed it without the file or line
+            '{"rid": ' + "1" * 5000 + "}",
+            "invalid JSON: Exceeds the limit (4300 digits)",
+        ),
+        ("[" * 100_000, "invalid JSON: nested too deeply"),  # a RecursionError traceback
+        (_line(klass=["x" * 10_000]), 'must be a string, got ["xxxxxxxx'),  # 10 kB message
+        (_line(**{"a\x1b[2Jb": 1}), "field 'a\\x1b[2Jb': unknown field"),  # a terminal escape
+    ],
+)
+def test_a_huge_deep_or_odd_line_is_one_short_line(tmp_path: Path, text: str, message: str) -> None:
+    path = _write_lines(tmp_path / "t.jsonl", [_line(rid=5), text])
+    with pytest.raises(TraceError) as caught:
+        read_trace(path)
+    assert str(caught.value).startswith(f"{path}:2: ")
+    assert message in str(caught.value)
+    assert len(str(caught.value)) < len(str(path)) + 200
+
+
+@pytest.mark.parametrize(
+    ("jobs", "message"),
+    [
+        ([Job(Request(rid=0, arrival=2.0, prompt_len=1, deadline=1.0), 1)], "field 'deadline'"),
+        ([Job(Request(rid=0, arrival=0.0, prompt_len=1, deadline=math.nan), 1)], "finite"),
+        ([Job(Request(rid=0, arrival=0.0, prompt_len=1, max_tokens=2), 3)], "exceeds max_tokens"),
+        ([Job(Request(rid=0, arrival=0.0, prompt_len=1, klass=""), 1)], "field 'klass'"),
+        (
+            [Job(Request(rid=4, arrival=0.0, prompt_len=1), 1)] * 2,
+            r"job 2 \(rid 4\): field 'rid': also the rid of job 1",
+        ),
+    ],
+)
+def test_write_refuses_a_job_the_reader_would_refuse(
+    tmp_path: Path, jobs: list[Job], message: str
+) -> None:
+    """write_trace wrote these, and every command then refused the file it had made."""
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(TraceError, match=message) as caught:
+        write_trace(path, jobs)
+    assert str(caught.value).startswith(f"cannot write {path}: job ")
     assert list(tmp_path.iterdir()) == []

@@ -7,18 +7,26 @@ optionally ``max_tokens`` (default 4096), ``deadline`` (absolute seconds),
 ``kv_eviction`` (``"off"``, ``"auto"`` or a ratio in [0, 1)) -- the fields of
 :class:`~duetime.core.request.Job`. Types are
 strict (``"5"`` or ``5.0`` is not a token count; ``5`` is a valid arrival time),
-unknown fields are errors (a typo must not silently fall back to a default),
-blank lines are ignored. Lines need not be in arrival order: jobs come back
-sorted by arrival, ties in file order, rids as written.
+unknown fields are errors (a typo must not silently fall back to a default), and
+so is a key given twice in one line (JSON would silently keep the last).
+Blank lines, a UTF-8 byte-order mark and CRLF line ends are accepted. Lines need
+not be in arrival order: jobs come back sorted by arrival, ties in file order,
+rids as written. :func:`read_trace_lines` also says which line each job came
+from and which fields that line gave (a line's ``priority: 0`` and a line
+without ``priority`` make the same :class:`Request`).
 
 Any problem raises :class:`TraceError` with a message that stands alone, e.g.
-``trace.jsonl:7: field 'prompt_len': must be >= 1, got 0``.
+``trace.jsonl:7: field 'prompt_len': must be >= 1, got 0``. :func:`write_trace`
+checks each job by the same rules, so what it writes can always be read back.
 """
 
 from __future__ import annotations
 
 import json
+import numbers
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -83,10 +91,22 @@ _MESSAGES = {
 }
 
 
+def _shown(value: Any, limit: int = 60) -> str:
+    """A value quoted in a message: JSON, cut short (a bad field may hold a megabyte)."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _name(part: str | int, limit: int = 40) -> str:
+    """A field name as printed: unprintable characters escaped, so a message stays one line."""
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(part))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _describe(error: Any) -> tuple[str, str]:
     """(field path, short message) for one pydantic error."""
     loc = error["loc"]
-    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    field = "".join(f"[{p}]" if isinstance(p, int) else f".{_name(p)}" for p in loc).lstrip(".")
     kind, ctx = error["type"], error.get("ctx", {})
     if kind in ("greater_than_equal", "less_than_equal"):
         op, bound = (">=", ctx["ge"]) if kind == "greater_than_equal" else ("<=", ctx["le"])
@@ -96,7 +116,7 @@ def _describe(error: Any) -> tuple[str, str]:
     else:
         message = _MESSAGES.get(kind, error["msg"])
     if kind not in ("missing", "extra_forbidden"):
-        message += f", got {json.dumps(error['input'])}"
+        message += f", got {_shown(error['input'])}"
     return field, message
 
 
@@ -123,103 +143,203 @@ def _cross_check(line: _JobLine) -> tuple[str, str] | None:
     return None
 
 
-def _to_job(line: _JobLine) -> Job:
+def _to_job(line: _JobLine, where: str) -> Job:
     tuf = None if line.tuf is None else TimeUtility(**line.tuf.model_dump())
-    request = Request(
-        rid=line.rid,
-        arrival=line.arrival,
-        prompt_len=line.prompt_len,
-        max_tokens=line.max_tokens or _DEFAULT_MAX_TOKENS,
-        deadline=line.deadline,
-        priority=line.priority,
-        tuf=tuf,
-        klass=line.klass,
-        overrun=line.overrun,
-        kv_eviction=line.kv_eviction,
-    )
-    return Job(request, line.output_len, tuple(line.segments), tuple(line.segment_gaps))
+    try:
+        request = Request(
+            rid=line.rid,
+            arrival=line.arrival,
+            prompt_len=line.prompt_len,
+            max_tokens=line.max_tokens or _DEFAULT_MAX_TOKENS,
+            deadline=line.deadline,
+            priority=line.priority,
+            tuf=tuf,
+            klass=line.klass,
+            overrun=line.overrun,
+            kv_eviction=line.kv_eviction,
+        )
+        return Job(request, line.output_len, tuple(line.segments), tuple(line.segment_gaps))
+    except ValueError as e:  # a rule of Request/Job not mirrored above
+        raise TraceError(f"{where}: {e}") from None
 
 
-def read_trace(path: str | Path) -> list[Job]:
-    """Jobs of a JSONL trace, sorted by arrival (stable). Raises :class:`TraceError`."""
-    jobs: list[Job] = []
+class _RepeatedKeyError(Exception):
+    """A key given twice in one JSON object: ``json`` would silently keep the last value."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s object hook: a dict, refusing a repeated key."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _RepeatedKeyError(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def _parse(text: str, where: str) -> Any:
+    """One line's JSON value; every way it can fail is a :class:`TraceError` naming ``where``."""
+    try:
+        return json.loads(text, object_pairs_hook=_object)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+    except _RepeatedKeyError as e:
+        raise TraceError(f"{where}: field '{_name(e.key)}': given more than once") from None
+    except RecursionError:
+        raise TraceError(f"{where}: invalid JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise TraceError(f"{where}: invalid JSON: {_name(str(e), 120)}") from None
+
+
+def _validate(raw: Any, where: str) -> _JobLine:
+    """``raw`` (one line's JSON value) checked by every rule of the format."""
+    if not isinstance(raw, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        line = _JobLine.model_validate(raw)
+    except ValidationError as e:
+        field, message = _describe(e.errors()[0])
+        raise TraceError(f"{where}: field '{field}': {message}") from None
+    problem = _cross_check(line)
+    if problem is not None:
+        raise TraceError(f"{where}: field '{problem[0]}': {problem[1]}")
+    return line
+
+
+# Bytes that are not UTF-8, as ``errors="surrogateescape"`` decodes them.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceLine:
+    """One job of a trace, with the 1-based ``number`` of its line and the fields it ``given``.
+
+    ``given`` is what a :class:`Request` cannot say: whether a field holding its
+    default (``priority: 0``) was written in the line or left out.
+    """
+
+    number: int
+    job: Job
+    given: frozenset[str]
+
+
+def read_trace_lines(path: str | Path) -> list[TraceLine]:
+    """The jobs of a JSONL trace with their lines, sorted by arrival (stable).
+
+    Raises :class:`TraceError`.
+    """
+    lines: list[TraceLine] = []
     first_seen: dict[int, int] = {}
     try:
-        with open(path, encoding="utf-8") as f:
+        # utf-8-sig drops a byte-order mark; surrogateescape lets a byte that is not UTF-8
+        # through, to be reported with its line number below.
+        with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
             for number, text in enumerate(f, start=1):
+                where = f"{path}:{number}"
+                bad = _NOT_UTF8.search(text)
+                if bad is not None:
+                    byte = ord(bad.group()) - 0xDC00
+                    raise TraceError(
+                        f"{where}: not UTF-8 text (byte 0x{byte:02x} at column {bad.start() + 1})"
+                    )
                 if not text.strip():
                     continue
-                where = f"{path}:{number}"
-                try:
-                    raw = json.loads(text.rstrip("\r\n"))
-                except json.JSONDecodeError as e:
-                    raise TraceError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
-                if not isinstance(raw, dict):
-                    raise TraceError(f"{where}: expected a JSON object, got {type(raw).__name__}")
-                try:
-                    line = _JobLine.model_validate(raw)
-                except ValidationError as e:
-                    field, message = _describe(e.errors()[0])
-                    raise TraceError(f"{where}: field '{field}': {message}") from None
-                problem = _cross_check(line)
-                if problem is not None:
-                    raise TraceError(f"{where}: field '{problem[0]}': {problem[1]}")
+                line = _validate(_parse(text, where), where)
                 if line.rid in first_seen:
                     raise TraceError(
                         f"{where}: field 'rid': duplicate rid {line.rid} "
                         f"(first on line {first_seen[line.rid]})"
                     )
                 first_seen[line.rid] = number
-                try:
-                    jobs.append(_to_job(line))
-                except ValueError as e:  # a rule of Request/Job not mirrored above
-                    raise TraceError(f"{where}: {e}") from None
+                job = _to_job(line, where)
+                lines.append(TraceLine(number, job, frozenset(line.model_fields_set)))
     except OSError as e:
         raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise TraceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    jobs.sort(key=lambda job: job.request.arrival)
-    return jobs
+    lines.sort(key=lambda line: line.job.request.arrival)
+    return lines
+
+
+def read_trace(path: str | Path) -> list[Job]:
+    """Jobs of a JSONL trace, sorted by arrival (stable). Raises :class:`TraceError`."""
+    return [line.job for line in read_trace_lines(path)]
+
+
+def _int(value: Any) -> Any:
+    """An integer of any kind (numpy's too) as an int; anything else as is, for the check."""
+    return (
+        int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+    )
+
+
+def _float(value: Any) -> Any:
+    """A real number as a float, as the reader returns it (``5`` is written ``5.0``)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an int past float range: left for the check to refuse
+            return value
+    return value
 
 
 def job_to_dict(job: Job) -> dict[str, Any]:
-    """One trace line as a dict; optional fields are left out when they hold their default."""
+    """One trace line as a dict; optional fields are left out when they hold their default.
+
+    Numbers are spelled as :func:`read_trace` gives them back (times as floats,
+    counts as ints), so a trace read and written again is the same file.
+    """
     r = job.request
     line: dict[str, Any] = {
-        "rid": r.rid,
-        "arrival": r.arrival,
-        "prompt_len": r.prompt_len,
-        "output_len": job.output_len,
-        "max_tokens": r.max_tokens,
+        "rid": _int(r.rid),
+        "arrival": _float(r.arrival),
+        "prompt_len": _int(r.prompt_len),
+        "output_len": _int(job.output_len),
+        "max_tokens": _int(r.max_tokens),
     }
     if r.deadline is not None:
-        line["deadline"] = r.deadline
+        line["deadline"] = _float(r.deadline)
     if r.priority:
-        line["priority"] = r.priority
+        line["priority"] = _int(r.priority)
     if r.klass != "default":
         line["klass"] = r.klass
     if r.tuf is not None:
-        line["tuf"] = {"ert": r.tuf.ert, "beta": r.tuf.beta, "alpha": r.tuf.alpha}
+        tuf = r.tuf
+        line["tuf"] = {"ert": _float(tuf.ert), "beta": _float(tuf.beta), "alpha": _float(tuf.alpha)}
     if job.segments:
-        line["segments"] = list(job.segments)
+        line["segments"] = [_int(n) for n in job.segments]
     if job.segment_gaps:
-        line["segment_gaps"] = list(job.segment_gaps)
+        line["segment_gaps"] = [_float(gap) for gap in job.segment_gaps]
     if r.overrun is not None:
         line["overrun"] = r.overrun
     if r.kv_eviction is not None:
-        line["kv_eviction"] = r.kv_eviction
+        eviction = r.kv_eviction
+        line["kv_eviction"] = eviction if isinstance(eviction, str) else _float(eviction)
     return line
 
 
 def write_trace(path: str | Path, jobs: Iterable[Job]) -> int:
     """Write ``jobs`` as JSONL, all or nothing: if anything fails, ``path`` is left as it was.
 
+    Each job is checked by the reader's rules first: one the reader would refuse
+    (a deadline before arrival, a NaN, two jobs with one rid) raises
+    :class:`TraceError` naming it, instead of leaving a file no command can read.
     Returns the number of lines written. Policy-side fields (``predicted``,
     ``prompt_token_ids``) are not part of the format and are not written.
     """
     count = 0
+    first_seen: dict[int, int] = {}
     with atomic_writer(Path(path)) as f:
-        for job in jobs:
-            f.write(json.dumps(job_to_dict(job), allow_nan=False, separators=(",", ":")) + "\n")
-            count += 1
+        for count, job in enumerate(jobs, start=1):
+            line = job_to_dict(job)
+            where = f"cannot write {path}: job {count} (rid {_shown(line['rid'])})"
+            checked = _validate(line, where)
+            if checked.rid in first_seen:
+                raise TraceError(
+                    f"{where}: field 'rid': also the rid of job {first_seen[checked.rid]}"
+                )
+            first_seen[checked.rid] = count
+            f.write(json.dumps(line, allow_nan=False, separators=(",", ":")) + "\n")
     return count
