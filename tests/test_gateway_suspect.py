@@ -13,6 +13,10 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
+from typer.testing import CliRunner
+
+from duetime.cli import app as cli_app
 from duetime.server.gateway import Backend, GatewayConfig, choose_backend, create_gateway_app
 from tests.gateway_fakes import MODEL, FakeBackend, FakeFleet, Seen, call
 
@@ -109,3 +113,26 @@ def test_traffic_leaves_a_hanging_backend_and_comes_back_when_it_recovers() -> N
             await asyncio.wait_for(scenario(), 60.0)
 
     asyncio.run(run())
+
+
+def test_cli_passes_the_suspect_options_to_the_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+
+    from duetime.server import gateway as gateway_module
+
+    seen: dict[str, Any] = {}
+    real = gateway_module.create_gateway_app
+
+    def capture(urls: Any, config: Any, *args: Any, **kw: Any) -> Any:
+        seen["config"] = config
+        return real(urls, config, *args, **kw)
+
+    monkeypatch.setattr(gateway_module, "create_gateway_app", capture)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    args = ["gateway", "--backend", "http://127.0.0.1:9", "--port", "0"]
+    r = CliRunner().invoke(cli_app, [*args, "--suspect-after", "5", "--suspect-cooldown", "2.5"])
+    assert r.exit_code == 0, r.output
+    assert seen["config"].suspect_after_timeouts == 5
+    assert seen["config"].suspect_cooldown_s == 2.5
+    r = CliRunner().invoke(cli_app, [*args, "--suspect-after", "-1"])
+    assert r.exit_code == 2

@@ -76,6 +76,14 @@ def gateway(
         float, typer.Option(min=0.05, help="Seconds between health probes.")
     ] = 0.5,
     request_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds per request.")] = 600.0,
+    suspect_after: Annotated[
+        int,
+        typer.Option(min=0, help="Read timeouts in a row that make a backend suspect (0: never)."),
+    ] = 3,
+    suspect_cooldown: Annotated[
+        float,
+        typer.Option(min=0.0, help="Seconds a suspect backend gets only what no other can take."),
+    ] = 30.0,
     profile: Annotated[
         list[str], typer.Option(help="URL=path.json with ttft_s/tpot_s seeds (repeatable).")
     ] = [],  # noqa: B006
@@ -98,6 +106,8 @@ def gateway(
             max_queue=max_queue,
             health_interval_s=health_interval,
             request_timeout_s=request_timeout,
+            suspect_after_timeouts=suspect_after,
+            suspect_cooldown_s=suspect_cooldown,
         )
         gw_app = create_gateway_app(urls, config, profiles)
         port = bound_port(host, port)
