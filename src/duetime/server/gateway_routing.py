@@ -1,0 +1,113 @@
+"""How the gateway picks a backend: per-backend estimates and the routing rule.
+
+Pure bookkeeping, no I/O, so the rule is testable with an explicit clock: a
+request goes to the up backend with room and the earliest predicted finish
+``(in_flight + 1) * (ttft + tpot * max_tokens)``, passing over backends that
+are suspect (read timeouts in a row) while another can take it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("duetime.gateway")
+
+_DEFAULT_TTFT_S = 0.05
+_DEFAULT_TPOT_S = 0.02
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    max_inflight: int = 8  # per backend
+    health_interval_s: float = 0.5
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0
+    max_queue: int = 1024
+    ewma_alpha: float = 0.2
+    max_body_bytes: int = 1 << 20
+    #: Read timeouts in a row after which a backend is suspect (0: never). A backend
+    #: that answers /health but hangs on completions is up for the probe; without
+    #: this it kept taking every request the others had no room for.
+    suspect_after_timeouts: int = 3
+    #: Seconds a suspect backend gets no request that another backend could take;
+    #: after that it is on probation (one request at a time) until one is answered.
+    suspect_cooldown_s: float = 30.0
+
+
+@dataclass(slots=True)
+class Backend:
+    """One upstream server, as the router sees it."""
+
+    url: str
+    up: bool = False
+    in_flight: int = 0
+    ttft_s: float = _DEFAULT_TTFT_S  # EWMA (or the profile's value until observed)
+    tpot_s: float = _DEFAULT_TPOT_S  # EWMA of seconds per output token
+    observed: int = 0
+    models: list[str] = field(default_factory=list)
+    timeouts: int = 0  # read timeouts in a row; any answer that arrives whole resets it
+    suspect_until: float = 0.0  # monotonic end of the cool-down; 0: not suspect
+
+    def ejected(self, now: float) -> bool:
+        """Suspect and within its cool-down: no traffic while another backend can take it."""
+        return now < self.suspect_until
+
+    def on_probation(self, now: float) -> bool:
+        """Suspect, cool-down over, nothing answered since: one request at a time."""
+        return 0.0 < self.suspect_until <= now
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request for ``model`` may go here (a backend not yet listed takes any)."""
+        return model is None or not self.models or model in self.models
+
+    def request_time(self, max_tokens: int) -> float:
+        return self.ttft_s + self.tpot_s * max(1, max_tokens)
+
+    def predicted_finish(self, max_tokens: int) -> float:
+        """Seconds from now until a new request of ``max_tokens`` would end here."""
+        return (self.in_flight + 1) * self.request_time(max_tokens)
+
+    def observe(self, ttft_s: float | None, e2e_s: float, tokens: int, alpha: float) -> None:
+        ttft = e2e_s if ttft_s is None else min(ttft_s, e2e_s)
+        tpot = (e2e_s - ttft) / max(1, tokens - 1) if tokens > 1 else self.tpot_s
+        if self.observed == 0:
+            self.ttft_s, self.tpot_s = ttft, tpot
+        else:
+            self.ttft_s += alpha * (ttft - self.ttft_s)
+            self.tpot_s += alpha * (tpot - self.tpot_s)
+        self.observed += 1
+
+
+def routable(backends: list[Backend], now: float) -> list[Backend]:
+    """The backends a request may go to: those not ejected, else all (better a
+    suspect backend than none, as Envoy's panic mode and SGLang's router do)."""
+    return [b for b in backends if not b.ejected(now)] or backends
+
+
+def choose_backend(
+    backends: list[Backend],
+    max_tokens: int,
+    max_inflight: int,
+    model: str | None = None,
+    now: float | None = None,
+) -> Backend | None:
+    """The up backend with room and the earliest predicted finish (None: none has room).
+
+    A suspect backend is passed over, even when the others are full (the request
+    waits for them instead of hanging), unless no other backend serves the model;
+    on probation it takes one request at a time.
+    """
+    now = time.monotonic() if now is None else now
+    usable = [b for b in backends if b.up and b.serves(model)]
+    best: Backend | None = None
+    best_t = math.inf
+    for b in routable(usable, now):
+        if b.in_flight >= (1 if b.on_probation(now) else max_inflight):
+            continue
+        t = b.predicted_finish(max_tokens)
+        if t < best_t:
+            best, best_t = b, t
+    return best
