@@ -495,3 +495,15 @@ def test_a_trace_sends_each_requests_overrun_and_eviction(tmp_path: Path) -> Non
         (None, "auto"),
         (None, None),
     ]
+
+
+def test_a_lines_priority_0_is_sent_and_not_replaced_by_the_option(tmp_path: Path) -> None:
+    """Request cannot tell priority 0 from none, so --priority overwrote a line's explicit 0."""
+    line = {"rid": 0, "arrival": 0.0, "prompt_len": 4, "output_len": 2}
+    trace = tmp_path / "t.jsonl"
+    lines = [{**line, "priority": 0}, {**line, "rid": 1}, {**line, "rid": 2, "priority": 3}]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    reqs = LoadWorkload(workload=str(trace), priorities={"*": 5}).build(1.0)
+    assert [(r.rid, r.priority) for r in reqs] == [(0, 0), (1, 5), (2, 3)]
+    body = request_body(reqs[0], Target(base="http://x", model="m"))
+    assert body["priority"] == 0

@@ -13,7 +13,9 @@ is text and classes:
   benchmark; with ``--ignore-eos`` the server is asked to produce exactly that.
 - Each request gets a class drawn from ``class_mix`` (seeded, stream 3), and
   from its class a relative deadline and a priority. A trace names its own
-  classes, deadlines and priorities; per-class options fill in what it leaves out.
+  classes, deadlines and priorities; per-class options fill in what its lines
+  leave out (a line's ``priority: 0`` is given, not left out: the trace reader
+  says which fields a line had, which a :class:`Request` cannot).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from duetime.core.request import Job
 from duetime.server.schemas import MAX_MS
+
+if TYPE_CHECKING:
+    from duetime.workloads.trace import TraceLine
 
 ANY_CLASS = "*"  # key of a value given without a class name: it applies to every class
 DEFAULT_CLASS = "default"
@@ -94,12 +99,14 @@ class LoadWorkload:
 
     def build(self, rate: float) -> list[LoadRequest]:
         """The requests of one run at ``rate`` requests/s, sorted by arrival."""
-        from duetime import workloads as wl
+        from duetime.workloads.trace import read_trace_lines
 
+        lines: list[TraceLine] = []
         if self.is_trace:
             if self.class_mix:
                 raise ValueError("--class-mix cannot be used with a trace: it names its classes")
-            jobs = wl.read_trace(self.workload)[: self.requests]
+            lines = read_trace_lines(self.workload)[: self.requests]
+            jobs = [line.job for line in lines]
             classes = [job.request.klass for job in jobs]
             self._check_names(set(classes))
             texts = None
@@ -113,6 +120,7 @@ class LoadWorkload:
         for i, (job, klass) in enumerate(zip(jobs, classes, strict=True)):
             r = job.request
             text = texts[i] if texts is not None else None
+            given = lines[i].given if lines else frozenset()
             deadline = r.time_budget
             if deadline is None:
                 deadline = _lookup(self.deadlines, klass)
@@ -126,7 +134,8 @@ class LoadWorkload:
                     f"trace request {r.rid}: prompt_len + output_len = "
                     f"{r.prompt_len + job.output_len} exceeds --max-context {self.max_context}"
                 )
-            priority = r.priority or _lookup(self.priorities, klass)
+            # a line's own priority wins, 0 included; only a missing one is filled in
+            priority = r.priority if "priority" in given else _lookup(self.priorities, klass)
             out.append(
                 LoadRequest(
                     rid=r.rid,
