@@ -256,6 +256,17 @@ def test_a_refused_body_is_counted_in_metrics() -> None:
     asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(), scenario))
 
 
+def test_a_body_over_the_limit_is_counted_in_metrics() -> None:
+    """The 413 of the body-size middleware never reached requests_total."""
+
+    async def scenario(app: Any, gw: Gateway) -> None:
+        seen = await call(app, "POST", "/v1/completions", b"x" * 2048)
+        assert seen.status == 413
+        assert _outcome(gw, "http_413") == 1
+
+    asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(max_body_bytes=1024), scenario))
+
+
 def test_a_stream_whose_client_leaves_before_the_first_byte_is_closed_upstream() -> None:
     """A streaming client that hung up while the backend had sent nothing yet kept its
     upstream request and slot until the first byte came (or the request timed out)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -138,9 +138,12 @@ def install_error_handlers(app: FastAPI) -> None:
 class BodyLimit:
     """Refuse request bodies over ``max_bytes`` with 413 (declared or streamed)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, on_refuse: Callable[[], None] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_refuse = on_refuse  # e.g. count the 413 where the app counts its outcomes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -176,6 +179,8 @@ class BodyLimit:
         await self.app(scope, _replay([first], receive), send)
 
     async def _refuse(self, send: Send) -> None:
+        if self.on_refuse is not None:
+            self.on_refuse()
         body = json.dumps(
             error_json(f"request body over {self.max_bytes} bytes", "invalid_request_error")
         ).encode()

@@ -159,7 +159,12 @@ def create_gateway_app(
 
     app = FastAPI(title="duetime gateway", version="0.1", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    # A body refused before any route runs is an outcome too: /metrics counts every request.
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=cfg.max_body_bytes,
+        on_refuse=lambda: gw.m_requests.labels("http_413").inc(),
+    )
     app.state.gateway = gw
 
     @app.get("/health")
