@@ -507,3 +507,72 @@ def test_a_lines_priority_0_is_sent_and_not_replaced_by_the_option(tmp_path: Pat
     assert [(r.rid, r.priority) for r in reqs] == [(0, 0), (1, 5), (2, 3)]
     body = request_body(reqs[0], Target(base="http://x", model="m"))
     assert body["priority"] == 0
+
+
+# --- found by tests/test_load_and_trace_properties.py ------------------------------------------
+
+
+def test_an_empty_answer_has_a_ttft_and_leaves_the_percentiles_whole() -> None:
+    """An ok answer without text (EOS first) had no first token: its TTFT was NaN, and with it
+    every TTFT percentile of the run."""
+    req = LoadRequest(0, 0.0, "p", 4, 8)
+    spoken = Outcome(request=req, status="ok", sent=0.0, first_token=0.1, finish=0.3, chunks=3)
+    silent = Outcome(request=LoadRequest(1, 0.0, "p", 4, 8), status="ok", sent=0.0, finish=0.2)
+    row = summarize_run(LoadRun([spoken, silent], launch_s=0.0, wall_s=0.3))
+    assert row["ttft_p50_s"] == pytest.approx(0.15)  # 0.1 and, for the silent one, 0.2
+    assert to_record(silent).ttft == to_record(silent).e2e == pytest.approx(0.2)
+
+
+def _trace(tmp_path: Path, *lines: dict[str, Any]) -> str:
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
+
+
+LINE = {"rid": 0, "arrival": 0.0, "prompt_len": 4, "output_len": 2}
+
+
+def test_a_trace_sends_each_requests_time_utility(tmp_path: Path) -> None:
+    """duetime's server takes a TUF per request; a trace's TUFs were silently not sent."""
+    tuf = {"ert": 1.5, "beta": 2.0, "alpha": -0.5}
+    trace = _trace(tmp_path, {**LINE, "tuf": tuf}, {**LINE, "rid": 1})
+    reqs = LoadWorkload(workload=trace).build(1.0)
+    bodies = [request_body(r, Target(base="http://x", model="m")) for r in reqs]
+    assert bodies[0]["tuf"] == {"ert_ms": 1500.0, "beta": 2.0, "alpha": -0.5}
+    assert "tuf" not in bodies[1]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (  # > 0, but sent as deadline_ms 0.0, which the server refuses: every request a 400
+            {**LINE, "arrival": 1.0, "deadline": 1.0000001},
+            r"t\.jsonl:2: field 'deadline': deadline - arrival = 1e-07 s, sent as deadline_ms 0;",
+        ),
+        (  # said "trace request 7", not which file or line
+            {**LINE, "rid": 7, "arrival": 1.0, "deadline": 1.0},
+            r"t\.jsonl:2: field 'deadline': deadline - arrival = 0 s",
+        ),
+        (
+            {**LINE, "arrival": 1.0, "prompt_len": 2047},
+            r"t\.jsonl:2: field 'prompt_len': prompt_len \+ output_len = 2049 exceeds",
+        ),
+        (
+            {**LINE, "tuf": {"ert": 1.0, "beta": -1.0}},
+            r"t\.jsonl:2: field 'tuf': beta -1\.0 is refused by the server",
+        ),
+    ],
+)
+def test_a_trace_request_that_cannot_be_sent_names_file_line_and_field(
+    tmp_path: Path, line: dict[str, Any], message: str
+) -> None:
+    trace = _trace(tmp_path, {**LINE, "rid": 99}, line)
+    with pytest.raises(ValueError, match=message):
+        LoadWorkload(workload=trace).build(1.0)
+
+
+def test_a_deadline_option_that_would_be_sent_as_0_ms_is_refused() -> None:
+    with pytest.raises(ValueError, match="--deadline for '\\*' must be a number of seconds > 0"):
+        parse_deadlines(["1e-7"])
+    with pytest.raises(ValueError, match="<= 1e\\+06"):
+        parse_deadlines(["2e6"])

@@ -133,7 +133,8 @@ def load(
         records[label] = [to_record(o) for o in run.sent]
         if row["top_errors"]:
             message, count = next(iter(row["top_errors"].items()))
-            err.print(f"{label}: {row['errors']} errors; most common ({count}×): {message}")
+            # escape: the message quotes the server ("[/INST]" was a MarkupError traceback)
+            err.print(escape(f"{label}: {row['errors']} errors; most common ({count}×): {message}"))
 
     keys = list(TABLE_KEYS)
     keys += sorted({k for row in rows for k in row if k.startswith("deadline_hit_rate[")})

@@ -79,6 +79,10 @@ def to_record(out: Outcome) -> RequestRecord:
     record.output_tokens = out.output_tokens
     if out.status == "ok":
         record.finish = out.finish
+        if out.first_token is None:
+            # An answer without text (EOS came first) still ended: its end is the first sign of
+            # it. Without a first token, its TTFT was NaN and made every TTFT percentile NaN.
+            record.first_token = out.finish
     elif out.status in ("rejected", "error"):
         record.cancelled_at = out.ended
     return record

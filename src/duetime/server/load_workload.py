@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from duetime.core.request import Job
+from duetime.core.request import Job, TimeUtility
 from duetime.server.schemas import MAX_MS
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ class LoadRequest:
     priority: int | None = None
     overrun: str | None = None  # a trace's per-request TimeBill fields, sent as given
     kv_eviction: str | float | None = None
+    tuf: TimeUtility | None = None  # a trace's time-utility function (TimelyLLM)
 
 
 @dataclass(slots=True)
@@ -121,19 +122,23 @@ class LoadWorkload:
             r = job.request
             text = texts[i] if texts is not None else None
             given = lines[i].given if lines else frozenset()
+            where = f"{self.workload}:{lines[i].number}" if lines else ""
             deadline = r.time_budget
             if deadline is None:
                 deadline = _lookup(self.deadlines, klass)
-            elif not 0 < deadline <= MAX_MS / 1000:  # the server refuses 0 and absurd budgets
+            elif not 0 < wire_ms(deadline) <= MAX_MS:  # the server refuses 0 and absurd ones
                 raise ValueError(
-                    f"trace request {r.rid}: deadline - arrival = {deadline:g} s; "
-                    f"it must be > 0 and <= {MAX_MS / 1000:g} s"
+                    f"{where}: field 'deadline': deadline - arrival = {deadline:g} s, sent as "
+                    f"deadline_ms {wire_ms(deadline):g}; it must be > 0 and <= {MAX_MS:g}"
                 )
             if self.is_trace and r.prompt_len + job.output_len > self.max_context:
                 raise ValueError(
-                    f"trace request {r.rid}: prompt_len + output_len = "
+                    f"{where}: field 'prompt_len': prompt_len + output_len = "
                     f"{r.prompt_len + job.output_len} exceeds --max-context {self.max_context}"
                 )
+            problem = None if r.tuf is None else _tuf_problem(r.tuf)
+            if problem is not None:
+                raise ValueError(f"{where}: field 'tuf': {problem}")
             # a line's own priority wins, 0 included; only a missing one is filled in
             priority = r.priority if "priority" in given else _lookup(self.priorities, klass)
             out.append(
@@ -148,6 +153,7 @@ class LoadWorkload:
                     priority=priority,
                     overrun=r.overrun,
                     kv_eviction=r.kv_eviction,
+                    tuf=r.tuf,
                 )
             )
         return out
@@ -193,6 +199,34 @@ class LoadWorkload:
 
 def _lookup(values: dict[str, T], klass: str) -> T | None:
     return values.get(klass, values.get(ANY_CLASS))
+
+
+def wire_ms(seconds: float) -> float:
+    """Seconds as they are sent (``deadline_ms``, ``tuf.ert_ms``): milliseconds, to the µs.
+
+    Checks use the sent value, not ``seconds``: a budget under half a microsecond
+    is > 0 but goes out as 0, which servers refuse.
+    """
+    return round(seconds * 1000.0, 3)
+
+
+def tuf_body(tuf: TimeUtility) -> dict[str, float]:
+    """A time-utility function as the API takes it (``ert`` in milliseconds)."""
+    return {"ert_ms": wire_ms(tuf.ert), "beta": tuf.beta, "alpha": tuf.alpha}
+
+
+def _tuf_problem(tuf: TimeUtility) -> str | None:
+    """Why duetime's server would refuse ``tuf`` (only it reads the field), or None."""
+    from pydantic import ValidationError
+
+    from duetime.server.schemas import TUFSpec
+
+    try:
+        TUFSpec.model_validate(tuf_body(tuf))
+    except ValidationError as e:
+        error = e.errors()[0]
+        return f"{error['loc'][0]} {error['input']!r} is refused by the server: {error['msg']}"
+    return None
 
 
 def filler_prompt(rid: int, prompt_len: int, rng: np.random.Generator) -> str:
@@ -248,11 +282,14 @@ def parse_class_values(items: Iterable[str], option: str, cast: Callable[[str], 
 
 
 def parse_deadlines(items: Iterable[str]) -> dict[str, float]:
-    """Per-class relative deadlines in seconds, each finite and > 0."""
+    """Per-class relative deadlines in seconds, each > 0 and within what a server accepts."""
     values = parse_class_values(items, "--deadline", float)
     for name, v in values.items():
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"--deadline for {name!r} must be a number of seconds > 0, got {v}")
+        if not (math.isfinite(v) and 0 < wire_ms(v) <= MAX_MS):
+            raise ValueError(
+                f"--deadline for {name!r} must be a number of seconds > 0 and "
+                f"<= {MAX_MS / 1000:g} (sent in ms, to the microsecond), got {v}"
+            )
     return values
 
 

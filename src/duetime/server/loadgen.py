@@ -10,11 +10,12 @@ launch are cancelled (closing the connection, which aborts them on the server)
 and counted as unfinished.
 
 Outcomes: ``ok`` (the stream ended normally), ``rejected`` (HTTP 429, the
-server's admission control said no; never retried), ``error`` (any other HTTP
-error, a broken or malformed stream, a connection failure, a per-request
-timeout) and ``unfinished``. When the server is duetime, the ``duetime``
-object of its last chunk (``ttft_ms``, ``e2e_ms``, ``deadline_met``, ...) is
-kept beside the client's own measurements.
+server's admission control said no; never retried), ``error`` (any other
+status outside 2xx, redirects included, a broken or malformed stream, a
+connection failure, a per-request timeout) and ``unfinished``. Whatever an
+answer is, its request ends in exactly one of these. When the server is
+duetime, the ``duetime`` object of its last chunk (``ttft_ms``, ``e2e_ms``,
+``deadline_met``, ...) is kept beside the client's own measurements.
 
 Wire format: docs/load.md.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,10 +32,11 @@ from typing import Any, Literal
 
 import httpx
 
-from duetime.server.load_workload import DEFAULT_CLASS, LoadRequest
+from duetime.server.load_workload import DEFAULT_CLASS, LoadRequest, tuf_body, wire_ms
 
 Status = Literal["ok", "rejected", "error", "unfinished"]
 DONE = "[DONE]"
+_DELAY_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")  # Retry-After in seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +108,9 @@ class LoadRun:
 
 
 def request_body(req: LoadRequest, target: Target) -> dict[str, Any]:
-    """The JSON body for ``req``; duetime's extensions only when a deadline, priority or class
-    is set (vLLM and llama.cpp ignore fields they do not know)."""
+    """The JSON body for ``req``; duetime's extensions (deadline, priority, class, overrun,
+    KV eviction, TUF) only when the request has them (vLLM and llama.cpp ignore fields they
+    do not know)."""
     body: dict[str, Any] = {"model": target.model}
     if target.chat:
         body["messages"] = [{"role": "user", "content": req.prompt}]
@@ -121,7 +125,7 @@ def request_body(req: LoadRequest, target: Target) -> dict[str, Any]:
     if target.ignore_eos:
         body.update(ignore_eos=True, min_tokens=req.max_tokens)
     if req.deadline_s is not None:
-        body["deadline_ms"] = round(req.deadline_s * 1000.0, 3)
+        body["deadline_ms"] = wire_ms(req.deadline_s)
     if req.priority is not None:
         body["priority"] = req.priority
     if req.klass != DEFAULT_CLASS:
@@ -130,6 +134,8 @@ def request_body(req: LoadRequest, target: Target) -> dict[str, Any]:
         body["overrun"] = req.overrun.replace("-", "_")  # the API spells it skip_next
     if req.kv_eviction is not None:
         body["kv_eviction"] = req.kv_eviction
+    if req.tuf is not None:
+        body["tuf"] = tuf_body(req.tuf)
     return body
 
 
@@ -150,8 +156,13 @@ def parse_sse_line(line: str) -> dict[str, Any] | str | None:
 
 
 def chunk_text(event: dict[str, Any], chat: bool) -> str:
-    """The text a chunk adds: ``choices[0].text`` or, for chat, ``choices[0].delta.content``."""
+    """The text a chunk adds: ``choices[0].text`` or, for chat, ``choices[0].delta.content``.
+
+    Raises ValueError when ``choices`` is there but not a list (a malformed chunk).
+    """
     choices = event.get("choices") or []
+    if not isinstance(choices, list):
+        raise ValueError(f"choices is not a list: {_brief(json.dumps(choices), 80)}")
     if not choices or not isinstance(choices[0], dict):
         return ""
     choice = choices[0]
@@ -232,7 +243,7 @@ async def _send(client: httpx.AsyncClient, target: Target, out: Outcome, t0: flo
     try:
         async with client.stream("POST", target.path, json=body) as resp:
             out.http_status = resp.status_code
-            if resp.status_code >= 400:
+            if not 200 <= resp.status_code < 300:  # a redirect is no answer either (not followed)
                 text = (await resp.aread()).decode("utf-8", "replace")
                 out.ended = now()
                 if resp.status_code == 429:
@@ -259,6 +270,9 @@ async def _send(client: httpx.AsyncClient, target: Target, out: Outcome, t0: flo
         _error(out, now(), f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
     except (ValueError, TypeError, AttributeError) as e:  # malformed JSON or chunk
         _error(out, now(), f"bad response: {e}")
+    except Exception as e:  # whatever else a strange answer causes: escaping the task, it left
+        # the request counted as unfinished (and asyncio logged "exception never retrieved")
+        _error(out, now(), f"bad response: {type(e).__name__}: {e}")
 
 
 def _absorb(out: Outcome, event: Any, chat: bool, at: float) -> None:
@@ -271,8 +285,10 @@ def _absorb(out: Outcome, event: Any, chat: bool, at: float) -> None:
             out.first_token = at
         out.chunks += 1
     usage = event.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        out.usage_tokens = usage["completion_tokens"]
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    # A count only: true (an int to Python) or -1 would have been summed into the token totals.
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
+        out.usage_tokens = tokens
     report = event.get("duetime")
     if isinstance(report, dict):
         out.server = report
@@ -283,11 +299,14 @@ def _error(out: Outcome, at: float, message: str) -> None:
 
 
 def _seconds(value: str | None) -> float | None:
-    """Retry-After as seconds (an HTTP date is not worth parsing here)."""
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
+    """Retry-After as seconds (an HTTP date is not worth parsing here).
+
+    Only digits (with a fraction, which some servers send) count: ``float`` also took
+    ``-1``, ``nan`` and ``inf``, which then made ``retry_after_mean_s`` negative or NaN.
+    """
+    if value is None or not _DELAY_SECONDS.fullmatch(value.strip()):
         return None
+    return float(value)
 
 
 def _brief(text: str, limit: int = 160) -> str:
