@@ -350,11 +350,7 @@ def test_the_cli_refuses_a_damaged_trace_with_one_line_and_writes_nothing(
     assert "Traceback" not in res.output
     (line,) = [text for text in res.output.splitlines() if text.strip()]
     _check_error(line.removeprefix("error: "), path, damage, number)
-    assert not report.exists()
-    assert (
-        sorted(p.name for p in tmp_path.iterdir()) == ["out", "t.jsonl"]
-        or not (tmp_path / "out").exists()
-    )
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [path]  # no report, no temporary
 
 
 # --- 3. the load generator against a fake server -----------------------------------------------
@@ -610,7 +606,7 @@ def test_every_answer_is_counted_once_as_what_it_was(
 
 MAX_CONTEXT = 2048  # duetime load's default --max-context
 #: Deadline budgets and prompt lengths, ordinary ones and ones at the edges of what can be
-#: sent (deadline_ms > 0 and <= 1e9; prompt + output <= --max-context), where half of them fail.
+#: sent (deadline_ms > 0 and <= 1e9; prompt + output <= --max-context), some past them.
 BUDGETS = st.floats(1e-3, 100)
 EDGE_BUDGETS = st.one_of(BUDGETS, st.sampled_from([0.0, 1e-7, 4e-7, 6e-7, 1e-3, 1e6, 1e6 + 1]))
 PROMPTS = st.integers(1, 40)
