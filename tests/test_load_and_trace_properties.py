@@ -59,7 +59,13 @@ from duetime.server.load_report import summarize_run, to_record
 from duetime.server.load_workload import LoadRequest
 from duetime.server.loadgen import Bounds, Target, run_load
 from duetime.server.schemas import ChatCompletionRequest, CompletionRequest
-from duetime.workloads.trace import TraceError, job_to_dict, read_trace, write_trace
+from duetime.workloads.trace import (
+    MAX_TRACE_SECONDS,
+    TraceError,
+    job_to_dict,
+    read_trace,
+    write_trace,
+)
 
 SCALE = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "25")) / 25
 runner = CliRunner()
@@ -78,7 +84,7 @@ def _settings(examples: int) -> Any:
 
 # --- strategies: jobs a trace can hold ---------------------------------------------------------
 
-SECONDS = st.floats(0, 1e9, allow_nan=False, allow_infinity=False)
+SECONDS = st.floats(0, MAX_TRACE_SECONDS, allow_nan=False, allow_infinity=False)
 #: Numbers a caller may hand Request: ints too (``arrival=5``), which JSON spells without ".0".
 REALS = st.one_of(SECONDS, st.integers(0, 10**6))
 ANY_INT = st.integers()
@@ -135,7 +141,11 @@ def trace_jobs(
             arrival=arrival,
             prompt_len=draw(prompt_lens),
             max_tokens=draw(st.one_of(st.just(4096), st.integers(output_len, 10**6))),
-            deadline=draw(st.one_of(st.none(), budgets.map(lambda b, a=arrival: a + b))),
+            deadline=draw(
+                st.one_of(
+                    st.none(), budgets.map(lambda b, a=arrival: min(a + b, MAX_TRACE_SECONDS))
+                )
+            ),
             priority=draw(priorities),
             tuf=tuf,
             klass=draw(st.one_of(st.just("default"), klasses)),

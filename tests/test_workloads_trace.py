@@ -81,6 +81,14 @@ BAD_LINES = [
     (_line(prompt_len="3"), "field 'prompt_len': must be an integer, got \"3\""),
     (_line(arrival=-1), "field 'arrival': must be >= 0"),
     (_line(arrival="soon"), "field 'arrival': must be a number"),
+    # past ~1e17 s a step no longer moves a double clock: latencies 0, runs that never end
+    (_line(arrival=1e50), "field 'arrival': must be <= 1000000000.0"),
+    (_line(arrival=1.0, deadline=1e300), "field 'deadline': must be <= 1000000000.0"),
+    (_line(tuf={"ert": 1e20}), "field 'tuf.ert': must be <= 1000000000.0"),
+    (
+        _line(output_len=5, segments=[2, 3], segment_gaps=[1e18]),
+        "field 'segment_gaps[0]': must be <= 1000000000.0",
+    ),
     (
         '{"rid": 0, "arrival": NaN, "prompt_len": 1, "output_len": 1}',
         "field 'arrival': must be a finite",
