@@ -74,3 +74,20 @@ class EvictAfterPrefill(QueuePolicy):
                 dec.preempt.append(s.rid)
                 self.swapped.add(s.rid)
         return dec
+
+
+def fresh_jobs(jobs: list[Job]) -> list[Job]:
+    """Copies of ``jobs`` with new Requests and no prediction, for a second run of the
+    same jobs (executors and predictors write into ``Request.predicted``)."""
+    out = [
+        Job(
+            Request(**{f: getattr(j.request, f) for f in j.request.__dataclass_fields__}),
+            j.output_len,
+            j.segments,
+            j.segment_gaps,
+        )
+        for j in jobs
+    ]
+    for j in out:
+        j.request.predicted = None  # type: ignore[misc]
+    return out

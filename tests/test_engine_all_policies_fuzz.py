@@ -30,13 +30,12 @@ from duetime.core.decision import Decision
 from duetime.core.request import Job, Request, TimeUtility
 from duetime.core.sequence import SeqStatus
 from duetime.core.snapshot import EngineSnapshot
-from duetime.engine import greedy_generate
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies import available_policies, make_policy
 from duetime.predict.oracle import make_job_predictor
-from tests.factories import SIMPLE_COST
-from tests.test_engine_fuzz import CheckedEngine
+from tests.factories import SIMPLE_COST, fresh_jobs
+from tests.test_engine_fuzz import CheckedEngine, _solo
 from tests.test_sim_invariants_all_policies import POLICY_OPTIONS
 
 EXAMPLES = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "6"))
@@ -99,16 +98,6 @@ def scenarios(draw: Any, policy: str) -> dict[str, Any]:
     }
 
 
-_SOLO: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
-
-
-def _solo(model: Gemma3, prompt: tuple[int, ...], n: int) -> list[int]:
-    key = (id(model), prompt, n)
-    if key not in _SOLO:
-        _SOLO[key] = greedy_generate(model, [list(prompt)], n)[0]
-    return _SOLO[key]
-
-
 def _serve(
     model: Gemma3, policy: str, sc: dict[str, Any]
 ) -> tuple[Any, CheckedEngine, set[int], set[int], dict[int, int]]:
@@ -123,17 +112,7 @@ def _serve(
         return dec
 
     pol.schedule = recording  # type: ignore[method-assign]
-    jobs = [
-        Job(
-            Request(**{f: getattr(j.request, f) for f in j.request.__dataclass_fields__}),
-            j.output_len,
-            j.segments,
-            j.segment_gaps,
-        )
-        for j in sc["jobs"]
-    ]
-    for j in jobs:
-        j.request.predicted = None  # type: ignore[misc]
+    jobs = fresh_jobs(sc["jobs"])
     ex = CheckedEngine(
         pol,
         model,

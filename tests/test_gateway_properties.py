@@ -49,6 +49,7 @@ from tests.gateway_fakes import (
     Seen,
     call,
 )
+from tests.test_gateway import _samples
 
 EXAMPLES = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "30"))
 READ_TIMEOUT_S = 0.2  # the gateway's request timeout in these runs: what a hang lasts
@@ -165,15 +166,6 @@ async def _run(
             "queued": len(gw._queue),
         }
     return seen, metrics, state
-
-
-def _samples(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 _SSE_TAIL = re.compile(rb"^(\n\n)?data: (\{.*\})\n\ndata: \[DONE\]\n\n$", re.S)

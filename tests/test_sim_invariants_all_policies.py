@@ -24,7 +24,7 @@ from duetime.core.request import Job, Request, TimeUtility
 from duetime.policies import available_policies, make_policy
 from duetime.predict.oracle import make_job_predictor
 from duetime.sim import SimConfig, Simulator
-from tests.factories import SIMPLE_COST
+from tests.factories import SIMPLE_COST, fresh_jobs
 
 MAX_POLICY_CALLS = 20_000
 EXAMPLES = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "25"))
@@ -100,17 +100,7 @@ def scenarios(draw: Any, policy: str) -> tuple[list[Job], SimConfig, dict[str, A
 
 def _run(policy: str, jobs: list[Job], cfg: SimConfig, options: dict[str, Any], seed: int) -> Any:
     """A fresh policy, predictor and copy of the jobs (predictors fill ``Request.predicted``)."""
-    fresh = [
-        Job(
-            Request(**{f: getattr(j.request, f) for f in j.request.__dataclass_fields__}),
-            j.output_len,
-            j.segments,
-            j.segment_gaps,
-        )
-        for j in jobs
-    ]
-    for j in fresh:
-        j.request.predicted = None  # type: ignore[misc]
+    fresh = fresh_jobs(jobs)
     pol = make_policy(policy, **options)
     predictor = make_job_predictor(getattr(pol, "default_predictor", None), seed=seed)
     sim = Simulator(pol, SIMPLE_COST, cfg, predictor)
