@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
@@ -91,3 +98,27 @@ def fresh_jobs(jobs: list[Job]) -> list[Job]:
     for j in out:
         j.request.predicted = None  # type: ignore[misc]
     return out
+
+
+@contextmanager
+def served(app: Any, log_level: str = "warning", start_s: float = 30.0) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port in a background thread; yields
+    its base URL and stops the server on exit (fake servers for the load generator)."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    try:
+        while not uv.started:
+            assert time.monotonic() - started < start_s, "fake server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

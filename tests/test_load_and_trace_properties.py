@@ -34,16 +34,13 @@ import json
 import math
 import os
 import re
-import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hypothesis import HealthCheck, given, note, settings
@@ -66,6 +63,7 @@ from duetime.workloads.trace import (
     read_trace,
     write_trace,
 )
+from tests.factories import served
 
 SCALE = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "25")) / 25
 runner = CliRunner()
@@ -509,21 +507,8 @@ class ScriptedServer:
 @pytest.fixture(scope="module")
 def scripted() -> Iterator[tuple[ScriptedServer, str]]:
     server = ScriptedServer()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(server.app, log_level="critical", lifespan="off")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    started = time.monotonic()
-    while not uv.started:
-        assert time.monotonic() - started < 30, "fake server did not start"
-        time.sleep(0.01)
-    yield server, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with served(server.app, log_level="critical") as url:
+        yield server, url
 
 
 #: Keys of a report row that are counts, fractions or labels; every other key names its unit.

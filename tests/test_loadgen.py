@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from typer.testing import CliRunner
@@ -46,6 +45,7 @@ from duetime.server.loadgen import (
     request_body,
     run_load,
 )
+from tests.factories import served
 
 runner = CliRunner()
 TOKEN_SLEEP_S = 0.004
@@ -105,22 +105,8 @@ def _sse(obj: dict[str, Any]) -> str:
 @pytest.fixture(scope="module")
 def fake() -> Iterator[tuple[FakeServer, str]]:
     server = FakeServer()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(server.app, log_level="warning", lifespan="off")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not uv.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.01)
-    yield server, f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with served(server.app, start_s=10) as url:
+        yield server, url
 
 
 @pytest.fixture
