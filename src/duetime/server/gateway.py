@@ -331,6 +331,14 @@ def _headers(b: Backend, upstream: httpx.Response) -> dict[str, str]:
     return h
 
 
+def _passed_through(b: Backend, upstream: httpx.Response, content: bytes) -> Response:
+    """A whole upstream answer (any status) for the client, as the backend sent it."""
+    ctype = upstream.headers.get("content-type", "application/json")
+    return Response(
+        content, status_code=upstream.status_code, media_type=ctype, headers=_headers(b, upstream)
+    )
+
+
 async def _whole(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int) -> Response:
     assert gw.client is not None
     t0 = time.monotonic()
@@ -355,8 +363,7 @@ async def _whole(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int
         gw.m_requests.labels("ok").inc()
     else:
         gw.m_requests.labels(f"http_{r.status_code}").inc()
-    ctype = r.headers.get("content-type", "application/json")
-    return Response(r.content, status_code=r.status_code, media_type=ctype, headers=_headers(b, r))
+    return _passed_through(b, r, r.content)
 
 
 async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int) -> Response:
@@ -391,10 +398,7 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
             await close()
             gw.answered(b)
             gw.m_requests.labels(f"http_{r.status_code}").inc()
-            ctype = r.headers.get("content-type", "application/json")
-            return Response(
-                content, status_code=r.status_code, media_type=ctype, headers=_headers(b, r)
-            )
+            return _passed_through(b, r, content)
         chunks = r.aiter_raw()
         try:
             first = await chunks.__anext__()
