@@ -33,6 +33,7 @@ from typer._click.exceptions import (
 
 from duetime.cli import app
 from duetime.cli.common import _log_level, writable
+from duetime.policies.registry import available_policies
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -206,10 +207,24 @@ def _quiet_help(ctx: Any, param: Any, value: bool) -> None:
         raise typer.Exit()
 
 
+# Options whose values are policy names, which the commands check only when they run.
+_POLICY_OPTIONS = {"policy": False, "policies": True}  # name -> comma-separated list
+
+
+def _known_policies(ctx: Any, param: Any, value: Any) -> Any:
+    """Refuse a policy name the registry lacks, as a click error naming it."""
+    names = str(value).split(",") if _POLICY_OPTIONS[param.name] else [str(value)]
+    unknown = [n for n in names if n not in available_policies()]
+    if value is not None and unknown:
+        raise BadParameter(f"unknown policy {', '.join(unknown)}", ctx=ctx, param=param)
+    return value
+
+
 def cli() -> Any:
     """The click command for ``app`` with callbacks made safe to run at parse time.
 
     A fresh command each call, so the callbacks swapped here leave the app as it is.
+    Policy-name options get a check of their values against the registry.
     """
     root = typer.main.get_command(app)
     unknown = []
@@ -219,6 +234,9 @@ def cli() -> Any:
         todo.extend(getattr(cmd, "commands", {}).values())
         cmd.get_help_option(cmd.context_class(cmd)).callback = _quiet_help
         for param in cmd.params:
+            if param.name in _POLICY_OPTIONS and param.callback is None:
+                param.callback = _known_policies
+                continue
             inner = getattr(param.callback, "__wrapped__", param.callback)
             if inner in _SKIPPED_CALLBACKS:
                 param.callback = None
@@ -364,6 +382,8 @@ def test_extracts_fences_continuations_and_inline_spans(tmp_path: Path) -> None:
         ("duetime bench nope", "No such command 'nope'"),
         ("duetime advise batch --input-len 512 --output-len 128", "--deadline"),
         ("duetime sim --policy edf stray", "stray"),
+        ("duetime serve --policy edff", "unknown policy edff"),
+        ("duetime sweep --policies fcfs,nope,edf", "unknown policy nope"),
         ("make deploy", "deploy"),
         ("duetime predict train-length --seed s --epochs many", "'--epochs'"),
         ("duetime bench amin --engine [--reps 1|two]", "'--reps'"),
