@@ -5,7 +5,8 @@ byte codec (one token per UTF-8 byte) for the tiny random-weight models the
 tests serve. A stream must never emit half a UTF-8 character or a piece the
 tokenizer would later merge differently, so :class:`Detokenizer` re-decodes
 a short window and holds text back while it ends in U+FFFD — the approach
-vLLM and TGI take.
+vLLM and TGI take — but for 3 tokens at most: a byte no later one can complete
+is sent as U+FFFD, not held (with all text after it) until the answer ends.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class Detokenizer:
 
     #: How many already-sent tokens are re-decoded with each new one (context for merges).
     WINDOW = 6
+    #: A character spans at most 4 bytes, so at most 3 tokens follow its first one: the
+    #: text of all but the last HOLD tokens is final even where it ends in U+FFFD.
+    HOLD = 3
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
@@ -88,7 +92,13 @@ class Detokenizer:
         start = max(0, self._prefix)
         window = self.codec.decode(self.ids[start:])
         if window.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for the next token
+            # Half a character (wait for the next token), or a broken byte no token will
+            # mend: waiting for a valid character held back everything after it, up to
+            # the whole answer (and a stop string in it). The last HOLD tokens wait.
+            done = self.codec.decode(self.ids[start : max(start, len(self.ids) - self.HOLD)])
+            while not window.startswith(done) and done.endswith("\ufffd"):
+                done = done[:-1]  # the cut split a character the window has whole
+            window = done if window.startswith(done) else ""
         full = self.text[: self._prefix_chars] + window
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text = full if full.startswith(self.text) else self.text
