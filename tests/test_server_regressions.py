@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from duetime.core.decision import Decision
+from duetime.core.request import Job, Request
+from duetime.core.snapshot import EngineSnapshot
+from duetime.engine.executor import EngineExecutor
+from duetime.engine.testing import engine_from_hf, tiny_hf_model
+from duetime.policies.fcfs import FCFS
 from duetime.server.codec import ByteCodec, Detokenizer
+from duetime.server.engine_loop import EngineLoop, Outcome
 
 
 def _utf8(ids: Sequence[int], *, final: bool) -> str:
@@ -47,3 +54,59 @@ def test_the_detokenizer_sends_every_final_character_and_never_changes_one(
         assert _utf8(ids, final=True).startswith(sent), (ids, sent)
     sent += detok.flush()
     assert sent == _utf8(ids, final=True)
+
+
+class _RestartOnce(FCFS):
+    """FCFS that restarts each request once, right after its first token (the decision
+    holds nothing else, so the request is back in the queue with its answer void)."""
+
+    def __init__(self) -> None:
+        super().__init__(preempt_mode="restart")
+        self.restarted: set[int] = set()
+
+    def schedule(self, snap: EngineSnapshot) -> Decision:
+        for s in snap.running:
+            if s.generated >= 1 and s.rid not in self.restarted:
+                self.restarted.add(s.rid)
+                return Decision(preempt=[s.rid], preempt_mode="restart")
+        return super().schedule(snap)
+
+
+class _Inbox:
+    """A request's stream, read on this thread (the engine loop only calls ``put``)."""
+
+    def __init__(self) -> None:
+        self.items: list[list[int] | Outcome] = []
+        self.closed = False
+
+    def put(self, item: list[int] | Outcome) -> None:
+        self.items.append(item)
+
+
+def test_a_restarted_request_that_ends_early_counts_the_tokens_its_client_has() -> None:
+    """A policy restarted a request after its first token went out, and the client's stop
+    string ended it before the re-run had made that token again: its outcome said 0
+    tokens, so /metrics' duetime_generated_tokens_total missed the token the client has
+    (found by the server property test under aell, which restarts)."""
+    model = engine_from_hf(tiny_hf_model(seed=0, vocab_size=ByteCodec.vocab_size))
+    loop = EngineLoop(lambda: EngineExecutor(_RestartOnce(), model, kv_capacity=256))
+    seen: list[Outcome] = []
+    loop.on_outcome = lambda _job, outcome: seen.append(outcome)
+    ex = loop.executor
+    ex.on_tokens = loop._publish_tokens  # what the loop's thread sets; driven by hand here
+    ex.start_clock()
+    req = Request(rid=1, arrival=0.0, prompt_len=3, max_tokens=8, prompt_token_ids=(2, 70, 71))
+    stream = _Inbox()
+    loop.submit(Job(req, output_len=8), stream, stop_on_eos=False)  # type: ignore[arg-type]
+    loop._drain_inbox()
+    while not stream.items:
+        assert ex.tick() is None or ex.in_system
+    assert stream.items == [[ex.tokens[1][-1]]]  # the first token went out
+    ex.tick()  # the policy restarts the request: its answer is void for the books
+    assert ex.seqs[1].generated == 0
+    loop.finish(1)  # the stop string was in that first token
+    loop._drain_inbox()
+    (outcome,) = seen
+    assert stream.items[-1] is outcome
+    assert outcome.finish_reason == "stop"
+    assert outcome.output_tokens == 1

@@ -45,6 +45,8 @@ class Outcome:
     arrival: float
     first_token: float | None
     end: float
+    #: Tokens of the answer, at least those the client has: a request a policy restarted
+    #: can end (a stop string, an abort) before its re-run has made them all again.
     output_tokens: int
     kv_evicted_ratio: float = 0.0
     predicted_tokens: float | None = None
@@ -305,7 +307,7 @@ class EngineLoop:
         live = self._live.pop(rid, None)
         if live is None:
             return
-        outcome = self._outcome(live.job, reason, first_sent=live.first_sent)
+        outcome = self._outcome(live.job, reason, first_sent=live.first_sent, sent=live.emitted)
         live.stream.put(outcome)
         if self.on_outcome is not None:
             self.on_outcome(live.job, outcome)
@@ -317,7 +319,10 @@ class EngineLoop:
         reason: FinishReason,
         error: str | None = None,
         first_sent: float | None = None,
+        sent: int = 0,
     ) -> Outcome:
+        """How ``job`` ended; ``first_sent`` and ``sent`` are when its client got the first
+        token and how many it got (the executor's books forget both at a restart)."""
         ex = self.executor
         req = job.request
         rec = ex.records.get(req.rid)
@@ -328,7 +333,7 @@ class EngineLoop:
             arrival=req.arrival,
             first_token=first,
             end=ex.clock_now(),
-            output_tokens=rec.output_tokens if rec else 0,
+            output_tokens=max(rec.output_tokens if rec else 0, sent),
             kv_evicted_ratio=rec.kv_evicted_ratio if rec else 0.0,
             predicted_tokens=pred.point if pred is not None else None,
             deadline=req.deadline,
@@ -343,7 +348,9 @@ class EngineLoop:
             self._errors += 1
         message = why.strip().splitlines()[-1] if why.strip() else "engine error"
         for live in list(self._live.values()):
-            outcome = self._outcome(live.job, "error", error=message, first_sent=live.first_sent)
+            outcome = self._outcome(
+                live.job, "error", error=message, first_sent=live.first_sent, sent=live.emitted
+            )
             live.stream.put(outcome)
             if self.on_outcome is not None:
                 self.on_outcome(live.job, outcome)
