@@ -39,6 +39,18 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
 
+# Every reproduction that needs no real-engine run (simulator, cost models, predictors),
+# each writing out/bench/<name>.json and, where it plots, .png: about 2 minutes on 2 cores.
+# The real-engine runs (`duetime bench <name> --engine`, `bench engine`, `bench serve`)
+# take minutes each and are listed in README.md.
+BENCH_SIM_PLOTS := amin deferred-prefill timelyllm timebill ala sensitivity predict-length
+bench: $(STAMP)
+	mkdir -p out/bench
+	$(BIN)/duetime bench sim --json out/bench/sim.json
+	set -e; for b in $(BENCH_SIM_PLOTS); do \
+		$(BIN)/duetime bench $$b --json out/bench/$$b.json --plot out/bench/$$b.png; \
+	done
+
 bench-sim: $(STAMP)
 	$(BIN)/duetime bench sim
 
