@@ -147,19 +147,22 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
         ax.set_xlabel("length prediction error σ (log-normal; 0 = oracle)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend()
-    if fig.get("learned_effective_sigma") is not None:
-        axes[1].annotate(
-            f"★ learned RLP (effective σ = {fig['learned_effective_sigma']:.2f})",
-            xy=(0.02, 0.97),
-            xycoords="axes fraction",
-            va="top",
+    if fig.get("learned_effective_sigma") is not None:  # one legend entry for every star
+        axes[0].plot(
+            [],
+            [],
+            "*",
+            ms=12,
+            color="0.3",
+            label=f"learned RLP (effective σ = {fig['learned_effective_sigma']:.2f})",
         )
+    # Below both panels: inside one, the legend (or an annotation) hid a curve.
+    figure.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=6, frameon=False)
     w = fig["workload"]
     figure.suptitle(
         f"{w['requests']} requests ({w['workload']}) at {w['rate']}/s, "
         f"KV {w['kv_capacity']} tokens, "
         f"deadline = {w['deadline_scale']}x time alone ({w['profile']})"
     )
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     return save_png(figure, path)
