@@ -324,22 +324,28 @@ def plot(fig: dict[str, Any], path: Path) -> None:
 
     methods = ("ala", "ala_sa", *BASELINES)
     names = list(fig["configs"])
-    f, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    f, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
     w = 0.8 / len(methods)
     for k, m in enumerate(methods):
         vals = [fig["configs"][n]["median_err_pct"][m] for n in names]
         ax1.bar(np.arange(len(names)) + k * w, vals, w, label=m)
     ax1.set_xticks(np.arange(len(names)) + 0.4 - w / 2)
-    ax1.set_xticklabels([n.replace("-llama2-7b", "").replace("gemma3-270m-", "") for n in names])
+    ax1.set_xticklabels(
+        [n.replace("-llama2-7b", "").replace("gemma3-270m-", "") for n in names],
+        rotation=25,
+        ha="right",
+    )
     ax1.set_yscale("log")
     ax1.set_ylabel("median error on held-out pairs (%)")
-    ax1.legend(fontsize=7)
+    # Legends under the axes: inside, they hid bars and curves.
+    ax1.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     for n in names:
         log = fig["configs"][n]["sa_log"]
         ax2.plot([s["iteration"] for s in log], [s["val_median_err_pct"] for s in log], label=n)
     ax2.set_xlabel("simulated-annealing iteration")
     ax2.set_ylabel("validation median error (%)")
-    ax2.legend(fontsize=7)
+    ax2.set_yscale("log")
+    ax2.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     f.tight_layout()
     save_png(f, path)
     plt.close(f)

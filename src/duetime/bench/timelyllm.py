@@ -341,7 +341,6 @@ def plot(fig: dict[str, Any], path: str | Path, title: str | None = None) -> Pat
         ax.set_xticks(x, classes)
         ax.set_ylabel("mean time utility per task (Eq. 3)")
         ax.set_title(f"WID{w}", fontsize=9)
-        ax.legend(fontsize=7)
         ax = f.add_subplot(2, len(wids), len(wids) + i + 1)
         x = np.arange(2)
         for j, r in enumerate(rows):
@@ -355,5 +354,8 @@ def plot(fig: dict[str, Any], path: str | Path, title: str | None = None) -> Pat
         f"max_num_seqs {fig['max_num_seqs']})",
         fontsize=10,
     )
-    f.tight_layout()
+    # One legend under the panels: inside one, it hid the bars it names.
+    handles, labels = f.axes[0].get_legend_handles_labels()
+    f.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    f.tight_layout(rect=(0, 0.04, 1, 1))
     return save_png(f, path)
