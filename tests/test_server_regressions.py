@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
+from typing import Any
 
+import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,8 +20,12 @@ from duetime.core.snapshot import EngineSnapshot
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies.fcfs import FCFS
+from duetime.server.app import ServerState, create_app
+from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.codec import ByteCodec, Detokenizer
 from duetime.server.engine_loop import EngineLoop, Outcome
+from duetime.server.threaded import serve_in_thread
+from tests.test_server_all_policies import MODEL, CharCodec
 
 
 def _utf8(ids: Sequence[int], *, final: bool) -> str:
@@ -110,3 +116,32 @@ def test_a_restarted_request_that_ends_early_counts_the_tokens_its_client_has() 
     assert stream.items[-1] is outcome
     assert outcome.finish_reason == "stop"
     assert outcome.output_tokens == 1
+
+
+def _served_state(policy: str = "fcfs", **kw: Any) -> ServerState:
+    """A server state on the tiny model with one character per token (CharCodec)."""
+    options = ServeOptions(model="tiny", predictor=None, policy=policy, **kw)
+    return build_state(options, load_served_model(options)[0], CharCodec(), MODEL)
+
+
+def test_a_stop_string_in_the_last_allowed_token_is_counted_as_the_client_saw_it() -> None:
+    """The engine ended the answer at max_tokens ("length") in the step that made the
+    token holding the stop string; the client rightly got "stop", but /metrics counted
+    the request under reason="length" (found by the server property test)."""
+    state = _served_state(kv_capacity=256)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 1, "ignore_eos": True}
+    with serve_in_thread(create_app(state)) as url:
+        first = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        stop = first["choices"][0]["text"]
+        assert len(stop) == 1
+        for stream in (False, True):
+            r = httpx.post(
+                url + "/v1/completions",
+                json={**body, "stop": [stop], "stream": stream},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            assert '"finish_reason":"stop"' in r.text.replace(" ", "")
+        metrics = state.metrics.requests
+        assert metrics.labels("length")._value.get() == 1  # the first request
+        assert metrics.labels("stop")._value.get() == 2

@@ -12,6 +12,7 @@ memory is freed by the engine on its next round).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -70,8 +71,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
+        # Outcomes are counted by each request's Stream, as its client saw them.
         self.metrics = ServerMetrics(lambda: self.engine.stats)
-        self.engine.on_outcome = lambda _job, outcome: self.metrics.observe(outcome)
 
 
 def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
@@ -229,7 +230,7 @@ async def _serve(
             code={"queue": "queue_full", "deadline": "deadline_unreachable"}[verdict.why],
             headers={"Retry-After": str(verdict.retry_after_s)},
         )
-    stream = Stream(asyncio.get_running_loop())
+    stream = Stream(asyncio.get_running_loop(), state.metrics.observe)
     segmenter = None
     if body.segment is not None:
         from duetime.engine.segment_stop import TextSegmenter, make_rule
@@ -334,9 +335,10 @@ class _Relay:
                 raise ApiError(504, "the request timed out in the server", type="server_error")
             item = await self.stream.get(left)
             if isinstance(item, Outcome):
-                self.outcome = item
                 self.detok.flush()
                 out = self._emit(final=True)
+                self.outcome = self._as_seen(item)
+                self.stream.counted(self.outcome)
                 if out:
                     yield out
                 break
@@ -370,13 +372,19 @@ class _Relay:
         self.sent += out
         return out
 
+    def _as_seen(self, outcome: Outcome) -> Outcome:
+        """The outcome as the client sees it: a stop string it got ends the answer as
+        "stop", whatever the engine had ended it with meanwhile ("length" at the same
+        token, a policy's "abort" or an engine "error" before the finish arrived)."""
+        if self.stopped and outcome.finish_reason != "stop":
+            return dataclasses.replace(outcome, finish_reason="stop", error=None)
+        return outcome
+
     def abort(self) -> None:
-        self.stream.closed = True
+        self.stream.close()
         self.state.engine.abort(self.rid)
 
     def finish_reason(self) -> str:
-        if self.stopped:
-            return "stop"
         assert self.outcome is not None
         return self.outcome.finish_reason
 
@@ -410,7 +418,7 @@ async def _whole(relay: _Relay, meta: _Meta, request: Request, timeout: float) -
         raise
     outcome = relay.outcome
     assert outcome is not None
-    if outcome.finish_reason == "error" and not relay.stopped:
+    if outcome.finish_reason == "error":
         raise ApiError(500, f"the engine failed: {outcome.error}", type="server_error")
     body = _final_body(relay, meta, text)
     return JSONResponse(body)
@@ -481,7 +489,7 @@ async def _sse(
             yield _sse_line(_chunk(meta, delta, None))
         outcome = relay.outcome
         assert outcome is not None
-        if outcome.finish_reason == "error" and not relay.stopped:
+        if outcome.finish_reason == "error":
             err = {"message": f"the engine failed: {outcome.error}", "type": "server_error"}
             yield _sse_line({"error": err})
         else:

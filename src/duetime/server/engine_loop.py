@@ -70,20 +70,51 @@ class Outcome:
 
 
 class Stream:
-    """The event-loop side of one request: batches of token ids, then one :class:`Outcome`."""
+    """The event-loop side of one request: batches of token ids, then one :class:`Outcome`.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    ``count`` (the server's metrics) hears each request's outcome exactly once. The
+    reader counts what it read (:meth:`counted`), as the client saw it: a stop string can
+    end an answer in the very token at which the engine ended it for another reason. An
+    outcome nobody will read (the reader called :meth:`close`: the client left, timed
+    out) is counted by whichever thread holds it then.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, count: Callable[[Outcome], None] | None = None
+    ) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[list[int] | Outcome] = asyncio.Queue()
+        self._count = count
         self.closed = False
 
     def put(self, item: list[int] | Outcome) -> None:
         """Called from the engine thread."""
         if not self.closed:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._deliver, item)
+        elif isinstance(item, Outcome):
+            self.counted(item)
+
+    def _deliver(self, item: list[int] | Outcome) -> None:
+        if not self.closed:
+            self._queue.put_nowait(item)
+        elif isinstance(item, Outcome):
+            self.counted(item)
 
     async def get(self, timeout: float | None = None) -> list[int] | Outcome:
         return await asyncio.wait_for(self._queue.get(), timeout)
+
+    def close(self) -> None:
+        """The reader is gone (called on the event loop): count the outcome it left unread."""
+        self.closed = True
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, Outcome):
+                self.counted(item)
+
+    def counted(self, outcome: Outcome) -> None:
+        """Count ``outcome`` (once per request: the reader, or :meth:`put` after close)."""
+        if self._count is not None:
+            self._count(outcome)
 
 
 @dataclass(slots=True, frozen=True)
