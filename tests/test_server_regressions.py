@@ -7,6 +7,7 @@ is what finds the next one.
 from __future__ import annotations
 
 import codecs
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -145,3 +146,33 @@ def test_a_stop_string_in_the_last_allowed_token_is_counted_as_the_client_saw_it
         metrics = state.metrics.requests
         assert metrics.labels("length")._value.get() == 1  # the first request
         assert metrics.labels("stop")._value.get() == 2
+
+
+def test_an_answer_past_the_server_timeout_is_a_504_streamed_or_not() -> None:
+    """The request timeout fired inside the wait for a token (here: during a long
+    prefill), whose TimeoutError no one caught: a 500 "internal error: TimeoutError"
+    instead of the documented 504, and a stream that broke off without an error event
+    or [DONE] (found by the server property test with a 50 ms server timeout)."""
+    state = _served_state(kv_capacity=1024, max_batch_tokens=8)  # a prefill of ~100 steps
+    state.config.request_timeout_s = 0.05
+    body = {"model": MODEL, "prompt": "a" * 900, "max_tokens": 10, "ignore_eos": True}
+    with serve_in_thread(create_app(state)) as url:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["type"] == "server_error"
+        assert "timed out" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=30)
+        assert r.status_code == 200
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        assert "timed out" in events[-2]
+        assert '"error"' in events[-2]
+        _wait_idle(state)
+        assert state.metrics.requests.labels("abort")._value.get() == 2
+
+
+def _wait_idle(state: ServerState, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while state.engine.executor.seqs or state.engine._live:
+        assert time.monotonic() < deadline, "the engine still holds requests"
+        time.sleep(0.01)

@@ -330,10 +330,16 @@ class _Relay:
         deadline = time.monotonic() + timeout
         while self.outcome is None:
             left = deadline - time.monotonic()
-            if left <= 0:
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                # Times out while no token comes (queued, a long prefill): that too is a 504.
+                item = await self.stream.get(left)
+            except TimeoutError:
                 self.abort()
-                raise ApiError(504, "the request timed out in the server", type="server_error")
-            item = await self.stream.get(left)
+                raise ApiError(
+                    504, "the request timed out in the server", type="server_error"
+                ) from None
             if isinstance(item, Outcome):
                 self.detok.flush()
                 out = self._emit(final=True)
