@@ -6,6 +6,7 @@ counters and histograms are fed by every request's outcome.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -76,10 +77,14 @@ class ServerMetrics:
         self.tokens = Counter("duetime_generated_tokens", "Tokens generated.", registry=r)
         self._met = 0
         self._with_deadline = 0
+        # Outcomes are observed on the event loop (answers read) and on the engine thread
+        # (outcomes of clients that left): the two counts behind the hit rate move together.
+        self._lock = threading.Lock()
         r.register(_EngineCollector(stats, self.hit_rate))
 
     def hit_rate(self) -> float | None:
-        return self._met / self._with_deadline if self._with_deadline else None
+        with self._lock:
+            return self._met / self._with_deadline if self._with_deadline else None
 
     def observe(self, outcome: Outcome) -> None:
         self.requests.labels(outcome.finish_reason).inc()
@@ -90,8 +95,9 @@ class ServerMetrics:
             self.e2e.observe(outcome.e2e)
         met = outcome.deadline_met
         if met is not None:
-            self._with_deadline += 1
-            self._met += int(met)
+            with self._lock:
+                self._with_deadline += 1
+                self._met += int(met)
             self.deadlines.labels(str(met).lower()).inc()
 
     def render(self) -> bytes:
