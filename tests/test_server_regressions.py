@@ -7,6 +7,7 @@ is what finds the next one.
 from __future__ import annotations
 
 import codecs
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -176,3 +177,33 @@ def _wait_idle(state: ServerState, timeout: float = 10.0) -> None:
     while state.engine.executor.seqs or state.engine._live:
         assert time.monotonic() < deadline, "the engine still holds requests"
         time.sleep(0.01)
+
+
+def test_a_stop_string_does_not_end_an_answer_before_min_tokens() -> None:
+    """``min_tokens`` is "never stop before this", but a stop string in the first tokens
+    ended the answer there ("stop" after 1 token with min_tokens 4). As in vLLM, only a
+    stop string that begins after the first min_tokens tokens ends the answer now
+    (found by the server property test once it checked the documented contract)."""
+    state = _served_state(kv_capacity=256)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 12, "ignore_eos": True}
+    with serve_in_thread(create_app(state)) as url:
+        full = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        text = full["choices"][0]["text"]
+        stop = text[1]  # it may be there in the first 4 tokens and later again
+        later = text.find(stop, 4)
+        for stream in (False, True):
+            r = httpx.post(
+                url + "/v1/completions",
+                json={**body, "stop": [stop], "min_tokens": 4, "stream": stream},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            if stream:
+                events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e[6:7] == "{"]
+                got = "".join(e["choices"][0]["text"] for e in events)
+                final = events[-1]
+            else:
+                got, final = r.json()["choices"][0]["text"], r.json()
+            assert got == (text if later < 0 else text[:later])
+            assert final["choices"][0]["finish_reason"] == ("length" if later < 0 else "stop")
+            assert final["duetime"]["completion_tokens"] == (12 if later < 0 else later + 1)

@@ -244,7 +244,7 @@ async def _serve(
         segmenter=segmenter,
     )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    relay = _Relay(state, req.rid, stream, stops, Detokenizer(state.codec))
+    relay = _Relay(state, req.rid, stream, stops, Detokenizer(state.codec), body.min_tokens)
     meta = _Meta(
         rid=req.rid,
         model=cfg.model_name,
@@ -313,17 +313,27 @@ class _Relay:
     """Turns the engine's token batches into text deltas, applying stop strings."""
 
     def __init__(
-        self, state: ServerState, rid: int, stream: Stream, stops: list[str], detok: Detokenizer
+        self,
+        state: ServerState,
+        rid: int,
+        stream: Stream,
+        stops: list[str],
+        detok: Detokenizer,
+        min_tokens: int = 0,
     ) -> None:
         self.state = state
         self.rid = rid
         self.stream = stream
         self.stops = stops
         self.detok = detok
+        self.min_tokens = min_tokens
         self.sent = ""  # text handed to the client
         self.completion_tokens = 0
         self.outcome: Outcome | None = None
         self.stopped = False  # a stop string ended the answer
+        #: Where in the text a stop string may begin: past the first ``min_tokens`` tokens
+        #: ("never stop before this", as vLLM), None until they are in.
+        self.floor: int | None = 0 if min_tokens <= 0 else None
 
     async def deltas(self, timeout: float) -> AsyncIterator[str]:
         """Text deltas until the answer ends; sets ``outcome``."""
@@ -352,6 +362,8 @@ class _Relay:
                 continue  # generated before the engine saw the stop: not part of the answer
             self.completion_tokens += len(item)
             self.detok.add(item)
+            if self.floor is None and self.completion_tokens >= self.min_tokens:
+                self.floor = len(self.detok.text)
             out = self._emit(final=False)
             if out:
                 yield out
@@ -367,13 +379,16 @@ class _Relay:
         text = self.detok.text
         start = len(self.sent)
         end = len(text)
+        floor = self.floor
+        if floor is None:  # within min_tokens: no stop string counts, nothing is held back
+            floor = end
         for stop in self.stops:
-            cut = text.find(stop, start)
+            cut = text.find(stop, max(start, floor))
             if cut >= 0 and cut < end:
                 end = cut
                 self.stopped = True
         if not self.stopped and not final:
-            end = min(end, _safe_end(text, self.stops))
+            end = max(min(end, _safe_end(text, self.stops)), floor)
         out = text[start:end] if end > start else ""
         self.sent += out
         return out
