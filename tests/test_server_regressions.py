@@ -6,10 +6,12 @@ is what finds the next one.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
+import gc
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
@@ -22,10 +24,11 @@ from duetime.core.snapshot import EngineSnapshot
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies.fcfs import FCFS
-from duetime.server.app import ServerState, create_app
+from duetime.server.app import ServerState, _Meta, _whole, create_app
 from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.codec import ByteCodec, Detokenizer
 from duetime.server.engine_loop import EngineLoop, Outcome
+from duetime.server.errors import ApiError
 from duetime.server.threaded import serve_in_thread
 from tests.test_server_all_policies import MODEL, CharCodec
 
@@ -207,3 +210,55 @@ def test_a_stop_string_does_not_end_an_answer_before_min_tokens() -> None:
             assert got == (text if later < 0 else text[:later])
             assert final["choices"][0]["finish_reason"] == ("length" if later < 0 else "stop")
             assert final["duetime"]["completion_tokens"] == (12 if later < 0 else later + 1)
+
+
+class _CancelledAsTimeout:
+    """A relay whose wait for tokens turns its cancellation into the server's 504, as
+    ``asyncio.wait_for`` on Python 3.11 can when a cancel and its timeout coincide (it
+    then raises TimeoutError, which the relay answers with a 504)."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+    async def deltas(self, timeout: float) -> AsyncIterator[str]:
+        try:
+            await asyncio.sleep(timeout)
+        except asyncio.CancelledError:
+            raise ApiError(
+                504, "the request timed out in the server", type="server_error"
+            ) from None
+        yield ""  # an async generator, as _Relay.deltas is
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _Gone:
+    """A request whose client has left."""
+
+    async def is_disconnected(self) -> bool:
+        return True
+
+
+def test_an_answer_that_fails_as_its_client_leaves_logs_nothing() -> None:
+    """The client of a non-streamed answer left; the server cancelled the task that
+    collects the answer, and that task ended with the 504 of a timeout that came at the
+    same moment (wait_for let it through): nobody read it, so asyncio logged "Task
+    exception was never retrieved" with its traceback (found by the server property
+    test, which fails on any error the server logs)."""
+
+    async def main() -> list[str]:
+        errors: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _loop, context: errors.append(context["message"])
+        )
+        relay = _CancelledAsTimeout()
+        meta = _Meta(rid=1, model=MODEL, chat=False, prompt_tokens=1, echo=None)
+        response = await _whole(relay, meta, _Gone(), 10.0)  # type: ignore[arg-type]
+        assert response.status_code == 499
+        assert relay.aborted
+        await asyncio.sleep(0.05)  # the cancelled task ends (with its 504)
+        gc.collect()
+        return errors
+
+    assert asyncio.run(main()) == []

@@ -425,6 +425,10 @@ class _Relay:
 
 async def _whole(relay: _Relay, meta: _Meta, request: Request, timeout: float) -> Response:
     waiter = asyncio.ensure_future(_collect(relay, timeout))
+    # Where the client left, the answer is dropped unread, and the cancelled task may still
+    # end with an error (wait_for can turn the cancel into its timeout, hence a 504):
+    # retrieve it, or asyncio logs "Task exception was never retrieved" with a traceback.
+    waiter.add_done_callback(_retrieve)
     try:
         while not waiter.done():
             done, _ = await asyncio.wait({waiter}, timeout=0.25)
@@ -443,6 +447,11 @@ async def _whole(relay: _Relay, meta: _Meta, request: Request, timeout: float) -
         raise ApiError(500, f"the engine failed: {outcome.error}", type="server_error")
     body = _final_body(relay, meta, text)
     return JSONResponse(body)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _collect(relay: _Relay, timeout: float) -> str:
