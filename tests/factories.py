@@ -122,3 +122,19 @@ def served(app: Any, log_level: str = "warning", start_s: float = 30.0) -> Itera
         uv.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def answer_shape_problems(
+    n: int, reason: str, max_tokens: int, timing: dict[str, Any]
+) -> list[str]:
+    """What is wrong with an answer's token count, finish reason and TTFT / e2e timing
+    (the server tests judge every answer by these before their own checks)."""
+    bad = []
+    if n > max_tokens or (reason == "length" and n != max_tokens):
+        bad.append(f"{n} tokens, finish {reason}, max_tokens {max_tokens}")
+    ttft, e2e = timing["ttft_ms"], timing["e2e_ms"]
+    if n > 0 and ttft is None:
+        bad.append(f"{n} tokens and no ttft")
+    if ttft is not None and not 0 <= ttft <= e2e:
+        bad.append(f"ttft {ttft} ms, e2e {e2e} ms")
+    return bad

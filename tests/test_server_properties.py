@@ -63,6 +63,7 @@ from duetime.server.chat_template import render_chat
 from duetime.server.codec import ByteCodec, Codec
 from duetime.server.schemas import ChatMessage
 from duetime.server.threaded import serve_in_thread
+from tests.factories import answer_shape_problems
 from tests.test_server_all_policies import CharCodec, HalfPredictor
 
 EXAMPLES = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "2"))
@@ -738,13 +739,8 @@ def _check_answer(eng: Engine, c: Call, s: Seen) -> list[str]:
         )
     if eng.codec == "char" and len(text) > n:  # one character per token (none for ids < 3)
         bad.append(f"{len(text)} characters but completion_tokens {n}")
-    if n > c.max_tokens or (reason == "length" and n != c.max_tokens):
-        bad.append(f"{n} tokens, finish {reason}, max_tokens {c.max_tokens}")
-    ttft, e2e = timing["ttft_ms"], timing["e2e_ms"]
-    if n > 0 and ttft is None:
-        bad.append(f"{n} tokens and no ttft")
-    if ttft is not None and not 0 <= ttft <= e2e:
-        bad.append(f"ttft {ttft} ms, e2e {e2e} ms")
+    bad += answer_shape_problems(n, reason, c.max_tokens, timing)
+    e2e = timing["e2e_ms"]
     budget = c.fields.get("deadline_ms", c.fields.get("time_budget_ms"))
     met = timing["deadline_met"]
     if (budget is None) != (met is None):
