@@ -36,7 +36,7 @@ from duetime.policies import available_policies, make_policy
 from duetime.predict.oracle import make_job_predictor
 from tests.factories import SIMPLE_COST, fresh_jobs
 from tests.test_engine_fuzz import CheckedEngine, _solo
-from tests.test_sim_invariants_all_policies import POLICY_OPTIONS
+from tests.test_sim_invariants_all_policies import POLICY_OPTIONS, maybe_two_segments
 
 EXAMPLES = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "6"))
 
@@ -75,11 +75,7 @@ def _job(draw: Any, rid: int) -> Job:
         overrun=draw(st.sampled_from([None, "kill", "skip-next"])),
         kv_eviction=draw(st.sampled_from([None, "off", "auto", 0.25])),
     )
-    segments: tuple[int, ...] = ()
-    gaps: tuple[float, ...] = ()
-    if output >= 2 and draw(st.booleans()):
-        cut = draw(st.integers(1, output - 1))
-        segments, gaps = (cut, output - cut), (draw(st.sampled_from([0.0, 0.003, 0.02])),)
+    segments, gaps = maybe_two_segments(draw, output, st.sampled_from([0.0, 0.003, 0.02]))
     return Job(req, output, segments, gaps)
 
 

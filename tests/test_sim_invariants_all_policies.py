@@ -73,12 +73,18 @@ def _job(draw: Any, rid: int, t: float) -> Job:
         overrun=draw(st.sampled_from([None, "kill", "skip-next"])),
         kv_eviction=draw(st.sampled_from([None, "off", "auto", 0.25])),
     )
-    segments: tuple[int, ...] = ()
-    gaps: tuple[float, ...] = ()
+    segments, gaps = maybe_two_segments(draw, output, st.floats(0.0, 0.3))
+    return Job(request, output, segments, gaps)
+
+
+def maybe_two_segments(
+    draw: st.DrawFn, output: int, gap: st.SearchStrategy[float]
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """No segments, or (for 2+ tokens, half the time) the output cut in two with a drawn gap."""
     if output >= 2 and draw(st.booleans()):
         cut = draw(st.integers(1, output - 1))
-        segments, gaps = (cut, output - cut), (draw(st.floats(0.0, 0.3)),)
-    return Job(request, output, segments, gaps)
+        return (cut, output - cut), (draw(gap),)
+    return (), ()
 
 
 @st.composite
