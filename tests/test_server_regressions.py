@@ -101,8 +101,6 @@ def test_a_restarted_request_that_ends_early_counts_the_tokens_its_client_has() 
     (found by the server property test under aell, which restarts)."""
     model = engine_from_hf(tiny_hf_model(seed=0, vocab_size=ByteCodec.vocab_size))
     loop = EngineLoop(lambda: EngineExecutor(_RestartOnce(), model, kv_capacity=256))
-    seen: list[Outcome] = []
-    loop.on_outcome = lambda _job, outcome: seen.append(outcome)
     ex = loop.executor
     ex.on_tokens = loop._publish_tokens  # what the loop's thread sets; driven by hand here
     ex.start_clock()
@@ -117,7 +115,7 @@ def test_a_restarted_request_that_ends_early_counts_the_tokens_its_client_has() 
     assert ex.seqs[1].generated == 0
     loop.finish(1)  # the stop string was in that first token
     loop._drain_inbox()
-    (outcome,) = seen
+    (outcome,) = [item for item in stream.items if isinstance(item, Outcome)]
     assert stream.items[-1] is outcome
     assert outcome.finish_reason == "stop"
     assert outcome.output_tokens == 1

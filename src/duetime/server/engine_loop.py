@@ -171,7 +171,6 @@ class EngineLoop:
         self._rids = itertools.count(1)
         self._errors = 0
         self.stats = EngineStats(kv_capacity=self.executor.kv_capacity)
-        self.on_outcome: Callable[[Job, Outcome], None] | None = None
 
     # --- called from any thread ----------------------------------------------------
     def next_rid(self) -> int:
@@ -277,10 +276,7 @@ class EngineLoop:
                 try:
                     ex.admit_arrival(job)
                 except Exception as e:  # one bad request must not stop the loop
-                    outcome = self._outcome(job, "error", error=str(e))
-                    stream.put(outcome)
-                    if self.on_outcome is not None:  # counted, as _fail_all's errors are
-                        self.on_outcome(job, outcome)
+                    stream.put(self._outcome(job, "error", error=str(e)))  # counted by the stream
                     continue
                 self._live[rid] = _Live(job, stream)
                 if stop_on_eos:
@@ -340,8 +336,6 @@ class EngineLoop:
             return
         outcome = self._outcome(live.job, reason, first_sent=live.first_sent, sent=live.emitted)
         live.stream.put(outcome)
-        if self.on_outcome is not None:
-            self.on_outcome(live.job, outcome)
         self.executor.forget(rid)
 
     def _outcome(
@@ -383,8 +377,6 @@ class EngineLoop:
                 live.job, "error", error=message, first_sent=live.first_sent, sent=live.emitted
             )
             live.stream.put(outcome)
-            if self.on_outcome is not None:
-                self.on_outcome(live.job, outcome)
         self._live.clear()
         old = self.executor
         old.close()
