@@ -260,3 +260,30 @@ def test_an_answer_that_fails_as_its_client_leaves_logs_nothing() -> None:
         return errors
 
     assert asyncio.run(main()) == []
+
+
+class _CountingCodec(ByteCodec):
+    """The byte codec, counting the ids it is asked to decode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoded = 0
+
+    def decode(self, ids: Sequence[int]) -> str:
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_the_detokenizer_decodes_a_run_of_broken_bytes_in_linear_work() -> None:
+    """Text ending in U+FFFD was never settled, so a run of broken bytes (a random model
+    writes them) was re-decoded from its start with every token: 1,000 of them, then 500
+    characters, cost 1.5 million decoded ids. The window's decode shows a broken byte is
+    final after more than HOLD tokens, so the settled prefix moves on and each token costs
+    a few ids."""
+    codec = _CountingCodec()
+    detok = Detokenizer(codec)
+    broken, a_grave = [0xFF + ByteCodec.OFFSET], [0xC3 + ByteCodec.OFFSET, 0x80 + ByteCodec.OFFSET]
+    ids = broken * 1000 + a_grave * 500
+    sent = "".join(detok.add([i]) for i in ids) + detok.flush()
+    assert sent == _utf8(ids, final=True)
+    assert codec.decoded < 40 * len(ids), codec.decoded

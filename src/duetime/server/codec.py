@@ -90,7 +90,7 @@ class Detokenizer:
         """Append ids; return the new text that can be sent now (may be empty)."""
         self.ids.extend(new_ids)
         start = max(0, self._prefix)
-        window = self.codec.decode(self.ids[start:])
+        window = raw = self.codec.decode(self.ids[start:])
         if window.endswith("\ufffd"):
             # Half a character (wait for the next token), or a broken byte no token will
             # mend: waiting for a valid character held back everything after it, up to
@@ -104,11 +104,17 @@ class Detokenizer:
         self.text = full if full.startswith(self.text) else self.text
         if len(self.ids) - self._prefix > self.WINDOW:
             # Settle all but the last WINDOW tokens; their text will not change any more.
+            # Text ending in U+FFFD settles only where the cut leaves the window's text
+            # whole: a broken byte is then final (more than HOLD tokens follow it), while
+            # half a character, or one U+FFFD standing for two broken bytes, does not split
+            # cleanly. Refusing every U+FFFD re-decoded a run of broken bytes from its start
+            # with each token: quadratic in its length.
             settle = len(self.ids) - self.WINDOW
             settled_text = self.codec.decode(self.ids[start:settle])
-            if not settled_text.endswith("\ufffd") and full.startswith(
-                self.text[: self._prefix_chars] + settled_text
-            ):
+            clean = not settled_text.endswith("\ufffd") or (
+                raw == settled_text + self.codec.decode(self.ids[settle:])
+            )
+            if clean and full.startswith(self.text[: self._prefix_chars] + settled_text):
                 self._prefix_chars += len(settled_text)
                 self._prefix = settle
         return delta
