@@ -207,6 +207,10 @@ def test_models_health_metrics(served: tuple[str, ServerState]) -> None:
             400,
             "nested",
         ),
+        # JSON's NaN / Infinity (Python reads them) failed a bound: "should be <= 2" for NaN
+        (b'{"model": "duetime-tiny", "prompt": "x", "temperature": NaN}', 400, "finite"),
+        (b'{"model": "duetime-tiny", "prompt": "x", "deadline_ms": Infinity}', 400, "finite"),
+        (b'{"model": "duetime-tiny", "prompt": "x", "tuf": {"ert_ms": NaN}}', 400, "finite"),
         (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "does not exist"),
         (json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode(), 413, "body"),
     ],

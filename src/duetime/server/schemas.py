@@ -45,7 +45,7 @@ Text = Annotated[str, AfterValidator(_unicode)]
 class TUFSpec(BaseModel):
     """TimelyLLM's time-utility function ``TUF(t) = min(β, α·(t − ERT) + β)``, times in ms."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     ert_ms: float = Field(ge=0, le=MAX_MS, description="Expected response time (ms).")
     beta: float = Field(1.0, gt=0, le=1e6, description="Utility before ERT.")
@@ -55,7 +55,7 @@ class TUFSpec(BaseModel):
 class TimeFields(BaseModel):
     """duetime's extensions, shared by both endpoints (send them through ``extra_body``)."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
     deadline_ms: float | None = Field(
         None,
@@ -101,13 +101,13 @@ class TimeFields(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
     include_usage: bool = False
 
 
 class _Common(TimeFields):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str = Field(min_length=1, max_length=256)
     stream: bool = False
@@ -167,14 +167,14 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[ContentPart]
