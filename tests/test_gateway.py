@@ -253,3 +253,6 @@ def test_unreachable_deadline_and_models(
     r = httpx.post(gw + "/v1/completions", json={**body, "model": "nope"}, trust_env=False)
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"
+    # a trailing slash reaches the route (was a bare 307), on the gateway as on a backend
+    r = httpx.post(gw + "/v1/completions/", json={**body, "deadline_ms": None}, trust_env=False)
+    assert r.status_code == 200, r.text

@@ -158,6 +158,57 @@ def test_models_health_metrics(served: tuple[str, ServerState]) -> None:
     assert {"deadline_ms", "priority", "tuf", "overrun", "kv_eviction"} <= set(props)
 
 
+def test_a_trailing_slash_reaches_the_route(served: tuple[str, ServerState]) -> None:
+    """``POST /v1/completions/`` was a bare 307 (no body): a client that does not follow
+    redirects on POST got nothing it could read. Now the route answers itself."""
+    url, state = served
+    body = {"model": MODEL, "prompt": "ab", "max_tokens": 3, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions/", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(url + "/v1/chat/completions//", json=chat, timeout=30)
+    assert r.status_code == 200, r.text
+    assert httpx.get(url + "/v1/models/").json()["data"][0]["id"] == MODEL
+    r = httpx.get(url + "/v1/nothing/")
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "not_found_error"
+    _idle(state)
+
+
+def test_metrics_count_every_response_by_route_and_status(
+    served: tuple[str, ServerState],
+) -> None:
+    """Only 429s were counted: a client sending 400s, a 413 refused before parsing or a
+    scanner's 404s left no trace in /metrics."""
+    url, state = served
+    counter = state.metrics.responses
+
+    def count(route: str, status: int) -> float:
+        return float(counter.labels(route, str(status))._value.get())
+
+    route = "/v1/completions"
+    before = {s: count(route, s) for s in (200, 400, 404, 413)}
+    other = count("other", 404)
+    ok = {"model": MODEL, "prompt": "ab", "max_tokens": 2}
+    assert httpx.post(url + route, json=ok, timeout=30).status_code == 200
+    assert httpx.post(url + route + "/", json=ok, timeout=30).status_code == 200
+    assert httpx.post(url + route, content=b"{oops").status_code == 400
+    assert httpx.post(url + route, json={**ok, "model": "gpt-4"}).status_code == 404
+    assert httpx.post(url + route, json={**ok, "prompt": "x" * (2 << 20)}).status_code == 413
+    for path in ("/wp-login.php", "/a/b/c", "/x1", "/x2"):
+        assert httpx.get(url + path).status_code == 404
+    assert count(route, 200) == before[200] + 2
+    assert count(route, 400) == before[400] + 1
+    assert count(route, 404) == before[404] + 1
+    assert count(route, 413) == before[413] + 1
+    assert count("other", 404) == other + 4  # one label for every unknown path
+    text = httpx.get(url + "/metrics").text
+    assert f'duetime_http_responses_total{{route="{route}",status="413"}}' in text
+    assert "wp-login" not in text
+    _idle(state)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "needle"),
     [

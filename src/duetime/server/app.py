@@ -32,7 +32,8 @@ from duetime.server.chat_template import render_chat
 from duetime.server.codec import Codec, Detokenizer
 from duetime.server.engine_loop import EngineLoop, Outcome, Stream
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
-from duetime.server.metrics import ServerMetrics
+from duetime.server.metrics import ResponseCounter, ServerMetrics
+from duetime.server.paths import StripTrailingSlash
 from duetime.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +43,9 @@ from duetime.server.schemas import (
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
 
+_ROUTES = frozenset(
+    ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"]
+)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 404, 413, 429, 500)
 }
@@ -96,6 +100,8 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
     )
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    app.add_middleware(ResponseCounter, metrics=state.metrics, routes=_ROUTES)
+    app.add_middleware(StripTrailingSlash)  # outermost: the others see the routed path
     app.state.duetime = state
 
     @app.get("/health")

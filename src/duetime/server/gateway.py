@@ -51,6 +51,7 @@ from prometheus_client import generate_latest
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
 from duetime.server.gateway_pool import Gateway, model_ids
 from duetime.server.gateway_routing import Backend, GatewayConfig, choose_backend, routable
+from duetime.server.paths import StripTrailingSlash
 from duetime.server.schemas import MAX_MS, MAX_TOKENS_LIMIT
 
 __all__ = [
@@ -165,6 +166,7 @@ def create_gateway_app(
         max_bytes=cfg.max_body_bytes,
         on_refuse=lambda: gw.m_requests.labels("http_413").inc(),
     )
+    app.add_middleware(StripTrailingSlash)
     app.state.gateway = gw
 
     @app.get("/health")

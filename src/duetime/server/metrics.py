@@ -1,7 +1,9 @@
 """Prometheus metrics of one server, in their own registry (so tests can run several).
 
 Gauges are read from the engine's latest :class:`EngineStats` when scraped;
-counters and histograms are fed by every request's outcome.
+counters and histograms are fed by every request's outcome, and
+:class:`ResponseCounter` counts every HTTP response by route and status, so the
+4xx a client caused (refused before it became a request) show up too.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from duetime.server.engine_loop import EngineStats, Outcome
 
-__all__ = ["ServerMetrics"]
+__all__ = ["ResponseCounter", "ServerMetrics"]
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 
@@ -75,6 +78,12 @@ class ServerMetrics:
             registry=r,
         )
         self.tokens = Counter("duetime_generated_tokens", "Tokens generated.", registry=r)
+        self.responses = Counter(
+            "duetime_http_responses",
+            "HTTP responses by route and status (a stream's status is its first line's).",
+            ["route", "status"],
+            registry=r,
+        )
         self._met = 0
         self._with_deadline = 0
         # Outcomes are observed on the event loop (answers read) and on the engine thread
@@ -102,3 +111,31 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ResponseCounter:
+    """ASGI middleware: counts each HTTP response's status into ``metrics.responses``.
+
+    It sits outside every other middleware, so a body refused with 413 before the
+    app parsed it counts too. Paths other than ``routes`` share the label "other"
+    (a scanner's random paths must not grow the metric without bound).
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in self.routes else "other"
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.responses.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
