@@ -287,3 +287,49 @@ def test_the_detokenizer_decodes_a_run_of_broken_bytes_in_linear_work() -> None:
     sent = "".join(detok.add([i]) for i in ids) + detok.flush()
     assert sent == _utf8(ids, final=True)
     assert codec.decoded < 40 * len(ids), codec.decoded
+
+
+def _post_and_hang_up(app: Any, path: str, body: bytes) -> list[dict]:
+    """Call ``app`` as a server would for a client that sent ``body`` and then left:
+    every receive after the body says the client disconnected. The messages sent back."""
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
+def test_a_client_gone_before_its_request_is_submitted_costs_the_engine_nothing() -> None:
+    """A client that hung up right after sending still had its request submitted, and
+    the engine ran its prefill until the answer's disconnect watch aborted it (0.25 s
+    later for a whole answer, at the first token for a stream). Checked before the
+    submit, it never reaches the engine."""
+    options = ServeOptions(model="tiny", predictor=None, kv_capacity=1024)
+    model, codec, name = load_served_model(options)
+    state = build_state(options, model, codec, name)
+    app = create_app(state, manage_engine=False)  # nothing drains the engine's inbox
+    for stream in (False, True):
+        body = json.dumps({"model": name, "prompt": "hello", "stream": stream}).encode()
+        sent = _post_and_hang_up(app, "/v1/completions", body)
+        assert sent[0]["status"] == 499, sent
+        assert state.engine.inbox_size == 0

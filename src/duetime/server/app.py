@@ -236,6 +236,10 @@ async def _serve(
             code={"queue": "queue_full", "deadline": "deadline_unreachable"}[verdict.why],
             headers={"Retry-After": str(verdict.retry_after_s)},
         )
+    if await request.is_disconnected():
+        # Gone while its prompt was tokenized and judged: nothing reaches the engine (a
+        # prefill nobody reads), where the answer's own watch would abort it only later.
+        return Response(status_code=499)
     stream = Stream(asyncio.get_running_loop(), state.metrics.observe)
     segmenter = None
     if body.segment is not None:
