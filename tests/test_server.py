@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -440,6 +442,41 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on() -> None:
             assert state.engine.stats.engine_errors == 1
             _idle(state)
     finally:
+        ex.model.step = real_step  # type: ignore[method-assign]
+
+
+def test_health_reports_a_hung_engine_and_recovers_when_it_moves() -> None:
+    """A step that never returned left /health at 200 (the thread was alive), so a
+    gateway kept routing to the hung backend until each request timed out."""
+    state = _state(stall_after_s=1.0)
+    ex = state.engine.executor
+    real_step = ex.model.step
+    release = threading.Event()
+
+    def hangs(*args: object, **kwargs: object) -> object:
+        release.wait(30)
+        return real_step(*args, **kwargs)
+
+    ex.model.step = hangs  # type: ignore[method-assign]
+    try:
+        with serve_in_thread(create_app(state)) as url:
+            assert httpx.get(url + "/health").status_code == 200  # idle: nothing held
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
+                deadline = time.monotonic() + 20
+                while (r := httpx.get(url + "/health")).status_code == 200:
+                    assert time.monotonic() < deadline, "a hung engine stayed healthy"
+                    time.sleep(0.1)
+                assert r.status_code == 503
+                assert "stalled" in r.json()["status"]
+                ex.model.step = real_step  # type: ignore[method-assign]
+                release.set()
+                assert answer.result().status_code == 200
+            assert httpx.get(url + "/health").status_code == 200
+            _idle(state)
+    finally:
+        release.set()
         ex.model.step = real_step  # type: ignore[method-assign]
 
 

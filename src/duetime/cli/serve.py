@@ -56,6 +56,14 @@ def serve(
             "snapkv (observation-window scores, per head) or streaming (sinks + recent)."
         ),
     ] = "snapkv",
+    stall_after: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="Seconds the engine may hold work without finishing a step before /health "
+            "answers 503 (a gateway then sends its requests elsewhere).",
+        ),
+    ] = 30.0,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve the model over HTTP with OpenAI's API plus deadlines (see docs/server.md)."""
@@ -91,6 +99,7 @@ def serve(
             profile=profile,
             telemetry=telemetry,
             eviction=eviction,
+            stall_after_s=stall_after,
         )
         try:
             loaded, codec, name = load_served_model(options)

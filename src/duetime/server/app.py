@@ -60,6 +60,9 @@ class ServerConfig:
     default_chat_max_tokens: int = 256
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 600.0
+    #: /health answers 503 once the engine has held work this long without finishing a
+    #: step (a hung engine: the gateway's probe then routes around it).
+    stall_after_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -106,10 +109,16 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = state.engine.alive
+        stalled = state.engine.stalled_s()
+        if not state.engine.alive:
+            status = "engine stopped"
+        elif stalled > state.config.stall_after_s:
+            status = f"engine stalled: no step finished in {stalled:.0f} s"
+        else:
+            status = "ok"
         return JSONResponse(
-            {"status": "ok" if ok else "engine stopped", "model": state.config.model_name},
-            status_code=200 if ok else 503,
+            {"status": status, "model": state.config.model_name},
+            status_code=200 if status == "ok" else 503,
         )
 
     @app.get("/metrics")

@@ -41,6 +41,7 @@ class ServeOptions:
     telemetry: Path | None = None
     seed: int = 0
     eviction: str = "snapkv"  # how KV is dropped when the policy evicts: snapkv or streaming
+    stall_after_s: float = 30.0  # /health is 503 once a step has run this long
 
 
 def load_served_model(options: ServeOptions) -> tuple[Gemma3, Codec, str]:
@@ -100,6 +101,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         model_name=name,
         max_context=min(model.config.max_position_embeddings, options.kv_capacity - 1),
         vocab_size=model.config.vocab_size,
+        stall_after_s=options.stall_after_s,
     )
     return ServerState(
         config=cfg,

@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,6 +171,7 @@ class EngineLoop:
         self._live: dict[int, _Live] = {}
         self._rids = itertools.count(1)
         self._errors = 0
+        self._beat = time.monotonic()  # when the engine thread last began a round
         self.stats = EngineStats(kv_capacity=self.executor.kv_capacity)
 
     # --- called from any thread ----------------------------------------------------
@@ -228,11 +230,23 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def stalled_s(self) -> float:
+        """Seconds the engine has held work without starting a new round (0 while idle).
+
+        A round waits at most ``idle_wait_s`` between steps, so a large value means
+        a step that does not return: a hung engine whose thread is still alive.
+        """
+        busy = self.executor.in_system or self._inbox
+        if not busy or not self.alive:
+            return 0.0
+        return max(0.0, time.monotonic() - self._beat)
+
     # --- the engine thread ---------------------------------------------------------
     def _main(self) -> None:
         ex = self.executor
         ex.on_tokens = self._publish_tokens
         while not self._stopping.is_set():
+            self._beat = time.monotonic()
             self._drain_inbox()
             ex = self.executor
             if not ex.in_system:
