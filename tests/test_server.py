@@ -190,7 +190,7 @@ def test_metrics_count_every_response_by_route_and_status(
         return float(counter.labels(route, str(status))._value.get())
 
     route = "/v1/completions"
-    before = {s: count(route, s) for s in (200, 400, 404, 413)}
+    before = {s: count(route, s) for s in (200, 400, 404, 413, 500)}
     other = count("other", 404)
     ok = {"model": MODEL, "prompt": "ab", "max_tokens": 2}
     assert httpx.post(url + route, json=ok, timeout=30).status_code == 200
@@ -200,6 +200,17 @@ def test_metrics_count_every_response_by_route_and_status(
     assert httpx.post(url + route, json={**ok, "prompt": "x" * (2 << 20)}).status_code == 413
     for path in ("/wp-login.php", "/a/b/c", "/x1", "/x2"):
         assert httpx.get(url + path).status_code == 404
+
+    def boom(text: str) -> list[int]:
+        raise RuntimeError("tokenizer down")
+
+    real_encode = state.codec.encode
+    state.codec.encode = boom  # type: ignore[method-assign]  # a crash no handler expects
+    try:
+        assert httpx.post(url + route, json=ok).status_code == 500
+    finally:
+        state.codec.encode = real_encode  # type: ignore[method-assign]
+    assert count(route, 500) == before[500] + 1
     assert count(route, 200) == before[200] + 2
     assert count(route, 400) == before[400] + 1
     assert count(route, 404) == before[404] + 1

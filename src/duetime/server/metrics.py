@@ -116,9 +116,10 @@ class ServerMetrics:
 class ResponseCounter:
     """ASGI middleware: counts each HTTP response's status into ``metrics.responses``.
 
-    It sits outside every other middleware, so a body refused with 413 before the
-    app parsed it counts too. Paths other than ``routes`` share the label "other"
-    (a scanner's random paths must not grow the metric without bound).
+    It sits outside the body-size guard, so a body refused with 413 before the app
+    parsed it counts too; an exception no handler took is counted as the 500
+    Starlette's outermost layer then sends. Paths other than ``routes`` share the
+    label "other" (a scanner's random paths must not grow the metric without bound).
     """
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: frozenset[str]) -> None:
@@ -133,9 +134,18 @@ class ResponseCounter:
         path = scope.get("path", "")
         route = path if path in self.routes else "other"
 
+        started = False
+
         async def counted(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.responses.labels(route, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:
+                self.metrics.responses.labels(route, "500").inc()
+            raise
