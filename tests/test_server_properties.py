@@ -128,7 +128,13 @@ class Call:
 
     @property
     def chat(self) -> bool:
-        return self.path.endswith("chat/completions")
+        return self.route.endswith("chat/completions")
+
+    @property
+    def route(self) -> str:
+        """The route /metrics counts it under (a trailing slash reaches the same one)."""
+        route = self.path.rstrip("/")
+        return route if route in ("/v1/completions", "/v1/chat/completions") else "other"
 
     def __repr__(self) -> str:  # hypothesis prints it: the body says it all
         body = self.body if len(self.body) < 300 else self.body[:300] + b"..."
@@ -327,6 +333,8 @@ def _call(draw: Any, i: int, eng: Engine) -> Call:
             headers["Content-Type"] = "text/plain"
         else:
             path = path.replace("completions", "complete")
+    if draw(st.integers(0, 7)) == 0:
+        path += "/"  # served as the route itself (was a bare 307)
     leave = draw(st.sampled_from(["stay"] * 6 + ["cancel", "timeout"] + ["drop"] * stream))
     return Call(
         i=i,
@@ -760,7 +768,7 @@ def _same_prompt_same_answer(eng: Engine, calls: list[Call], seen: list[Seen]) -
         reason = s.final["choices"][0]["finish_reason"]
         if reason == "abort" or s.final["duetime"]["kv_eviction_ratio"] > 0:
             continue
-        key = (c.path, c.ids, c.max_tokens, json.dumps([c.fields.get(k) for k in keys]))
+        key = (c.route, c.ids, c.max_tokens, json.dumps([c.fields.get(k) for k in keys]))
         texts.setdefault(key, set()).add((c.stream, s.text, reason))
     return [
         f"{key}: different answers {sorted(v)}"
@@ -833,6 +841,32 @@ def _check_metrics(
     generated = m["duetime_generated_tokens_total"]
     if generated < tokens or (exact_tokens and generated != tokens):
         bad.append(f"generated_tokens_total {generated}, clients got {tokens}")
+    return bad + _check_response_counts(calls, seen, m)
+
+
+def _check_response_counts(calls: list[Call], seen: list[Seen], m: dict[str, float]) -> list[str]:
+    """``duetime_http_responses_total`` holds each status a client saw on its route; a
+    client that left was answered something or nothing, so it adds at most one."""
+    saw: Counter[tuple[str, int]] = Counter()
+    left: Counter[str] = Counter()
+    for c, s in zip(calls, seen, strict=True):
+        if s.status is None:
+            left[c.route] += 1
+        elif s.headers.get("content-type", "").startswith("text/event-stream"):
+            saw[c.route, 200] += 1  # a stream's status line; a 504 came as an error event
+        else:
+            saw[c.route, s.status] += 1
+    bad = []
+    for (route, status), n in saw.items():
+        got = m.get(f'duetime_http_responses_total{{route="{route}",status="{status}"}}', 0)
+        if got < n:
+            bad.append(f"{route} {status}: counted {got}, clients saw {n}")
+    for route in {c.route for c in calls}:
+        prefix = f'duetime_http_responses_total{{route="{route}",'
+        total = sum(v for k, v in m.items() if k.startswith(prefix))
+        seen_here = sum(n for (r, _), n in saw.items() if r == route)
+        if not seen_here <= total <= seen_here + left[route]:
+            bad.append(f"{route}: {total} responses counted, {seen_here} seen, {left[route]} left")
     return bad
 
 
