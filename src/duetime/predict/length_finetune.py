@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,11 @@ def _build(cfg: RLPConfig, device: str) -> Any:
     lora = LoraConfig(
         r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, target_modules=list(LORA_TARGETS)
     )
-    bert = get_peft_model(load_base(layers), lora)
+    with warnings.catch_warnings():
+        # peft asks the model for transformers' deprecated `is_gradient_checkpointing`;
+        # the FutureWarning is theirs to fix, and said nothing a user could act on.
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        bert = get_peft_model(load_base(layers), lora)
     head = _mlp(FT_DIM + 1, cfg.n_classes, cfg.hidden, cfg.dropout)
     return nn.ModuleDict({"bert": bert, "head": head}).to(device)
 
