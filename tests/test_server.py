@@ -266,6 +266,20 @@ def test_metrics_count_every_response_by_route_and_status(
         # fields that would change the response's shape are refused, not dropped
         (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 5}).encode(), 400, "logprobs"),
         (json.dumps({"model": MODEL, "prompt": "x", "best_of": 2}).encode(), 400, "best_of"),
+        # fields a client relies on for what the text is: refused, not ignored
+        (
+            json.dumps(
+                {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}
+            ).encode(),
+            400,
+            "response_format",
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "logit_bias": {"5": 100}}).encode(),
+            400,
+            "logit_bias",
+        ),
+        (json.dumps({"model": MODEL, "prompt": "x", "suffix": "}"}).encode(), 400, "suffix"),
         (
             b'{"model": "duetime-tiny", "prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}",
             400,
@@ -304,6 +318,25 @@ def test_bad_input_is_a_4xx_with_an_error_object(
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "logprobs"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+            "tool calls are not supported",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+            "tool_choice",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+            "send no functions",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_schema", "json_schema": {}},
+            },
+            "json_schema",
+        ),
     ],
 )
 def test_bad_chat_input_is_a_400(
@@ -318,6 +351,26 @@ def test_bad_chat_input_is_a_400(
     )
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+    _idle(state)
+
+
+def test_fields_that_change_nothing_here_are_accepted(served: tuple[str, ServerState]) -> None:
+    """The neutral values of the refused fields, as clients and SDKs send them."""
+    url, state = served
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+    }
+    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 200, r.text
+    text = {"model": MODEL, "prompt": "ab", "max_tokens": 2, "suffix": None, "logit_bias": None}
+    r = httpx.post(url + "/v1/completions", json=text, timeout=30)
+    assert r.status_code == 200, r.text
     _idle(state)
 
 

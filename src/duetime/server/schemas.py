@@ -9,7 +9,10 @@ OpenAPI schema FastAPI serves at ``/docs`` and ``/openapi.json``.
 Decoding is greedy: ``temperature`` is accepted for compatibility and ignored
 (every benchmark in duetime compares policies on identical outputs). Fields
 that would change the response's shape (``logprobs``, ``best_of`` > 1, ``n`` >
-1) are refused rather than silently dropped.
+1) or that a client relies on for what the text is (``response_format`` other
+than text, ``logit_bias``, ``suffix``, tools the model may call) are refused
+rather than silently dropped: an answer that ignored them would look right and
+be wrong.
 
 Types are strict (``"max_tokens": "3"`` or ``true`` is a 400, not 3 or 1), and
 text must be valid Unicode: JSON's ``\ud800`` escapes can smuggle a lone
@@ -20,7 +23,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
 #: Upper bound on any millisecond field: about 11.6 days, far past any sane deadline.
 MAX_MS = 1e9
@@ -118,6 +128,27 @@ class _Common(TimeFields):
         None, description="Up to 4 stop strings; the answer ends before the first one."
     )
     user: str | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description='Only {"type": "text"}: answers are plain text (no JSON mode).'
+    )
+    logit_bias: dict[str, Any] | None = Field(None, description="Not supported: null or {}.")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type") != "text":
+            raise ValueError(
+                f"only type 'text' is supported, not {v.get('type')!r}: duetime does not "
+                "constrain decoding to JSON or a schema"
+            )
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v:
+            raise ValueError("logit_bias is not supported (greedy decoding, no biases)")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -138,6 +169,7 @@ class CompletionRequest(_Common):
     )
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     echo: bool = False
+    suffix: str | None = Field(None, description="Not supported: null or empty.")
     logprobs: int | None = Field(None, description="Not supported: must be null.")
     best_of: int | None = Field(None, description="Only 1 (or null).")
 
@@ -150,6 +182,13 @@ class CompletionRequest(_Common):
             v = v[0]
         if not v:
             raise ValueError("prompt must not be empty")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported (no text insertion): leave it null")
         return v
 
     @field_validator("logprobs")
@@ -193,6 +232,27 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool | None = Field(None, description="Not supported: false or null.")
     top_logprobs: int | None = Field(None, description="Not supported: must be null.")
+    tools: list[Any] | None = Field(None, description="Only with tool_choice 'none'.")
+    functions: list[Any] | None = Field(None, description="Only with function_call 'none'.")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None,
+        validate_default=True,
+        description="'none' (or absent without tools): no tool-call parser.",
+    )
+    function_call: str | dict[str, Any] | None = Field(
+        None, validate_default=True, description="'none' (or absent without functions)."
+    )
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_calls(cls, v: str | dict[str, Any] | None, info: ValidationInfo) -> Any:
+        offers = "tools" if info.field_name == "tool_choice" else "functions"
+        if v == "none" or (v is None and not info.data.get(offers)):
+            return v
+        raise ValueError(
+            f"tool calls are not supported (no tool-call parser): send no {offers}, or "
+            f"{info.field_name} 'none' to have them ignored"
+        )
 
     @field_validator("logprobs", "top_logprobs")
     @classmethod
