@@ -10,8 +10,10 @@ import asyncio
 import codecs
 import gc
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -333,3 +335,40 @@ def test_a_client_gone_before_its_request_is_submitted_costs_the_engine_nothing(
         sent = _post_and_hang_up(app, "/v1/completions", body)
         assert sent[0]["status"] == 499, sent
         assert state.engine.inbox_size == 0
+
+
+class _SlowCodec(ByteCodec):
+    """The byte codec, whose encoding of long texts waits for ``release`` (as a 1 MB
+    prompt keeps a real tokenizer busy for a third of a second)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.waiting = threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) > 10_000:
+            self.waiting.set()
+            self.release.wait(30)
+        return super().encode(text)
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
+    """Prompts were tokenized on the event loop: while a 1 MB one took ~0.3 s, no other
+    client got a token, an answer or even /health. Long ones now go to a worker thread."""
+    options = ServeOptions(model="tiny", predictor=None, kv_capacity=1024)
+    model, _, name = load_served_model(options)
+    codec = _SlowCodec()
+    state = build_state(options, model, codec, name)
+    with serve_in_thread(create_app(state)) as url, ThreadPoolExecutor(1) as pool:
+        body = {"model": name, "prompt": "x" * 20_000, "max_tokens": 2}
+        long = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
+        try:
+            assert codec.waiting.wait(10), "the long prompt never reached the tokenizer"
+            short = {"model": name, "prompt": "ab", "max_tokens": 2, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=short, timeout=10)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 2
+        finally:
+            codec.release.set()
+        assert long.result().status_code == 400  # longer than the context: refused

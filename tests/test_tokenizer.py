@@ -88,3 +88,16 @@ def test_fresh_conversion_adds_bos_and_is_saved_atomically(tmp_path, monkeypatch
     assert [p.name for p in saved] == [p.name for p in saved if p.name.endswith(".json")]
     assert len(saved) == 1  # no temporary file left behind
     assert fresh.to_str() == tk.load_gemma_tokenizer().to_str()
+
+
+@needs_gguf
+@pytest.mark.real_model
+def test_the_server_codec_encodes_as_the_tokenizer_does() -> None:
+    """GemmaCodec tokenizes through encode_batch (which lets go of the GIL); its ids must be
+    the single-text encode's, BOS included."""
+    from duetime.server.codec import GemmaCodec
+
+    codec = GemmaCodec()
+    tokenizer = tk.load_gemma_tokenizer()
+    for text in [*TEXTS, "", " ", "a" * 5000]:
+        assert codec.encode(text) == tokenizer.encode(text, add_special_tokens=True).ids

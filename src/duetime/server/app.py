@@ -147,13 +147,13 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
             text = None
         else:
             text = body.prompt
-            ids = state.codec.encode(text)
+            ids = await _encode(state.codec, text)
         return await _serve(state, request, body, ids, text, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         text = render_chat(body.messages)
-        ids = state.codec.encode(text)
+        ids = await _encode(state.codec, text)
         limit = body.token_limit()
         if limit is None:  # as vLLM: never more than the context has left
             room = state.config.max_context - len(ids)
@@ -164,6 +164,17 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
 
 
 # --- one request ---------------------------------------------------------------------
+#: Prompts longer than this are tokenized on a worker thread: a 1 MB one takes ~0.3 s,
+#: which on the event loop would hold up every other client's tokens (and deadlines).
+_OFFLOAD_CHARS = 8192
+
+
+async def _encode(codec: Codec, text: str) -> list[int]:
+    if len(text) <= _OFFLOAD_CHARS:
+        return codec.encode(text)
+    return await asyncio.to_thread(codec.encode, text)
+
+
 async def _serve(
     state: ServerState,
     request: Request,
