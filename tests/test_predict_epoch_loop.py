@@ -23,7 +23,7 @@ def scripted(scores: list[float]) -> tuple[Trainee, dict[str, Any]]:
         seen["draws"].append(int(torch.randint(0, 10**6, (1,), generator=gen)))
         with torch.no_grad():
             w.add_(1)
-        return float(w)
+        return float(w.detach())
 
     def validate() -> float:
         return scores[int(w.item()) - 1]
