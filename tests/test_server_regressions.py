@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from duetime.core.decision import Decision
-from duetime.core.request import Job, Request
+from duetime.core.request import Job, LengthPrediction, Request
 from duetime.core.snapshot import EngineSnapshot
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
@@ -372,3 +372,43 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
         finally:
             codec.release.set()
         assert long.result().status_code == 400  # longer than the context: refused
+
+
+class _SlowPredictor:
+    """Predicts 8 tokens, after ``release`` for a prompt that asks to wait (as a
+    fine-tuned encoder takes 7-15 ms a prompt, longer under load)."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.waiting = threading.Event()
+
+    def predict_job(self, job: Job) -> LengthPrediction:
+        if job.request.prompt_text == "wait":
+            self.waiting.set()
+            self.release.wait(30)
+        return LengthPrediction(point=8.0, lo=1.0, hi=16.0)
+
+
+def test_the_length_predictor_runs_off_the_event_loop() -> None:
+    """Each request's length prediction ran on the event loop: while it ran, no other
+    client got a token or an answer. It now runs on its own worker thread."""
+    options = ServeOptions(model="tiny", predictor=None, kv_capacity=1024)
+    model, codec, name = load_served_model(options)
+    state = build_state(options, model, codec, name)
+    predictor = _SlowPredictor()
+    state.predictor = predictor
+    with serve_in_thread(create_app(state)) as url, ThreadPoolExecutor(1) as pool:
+        body = {"model": name, "prompt": "wait", "max_tokens": 2, "ignore_eos": False}
+        slow = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
+        try:
+            assert predictor.waiting.wait(10), "the prediction never started"
+            other = {"model": name, "prompt": "ab", "max_tokens": 2, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=other, timeout=10)
+            assert r.status_code == 200, r.text
+        finally:
+            predictor.release.set()
+        answer = slow.result()
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["duetime"]["predicted_tokens"] == 2.0  # capped by max_tokens
