@@ -84,6 +84,15 @@ def _log_level(value: str) -> str:
 LogLevelOpt = Annotated[
     str, typer.Option(help=f"uvicorn log level: {', '.join(_LOG_LEVELS)}.", callback=_log_level)
 ]
+#: After SIGTERM / Ctrl-C a server waits this long for open requests, then closes them:
+#: without a bound, one client that sent half a request kept it running forever.
+ShutdownTimeoutOpt = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        help="Seconds to let open requests finish after SIGTERM or Ctrl-C before closing them.",
+    ),
+]
 
 
 def bound_port(host: str, port: int) -> int:

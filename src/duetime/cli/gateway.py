@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import typer
 
-from duetime.cli.common import LogLevelOpt, _user_errors, app, bound_port, err
+from duetime.cli.common import LogLevelOpt, ShutdownTimeoutOpt, _user_errors, app, bound_port, err
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -88,6 +88,7 @@ def gateway(
         list[str], typer.Option(help="URL=path.json with ttft_s/tpot_s seeds (repeatable).")
     ] = [],  # noqa: B006
     allow_remote: Annotated[bool, typer.Option(help="Allow backends off loopback.")] = False,
+    shutdown_timeout: ShutdownTimeoutOpt = 30,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Route OpenAI requests over several backends by predicted finish (docs/gateway.md)."""
@@ -116,4 +117,10 @@ def gateway(
         + ", ".join(urls),
         highlight=False,
     )
-    uvicorn.run(gw_app, host=host, port=port, log_level=log_level)
+    uvicorn.run(
+        gw_app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout,
+    )

@@ -8,7 +8,16 @@ from typing import Annotated
 
 import typer
 
-from duetime.cli.common import LogLevelOpt, _fail, _user_errors, app, bound_port, err, writable
+from duetime.cli.common import (
+    LogLevelOpt,
+    ShutdownTimeoutOpt,
+    _fail,
+    _user_errors,
+    app,
+    bound_port,
+    err,
+    writable,
+)
 
 _DTYPE_HELP = (
     "fp32 (exact), fast (int8 head rescored in fp32), q8 (fast + int8 decode kernel), bf16 or int8."
@@ -64,6 +73,7 @@ def serve(
             "answers 503 (a gateway then sends its requests elsewhere).",
         ),
     ] = 30.0,
+    shutdown_timeout: ShutdownTimeoutOpt = 30,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve the model over HTTP with OpenAI's API plus deadlines (see docs/server.md)."""
@@ -119,4 +129,10 @@ def serve(
         highlight=False,
         soft_wrap=True,
     )
-    uvicorn.run(create_app(state), host=host, port=port, log_level=log_level)
+    uvicorn.run(
+        create_app(state),
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout,
+    )
