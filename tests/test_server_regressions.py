@@ -10,6 +10,7 @@ import asyncio
 import codecs
 import gc
 import json
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,6 +33,7 @@ from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.codec import ByteCodec, Detokenizer
 from duetime.server.engine_loop import EngineLoop, Outcome
 from duetime.server.errors import ApiError
+from duetime.server.gateway import GatewayConfig, create_gateway_app
 from duetime.server.threaded import serve_in_thread
 from tests.test_server_all_policies import MODEL, CharCodec
 
@@ -412,3 +415,43 @@ def test_the_length_predictor_runs_off_the_event_loop() -> None:
         answer = slow.result()
         assert answer.status_code == 200, answer.text
         assert answer.json()["duetime"]["predicted_tokens"] == 2.0  # capped by max_tokens
+
+
+def _half_request_answer(url: str) -> bytes:
+    """Send headers and half a body, then wait: what the server answers, once it closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model":'
+        )
+        answer = b""
+        while chunk := conn.recv(4096):  # the server closes after a 408
+            answer += chunk
+        return answer
+
+
+@pytest.mark.parametrize("server", ["serve", "gateway"])
+def test_a_body_that_stops_coming_is_a_408(server: str) -> None:
+    """A client that sent half a request held its connection and a handler until
+    shutdown (and then kept the server up: see test_serve_shutdown.py)."""
+    if server == "serve":
+        options = ServeOptions(model="tiny", predictor=None, kv_capacity=1024)
+        model, codec, name = load_served_model(options)
+        state = build_state(options, model, codec, name)
+        state.config.body_timeout_s = 0.5
+        app = create_app(state)
+    else:
+        gw_config = GatewayConfig(body_timeout_s=0.5, health_interval_s=60)
+        app = create_gateway_app(["http://127.0.0.1:9"], gw_config)
+    with serve_in_thread(app) as url:
+        answer = _half_request_answer(url)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"did not arrive within 0.5 s" in answer
+        metrics = httpx.get(url + "/metrics").text
+        if server == "serve":
+            assert (
+                'duetime_http_responses_total{route="/v1/completions",status="408"} 1.0' in metrics
+            )
+        else:
+            assert 'duetime_gateway_requests_total{outcome="http_408"} 1.0' in metrics

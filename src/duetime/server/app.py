@@ -60,6 +60,7 @@ class ServerConfig:
     #: A chat request without max_tokens gets this many, or what the context has left.
     default_chat_max_tokens: int = 256
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # a request body not complete by then: 408
     request_timeout_s: float = 600.0
     #: /health answers 503 once the engine has held work this long without finishing a
     #: step (a hung engine: the gateway's probe then routes around it).
@@ -108,7 +109,9 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_bytes=state.config.max_body_bytes, timeout_s=state.config.body_timeout_s
+    )
     app.add_middleware(ResponseCounter, metrics=state.metrics, routes=_ROUTES)
     app.add_middleware(StripTrailingSlash)  # outermost: the others see the routed path
     app.state.duetime = state

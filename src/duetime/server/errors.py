@@ -1,13 +1,16 @@
 """OpenAI-style errors: every failure a client causes is a 4xx with an ``error`` object.
 
-Also the body-size guard, a plain ASGI middleware so that an oversize body is
-refused while it streams in, before anything parses it.
+Also the body guard, a plain ASGI middleware so that an oversize body is
+refused while it streams in, before anything parses it, and a body that stops
+coming is refused after a timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -136,14 +139,22 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class BodyLimit:
-    """Refuse request bodies over ``max_bytes`` with 413 (declared or streamed)."""
+    """Refuse request bodies over ``max_bytes`` with 413 (declared or streamed), and
+    bodies not complete within ``timeout_s`` with 408: a client that sent half a
+    request otherwise held its connection, and a handler slot, until shutdown."""
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, on_refuse: Callable[[], None] | None = None
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        on_refuse: Callable[[int], None] | None = None,
+        timeout_s: float = 30.0,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.on_refuse = on_refuse  # e.g. count the 413 where the app counts its outcomes
+        self.timeout_s = timeout_s
+        #: Called with the status refused (413, 408), e.g. to count it with the outcomes.
+        self.on_refuse = on_refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -156,39 +167,45 @@ class BodyLimit:
                 except ValueError:
                     declared = -1
                 if declared < 0 or declared > self.max_bytes:
-                    await self._refuse(send)
+                    await self._refuse(send, 413, f"request body over {self.max_bytes} bytes")
                     return
         # Read the whole (bounded) body first, then replay it: refusing mid-way through the
         # app would race with the app's own error handling.
         chunks: list[bytes] = []
         seen = 0
         more = True
+        deadline = time.monotonic() + self.timeout_s
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except TimeoutError:
+                why = f"the request body did not arrive within {self.timeout_s:g} s"
+                await self._refuse(send, 408, why)
+                return
             if message["type"] != "http.request":
                 await self.app(scope, _replay([message], receive), send)
                 return
             body = message.get("body", b"")
             seen += len(body)
             if seen > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(send, 413, f"request body over {self.max_bytes} bytes")
                 return
             chunks.append(body)
             more = message.get("more_body", False)
         first: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, _replay([first], receive), send)
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, send: Send, status: int, message: str) -> None:
         if self.on_refuse is not None:
-            self.on_refuse()
-        body = json.dumps(
-            error_json(f"request body over {self.max_bytes} bytes", "invalid_request_error")
-        ).encode()
+            self.on_refuse(status)
+        body = json.dumps(error_json(message, "invalid_request_error")).encode()
         headers: list[Any] = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
         ]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        if status == 408:  # the rest of the body may still come: do not read it as a request
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
 

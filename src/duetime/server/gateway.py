@@ -164,7 +164,8 @@ def create_gateway_app(
     app.add_middleware(
         BodyLimit,
         max_bytes=cfg.max_body_bytes,
-        on_refuse=lambda: gw.m_requests.labels("http_413").inc(),
+        on_refuse=lambda status: gw.m_requests.labels(f"http_{status}").inc(),
+        timeout_s=cfg.body_timeout_s,
     )
     app.add_middleware(StripTrailingSlash)
     app.state.gateway = gw

@@ -28,6 +28,7 @@ class GatewayConfig:
     max_queue: int = 1024
     ewma_alpha: float = 0.2
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # a request body not complete by then: 408
     #: Read timeouts in a row after which a backend is suspect (0: never). A backend
     #: that answers /health but hangs on completions is up for the probe; without
     #: this it kept taking every request the others had no room for.
