@@ -324,17 +324,40 @@ def _post_and_hang_up(app: Any, path: str, body: bytes) -> list[dict]:
     return sent
 
 
+def _tiny_state(codec: ByteCodec | None = None) -> ServerState:
+    """A server on the tiny random model (KV for 1,024 tokens), not started."""
+    options = ServeOptions(model="tiny", predictor=None, kv_capacity=1024)
+    model, byte_codec, name = load_served_model(options)
+    return build_state(options, model, codec or byte_codec, name)
+
+
+def _answered_meanwhile(
+    url: str, blocked: dict[str, Any], waiting: threading.Event, release: threading.Event
+) -> httpx.Response:
+    """Send ``blocked`` and, once it waits (``waiting``), another request, which must be
+    answered before ``release`` lets the first go on. The first request's response."""
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, url + "/v1/completions", json=blocked, timeout=60)
+        try:
+            assert waiting.wait(10), "the first request never reached the blocking step"
+            other = {"model": MODEL, "prompt": "ab", "max_tokens": 2, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=other, timeout=10)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 2
+        finally:
+            release.set()
+        return first.result()
+
+
 def test_a_client_gone_before_its_request_is_submitted_costs_the_engine_nothing() -> None:
     """A client that hung up right after sending still had its request submitted, and
     the engine ran its prefill until the answer's disconnect watch aborted it (0.25 s
     later for a whole answer, at the first token for a stream). Checked before the
     submit, it never reaches the engine."""
-    options = ServeOptions(model="tiny", predictor=None, kv_capacity=1024)
-    model, codec, name = load_served_model(options)
-    state = build_state(options, model, codec, name)
+    state = _tiny_state()
     app = create_app(state, manage_engine=False)  # nothing drains the engine's inbox
     for stream in (False, True):
-        body = json.dumps({"model": name, "prompt": "hello", "stream": stream}).encode()
+        body = json.dumps({"model": MODEL, "prompt": "hello", "stream": stream}).encode()
         sent = _post_and_hang_up(app, "/v1/completions", body)
         assert sent[0]["status"] == 499, sent
         assert state.engine.inbox_size == 0
@@ -359,22 +382,11 @@ class _SlowCodec(ByteCodec):
 def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
     """Prompts were tokenized on the event loop: while a 1 MB one took ~0.3 s, no other
     client got a token, an answer or even /health. Long ones now go to a worker thread."""
-    options = ServeOptions(model="tiny", predictor=None, kv_capacity=1024)
-    model, _, name = load_served_model(options)
     codec = _SlowCodec()
-    state = build_state(options, model, codec, name)
-    with serve_in_thread(create_app(state)) as url, ThreadPoolExecutor(1) as pool:
-        body = {"model": name, "prompt": "x" * 20_000, "max_tokens": 2}
-        long = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
-        try:
-            assert codec.waiting.wait(10), "the long prompt never reached the tokenizer"
-            short = {"model": name, "prompt": "ab", "max_tokens": 2, "ignore_eos": True}
-            r = httpx.post(url + "/v1/completions", json=short, timeout=10)
-            assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 2
-        finally:
-            codec.release.set()
-        assert long.result().status_code == 400  # longer than the context: refused
+    with serve_in_thread(create_app(_tiny_state(codec))) as url:
+        body = {"model": MODEL, "prompt": "x" * 20_000, "max_tokens": 2}
+        long = _answered_meanwhile(url, body, codec.waiting, codec.release)
+        assert long.status_code == 400  # longer than the context: refused
 
 
 class _SlowPredictor:
@@ -397,22 +409,12 @@ class _SlowPredictor:
 def test_the_length_predictor_runs_off_the_event_loop() -> None:
     """Each request's length prediction ran on the event loop: while it ran, no other
     client got a token or an answer. It now runs on its own worker thread."""
-    options = ServeOptions(model="tiny", predictor=None, kv_capacity=1024)
-    model, codec, name = load_served_model(options)
-    state = build_state(options, model, codec, name)
+    state = _tiny_state()
     predictor = _SlowPredictor()
     state.predictor = predictor
-    with serve_in_thread(create_app(state)) as url, ThreadPoolExecutor(1) as pool:
-        body = {"model": name, "prompt": "wait", "max_tokens": 2, "ignore_eos": False}
-        slow = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
-        try:
-            assert predictor.waiting.wait(10), "the prediction never started"
-            other = {"model": name, "prompt": "ab", "max_tokens": 2, "ignore_eos": True}
-            r = httpx.post(url + "/v1/completions", json=other, timeout=10)
-            assert r.status_code == 200, r.text
-        finally:
-            predictor.release.set()
-        answer = slow.result()
+    with serve_in_thread(create_app(state)) as url:
+        body = {"model": MODEL, "prompt": "wait", "max_tokens": 2}
+        answer = _answered_meanwhile(url, body, predictor.waiting, predictor.release)
         assert answer.status_code == 200, answer.text
         assert answer.json()["duetime"]["predicted_tokens"] == 2.0  # capped by max_tokens
 
@@ -436,9 +438,7 @@ def test_a_body_that_stops_coming_is_a_408(server: str) -> None:
     """A client that sent half a request held its connection and a handler until
     shutdown (and then kept the server up: see test_serve_shutdown.py)."""
     if server == "serve":
-        options = ServeOptions(model="tiny", predictor=None, kv_capacity=1024)
-        model, codec, name = load_served_model(options)
-        state = build_state(options, model, codec, name)
+        state = _tiny_state()
         state.config.body_timeout_s = 0.5
         app = create_app(state)
     else:
