@@ -556,6 +556,31 @@ def test_serve_cli_rejects_bad_options() -> None:
     assert result.exit_code == 2
 
 
+def test_serve_cli_passes_its_timeouts_to_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    ran: dict[str, object] = {}
+
+    def run(asgi: object, **kwargs: object) -> None:
+        ran.update(kwargs, app=asgi)
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    import torch
+
+    threads = str(torch.get_num_threads())  # the command sets them: leave this process's be
+    args = ["serve", "--model", "tiny", "--predictor", "none", "--port", "0", "--threads", threads]
+    args += ["--request-timeout", "7.5", "--stall-after", "12", "--shutdown-timeout", "3"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    config = ran["app"].state.duetime.config  # type: ignore[attr-defined]
+    assert config.request_timeout_s == 7.5
+    assert config.stall_after_s == 12.0
+    assert ran["timeout_graceful_shutdown"] == 3
+
+
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_real_gemma_answers_through_the_openai_client() -> None:

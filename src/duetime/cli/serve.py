@@ -65,6 +65,10 @@ def serve(
             "snapkv (observation-window scores, per head) or streaming (sinks + recent)."
         ),
     ] = "snapkv",
+    request_timeout: Annotated[
+        float,
+        typer.Option(min=0.001, help="Seconds an answer may take before it is a 504 and aborted."),
+    ] = 600.0,
     stall_after: Annotated[
         float,
         typer.Option(
@@ -110,6 +114,7 @@ def serve(
             telemetry=telemetry,
             eviction=eviction,
             stall_after_s=stall_after,
+            request_timeout_s=request_timeout,
         )
         try:
             loaded, codec, name = load_served_model(options)

@@ -42,6 +42,7 @@ class ServeOptions:
     seed: int = 0
     eviction: str = "snapkv"  # how KV is dropped when the policy evicts: snapkv or streaming
     stall_after_s: float = 30.0  # /health is 503 once a step has run this long
+    request_timeout_s: float = 600.0  # an answer not done by then: 504, its sequence aborted
 
 
 def load_served_model(options: ServeOptions) -> tuple[Gemma3, Codec, str]:
@@ -102,6 +103,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         max_context=min(model.config.max_position_embeddings, options.kv_capacity - 1),
         vocab_size=model.config.vocab_size,
         stall_after_s=options.stall_after_s,
+        request_timeout_s=options.request_timeout_s,
     )
     return ServerState(
         config=cfg,
