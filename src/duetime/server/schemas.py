@@ -52,20 +52,25 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
-class TUFSpec(BaseModel):
+class _Body(BaseModel):
+    """What every part of a request body shares: strict types, and no NaN or Infinity
+    (JSON parsers read them; a bound check would then report a misleading reason)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class TUFSpec(_Body):
     """TimelyLLM's time-utility function ``TUF(t) = min(β, α·(t − ERT) + β)``, times in ms."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid")
 
     ert_ms: float = Field(ge=0, le=MAX_MS, description="Expected response time (ms).")
     beta: float = Field(1.0, gt=0, le=1e6, description="Utility before ERT.")
     alpha: float = Field(-2.0, le=0, ge=-1e6, description="Slope after ERT (utility per second).")
 
 
-class TimeFields(BaseModel):
+class TimeFields(_Body):
     """duetime's extensions, shared by both endpoints (send them through ``extra_body``)."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
     deadline_ms: float | None = Field(
         None,
@@ -110,14 +115,12 @@ class TimeFields(BaseModel):
         return None if ms is None else ms / 1000.0
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False)
-
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
 class _Common(TimeFields):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1, max_length=256)
     stream: bool = False
@@ -205,15 +208,13 @@ class CompletionRequest(_Common):
         return v
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False)
-
+class ContentPart(_Body):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+class ChatMessage(_Body):
+    model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[ContentPart]
