@@ -348,7 +348,7 @@ class EngineLoop:
         live = self._live.pop(rid, None)
         if live is None:
             return
-        outcome = self._outcome(live.job, reason, first_sent=live.first_sent, sent=live.emitted)
+        outcome = self._outcome(live.job, reason, live=live)
         live.stream.put(outcome)
         self.executor.forget(rid)
 
@@ -357,15 +357,16 @@ class EngineLoop:
         job: Job,
         reason: FinishReason,
         error: str | None = None,
-        first_sent: float | None = None,
-        sent: int = 0,
+        live: _Live | None = None,
     ) -> Outcome:
-        """How ``job`` ended; ``first_sent`` and ``sent`` are when its client got the first
-        token and how many it got (the executor's books forget both at a restart)."""
+        """How ``job`` ended; ``live`` (a request that reached the engine) says when its
+        client got the first token and how many it got, which the executor's books forget
+        at a restart."""
         ex = self.executor
         req = job.request
         rec = ex.records.get(req.rid)
         pred = req.predicted
+        first_sent, sent = (live.first_sent, live.emitted) if live is not None else (None, 0)
         first = first_sent if first_sent is not None else (rec.first_token if rec else None)
         return Outcome(
             finish_reason=reason,
@@ -387,9 +388,7 @@ class EngineLoop:
             self._errors += 1
         message = why.strip().splitlines()[-1] if why.strip() else "engine error"
         for live in list(self._live.values()):
-            outcome = self._outcome(
-                live.job, "error", error=message, first_sent=live.first_sent, sent=live.emitted
-            )
+            outcome = self._outcome(live.job, "error", error=message, live=live)
             live.stream.put(outcome)
         self._live.clear()
         old = self.executor
