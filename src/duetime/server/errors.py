@@ -155,6 +155,7 @@ class BodyLimit:
         self.timeout_s = timeout_s
         #: Called with the status refused (413, 408), e.g. to count it with the outcomes.
         self.on_refuse = on_refuse
+        self._too_big = f"request body over {max_bytes} bytes"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -167,7 +168,7 @@ class BodyLimit:
                 except ValueError:
                     declared = -1
                 if declared < 0 or declared > self.max_bytes:
-                    await self._refuse(send, 413, f"request body over {self.max_bytes} bytes")
+                    await self._refuse(send, 413, self._too_big)
                     return
         # Read the whole (bounded) body first, then replay it: refusing mid-way through the
         # app would race with the app's own error handling.
@@ -188,7 +189,7 @@ class BodyLimit:
             body = message.get("body", b"")
             seen += len(body)
             if seen > self.max_bytes:
-                await self._refuse(send, 413, f"request body over {self.max_bytes} bytes")
+                await self._refuse(send, 413, self._too_big)
                 return
             chunks.append(body)
             more = message.get("more_body", False)
