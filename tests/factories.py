@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import codecs
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -100,30 +97,6 @@ def fresh_jobs(jobs: list[Job]) -> list[Job]:
     return out
 
 
-@contextmanager
-def served(app: Any, log_level: str = "warning", start_s: float = 30.0) -> Iterator[str]:
-    """``app`` served by uvicorn on a free loopback port in a background thread; yields
-    its base URL and stops the server on exit (fake servers for the load generator)."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    started = time.monotonic()
-    try:
-        while not uv.started:
-            assert time.monotonic() - started < start_s, "fake server did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
 def answer_shape_problems(
     n: int, reason: str, max_tokens: int, timing: dict[str, Any]
 ) -> list[str]:
@@ -138,3 +111,22 @@ def answer_shape_problems(
     if ttft is not None and not 0 <= ttft <= e2e:
         bad.append(f"ttft {ttft} ms, e2e {e2e} ms")
     return bad
+
+
+def prometheus_samples(text: str) -> dict[str, float]:
+    """``{'name{labels}': value}`` of a Prometheus text exposition (comments skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def byte_codec_text(ids: Sequence[int], *, final: bool) -> str:
+    """The byte codec's text of ``ids`` as a client may have it: with ``final=False`` a
+    character still missing bytes is left out; a broken byte is U+FFFD either way."""
+    from duetime.server.codec import ByteCodec
+
+    data = bytes(i - ByteCodec.OFFSET for i in ids if ByteCodec.OFFSET <= i < ByteCodec.vocab_size)
+    return codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=final)

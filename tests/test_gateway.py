@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from duetime.cli import app as cli_app
 from duetime.server.gateway import Backend, GatewayConfig, choose_backend, create_gateway_app
 from duetime.server.threaded import serve_in_thread
+from tests.factories import prometheus_samples
 
 MODEL = "duetime-tiny"
 DUETIME = Path(sys.executable).with_name("duetime")
@@ -108,15 +109,6 @@ def fleet() -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
-
-
-def _samples(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def _parse_sse(text: str) -> list[object]:
@@ -224,7 +216,7 @@ def test_burst_survives_a_backend_killed_midway(
     metrics = httpx.get(gw + "/metrics", trust_env=False).text
     assert f'duetime_gateway_backend_up{{backend="{urls[0]}"}} 0.0' in metrics
     assert f'duetime_gateway_backend_up{{backend="{urls[1]}"}} 1.0' in metrics
-    counts = _samples(metrics)
+    counts = prometheus_samples(metrics)
     outcomes = {k: v for k, v in counts.items() if k.startswith("duetime_gateway_requests_total")}
     assert sum(outcomes.values()) == n  # one outcome per request: none lost, none counted twice
     failed = counts.get('duetime_gateway_requests_total{outcome="failed_midstream"}', 0)

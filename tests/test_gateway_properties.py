@@ -39,6 +39,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from duetime.server.gateway import GatewayConfig, create_gateway_app
+from tests.factories import prometheus_samples
 from tests.gateway_fakes import (
     KINDS,
     MODEL,
@@ -49,7 +50,6 @@ from tests.gateway_fakes import (
     Seen,
     call,
 )
-from tests.test_gateway import _samples
 
 EXAMPLES = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "30"))
 READ_TIMEOUT_S = 0.2  # the gateway's request timeout in these runs: what a hang lasts
@@ -160,7 +160,7 @@ async def _run(
 
     async with app.router.lifespan_context(app):
         seen = await asyncio.gather(*(one(c) for c in clients))
-        metrics = _samples(bytes((await call(app, "GET", "/metrics")).body).decode())
+        metrics = prometheus_samples(bytes((await call(app, "GET", "/metrics")).body).decode())
         state = {
             "in_flight": {b.url: b.in_flight for b in gw.backends},
             "queued": len(gw._queue),

@@ -36,6 +36,7 @@ from duetime.server.gateway import (
     stream_tokens,
 )
 from duetime.server.load_workload import LoadWorkload
+from tests.factories import prometheus_samples
 from tests.gateway_fakes import MODEL, FakeBackend, FakeFleet, Fate, call
 
 
@@ -220,12 +221,7 @@ def test_a_load_trace_request_the_server_cannot_take_is_refused(
 def _metrics(gw: Gateway) -> dict[str, float]:
     from prometheus_client import generate_latest
 
-    out: dict[str, float] = {}
-    for line in generate_latest(gw.registry).decode().splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    return prometheus_samples(generate_latest(gw.registry).decode())
 
 
 def _outcome(gw: Gateway, outcome: str) -> float:

@@ -56,6 +56,7 @@ from duetime.server.load_report import summarize_run, to_record
 from duetime.server.load_workload import LoadRequest
 from duetime.server.loadgen import Bounds, Target, run_load
 from duetime.server.schemas import ChatCompletionRequest, CompletionRequest
+from duetime.server.threaded import serve_in_thread
 from duetime.workloads.trace import (
     MAX_TRACE_SECONDS,
     TraceError,
@@ -63,7 +64,6 @@ from duetime.workloads.trace import (
     read_trace,
     write_trace,
 )
-from tests.factories import served
 
 SCALE = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "25")) / 25
 runner = CliRunner()
@@ -507,7 +507,7 @@ class ScriptedServer:
 @pytest.fixture(scope="module")
 def scripted() -> Iterator[tuple[ScriptedServer, str]]:
     server = ScriptedServer()
-    with served(server.app, log_level="critical") as url:
+    with serve_in_thread(server.app, log_level="critical") as url:
         yield server, url
 
 

@@ -45,7 +45,7 @@ from duetime.server.loadgen import (
     request_body,
     run_load,
 )
-from tests.factories import served
+from duetime.server.threaded import serve_in_thread
 
 runner = CliRunner()
 TOKEN_SLEEP_S = 0.004
@@ -105,7 +105,7 @@ def _sse(obj: dict[str, Any]) -> str:
 @pytest.fixture(scope="module")
 def fake() -> Iterator[tuple[FakeServer, str]]:
     server = FakeServer()
-    with served(server.app, start_s=10) as url:
+    with serve_in_thread(server.app, timeout_s=10) as url:
         yield server, url
 
 

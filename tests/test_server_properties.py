@@ -36,7 +36,6 @@ model, never the real Gemma. What must hold:
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import dataclasses
 import functools
@@ -63,7 +62,7 @@ from duetime.server.chat_template import render_chat
 from duetime.server.codec import ByteCodec, Codec
 from duetime.server.schemas import ChatMessage
 from duetime.server.threaded import serve_in_thread
-from tests.factories import answer_shape_problems
+from tests.factories import answer_shape_problems, byte_codec_text, prometheus_samples
 from tests.test_server_all_policies import CharCodec, HalfPredictor
 
 EXAMPLES = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "2"))
@@ -96,8 +95,7 @@ def _text_after(codec: str, gen: Sequence[int], *, final: bool) -> str:
     part of it until the answer ends (then it is U+FFFD); a broken byte is U+FFFD."""
     if codec == "char":
         return CharCodec().decode(gen)
-    data = bytes(i - ByteCodec.OFFSET for i in gen if ByteCodec.OFFSET <= i < VOCAB)
-    return codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=final)
+    return byte_codec_text(gen, final=final)
 
 
 def _codec(name: str) -> Codec:
@@ -435,12 +433,12 @@ def _state(eng: Engine) -> ServerState:
         max_num_seqs=eng.max_num_seqs,
         max_batch_tokens=eng.max_batch_tokens,
         max_waiting=eng.max_waiting,
+        request_timeout_s=eng.request_timeout_s,
     )
     with pytest.MonkeyPatch.context() as mp:
         if eng.policy == "hsf":  # it orders by predicted lengths and needs a predictor
             mp.setattr("duetime.server.build._predictor", lambda _options: HalfPredictor())
         state: ServerState = build_state(options, _model(), _codec(eng.codec), MODEL)
-    state.config.request_timeout_s = eng.request_timeout_s
     state.config.max_body_bytes = BODY_LIMIT
     return state
 
@@ -778,12 +776,7 @@ def _same_prompt_same_answer(eng: Engine, calls: list[Call], seen: list[Seen]) -
 
 
 def _metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return prometheus_samples(httpx.get(url + "/metrics").text)
 
 
 def _check_metrics(

@@ -7,7 +7,6 @@ is what finds the next one.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import gc
 import json
 import socket
@@ -30,20 +29,13 @@ from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies.fcfs import FCFS
 from duetime.server.app import ServerState, _Meta, _whole, create_app
 from duetime.server.build import ServeOptions, build_state, load_served_model
-from duetime.server.codec import ByteCodec, Detokenizer
+from duetime.server.codec import ByteCodec, Codec, Detokenizer
 from duetime.server.engine_loop import EngineLoop, Outcome
 from duetime.server.errors import ApiError
 from duetime.server.gateway import GatewayConfig, create_gateway_app
 from duetime.server.threaded import serve_in_thread
+from tests.factories import byte_codec_text
 from tests.test_server_all_policies import MODEL, CharCodec
-
-
-def _utf8(ids: Sequence[int], *, final: bool) -> str:
-    """The byte codec's text of ``ids``; with ``final=False`` a character still missing
-    bytes is left out (a broken byte is U+FFFD either way)."""
-    data = bytes(i - ByteCodec.OFFSET for i in ids if ByteCodec.OFFSET <= i < ByteCodec.vocab_size)
-    return codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=final)
-
 
 # Bytes that start, continue or break characters come up often among the ids.
 _IDS = st.sampled_from([*range(3, 259), *(b + ByteCodec.OFFSET for b in (0xFF, 0xC3, 0xE2, 0x82))])
@@ -66,10 +58,13 @@ def test_the_detokenizer_sends_every_final_character_and_never_changes_one(
         ids += batch
         sent += detok.add(batch)
         assert sent == detok.text
-        assert sent.startswith(_utf8(ids[: max(0, len(ids) - 3)], final=False)), (ids, sent)
-        assert _utf8(ids, final=True).startswith(sent), (ids, sent)
+        assert sent.startswith(byte_codec_text(ids[: max(0, len(ids) - 3)], final=False)), (
+            ids,
+            sent,
+        )
+        assert byte_codec_text(ids, final=True).startswith(sent), (ids, sent)
     sent += detok.flush()
-    assert sent == _utf8(ids, final=True)
+    assert sent == byte_codec_text(ids, final=True)
 
 
 class _RestartOnce(FCFS):
@@ -126,10 +121,11 @@ def test_a_restarted_request_that_ends_early_counts_the_tokens_its_client_has() 
     assert outcome.output_tokens == 1
 
 
-def _served_state(policy: str = "fcfs", **kw: Any) -> ServerState:
-    """A server state on the tiny model with one character per token (CharCodec)."""
+def _served_state(policy: str = "fcfs", codec: Codec | None = None, **kw: Any) -> ServerState:
+    """A server state (not started) on the tiny model, by default with one character per
+    token (CharCodec)."""
     options = ServeOptions(model="tiny", predictor=None, policy=policy, **kw)
-    return build_state(options, load_served_model(options)[0], CharCodec(), MODEL)
+    return build_state(options, load_served_model(options)[0], codec or CharCodec(), MODEL)
 
 
 def test_a_stop_string_in_the_last_allowed_token_is_counted_as_the_client_saw_it() -> None:
@@ -160,8 +156,8 @@ def test_an_answer_past_the_server_timeout_is_a_504_streamed_or_not() -> None:
     prefill), whose TimeoutError no one caught: a 500 "internal error: TimeoutError"
     instead of the documented 504, and a stream that broke off without an error event
     or [DONE] (found by the server property test with a 50 ms server timeout)."""
-    state = _served_state(kv_capacity=1024, max_batch_tokens=8)  # a prefill of ~100 steps
-    state.config.request_timeout_s = 0.05
+    # a prefill of ~100 steps, far past the server's timeout
+    state = _served_state(kv_capacity=1024, max_batch_tokens=8, request_timeout_s=0.05)
     body = {"model": MODEL, "prompt": "a" * 900, "max_tokens": 10, "ignore_eos": True}
     with serve_in_thread(create_app(state)) as url:
         r = httpx.post(url + "/v1/completions", json=body, timeout=30)
@@ -290,7 +286,7 @@ def test_the_detokenizer_decodes_a_run_of_broken_bytes_in_linear_work() -> None:
     broken, a_grave = [0xFF + ByteCodec.OFFSET], [0xC3 + ByteCodec.OFFSET, 0x80 + ByteCodec.OFFSET]
     ids = broken * 1000 + a_grave * 500
     sent = "".join(detok.add([i]) for i in ids) + detok.flush()
-    assert sent == _utf8(ids, final=True)
+    assert sent == byte_codec_text(ids, final=True)
     assert codec.decoded < 40 * len(ids), codec.decoded
 
 
@@ -324,13 +320,6 @@ def _post_and_hang_up(app: Any, path: str, body: bytes) -> list[dict]:
     return sent
 
 
-def _tiny_state(codec: ByteCodec | None = None) -> ServerState:
-    """A server on the tiny random model (KV for 1,024 tokens), not started."""
-    options = ServeOptions(model="tiny", predictor=None, kv_capacity=1024)
-    model, byte_codec, name = load_served_model(options)
-    return build_state(options, model, codec or byte_codec, name)
-
-
 def _answered_meanwhile(
     url: str, blocked: dict[str, Any], waiting: threading.Event, release: threading.Event
 ) -> httpx.Response:
@@ -354,7 +343,7 @@ def test_a_client_gone_before_its_request_is_submitted_costs_the_engine_nothing(
     the engine ran its prefill until the answer's disconnect watch aborted it (0.25 s
     later for a whole answer, at the first token for a stream). Checked before the
     submit, it never reaches the engine."""
-    state = _tiny_state()
+    state = _served_state(kv_capacity=1024)
     app = create_app(state, manage_engine=False)  # nothing drains the engine's inbox
     for stream in (False, True):
         body = json.dumps({"model": MODEL, "prompt": "hello", "stream": stream}).encode()
@@ -383,7 +372,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
     """Prompts were tokenized on the event loop: while a 1 MB one took ~0.3 s, no other
     client got a token, an answer or even /health. Long ones now go to a worker thread."""
     codec = _SlowCodec()
-    with serve_in_thread(create_app(_tiny_state(codec))) as url:
+    with serve_in_thread(create_app(_served_state(codec=codec, kv_capacity=1024))) as url:
         body = {"model": MODEL, "prompt": "x" * 20_000, "max_tokens": 2}
         long = _answered_meanwhile(url, body, codec.waiting, codec.release)
         assert long.status_code == 400  # longer than the context: refused
@@ -409,7 +398,7 @@ class _SlowPredictor:
 def test_the_length_predictor_runs_off_the_event_loop() -> None:
     """Each request's length prediction ran on the event loop: while it ran, no other
     client got a token or an answer. It now runs on its own worker thread."""
-    state = _tiny_state()
+    state = _served_state(kv_capacity=1024)
     predictor = _SlowPredictor()
     state.predictor = predictor
     with serve_in_thread(create_app(state)) as url:
@@ -438,7 +427,7 @@ def test_a_body_that_stops_coming_is_a_408(server: str) -> None:
     """A client that sent half a request held its connection and a handler until
     shutdown (and then kept the server up: see test_serve_shutdown.py)."""
     if server == "serve":
-        state = _tiny_state()
+        state = _served_state(kv_capacity=1024)
         state.config.body_timeout_s = 0.5
         app = create_app(state)
     else:

@@ -18,9 +18,11 @@ __all__ = ["serve_in_thread"]
 
 
 @contextmanager
-def serve_in_thread(app: Any, host: str = "127.0.0.1", timeout_s: float = 30.0) -> Iterator[str]:
+def serve_in_thread(
+    app: Any, host: str = "127.0.0.1", timeout_s: float = 30.0, log_level: str = "warning"
+) -> Iterator[str]:
     """Serve ``app``; yields its base URL (``http://127.0.0.1:PORT``); stops on exit."""
-    config = uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, host=host, port=0, log_level=log_level, lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
