@@ -93,6 +93,16 @@ ShutdownTimeoutOpt = Annotated[
         help="Seconds to let open requests finish after SIGTERM or Ctrl-C before closing them.",
     ),
 ]
+#: A connection that has not sent a whole request's headers by then is closed with a
+#: 408 (slowloris); uvicorn itself times out only idle kept-alive connections.
+HeaderTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        min=0.001,
+        help="Seconds a client has to send a request's headers before the connection "
+        "is closed with a 408.",
+    ),
+]
 
 
 def bound_port(host: str, port: int) -> int:

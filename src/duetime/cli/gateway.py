@@ -10,7 +10,15 @@ from urllib.parse import urlsplit
 
 import typer
 
-from duetime.cli.common import LogLevelOpt, ShutdownTimeoutOpt, _user_errors, app, bound_port, err
+from duetime.cli.common import (
+    HeaderTimeoutOpt,
+    LogLevelOpt,
+    ShutdownTimeoutOpt,
+    _user_errors,
+    app,
+    bound_port,
+    err,
+)
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -89,12 +97,14 @@ def gateway(
     ] = [],  # noqa: B006
     allow_remote: Annotated[bool, typer.Option(help="Allow backends off loopback.")] = False,
     shutdown_timeout: ShutdownTimeoutOpt = 30,
+    header_timeout: HeaderTimeoutOpt = 30.0,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Route OpenAI requests over several backends by predicted finish (docs/gateway.md)."""
     import uvicorn
 
     from duetime.server.gateway import GatewayConfig, create_gateway_app
+    from duetime.server.header_timeout import header_timeout_protocol
 
     with _user_errors():
         urls = _check_backends(backend, allow_remote)
@@ -123,4 +133,5 @@ def gateway(
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=shutdown_timeout,
+        http=header_timeout_protocol(header_timeout),
     )

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from duetime.cli.common import (
+    HeaderTimeoutOpt,
     LogLevelOpt,
     ShutdownTimeoutOpt,
     _fail,
@@ -78,6 +79,7 @@ def serve(
         ),
     ] = 30.0,
     shutdown_timeout: ShutdownTimeoutOpt = 30,
+    header_timeout: HeaderTimeoutOpt = 30.0,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve the model over HTTP with OpenAI's API plus deadlines (see docs/server.md)."""
@@ -86,6 +88,7 @@ def serve(
 
     from duetime.server.app import create_app
     from duetime.server.build import ServeOptions, build_state, load_served_model
+    from duetime.server.header_timeout import header_timeout_protocol
 
     with _user_errors():
         from duetime.engine.gemma3 import DTYPES
@@ -140,4 +143,5 @@ def serve(
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=shutdown_timeout,
+        http=header_timeout_protocol(header_timeout),
     )

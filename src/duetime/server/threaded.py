@@ -14,15 +14,31 @@ from typing import Any
 
 import uvicorn
 
+from duetime.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
+
 __all__ = ["serve_in_thread"]
 
 
 @contextmanager
 def serve_in_thread(
-    app: Any, host: str = "127.0.0.1", timeout_s: float = 30.0, log_level: str = "warning"
+    app: Any,
+    host: str = "127.0.0.1",
+    timeout_s: float = 30.0,
+    log_level: str = "warning",
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
 ) -> Iterator[str]:
-    """Serve ``app``; yields its base URL (``http://127.0.0.1:PORT``); stops on exit."""
-    config = uvicorn.Config(app, host=host, port=0, log_level=log_level, lifespan="on")
+    """Serve ``app``; yields its base URL (``http://127.0.0.1:PORT``); stops on exit.
+
+    It runs the HTTP protocol ``duetime serve`` runs (:mod:`duetime.server.header_timeout`).
+    """
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=0,
+        log_level=log_level,
+        lifespan="on",
+        http=header_timeout_protocol(header_timeout_s),
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
