@@ -69,8 +69,8 @@ def header_timeout_protocol(timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> type
 
         def data_received(self, data: bytes) -> None:
             if self._header_timer is None and self._awaiting_headers():
-                # a kept-alive connection's next request begins (uvicorn has just
-                # stopped its idle timer): its headers get the same bound
+                # a kept-alive connection's next request begins (uvicorn stops its
+                # idle timer on this data): its headers get the same bound
                 self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
             super().data_received(data)
             if not self._awaiting_headers():
