@@ -47,6 +47,9 @@ def header_timeout_protocol(timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> type
         def _awaiting_headers(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
 
+        def _start_timer(self) -> None:
+            self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
+
         def _stop_timer(self) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
@@ -65,13 +68,13 @@ def header_timeout_protocol(timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> type
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
+            self._start_timer()
 
         def data_received(self, data: bytes) -> None:
             if self._header_timer is None and self._awaiting_headers():
                 # a kept-alive connection's next request begins (uvicorn stops its
                 # idle timer on this data): its headers get the same bound
-                self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
+                self._start_timer()
             super().data_received(data)
             if not self._awaiting_headers():
                 self._stop_timer()
