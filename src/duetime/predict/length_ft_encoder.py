@@ -26,7 +26,6 @@ natively, float32 elsewhere.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,8 +35,8 @@ from duetime.predict.length_features import (
     EMBED_DIM,
     MiniLMEncoder,
     encode_in_batches,
+    load_minilm,
     masked_mean,
-    minilm_dir,
     pad,
 )
 from duetime.predict.length_tokens import BUNDLE_TOKENS
@@ -72,10 +71,7 @@ def parse_ft_spec(spec: str) -> tuple[int, int]:
 
 def load_base(layers: int) -> Any:
     """MiniLM's BERT with its first ``layers`` layers, in float32, in eval mode."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModel
-
-    model = AutoModel.from_pretrained(str(minilm_dir())).float()
+    model = load_minilm().float()
     model.pooler = None  # unused: the features are mean-pooled
     model.encoder.layer = model.encoder.layer[:layers]
     model.config.num_hidden_layers = layers
