@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import errno
+import json
+import os
 import socket
+import stat
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,22 @@ def test_an_unwritable_output_is_refused_before_the_run(tmp_path: Path, option: 
     assert "is a directory" in out
     assert a_file.read_text() == "x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]  # no temporary left
+
+
+def test_a_pipe_given_as_output_is_written_into_not_replaced(tmp_path: Path) -> None:
+    """--json /dev/stdout or a FIFO: renaming a temporary over it put a plain file there."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # so the writer's open does not block
+    try:
+        code, out = _invoke(*SIM, "--json", str(fifo))
+        assert code == 0, out
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+        payload = json.loads(os.read(reader, 1 << 16))
+    finally:
+        os.close(reader)
+    assert payload["summary"]["completed"] == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]  # no temporary left
 
 
 def test_atomic_writes_name_the_target_not_their_temporary(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ without a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -49,12 +50,17 @@ def writable(path: Path | None) -> Path | None:
 
     A benchmark that runs for minutes and then fails to save is the costliest
     typo; this tries a file beside the target (creating its parent
-    directories, as the final atomic write would).
+    directories, as the final atomic write would). A device or pipe
+    (``/dev/stdout``) is written in place, so it only needs to be writable.
     """
-    from duetime.metrics.atomic import prepare_parent
+    from duetime.metrics.atomic import is_stream, prepare_parent
 
     if path is None:
         return None
+    if is_stream(path):
+        if not os.access(path, os.W_OK):
+            raise typer.BadParameter(f"cannot write {path}: permission denied")
+        return path
     try:
         prepare_parent(path)
         with tempfile.TemporaryFile(dir=path.parent):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,15 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
     raises, the temporary file is removed and ``target`` is left as it was.
     Parent directories are created. ``mode`` replaces mkstemp's private 0600:
     results are meant to be read by others.
+
+    A ``target`` that exists and is not a regular file (``/dev/stdout``, a
+    FIFO, ``/dev/null``) is yielded itself and written in place: renaming over
+    it would put a regular file where the device or pipe was (as root, that
+    replaced ``/dev/null``), and atomicity means nothing for a stream.
     """
+    if is_stream(target):
+        yield str(target)
+        return
     try:
         prepare_parent(target)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -37,6 +46,15 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def is_stream(target: Path) -> bool:
+    """Whether ``target`` exists as something other than a regular file or a directory."""
+    try:
+        mode = target.stat().st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def prepare_parent(target: Path) -> None:
