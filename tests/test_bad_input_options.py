@@ -118,6 +118,12 @@ def test_noisy_predictor_bad_error_names_the_spec(err: str) -> None:
     _refused(*SIM, "--predictor", f"noisy:{err}", names=f"'noisy:{err}'")
 
 
+@pytest.mark.parametrize("spec", ["noisy0.9", "noisyfoo", "noisy=0.9"])
+def test_a_mistyped_noisy_predictor_is_refused(spec: str) -> None:
+    """These ran as noisy:0.3 and recorded the typo as the predictor's name."""
+    _refused(*SIM, "--predictor", spec, names=f"unknown predictor '{spec}'")
+
+
 # --- 3. engine limits -------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("option", "value"), [("--kv-capacity", "-5"), ("--max-num-seqs", "0"), ("--kv-capacity", "0")]

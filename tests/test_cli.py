@@ -94,11 +94,13 @@ def test_sweep_process_pool_rows_and_plot(tmp_path: Path) -> None:
     assert code == 0, output
     rows = json.loads(j.read_text())["rows"]
     assert len(rows) == 8
-    assert {(r["policy"], r["rate"], r["seed"]) for r in rows} == {
+    assert {(r["policy"], r["rate_req_s"], r["seed"]) for r in rows} == {
         (pol, rate, s) for pol in ("fcfs", "edf") for rate in (5.0, 20.0) for s in (0, 1)
     }
     # higher load, higher latency: a sweep that could not show this would be broken
-    fcfs = {r["rate"]: r["e2e_mean_s"] for r in rows if r["policy"] == "fcfs" and r["seed"] == 0}
+    fcfs = {
+        r["rate_req_s"]: r["e2e_mean_s"] for r in rows if r["policy"] == "fcfs" and r["seed"] == 0
+    }
     assert fcfs[20.0] > fcfs[5.0]
     assert p.stat().st_size > 10_000
 

@@ -49,7 +49,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from duetime.cli import app
-from duetime.core.request import Job, TimeUtility
+from duetime.core.request import MAX_TIME_S, Job, TimeUtility
 from duetime.core.request import Request as CoreRequest
 from duetime.metrics import write_json
 from duetime.server.load_report import summarize_run, to_record
@@ -58,7 +58,6 @@ from duetime.server.loadgen import Bounds, Target, run_load
 from duetime.server.schemas import ChatCompletionRequest, CompletionRequest
 from duetime.server.threaded import serve_in_thread
 from duetime.workloads.trace import (
-    MAX_TRACE_SECONDS,
     TraceError,
     job_to_dict,
     read_trace,
@@ -82,7 +81,7 @@ def _settings(examples: int) -> Any:
 
 # --- strategies: jobs a trace can hold ---------------------------------------------------------
 
-SECONDS = st.floats(0, MAX_TRACE_SECONDS, allow_nan=False, allow_infinity=False)
+SECONDS = st.floats(0, MAX_TIME_S, allow_nan=False, allow_infinity=False)
 #: Numbers a caller may hand Request: ints too (``arrival=5``), which JSON spells without ".0".
 REALS = st.one_of(SECONDS, st.integers(0, 10**6))
 ANY_INT = st.integers()
@@ -140,9 +139,7 @@ def trace_jobs(
             prompt_len=draw(prompt_lens),
             max_tokens=draw(st.one_of(st.just(4096), st.integers(output_len, 10**6))),
             deadline=draw(
-                st.one_of(
-                    st.none(), budgets.map(lambda b, a=arrival: min(a + b, MAX_TRACE_SECONDS))
-                )
+                st.one_of(st.none(), budgets.map(lambda b, a=arrival: min(a + b, MAX_TIME_S)))
             ),
             priority=draw(priorities),
             tuf=tuf,
@@ -516,7 +513,7 @@ UNITLESS = {
     "sent", "ok", "rejected", "errors", "unfinished", "not_sent", "deadline_requests",
     "server_reports", "output_tokens_total", "ok_rate", "deadline_hit_rate",
     "server_deadline_met_rate", "server_kv_eviction_ratio_mean", "top_errors", "classes",
-    "rate", "run",
+    "run",
 }  # fmt: skip
 
 

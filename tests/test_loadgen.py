@@ -399,7 +399,7 @@ def test_cli_sweep_writes_json_rows_and_png(server: tuple[FakeServer, str], tmp_
     payload = json.loads(j.read_text())
     assert payload["config"]["model"] == "fake-model"  # discovered from /v1/models
     rows = payload["rows"]
-    assert [r["rate"] for r in rows] == [200.0, 400.0]
+    assert [r["rate_req_s"] for r in rows] == [200.0, 400.0]
     assert [r["run"] for r in rows] == ["200/s", "400/s"]
     for row in rows:
         assert row["sent"] == 10
@@ -456,7 +456,7 @@ def test_cli_rate_inf_is_labelled_in_the_json(
     )  # fmt: skip
     assert code == 0, output
     (row,) = json.loads(j.read_text())["rows"]
-    assert row["rate"] is None
+    assert row["rate_req_s"] is None
     assert row["run"] == "inf/s"
 
 

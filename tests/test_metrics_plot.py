@@ -19,7 +19,7 @@ def sweep_rows() -> list[dict[str, object]]:
                 rows.append(
                     {
                         "policy": policy,
-                        "rate": rate,
+                        "rate_req_s": rate,
                         "seed": seed,
                         "e2e_p90_s": slope * rate + 0.1 * seed,
                         "goodput_req_s": rate / (1 + slope) if seed else None,
@@ -31,7 +31,7 @@ def sweep_rows() -> list[dict[str, object]]:
 def test_plot_sweep_writes_valid_png(tmp_path: Path) -> None:
     path = tmp_path / "plots" / "sweep.png"
     out = plot_sweep(
-        sweep_rows(), x="rate", y=["e2e_p90_s", "goodput_req_s"], hue="policy", path=path
+        sweep_rows(), x="rate_req_s", y=["e2e_p90_s", "goodput_req_s"], hue="policy", path=path
     )
     assert out == path
     data = path.read_bytes()

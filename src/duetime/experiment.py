@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from duetime.core.cost import LinearStepCost
+from duetime.core.policy import Policy
 from duetime.core.request import Job
 from duetime.metrics import SLO, summarize
 from duetime.policies import make_policy
-from duetime.predict.oracle import make_job_predictor
+from duetime.predict.oracle import JobPredictor, make_job_predictor
 from duetime.sim import SimConfig, SimResult, Simulator
 from duetime.sim.profiles import DEFAULT_PROFILE, load_profile
 
@@ -55,11 +56,25 @@ class SimSpec:
         return asdict(self)
 
 
+#: ``SimSpec.workload`` names other than these are trace files.
+GENERATED_WORKLOADS = ("sharegpt", "sharegpt-heldout", "synthetic")
+
+
+def is_trace(spec: SimSpec) -> bool:
+    """Whether the spec replays a trace file (its arrival times: ``rate`` plays no part)."""
+    return spec.workload not in GENERATED_WORKLOADS
+
+
 def build_jobs(spec: SimSpec) -> list[Job]:
-    """The workload of a spec (deadlines are added by :func:`run_spec`)."""
+    """The workload of a spec (deadlines are added by :func:`plan_spec`)."""
     from duetime import workloads as wl
 
-    if spec.workload not in ("sharegpt", "sharegpt-heldout", "synthetic"):
+    if is_trace(spec):
+        if not Path(spec.workload).exists():
+            raise ValueError(
+                f"unknown workload {spec.workload!r}: use {', '.join(GENERATED_WORKLOADS)} "
+                "or the path of a JSONL trace file"
+            )
         return wl.read_trace(spec.workload)
     if spec.arrival == "poisson":
         arrivals: wl.ArrivalProcess = wl.Poisson(rate=spec.rate)
@@ -112,37 +127,85 @@ def sim_config(spec: SimSpec) -> tuple[LinearStepCost, SimConfig]:
     return cost, cfg
 
 
-def run_spec(
-    spec: SimSpec, jobs: list[Job] | None = None, progress: Any = None
-) -> tuple[SimResult, dict[str, Any]]:
-    """Run one spec; returns the simulator result and a flat summary row."""
+#: Figures of a run that come from the simulator itself, beside :func:`summarize`'s.
+RUN_FIGURES = (
+    "sim_time_s",
+    "wall_s",
+    "engine_steps",
+    "policy_calls",
+    "preemptions",
+    "kv_peak_tokens",
+    "mean_running",
+    "rejected",
+)
+
+
+def row_figures() -> list[str]:
+    """Every figure a summary row holds (what ``sweep --metrics`` may plot)."""
+    return [*summarize([], slo=SLO()), *RUN_FIGURES]
+
+
+@dataclass(slots=True)
+class PlannedRun:
+    """A spec made ready to run: names resolved and checked, deadlines assigned, nothing run.
+
+    Split from the run so a caller can act on the final jobs first (``sim
+    --save-trace`` writes them with their deadlines, and only once the policy,
+    profile and predictor are known to exist).
+    """
+
+    spec: SimSpec
+    jobs: list[Job]
+    cost: LinearStepCost
+    config: SimConfig
+    policy: Policy
+    predictor_name: str | None
+    predictor: JobPredictor | None
+
+
+def plan_spec(spec: SimSpec, jobs: list[Job] | None = None) -> PlannedRun:
+    """Resolve a spec (profile, policy, predictor) and give its jobs their deadlines."""
     cost, cfg = sim_config(spec)
+    policy = make_policy(spec.policy)
+    pred_name = policy.default_predictor if spec.predictor == "policy" else spec.predictor
+    predictor = make_job_predictor(pred_name, seed=spec.seed)
     if jobs is None:
         jobs = build_jobs(spec)
     if spec.deadline_scale is not None:
         assign_deadlines(jobs, cost, spec.deadline_scale)
-    policy = make_policy(spec.policy)
-    pred_name = policy.default_predictor if spec.predictor == "policy" else spec.predictor
-    predictor = make_job_predictor(pred_name, seed=spec.seed)
-    result = Simulator(policy, cost, cfg, predictor).run(jobs, progress=progress)
+    return PlannedRun(spec, jobs, cost, cfg, policy, pred_name, predictor)
+
+
+def run_planned(plan: PlannedRun, progress: Any = None) -> tuple[SimResult, dict[str, Any]]:
+    """Simulate a planned run; returns the simulator result and a flat summary row."""
+    spec = plan.spec
+    result = Simulator(plan.policy, plan.cost, plan.config, plan.predictor).run(
+        plan.jobs, progress=progress
+    )
     row: dict[str, Any] = {
         "policy": spec.policy,
-        "rate": spec.rate,
+        "rate_req_s": None if is_trace(spec) else spec.rate,
         "seed": spec.seed,
-        "workload": spec.workload if not Path(spec.workload).exists() else Path(spec.workload).name,
-        "predictor": pred_name or "none",
+        "workload": Path(spec.workload).name if is_trace(spec) else spec.workload,
+        "predictor": plan.predictor_name or "none",
     }
     row.update(summarize(result.records, slo=SLO()))
-    row.update(
-        {
-            "sim_time_s": result.sim_time,
-            "wall_s": result.wall_s,
-            "engine_steps": result.engine_steps,
-            "policy_calls": result.policy_calls,
-            "preemptions": result.preemptions,
-            "kv_peak_tokens": result.kv_peak,
-            "mean_running": result.mean_running,
-            "rejected": result.counters.get("rejected", 0),
-        }
+    run_figures = (
+        result.sim_time,
+        result.wall_s,
+        result.engine_steps,
+        result.policy_calls,
+        result.preemptions,
+        result.kv_peak,
+        result.mean_running,
+        result.counters.get("rejected", 0),
     )
+    row.update(zip(RUN_FIGURES, run_figures, strict=True))
     return result, row
+
+
+def run_spec(
+    spec: SimSpec, jobs: list[Job] | None = None, progress: Any = None
+) -> tuple[SimResult, dict[str, Any]]:
+    """Run one spec; returns the simulator result and a flat summary row."""
+    return run_planned(plan_spec(spec, jobs), progress)

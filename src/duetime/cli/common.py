@@ -142,6 +142,8 @@ def _user_errors() -> Iterator[None]:
         _fail(str(e))
     except FileNotFoundError as e:
         _fail(f"{e.filename}: file not found")
+    except MemoryError as e:  # --requests 1e12: numpy names the size it could not allocate
+        _fail(f"out of memory: {e or 'the run is too large for this machine'}")
     except OSError as e:  # a path given that cannot be read or written (a directory, /proc)
         if e.filename is None:
             raise

@@ -128,7 +128,7 @@ def load(
         with prog:
             run = run_load(plan, target, bounds, progress=cb)
         # "run" tells "trace" from "inf/s": strict JSON writes both rates as null
-        row = {"rate": r, "run": label, **summarize_run(run)}
+        row = {"rate_req_s": r, "run": label, **summarize_run(run)}
         rows.append(row)
         records[label] = [to_record(o) for o in run.sent]
         if row["top_errors"]:
@@ -138,7 +138,7 @@ def load(
 
     keys = list(TABLE_KEYS)
     keys += sorted({k for row in rows for k in row if k.startswith("deadline_hit_rate[")})
-    shown = [(run_label(row["rate"]), row) for row in rows]  # render_table escapes labels
+    shown = [(run_label(row["rate_req_s"]), row) for row in rows]  # render_table escapes labels
     title = escape(f"{target.model} at {base}{target.path}")
     out.print(render_table(shown, keys=keys, title=title))
     if json_path is not None:
@@ -158,7 +158,7 @@ def load(
         }
         write_json(json_path, {"config": config, "rows": rows})
     if plot is not None:
-        numeric = [row for row in rows if row["rate"] is not None]
+        numeric = [row for row in rows if row["rate_req_s"] is not None]
         if len(numeric) > 1:
             plot_rates(numeric, plot)
         else:

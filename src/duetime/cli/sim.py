@@ -31,6 +31,7 @@ PredictorOpt = Annotated[
         "or learned[:path] (the trained length model, from the prompt text)."
     ),
 ]
+CvOpt = Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")]
 DeadlineScaleOpt = Annotated[
     float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
 ]
@@ -43,7 +44,7 @@ def sim(
     requests: Annotated[int, typer.Option(min=1, help="Number of requests.")] = 2000,
     rate: Annotated[float, typer.Option(min=0.0, help="Arrival rate, requests/s.")] = 4.0,
     arrival: ArrivalOpt = "poisson",
-    cv: Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")] = 1.0,
+    cv: CvOpt = 1.0,
     seed: Annotated[int, typer.Option(min=0, help="Random seed.")] = 0,
     profile: ProfileOpt = "a100-llama2-7b",
     predictor: PredictorOpt = "policy",
@@ -57,7 +58,7 @@ def sim(
     plot: PlotOpt = None,
 ) -> None:
     """Simulate one workload through one policy."""
-    from duetime.experiment import SimSpec, build_jobs, run_spec
+    from duetime.experiment import SimSpec, plan_spec, run_planned
     from duetime.metrics import render_table, write_json
 
     with _user_errors():
@@ -75,14 +76,14 @@ def sim(
             kv_capacity=kv_capacity,
             max_num_seqs=max_num_seqs,
         )
-        jobs = build_jobs(spec)
-        if save_trace is not None:
+        plan = plan_spec(spec)  # every name checked before the trace is written
+        if save_trace is not None:  # with the deadlines the run uses
             from duetime.workloads import write_trace
 
-            write_trace(save_trace, jobs)
-        prog, cb = _progress(len(jobs), f"simulating {policy}")
+            write_trace(save_trace, plan.jobs)
+        prog, cb = _progress(len(plan.jobs), f"simulating {policy}")
         with prog:
-            result, row = run_spec(spec, jobs, progress=cb)
+            result, row = run_planned(plan, progress=cb)
     out.print(render_table([(policy, row)]))
     out.print(
         f"simulated {result.sim_time:,.1f} s in {result.wall_s:.2f} s wall "
@@ -99,11 +100,14 @@ def sim(
 @app.command()
 def sweep(
     policies: Annotated[str, typer.Option(help="Comma-separated policy names.")] = "fcfs,edf",
-    rates: Annotated[str, typer.Option(help="Comma-separated arrival rates.")] = "2,4,8",
+    rates: Annotated[
+        str, typer.Option(help="Comma-separated arrival rates, req/s (none with a trace).")
+    ] = "2,4,8",
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0",
     workload: WorkloadOpt = "sharegpt",
     requests: Annotated[int, typer.Option(min=1, help="Requests per run.")] = 2000,
     arrival: ArrivalOpt = "poisson",
+    cv: CvOpt = 1.0,
     profile: ProfileOpt = "a100-llama2-7b",
     predictor: PredictorOpt = "policy",
     deadline_scale: DeadlineScaleOpt = None,
@@ -116,7 +120,7 @@ def sweep(
     plot: PlotOpt = None,
 ) -> None:
     """Policies × rates × seeds, in parallel (process pool, or Ray with --ray)."""
-    from duetime.experiment import SimSpec
+    from duetime.experiment import SimSpec, is_trace, row_figures
     from duetime.metrics import plot_sweep, render_table, write_json
     from duetime.sweep import run_sweep
 
@@ -128,6 +132,13 @@ def sweep(
             _fail(f"--rates and --seeds must be comma-separated numbers, got {rates!r}, {seeds!r}")
         if any(s < 0 for s in seed_list):
             _fail(f"--seeds must be non-negative integers, got {seeds!r}")
+        plotted = [m.strip() for m in metrics.split(",")]
+        unknown = [m for m in plotted if m not in row_figures()]
+        if unknown:  # found before the sweep runs, not as an empty plot after it
+            _fail(f"unknown --metrics {unknown}; a row has {', '.join(row_figures())}")
+        trace = is_trace(SimSpec(workload=workload))
+        if trace:
+            rate_list = rate_list[:1]  # a trace has its own arrival times: one run, not one a rate
         specs = [
             SimSpec(
                 policy=p.strip(),
@@ -135,6 +146,7 @@ def sweep(
                 requests=requests,
                 rate=r,
                 arrival=arrival,
+                cv=cv,
                 seed=s,
                 profile=profile,
                 predictor=predictor,
@@ -150,28 +162,37 @@ def sweep(
                 specs, workers=workers, backend="ray" if use_ray else "process", progress=cb
             )
     for r in rate_list:
+        at = "" if trace else f"@{r:g}/s"
         out.print(
             render_table(
                 [
-                    (f"{row['policy']}@{r:g}/s s{row['seed']}", row)
-                    for row in rows
-                    if row["rate"] == r
+                    (f"{row['policy']}{at} s{row['seed']}", row)
+                    for spec, row in zip(specs, rows, strict=True)
+                    if spec.rate == r
                 ]
             )
         )
     if json_path is not None:
-        write_json(json_path, {"rows": rows})
+        write_json(json_path, {"specs": [s.to_dict() for s in specs], "rows": rows})
     if plot is not None:
-        plot_sweep(
-            rows, x="rate", y=[m.strip() for m in metrics.split(",")], hue="policy", path=plot
-        )
+        x = "seed" if trace else "rate_req_s"
+        plot_sweep(rows, x=x, y=plotted, hue="policy", path=plot)
+
+
+def _demo_outputs(out_dir: Path) -> Path:
+    """Check before the runs, not after them, that demo.json and demo.png can be written."""
+    for name in ("demo.json", "demo.png"):
+        writable(out_dir / name)
+    return out_dir
 
 
 @app.command()
 def demo(
     requests: Annotated[int, typer.Option(min=1)] = 2000,
     rate: Annotated[float, typer.Option()] = 16.0,
-    out_dir: Annotated[Path, typer.Option("--out", help="Where JSON and PNG go.")] = Path("out"),
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="Where JSON and PNG go.", callback=_demo_outputs)
+    ] = Path("out"),
 ) -> None:
     """ShareGPT through FCFS and EDF on the GPU-like profile, with deadlines: table + plot."""
     from duetime.experiment import SimSpec, build_jobs, run_spec
@@ -191,8 +212,9 @@ def demo(
         "a100-llama2-7b profile; deadline = arrival + 8 × time alone"
     )
     out.print(render_table(rows))
-    write_json(out_dir / "demo.json", dict(rows))
-    plot_latency_cdf(records, out_dir / "demo.png")
+    with _user_errors():
+        write_json(out_dir / "demo.json", dict(rows))
+        plot_latency_cdf(records, out_dir / "demo.png")
     out.print(f"wrote {out_dir / 'demo.json'} and {out_dir / 'demo.png'}")
 
 

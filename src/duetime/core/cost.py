@@ -67,6 +67,11 @@ class CostModelError(ValueError):
 
 _COEFFS = ("c0", "c_prefill", "a1", "a2", "b", "d", "s", "e")
 
+#: Shortest decode step a cost model may give (one sequence, empty cache), in seconds.
+#: A step of ~0 s leaves the clock where it was: ``c0 = 1e-320`` made the step count
+#: of a decode run infinite (an OverflowError deep in the simulator).
+MIN_STEP_S = 1e-9
+
 
 @dataclass(slots=True, frozen=True)
 class LinearStepCost:
@@ -88,8 +93,11 @@ class LinearStepCost:
             v = getattr(self, k)
             if not math.isfinite(v) or v < 0:
                 raise CostModelError(f"cost coefficient {k} must be finite and >= 0, got {v}")
-        if self.c0 <= 0 and self.b <= 0:
-            raise CostModelError("a decode step must cost something: need c0 > 0 or b > 0")
+        if not self.c0 + self.b >= MIN_STEP_S:
+            raise CostModelError(
+                f"a decode step must cost at least {MIN_STEP_S:g} s: need c0 + b >= "
+                f"{MIN_STEP_S:g}, got {self.c0 + self.b:g}"
+            )
 
     # --- constructors ---------------------------------------------------------
     @classmethod
@@ -107,9 +115,11 @@ class LinearStepCost:
         """Read a profile JSON (``{"name", "coefficients": {...}, "source", ...}``)."""
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise CostModelError(f"{path}: profile file not found") from None
+        except UnicodeDecodeError:
+            raise CostModelError(f"{path}: not a profile (not UTF-8 text)") from None
         except json.JSONDecodeError as e:
             raise CostModelError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("coefficients"), dict):
@@ -118,10 +128,12 @@ class LinearStepCost:
         unknown = set(coeffs) - set(_COEFFS)
         if unknown:
             raise CostModelError(f"{path}: unknown coefficient(s) {sorted(unknown)}")
-        try:
-            values = {k: float(coeffs.get(k, 0.0)) for k in _COEFFS}
-        except (TypeError, ValueError):
-            raise CostModelError(f"{path}: coefficients must be numbers") from None
+        wrong = [
+            k for k, v in coeffs.items() if isinstance(v, bool) or not isinstance(v, int | float)
+        ]
+        if wrong:  # float() read "0.01" and true as numbers
+            raise CostModelError(f"{path}: coefficients must be numbers: {sorted(wrong)}")
+        values = {k: float(coeffs.get(k, 0.0)) for k in _COEFFS}
         meta = {k: v for k, v in raw.items() if k not in ("coefficients", "name")}
         try:
             return cls(**values, name=str(raw.get("name", path.stem)), meta=meta)

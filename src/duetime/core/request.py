@@ -13,6 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+#: Latest time a request may name (arrival, deadline, gap), in seconds (~31.7 years).
+#: Past ~1e10 s a double no longer resolves a microsecond, and past ~1e17 s adding a
+#: step leaves the clock where it was: latencies come out 0 and a run may never end.
+MAX_TIME_S = 1e9
+
 
 @dataclass(slots=True, frozen=True)
 class LengthPrediction:

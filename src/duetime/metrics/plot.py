@@ -1,7 +1,7 @@
 """Plot a parameter sweep: one subplot per metric, one line per policy, spread across seeds.
 
 Rows are the plain dicts a sweep naturally produces, one per run, e.g.
-``{"policy": "edf", "rate": 4.0, "seed": 0, "e2e_p90_s": 1.7}``. Runs that
+``{"policy": "edf", "rate_req_s": 4.0, "seed": 0, "e2e_p90_s": 1.7}``. Runs that
 share a policy and an x value (different seeds) are drawn as their mean with
 a shaded min–max band, which shows the seed-to-seed spread without claiming
 a distribution that three seeds cannot support.
@@ -24,7 +24,7 @@ def plot_sweep(
     path: str | os.PathLike[str],
     *,
     y: str | Sequence[str],
-    x: str = "rate",
+    x: str = "rate_req_s",
     hue: str = "policy",
     title: str | None = None,
     dpi: int = 120,

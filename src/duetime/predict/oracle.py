@@ -82,7 +82,7 @@ def make_job_predictor(spec: str | None, seed: int = 0) -> JobPredictor | None:
         from duetime.predict.length_predictor import make_learned_predictor
 
         return make_learned_predictor(spec)
-    if spec.startswith("noisy"):
+    if spec == "noisy" or spec.startswith("noisy:"):  # not "noisy0.9", which read as noisy:0.3
         _, _, err = spec.partition(":")
         try:
             return NoisyOraclePredictor(rel_error=float(err) if err else 0.3, seed=seed)

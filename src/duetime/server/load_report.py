@@ -171,7 +171,7 @@ def plot_rates(rows: Sequence[Row], path: str | Path) -> Path:
 
     from duetime.metrics.atomic import save_png
 
-    rates = [float(r["rate"]) for r in rows]
+    rates = [float(r["rate_req_s"]) for r in rows]
     fig = Figure(figsize=(9, 3.6), layout="constrained")
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)

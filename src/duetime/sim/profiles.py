@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 
@@ -37,19 +36,17 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> tuple[LinearStepCost, S
     """The cost model of a profile and the engine limits it records (defaults otherwise)."""
     path = profile_path(name_or_path)
     cost = LinearStepCost.from_profile(path)
-    raw = json.loads(path.read_text())
     cfg = SimConfig()
     for key, attr in (
         ("kv_capacity_tokens", "kv_capacity"),
         ("max_num_seqs", "max_num_seqs"),
         ("max_batch_tokens", "max_batch_tokens"),
     ):
-        if key in raw:
-            try:
-                value = int(raw[key])
-            except (TypeError, ValueError, OverflowError):
-                raise CostModelError(f"{path}: {key} must be an integer") from None
+        if key in cost.meta:  # the profile's other fields
+            value = cost.meta[key]
+            if isinstance(value, bool) or not isinstance(value, int):  # int() took 1.7, "5000"
+                raise CostModelError(f"{path}: {key} must be an integer, got {value!r}")
             if value < 1:
-                raise CostModelError(f"{path}: {key} must be >= 1, got {raw[key]}")
+                raise CostModelError(f"{path}: {key} must be >= 1, got {value}")
             setattr(cfg, attr, value)
     return cost, cfg

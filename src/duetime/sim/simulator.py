@@ -22,7 +22,7 @@ from duetime.core.cost import CostModel, LinearStepCost
 from duetime.core.executor import ExecutorCore, ExecutorError
 from duetime.core.policy import Policy
 from duetime.core.record import RequestRecord
-from duetime.core.request import Job
+from duetime.core.request import MAX_TIME_S, Job
 from duetime.core.sequence import Seq
 from duetime.predict.oracle import JobPredictor
 
@@ -159,6 +159,11 @@ class Simulator(ExecutorCore):
         t0 = time.perf_counter()
         pending = sorted(jobs, key=lambda j: (j.request.arrival, j.request.rid))
         n_jobs = len(pending)
+        if n_jobs and not pending[-1].request.arrival <= MAX_TIME_S:
+            raise SimulationError(
+                f"request {pending[-1].request.rid} arrives at t = "
+                f"{pending[-1].request.arrival:.3g} s, past the {MAX_TIME_S:.0e} s a run can time"
+            )
         i = 0
         wake: float = math.inf
         done_seen = 0

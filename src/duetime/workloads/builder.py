@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 
-from duetime.core.request import Job, Request
+from duetime.core.request import MAX_TIME_S, Job, Request
 from duetime.workloads.arrivals import ArrivalProcess, Poisson
 from duetime.workloads.sharegpt import read_pairs
 from duetime.workloads.sources import LengthCaps, LengthSource, ShareGPTSource, sampling_rng
@@ -72,6 +72,11 @@ def build_jobs(
     times = np.sort(np.asarray(arrivals.times(n, np.random.default_rng([seed, 1])), dtype=float))
     if times.shape != (n,):
         raise ValueError(f"arrival process gave {times.shape} times, expected ({n},)")
+    if n and not times[-1] <= MAX_TIME_S:  # a run past it hung, or timed 0 s latencies
+        raise ValueError(
+            f"the arrival process puts request {n - 1} at t = {times[-1]:.3g} s, past the "
+            f"{MAX_TIME_S:.0e} s a run can time: raise the arrival rate"
+        )
     ids = (
         source.prompt_token_ids(sample, np.random.default_rng([seed, 2]))
         if with_prompt_ids

@@ -32,17 +32,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from duetime.core.request import Job, Request, TimeUtility
+from duetime.core.request import MAX_TIME_S, Job, Request, TimeUtility
 from duetime.workloads._files import atomic_writer
 
 # What Request assumes when a line gives no max_tokens.
 _DEFAULT_MAX_TOKENS = Request(rid=0, arrival=0.0, prompt_len=1).max_tokens
-
-
-#: Latest time a trace may name, in seconds (~31.7 years). Past ~1e10 s a double no
-#: longer resolves a microsecond, and past ~1e17 s adding a step leaves the clock where
-#: it was: latencies come out 0 and a run may never end.
-MAX_TRACE_SECONDS = 1e9
 
 
 class TraceError(ValueError):
@@ -54,23 +48,24 @@ class _Strict(BaseModel):
 
 
 class _TufLine(_Strict):
-    ert: float = Field(ge=0, le=MAX_TRACE_SECONDS)
-    beta: float = 1.0
-    alpha: float = Field(default=-2.0, le=0)
+    ert: float = Field(ge=0, le=MAX_TIME_S)
+    # bounded as the server's: alpha = -1e308 made a finite line's utility -inf
+    beta: float = Field(default=1.0, ge=-1e6, le=1e6)
+    alpha: float = Field(default=-2.0, ge=-1e6, le=0)
 
 
 class _JobLine(_Strict):
     rid: int = Field(ge=0)
-    arrival: float = Field(ge=0, le=MAX_TRACE_SECONDS)
+    arrival: float = Field(ge=0, le=MAX_TIME_S)
     prompt_len: int = Field(ge=1)
     output_len: int = Field(ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    deadline: float | None = Field(default=None, le=MAX_TRACE_SECONDS)
+    deadline: float | None = Field(default=None, le=MAX_TIME_S)
     priority: int = 0
     klass: str = Field(default="default", min_length=1)
     tuf: _TufLine | None = None
     segments: list[Annotated[int, Field(ge=1)]] = []
-    segment_gaps: list[Annotated[float, Field(ge=0, le=MAX_TRACE_SECONDS)]] = []
+    segment_gaps: list[Annotated[float, Field(ge=0, le=MAX_TIME_S)]] = []
     overrun: Literal["kill", "skip-next"] | None = None
     kv_eviction: Any = None  # checked below: one message for a union (not one per branch)
 
