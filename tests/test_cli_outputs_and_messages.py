@@ -38,6 +38,16 @@ def test_an_error_line_prints_brackets_as_given(tmp_path: Path) -> None:
     assert "unknown policy '[/]'" in out
 
 
+def test_an_error_line_prints_a_line_number_not_an_emoji(tmp_path: Path) -> None:
+    """rich read ":100:" in "t.jsonl:100: field ..." as the emoji code for 💯."""
+    good = '{"rid": %d, "arrival": 0.0, "prompt_len": 4, "output_len": 2}\n'
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(good % i for i in range(99)) + '{"rid": 99}\n')
+    code, out = _invoke("sim", "--workload", str(trace))
+    assert code == 2
+    assert "t.jsonl:100:" in out, out
+
+
 @pytest.mark.parametrize("option", ["--json", "--plot"])
 def test_an_unwritable_output_is_refused_before_the_run(tmp_path: Path, option: str) -> None:
     a_file = tmp_path / "plain"

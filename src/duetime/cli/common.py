@@ -41,8 +41,9 @@ advise_app = typer.Typer(
 )
 app.add_typer(advise_app, name="advise")
 
-out = Console()
-err = Console(stderr=True, soft_wrap=True)
+# emoji off: rich turned "trunc.csv:100:2" into "trunc.csv💯2" (file:line:field messages)
+out = Console(emoji=False)
+err = Console(stderr=True, soft_wrap=True, emoji=False)
 
 
 def writable(path: Path | None) -> Path | None:
