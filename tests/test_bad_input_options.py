@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,35 @@ def test_noisy_predictor_bad_error_names_the_spec(err: str) -> None:
 def test_a_mistyped_noisy_predictor_is_refused(spec: str) -> None:
     """These ran as noisy:0.3 and recorded the typo as the predictor's name."""
     _refused(*SIM, "--predictor", spec, names=f"unknown predictor '{spec}'")
+
+
+@pytest.mark.parametrize("sigma", [1.0, 5.0, 400.0])
+def test_noisy_predictions_stop_at_max_tokens(sigma: float) -> None:
+    """At sigma = 5 the upper bound reached 1e9 tokens (Amax reserved KV for it and the
+    run ran out of memory); at 400 it overflowed to inf."""
+    from duetime.core.request import Job, Request
+    from duetime.predict.oracle import NoisyOraclePredictor
+
+    pred = NoisyOraclePredictor(rel_error=sigma, seed=1)
+    jobs = [Job(Request(rid=i, arrival=0.0, prompt_len=8, max_tokens=512), 100) for i in range(200)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "overflow encountered in exp"
+        preds = [pred.predict_job(j) for j in jobs]
+    assert all(1.0 <= p.lo <= p.point <= p.hi <= 512.0 for p in preds)
+    assert max(p.hi for p in preds) == 512.0  # the cap binds at these sigmas
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [(("--policies", ",,"), "--policies"), (("--errors", "", "--learned", "none"), "--errors")],
+)
+def test_bench_sensitivity_with_nothing_to_run_is_refused(
+    tmp_path: Path, args: tuple[str, ...], names: str
+) -> None:
+    """Both ran nothing and wrote an empty table and JSON, exit 0."""
+    j = tmp_path / "s.json"
+    _refused("bench", "sensitivity", *args, "--json", str(j), names=names)
+    assert not j.exists()
 
 
 # --- 3. engine limits -------------------------------------------------------------------

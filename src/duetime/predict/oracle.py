@@ -56,11 +56,17 @@ class NoisyOraclePredictor:
 
     def predict_job(self, job: Job) -> LengthPrediction:
         sigma = self.rel_error
-        point = max(1.0, job.output_len * float(np.exp(self._rng.normal(0.0, sigma))))
+        # Nothing outputs more than max_tokens, so neither point nor interval goes past it
+        # (as the learned predictor's N_max): at sigma = 5 the bound reached 1e9 tokens,
+        # which Amax reserves KV for. Exponents are clipped, not the products: no overflow.
+        cap = float(job.request.max_tokens)
+        eps = float(self._rng.normal(0.0, sigma))
+        point = job.output_len * float(np.exp(min(eps, math.log(cap / job.output_len))))
+        point = min(max(1.0, point), cap)  # exp(log(x)) may round past the cap
         lo = max(1.0, point * float(np.exp(-self.z * sigma)))
-        hi = point * float(np.exp(self.z * sigma))
+        hi = min(point * float(np.exp(min(self.z * sigma, math.log(cap / point)))), cap)
         return LengthPrediction(
-            point=point, lo=min(lo, point), hi=hi, confidence=max(0.0, 1.0 - sigma)
+            point=point, lo=min(lo, point), hi=max(hi, point), confidence=max(0.0, 1.0 - sigma)
         )
 
 

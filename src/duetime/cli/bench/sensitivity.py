@@ -50,6 +50,10 @@ def bench_sensitivity(
             raise ValueError(f"--errors must be comma-separated numbers, got {errors!r}") from None
         names = [p.strip() for p in policies.split(",") if p.strip()]
         extra = None if learned == "none" else learned
+        if not names:  # ran nothing and wrote an empty table, exit 0
+            raise ValueError(f"--policies names no policy: {policies!r}")
+        if not sigmas and extra is None:
+            raise ValueError("--errors names no σ and --learned is none: nothing to run")
         if extra is not None and not (extra == "learned" or extra.startswith("learned:")):
             raise ValueError(f"--learned must be learned, learned:PATH or none, got {learned!r}")
         prog, cb = _progress(len(names) * (len(sigmas) + (extra is not None)), "simulating")
