@@ -136,7 +136,38 @@ def test_model_of_another_version_gives_a_clear_error(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(ModelVersionError):
         LengthModel.load(tmp_path / "junk.npz")
+    (tmp_path / "text.npz").write_text("a,b\n1,2\n")  # numpy advised allow_pickle=True
+    with pytest.raises(ModelVersionError, match=r"text\.npz: .*\(not an \.npz archive\)$"):
+        LengthModel.load(tmp_path / "text.npz")
     model = LengthModel.load(path)
     _rewrite_header(path, tmp_path / "fp16.npz", meta=model.meta | {"infer_precision": "fp16"})
     with pytest.raises(ValueError, match=r"fp16.npz: infer_precision 'fp16' is not one of"):
         LengthModel.load(tmp_path / "fp16.npz")
+
+
+def _rewrite_arrays(src, dst, **changes):
+    with np.load(src) as data:
+        arrays = {k: data[k] for k in data.files} | changes
+    np.savez(dst, **arrays)
+
+
+def test_a_damaged_model_file_is_refused_at_load_naming_it(tmp_path):
+    """Each loaded before: NaN weights answered every prompt with one bucket; a list
+    meta and mismatched shapes failed later with tracebacks that named no file."""
+    path = train_rlp(synthetic_data(), CFG, progress=False).save(tmp_path / "m.npz")
+    with np.load(path) as data:
+        w1, w2 = data["w1"], data["w2"]
+    damaged = {
+        "nan_w1": ({"w1": np.full_like(w1, np.nan)}, "not all finite"),
+        "short_w2": ({"w2": w2[:, :-1]}, "layer 2 has shapes"),
+        "classes": ({"w2": w2[:, :-1], "b2": np.zeros(w2.shape[1] - 1, w2.dtype)}, "logits"),
+        "inf_scores": ({"conformal_scores": np.array([np.inf], np.float32)}, "scores"),
+    }
+    for name, (changes, says) in damaged.items():
+        _rewrite_arrays(path, tmp_path / f"{name}.npz", **changes)
+        with pytest.raises(ModelVersionError, match=rf"{name}\.npz: malformed .*{says}"):
+            LengthModel.load(tmp_path / f"{name}.npz")
+    for name, change in {"meta": {"meta": [1, 2]}, "feat_std": {"feat_std": 0.0}}.items():
+        _rewrite_header(path, tmp_path / f"{name}.npz", **change)
+        with pytest.raises(ModelVersionError, match=rf"{name}\.npz: malformed .*{name}"):
+            LengthModel.load(tmp_path / f"{name}.npz")

@@ -117,6 +117,29 @@ class HeadWeights:
     feat_mean: float = 0.0  # standardisation of the log prompt length
     feat_std: float = 1.0
 
+    def check(self, n_classes: int) -> None:
+        """Raise ``ValueError`` unless the arrays chain into ``n_classes`` finite logits.
+
+        A damaged file otherwise loaded: NaN weights answered every prompt with
+        one bucket, and mismatched shapes failed at the first prediction in
+        numpy's matmul, naming no file.
+        """
+        layers = [(self.w1, self.b1)] + ([(self.w2, self.b2)] if self.w2 is not None else [])
+        if (self.w2 is None) != (self.b2 is None):
+            raise ValueError("w2 and b2 come together")
+        width = self.w1.shape[0] if self.w1.ndim == 2 else -1
+        for i, (w, b) in enumerate(layers, 1):
+            if w.ndim != 2 or w.shape[0] != width or b is None or b.shape != (w.shape[1],):
+                raise ValueError(f"layer {i} has shapes w {w.shape}, b {getattr(b, 'shape', None)}")
+            width = w.shape[1]
+        if width != n_classes:
+            raise ValueError(f"the head gives {width} logits for {n_classes} buckets")
+        values = [*(a for layer in layers for a in layer), [self.feat_mean, self.feat_std]]
+        if not all(np.isfinite(np.asarray(a, np.float64)).all() for a in values):
+            raise ValueError("weights are not all finite")
+        if not self.feat_std > 0:
+            raise ValueError(f"feat_std must be > 0, got {self.feat_std}")
+
     def arrays(self) -> dict[str, np.ndarray]:
         out = {"w1": self.w1, "b1": self.b1}
         if self.w2 is not None and self.b2 is not None:
@@ -318,11 +341,16 @@ class LengthModel:
                 float(header["feat_std"]),
             )
             config = RLPConfig.from_dict(header["config"])
+            weights.check(config.n_classes)
+            if not np.isfinite(scores).all():
+                raise ValueError("conformal scores are not all finite")
         except KeyError as e:
             raise ModelVersionError(f"{path}: length-model file lacks {e}") from None
         except (TypeError, ValueError, AttributeError) as e:
             raise ModelVersionError(f"{path}: malformed length-model file ({e})") from None
         meta = header.get("meta", {})
+        if not isinstance(meta, dict):  # an AttributeError traceback on meta.get
+            raise ModelVersionError(f"{path}: malformed length-model file (meta is not an object)")
         if meta.get("infer_precision", "fp32") not in INFER_PRECISIONS:
             raise ValueError(
                 f"{path}: infer_precision {meta['infer_precision']!r} is not one of "

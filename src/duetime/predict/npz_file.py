@@ -47,9 +47,10 @@ def load_npz(
     """
     path = Path(path)
     try:
-        data = np.load(path, allow_pickle=False)
-        if not isinstance(data, np.lib.npyio.NpzFile):
-            raise ValueError("a single .npy array, not an .npz archive")
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":  # a zip: np.load read text as a pickle and
+                raise ValueError("not an .npz archive")  # advised allow_pickle=True
+        data = np.load(path, allow_pickle=False)  # a zip: an NpzFile
         with data:
             raw = str(data["header"]) if "header" in data.files else None
             arrays = {k: data[k] for k in data.files if k != "header"}
