@@ -46,7 +46,8 @@ def render_table(
     """
     columns = _as_columns(summaries)
     table = Table(title=title)
-    table.add_column("metric", style="bold")
+    # "fold" here too: a sweep's six columns cut names to "through…" and "deadlin…"
+    table.add_column("metric", style="bold", overflow="fold")
     # Labels are data, not markup: "deadline_hit_rate[batch]" must print as written.
     for label, _ in columns:
         # "fold", never "…": a narrow terminal must not hide digits of a figure.
