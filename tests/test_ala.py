@@ -104,6 +104,8 @@ def _write(tmp_path: Path, body: str) -> Path:
         ("c,gpu,64,32,1,0,5,1\n", ":2:2:", "source must be one of"),
         ("c,sim,64,32,1\n", ":2:6:", "expected 8 fields, got 5"),
         ("c,sim,64,32,0,0,5,1\n", ":2:5:", "bb must be >= 1"),
+        ("c,sim," + "9" * 30 + ",32,1,0,5,1\n", ":2:3:", "ii must be <= 10,000,000"),
+        ("c,sim,64,32,2000000,0,5,1\n", ":2:5:", "bb must be <= 1,000,000"),
     ],
 )
 def test_csv_errors_name_file_line_column(tmp_path: Path, body: str, where: str, what: str) -> None:

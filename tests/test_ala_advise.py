@@ -33,7 +33,14 @@ def test_advice_hand_case() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"), [({"deadline_s": 0.0}, "deadline"), ({"max_batch": 0}, "max_batch")]
+    ("kwargs", "match"),
+    [
+        ({"deadline_s": 0.0}, "deadline"),
+        ({"max_batch": 0}, "max_batch"),
+        # refused up front (it looped a million predictions first)
+        ({"max_batch": 1_000_001}, r"max_batch \(--max-batch\) must be in \[1, 1,000,000\]"),
+        ({"ii": 10**20}, r"ii \(--input-len\)"),
+    ],
 )
 def test_advice_rejects_bad_arguments(kwargs: dict[str, float], match: str) -> None:
     args = {"ii": 1, "oo": 1, "deadline_s": 1.0, "max_batch": 4, **kwargs}

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from duetime.cli.common import (
     JsonOpt,
@@ -14,6 +15,7 @@ from duetime.cli.common import (
     predict_app,
     writable,
 )
+from duetime.predict.ala_limits import MAX_BATCH, MAX_TOKENS
 
 AllTurnsOpt = Annotated[
     bool,
@@ -90,6 +92,13 @@ def predict_train_length(
 
     finetune = encoder.partition(":")[0] == "minilm-ft"
     with _user_errors():
+        _check_train_numbers(
+            coverage=coverage,
+            lr=lr,
+            encoder_lr=encoder_lr,
+            label_sigma=label_sigma,
+            dropout=dropout,
+        )
         if bundle is not None and not finetune:
             raise ValueError("--bundle feeds a fine-tuned encoder only (--encoder minilm-ft...)")
         if all_turns and not finetune:
@@ -155,13 +164,32 @@ def predict_train_length(
         ckpt.unlink(missing_ok=True)  # the model file is written: nothing left to resume
     m = rlp.meta["test_metrics"][cfg.readout]
     out.print(
-        f"wrote {out_path} (best epoch {rlp.meta['best_epoch']}/{cfg.epochs}); test, {readout}: "
+        f"wrote {escape(str(out_path))} (best epoch {rlp.meta['best_epoch']}/{cfg.epochs}); "
+        f"test, {readout}: "
         f"MAE {m['mae_tokens']:.1f} tokens, RMSE {m['rmse_tokens']:.1f}, R² {m['r2']:.3f}, "
         f"bucket acc {m['bucket_acc']:.3f}, {coverage:.0%} interval covers {m['coverage']:.3f} "
         f"(mean width {m['interval_width_tokens']:.0f} tokens)"
     )
     if json_path is not None:
         write_json(json_path, {"config": rlp.config, "meta": rlp.meta})
+
+
+def _check_train_numbers(
+    *, coverage: float, lr: float, encoder_lr: float, label_sigma: float, dropout: float | None
+) -> None:
+    """Numbers typer's own range checks let through (NaN passes ``min``/``max``; the rates
+    have no range): refused before any data loads, not after the training."""
+    import math
+
+    if not (math.isfinite(coverage) and 0 < coverage < 1):
+        raise ValueError(f"--coverage must be in (0, 1), got {coverage}")
+    for opt, v in (("--lr", lr), ("--encoder-lr", encoder_lr)):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{opt} must be finite and > 0, got {v}")
+    if not math.isfinite(label_sigma):
+        raise ValueError(f"--label-sigma must be finite, got {label_sigma}")
+    if dropout is not None and not math.isfinite(dropout):
+        raise ValueError(f"--dropout must be finite, got {dropout}")
 
 
 @predict_app.command("export-length-data")
@@ -180,14 +208,38 @@ def predict_export_length_data(
 
     with _user_errors():
         b = build_bundle(max_len=max_len, seed=seed, all_turns=all_turns).save(out_path)
-    out.print(f"wrote {b} ({b.stat().st_size / 1e6:.1f} MB)")
+    out.print(f"wrote {escape(str(b))} ({b.stat().st_size / 1e6:.1f} MB)")
 
 
 @predict_app.command("throughput")
 def predict_throughput(
-    input_len: Annotated[int, typer.Option("--input-len", min=1, help="ii: prompt tokens.")],
-    output_len: Annotated[int, typer.Option("--output-len", min=1, help="oo: output tokens.")],
-    batch: Annotated[int, typer.Option("--batch", min=1, help="bb: concurrent requests.")],
+    input_len: Annotated[
+        int,
+        typer.Option(
+            "--input-len",
+            min=1,
+            max=MAX_TOKENS,
+            help="ii: prompt tokens (at most 10,000,000: the longest context windows).",
+        ),
+    ],
+    output_len: Annotated[
+        int,
+        typer.Option(
+            "--output-len",
+            min=1,
+            max=MAX_TOKENS,
+            help="oo: output tokens (at most 10,000,000, as --input-len).",
+        ),
+    ],
+    batch: Annotated[
+        int,
+        typer.Option(
+            "--batch",
+            min=1,
+            max=MAX_BATCH,
+            help="bb: concurrent requests (at most 1,000,000; engines run hundreds to thousands).",
+        ),
+    ],
     config: Annotated[
         str, typer.Option(help="Hardware/software configuration in the data.")
     ] = "sim-a100-llama2-7b",
@@ -215,15 +267,16 @@ def predict_throughput(
             "bb": batch,
             **{f"{k}_tok_s" if k in ("point", "lo", "hi") else k: v for k, v in asdict(p).items()},
             "heldout_median_err_pct": pred.cv_median_err_pct,
+            "heldout_folds": pred.cv_folds,
         }
         print(json.dumps(payload))
         return
     how = "fitted curve (workload was run)" if p.from_database else "XGBoost-predicted curve"
     out.print(
-        f"{config}: ii={input_len} oo={output_len} bb={batch}: "
+        f"{escape(config)}: ii={input_len} oo={output_len} bb={batch}: "
         f"{p.point:,.1f} tok/s, {coverage:.0%} interval [{p.lo:,.1f}, {p.hi:,.1f}], "
         f"confidence {p.confidence:.2f}\n{how}; held-out median error of this config's model "
-        f"{pred.cv_median_err_pct:.1f} % (5 folds over (ii, oo) pairs)"
+        f"{pred.cv_median_err_pct:.1f} % ({pred.cv_folds} folds over (ii, oo) pairs)"
     )
 
 
@@ -242,10 +295,14 @@ def predict_collect_throughput(
     from duetime.cli.common import _progress
     from duetime.predict.ala_collect import SIM_SPECS, Grid, collect
 
-    names = config or [s.name for s in SIM_SPECS]
+    # a config given twice is collected once (collect de-duplicates too)
+    names = list(dict.fromkeys(config or [s.name for s in SIM_SPECS]))
     grid = Grid(ii=(16, 32), oo=(4, 8), bb=(1, 2, 4)) if quick else None
     with _user_errors():
         prog, cb = _progress(1, "collecting throughput")
         with prog:
             counts = collect(names, out_path, grid=grid, progress=cb)
-    out.print(f"ran {counts['run']} shapes, skipped {counts['skipped']} already in {out_path}")
+    out.print(
+        f"ran {counts['run']} shapes, skipped {counts['skipped']} already in "
+        f"{escape(str(out_path))}"
+    )

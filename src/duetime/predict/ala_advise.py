@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from duetime.predict.ala_limits import MAX_BATCH, check_shape
 from duetime.predict.ala_model import ThroughputPredictor
 
 
@@ -36,8 +37,9 @@ def batch_options(
     predictor: ThroughputPredictor, ii: int, oo: int, max_batch: int
 ) -> list[BatchOption]:
     """Every bb in 1..max_batch with its predicted throughput and batch wall time."""
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise ValueError(f"max_batch (--max-batch) must be in [1, {MAX_BATCH:,}], got {max_batch}")
+    check_shape(ii, oo, 1)  # a bad length fails before the loop, not in it
     opts = []
     for bb in range(1, max_batch + 1):
         p = predictor.predict_throughput(ii, oo, bb)

@@ -272,14 +272,17 @@ def collect(
     Returns counts ``{"run": n, "skipped": k}``. ``runner_factory`` replaces the
     default runners (tests pass a stub to avoid the real model).
     """
-    specs = [spec(n) for n in names]
-    have = done_keys(path)
-    todo = [
-        (s, shape)
-        for s in specs
-        for shape in (grid or default_grid(s)).shapes()
-        if (s.name, *shape) not in have
-    ]
+    # A name given twice is collected once: its shapes would otherwise run twice and
+    # append duplicate keys (the file's keys are read once, before the first run).
+    specs = [spec(n) for n in dict.fromkeys(names)]
+    seen = done_keys(path)  # grows as shapes are queued: a repeated grid value runs once
+    todo: list[tuple[SimSpec | EngineSpec, tuple[int, int, int, int]]] = []
+    for s in specs:
+        for shape in (grid or default_grid(s)).shapes():
+            key = (s.name, *shape)
+            if key not in seen:
+                seen.add(key)
+                todo.append((s, shape))
     total = len(todo)
     skipped = sum(len((grid or default_grid(s)).shapes()) for s in specs) - total
     if progress:

@@ -22,6 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from duetime.predict.ala_limits import MAX_BATCH, MAX_TOKENS
+
+MAX_REP = 2**31 - 1
+"""Largest repetition number a row may carry (any count of reps fits far below it)."""
 COLUMNS = ("config", "source", "ii", "oo", "bb", "rep", "thpt_tok_s", "wall_s")
 SOURCES = ("engine", "sim")
 
@@ -80,13 +84,15 @@ def shipped_dir() -> Path:
     return Path(str(resources.files("duetime") / "data" / "ala"))
 
 
-def _int(text: str, where: str, name: str, lo: int) -> int:
+def _int(text: str, where: str, name: str, lo: int, hi: int | None = None) -> int:
     try:
         v = int(text)
     except ValueError:
         raise AlaDataError(f"{where}: {name} must be an integer, got {text!r}") from None
     if v < lo:
         raise AlaDataError(f"{where}: {name} must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise AlaDataError(f"{where}: {name} must be <= {hi:,}, got {v}")
     return v
 
 
@@ -143,10 +149,10 @@ def _read_rows(path: Path) -> list[Measurement]:
                 Measurement(
                     config=cells[0],
                     source=cells[1],
-                    ii=_int(cells[2], w[2], "ii", 1),
-                    oo=_int(cells[3], w[3], "oo", 1),
-                    bb=_int(cells[4], w[4], "bb", 1),
-                    rep=_int(cells[5], w[5], "rep", 0),
+                    ii=_int(cells[2], w[2], "ii", 1, MAX_TOKENS),
+                    oo=_int(cells[3], w[3], "oo", 1, MAX_TOKENS),
+                    bb=_int(cells[4], w[4], "bb", 1, MAX_BATCH),
+                    rep=_int(cells[5], w[5], "rep", 0, MAX_REP),
                     thpt_tok_s=_float(cells[6], w[6], "thpt_tok_s", positive=True),
                     wall_s=_float(cells[7], w[7], "wall_s", positive=False),
                 )
@@ -155,14 +161,18 @@ def _read_rows(path: Path) -> list[Measurement]:
 
 
 def load(paths: Sequence[str | Path] | None = None) -> list[Measurement]:
-    """Rows of the given CSVs (default: every shipped ``*.csv``)."""
+    """Rows of the given CSVs (default: every shipped ``*.csv``); a file without rows
+    raises :class:`AlaDataError` naming it (``done_keys`` still reads one as empty)."""
     if not paths:
         paths = sorted(shipped_dir().glob("*.csv"))
         if not paths:
             raise AlaDataError(f"{shipped_dir()}: no shipped throughput CSV files")
     rows: list[Measurement] = []
     for p in paths:
-        rows.extend(read_csv(p))
+        got = read_csv(p)
+        if not got:  # a header alone: nothing to fit, and no config to name
+            raise AlaDataError(f"{p}: has no rows after the header; expected throughput runs")
+        rows.extend(got)
     return rows
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from duetime.predict.ala_curve import B_MAX, CurveParams, fit_curve
 from duetime.predict.ala_data import ConfigData
+from duetime.predict.ala_limits import check_shape
 
 Pair = tuple[int, int]
 FEATURES = ("ii", "oo", "log_ii", "log_oo", "log_ii_oo", "ii_oo_ratio", "ii_ii_ratio")
@@ -174,13 +175,22 @@ class PointConfidence:
     @staticmethod
     def _units(v: np.ndarray) -> np.ndarray:
         h = np.stack([histogram(np.array([x])) for x in v])
-        return np.asarray(h / np.linalg.norm(h, axis=1, keepdims=True))
+        n = np.linalg.norm(h, axis=1, keepdims=True)
+        # a run off the grid (zero norm) gets a zero vector: distance 1 to any query
+        return np.asarray(np.divide(h, n, out=np.zeros_like(h), where=n > 0))
 
     def __call__(self, ii: float, oo: float, bb: float) -> float:
         d = np.zeros(len(self._unit[0]))
         for units, q in zip(self._unit, (ii, oo, bb), strict=True):
             hq = histogram(np.array([q]))
-            d += 1.0 - units @ (hq / np.linalg.norm(hq))
+            n = float(np.linalg.norm(hq))
+            # Far off the grid the kernel's squares underflow: a zero (or non-finite)
+            # norm. Such a value shares nothing with the runs: distance 1, as in
+            # cosine_distance.
+            if n > 0 and np.isfinite(n):
+                d += np.clip(1.0 - units @ (hq / n), 0.0, 1.0)
+            else:
+                d += 1.0
         return confidence_from_distance(float(np.min(d / 3.0)))
 
 
@@ -247,12 +257,18 @@ class AlaPredictor:
         fit_err = np.abs(self.model.predict(data.ii, data.oo, data.bb) / data.thpt - 1.0)
         self.q_fit = float(np.quantile(fit_err, coverage))
         cv = heldout_errors(data, db, folds=folds, seed=seed, log_targets=log_targets)
+        self.cv_folds = n_folds(folds, len(db))
+        """Folds the held-out error really used (``folds`` capped by the pairs fitted)."""
         self.cv_median_err_pct = float(100 * np.median(cv))
         self.q_cv = float(np.quantile(cv, coverage))
 
     def predict_throughput(self, ii: int, oo: int, bb: int) -> ThroughputPrediction:
-        if min(ii, oo, bb) < 1:
-            raise ValueError(f"ii, oo and bb must be >= 1, got {ii}, {oo}, {bb}")
+        """Throughput of ``bb`` requests of ``ii`` prompt and ``oo`` output tokens.
+
+        ``ii`` and ``oo`` must be in [1, MAX_TOKENS], ``bb`` in [1, MAX_BATCH]
+        (:mod:`duetime.predict.ala_limits`); otherwise ValueError.
+        """
+        check_shape(ii, oo, bb)
         point = float(self.model.predict(np.array([ii]), np.array([oo]), np.array([bb]))[0])
         hit = (ii, oo) in self.model.db
         c = self.confidence(ii, oo, bb)
@@ -265,6 +281,11 @@ class AlaPredictor:
             coverage=self.coverage,
             from_database=hit,
         )
+
+
+def n_folds(folds: int, n_pairs: int) -> int:
+    """Folds :func:`heldout_errors` uses: ``folds``, at most one per pair, at least 2."""
+    return max(2, min(folds, n_pairs))
 
 
 def heldout_errors(
@@ -281,7 +302,7 @@ def heldout_errors(
     ``db`` and retrain only XGBoost.
     """
     pairs = [p for p in data.pairs() if p in db]
-    folds = max(2, min(folds, len(pairs)))
+    folds = n_folds(folds, len(pairs))
     order = np.random.default_rng(seed).permutation(len(pairs))
     errs: list[np.ndarray] = []
     for k in range(folds):
