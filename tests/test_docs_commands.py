@@ -33,6 +33,7 @@ from typer._click.exceptions import (
 
 from duetime.cli import app
 from duetime.cli.common import _log_level, writable
+from duetime.cli.sim import _demo_outputs
 from duetime.policies.registry import available_policies
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ SHELL_FENCES = {"", "bash", "sh", "shell", "console"}  # ```python / ```json quo
 _PURE_CALLBACKS: set[Any] = {_log_level}
 # These touch the machine (``writable`` creates the parent directory of a --json
 # path), so they are dropped: whether out/ is writable here says nothing about the docs.
-_SKIPPED_CALLBACKS: set[Any] = {writable}
+_SKIPPED_CALLBACKS: set[Any] = {writable, _demo_outputs}
 
 
 @dataclass(frozen=True, slots=True)
