@@ -123,8 +123,9 @@ def test_csv_bad_header(tmp_path: Path) -> None:
         read_csv(p)
 
 
-def test_collection_appends_and_resumes(tmp_path: Path) -> None:
-    calls: list[tuple[int, int, int, int]] = []
+def recording_runner(calls: list[tuple[int, int, int, int]]) -> type:
+    """A runner factory for ``collect`` that records each (ii, oo, bb, rep) it is asked
+    for and reports ``bb * oo`` tokens in 1 s."""
 
     class Stub:
         def __init__(self, s: SimSpec | EngineSpec) -> None:
@@ -134,13 +135,19 @@ def test_collection_appends_and_resumes(tmp_path: Path) -> None:
             calls.append((ii, oo, bb, rep))
             return float(bb * oo), 1.0
 
+    return Stub
+
+
+def test_collection_appends_and_resumes(tmp_path: Path) -> None:
+    calls: list[tuple[int, int, int, int]] = []
+    stub = recording_runner(calls)
     path = tmp_path / "c.csv"
     grid = Grid(ii=(16,), oo=(4, 8), bb=(1, 2))
     append_rows(path, [Measurement("sim-a100-llama2-7b", "sim", 16, 4, 1, 0, 4.0, 1.0)])
-    counts = collect(["sim-a100-llama2-7b"], path, grid=grid, runner_factory=Stub)
+    counts = collect(["sim-a100-llama2-7b"], path, grid=grid, runner_factory=stub)
     assert counts == {"run": 3, "skipped": 1}
     assert len(calls) == 3
-    assert collect(["sim-a100-llama2-7b"], path, grid=grid, runner_factory=Stub)["run"] == 0
+    assert collect(["sim-a100-llama2-7b"], path, grid=grid, runner_factory=stub)["run"] == 0
     assert len(read_csv(path)) == 4
 
 

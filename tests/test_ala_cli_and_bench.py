@@ -18,11 +18,13 @@ from typer.testing import CliRunner
 
 from duetime.cli import app
 from duetime.predict import ala_data
-from duetime.predict.ala_collect import EngineSpec, Grid, SimSpec, collect
+from duetime.predict.ala_collect import Grid, collect
 from duetime.predict.ala_curve import curve
 from duetime.predict.ala_data import AlaDataError, done_keys, load, read_csv
 from duetime.predict.ala_limits import MAX_BATCH, MAX_TOKENS
 from duetime.predict.ala_model import AlaModel, AlaPredictor, PointConfidence
+
+from .test_ala import recording_runner
 
 runner = CliRunner()
 SMALL = "engine-gemma3-270m-fp32-t1"  # 9 pairs, 90 runs: a predictor in a second
@@ -130,19 +132,11 @@ def test_csv_with_only_a_header_is_refused_where_it_loads(tmp_path: Path) -> Non
 
 def test_collect_runs_a_repeated_config_once(tmp_path: Path) -> None:
     calls: list[tuple[int, int, int, int]] = []
-
-    class Stub:
-        def __init__(self, s: SimSpec | EngineSpec) -> None:
-            pass
-
-        def run(self, ii: int, oo: int, bb: int, rep: int) -> tuple[float, float]:
-            calls.append((ii, oo, bb, rep))
-            return float(bb * oo), 1.0
-
+    stub = recording_runner(calls)
     path = tmp_path / "c.csv"
     name = "sim-a100-llama2-7b"
     grid = Grid(ii=(16, 16), oo=(4,), bb=(1, 2))  # a repeated grid value runs once too
-    counts = collect([name, name], path, grid=grid, runner_factory=Stub)
+    counts = collect([name, name], path, grid=grid, runner_factory=stub)
     assert counts["run"] == 2
     assert sorted(calls) == [(16, 4, 1, 0), (16, 4, 2, 0)]
     assert len(read_csv(path)) == 2
