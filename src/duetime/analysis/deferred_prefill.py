@@ -70,6 +70,11 @@ def cycle_moments(capacity: int, alpha: float, k: int) -> tuple[float, float]:
     return float(f[c]), float(g[c])
 
 
+#: Longest mean output ``from_cost`` takes, in tokens: past any model's context, and
+#: far from where ``1 - alpha`` rounds to 1 (1e18 gave a NaN throughput, exit 0).
+MAX_MEAN_OUTPUT = 1e7
+
+
 @dataclass(frozen=True, slots=True)
 class DeferredPrefillModel:
     """The paper's parameters; times in seconds.
@@ -109,9 +114,10 @@ class DeferredPrefillModel:
         tokens averaged over its decode steps, so ``t_d = b + d·(d₀ + (1 − α)/α)``
         makes the per-request decode work ``t_d/α`` exact.
         """
-        if not (math.isfinite(mean_output) and mean_output > 1):
+        if not 1 < mean_output <= MAX_MEAN_OUTPUT:  # at 1e18, 1 - alpha == 1: rho was NaN
             raise ValueError(
-                f"mean output (--mean-output) must be finite and > 1 token, got {mean_output}"
+                f"mean output (--mean-output) must be > 1 and <= {MAX_MEAN_OUTPUT:.0e} tokens, "
+                f"got {mean_output}"
             )
         if not (math.isfinite(prompt_len) and prompt_len > 0):
             raise ValueError(

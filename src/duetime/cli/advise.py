@@ -17,7 +17,14 @@ from duetime.cli.common import (
 
 @advise_app.command("deferred-prefill")
 def advise_deferred_prefill(
-    capacity: Annotated[int, typer.Option(min=1, help="Batch capacity C (requests).")],
+    capacity: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=4096,
+            help="Batch capacity C (requests; the solve grows as C³: ~1 min at 4096).",
+        ),
+    ],
     mean_output: Annotated[
         float, typer.Option(help="Mean output tokens per request (the prefill's included).")
     ],
