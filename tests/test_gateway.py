@@ -59,6 +59,11 @@ def test_cli_refuses_bad_backends() -> None:
     assert "--allow-remote" in r.output
     r = runner.invoke(cli_app, ["gateway", "--backend", "ftp://127.0.0.1:1"])
     assert r.exit_code == 2
+    # an InvalidURL traceback, and a port no server can have that the gateway took
+    for bad in ("http://[::1", "http://127.0.0.1:99999"):
+        r = runner.invoke(cli_app, ["gateway", "--backend", bad])
+        assert r.exit_code == 2, r.output
+        assert f"--backend must be http://HOST:PORT or https://HOST:PORT, got '{bad}'" in r.output
 
 
 # --- end to end --------------------------------------------------------------------------

@@ -359,6 +359,10 @@ def test_loopback_targets_pass_and_remote_ones_are_refused() -> None:
     assert not is_loopback("::ffff:8.8.8.8")
     with pytest.raises(ValueError, match="--url"):
         base_url("ftp://127.0.0.1")
+    # an httpx.InvalidURL traceback; a port no server has sent every request to an error
+    for bad in ("http://[::1", "http://[::1]:abc", "http://127.0.0.1:8000:9", "http://h:99999"):
+        with pytest.raises(ValueError, match=r"--url must be http://HOST:PORT"):
+            base_url(bad)
 
 
 # --- the command line ------------------------------------------------------------------------

@@ -6,7 +6,6 @@ import json
 import math
 from pathlib import Path
 from typing import Annotated
-from urllib.parse import urlsplit
 
 import typer
 
@@ -26,19 +25,15 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 def _check_backends(backends: list[str], allow_remote: bool) -> list[str]:
     if not backends:
         raise ValueError("give at least one --backend URL (e.g. http://127.0.0.1:8001)")
+    import httpx
+
+    from duetime.server.load_target import base_url
+
     urls: list[str] = []
     for raw in backends:
-        url = raw.rstrip("/")
-        if url.endswith("/v1"):
-            url = url[: -len("/v1")]
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"--backend {raw!r} is not an http(s) URL")
-        if (
-            parts.hostname not in _LOOPBACK
-            and not parts.hostname.startswith("127.")
-            and not allow_remote
-        ):
+        url = base_url(raw, option="--backend")  # as `duetime load --url` reads one
+        host = httpx.URL(url).host
+        if host not in _LOOPBACK and not host.startswith("127.") and not allow_remote:
             raise ValueError(
                 f"--backend {raw!r} is not on loopback; pass --allow-remote to use remote backends"
             )

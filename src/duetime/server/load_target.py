@@ -20,11 +20,20 @@ class TargetRefusedError(ValueError):
     """The target is not on this machine and ``--allow-remote`` was not given."""
 
 
-def base_url(url: str) -> str:
-    """``http://host:port[/prefix]`` without a trailing ``/`` or ``/v1``: the OpenAI root."""
-    parsed = httpx.URL(url.strip())
+def base_url(url: str, option: str = "--url") -> str:
+    """``http://host:port[/prefix]`` without a trailing ``/`` or ``/v1``: the OpenAI root.
+
+    A malformed URL raises ``ValueError`` naming ``option`` (the command's flag).
+    """
+    form = f"{option} must be http://HOST:PORT or https://HOST:PORT, got {url!r}"
+    try:
+        parsed = httpx.URL(url.strip())
+    except httpx.InvalidURL as e:  # "http://[::1", "http://h:abc": a traceback before
+        raise ValueError(f"{form} ({e})") from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"--url must be http://HOST:PORT or https://HOST:PORT, got {url!r}")
+        raise ValueError(form)
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:  # every request failed
+        raise ValueError(f"{form} (port {parsed.port} is not in 1..65535)")
     text = str(parsed.copy_with(query=None, fragment=None)).rstrip("/")
     return text[: -len("/v1")] if text.endswith("/v1") else text
 
