@@ -69,7 +69,8 @@ def test_synthetic_lengths_are_clipped_to_caps_and_max_tokens() -> None:
 
 
 def test_synthetic_range_outside_caps_is_an_error() -> None:
-    with pytest.raises(ValueError, match="empty"):
+    says = r"^prompt lengths 100\.\.100 do not fit prompts of 1\.\.50 tokens$"
+    with pytest.raises(ValueError, match=says):
         build_jobs(1, source=SyntheticSource(100, 4), caps=LengthCaps(max_prompt_len=50))
 
 
@@ -87,9 +88,18 @@ def test_sharegpt_samples_without_replacement_when_the_pool_allows() -> None:
     assert len(more) == 300
 
 
-def test_no_pair_fits_is_an_error() -> None:
-    with pytest.raises(ValueError, match="no ShareGPT pair fits"):
-        build_jobs(1, source=_fake_sharegpt([5], [5]), caps=LengthCaps(max_prompt_len=4))
+def test_no_pair_fits_is_an_error_in_words() -> None:
+    """The messages printed LengthCaps(max_prompt_len=..., ...): names no option has."""
+    caps = LengthCaps(max_prompt_len=4)
+    with pytest.raises(ValueError, match=r"no ShareGPT pair fits prompts of 1\.\.4 tokens, "):
+        build_jobs(1, source=_fake_sharegpt([5], [5]), caps=caps)
+    caps = LengthCaps(max_total_len=100)
+    with pytest.raises(ValueError, match=r"of 1 under prompt \+ output <= 100 tokens$"):
+        build_jobs(1, source=SyntheticSource(prompt_len=100, output_len=8), caps=caps)
+    with pytest.raises(
+        ValueError, match=r"^output lengths 20\.\.30 do not fit outputs of 1\.\.10 "
+    ):
+        build_jobs(1, source=SyntheticSource(prompt_len=8, output_len=(20, 30)), max_tokens=10)
 
 
 @pytest.mark.parametrize(("basis", "tokens"), [("output_len", 8), ("max_tokens", 16)])

@@ -45,6 +45,13 @@ class LengthCaps:
         cap = max_tokens if self.max_output_len is None else min(self.max_output_len, max_tokens)
         return replace(self, max_output_len=cap)
 
+    def describe(self) -> str:
+        """The bounds in words, for messages (the repr named fields no option has)."""
+        prompt = _span(self.min_prompt_len, self.max_prompt_len)
+        output = _span(self.min_output_len, self.max_output_len)
+        total = "" if self.max_total_len is None else f", prompt + output <= {self.max_total_len}"
+        return f"prompts of {prompt} tokens, outputs of {output} tokens{total}"
+
     def mask(self, prompt_len: np.ndarray, output_len: np.ndarray) -> np.ndarray:
         """Boolean mask of the pairs within bounds."""
         big = np.iinfo(np.int64).max
@@ -98,7 +105,7 @@ class ShareGPTSource:
         if self.pool is not None:
             pool = np.intersect1d(pool, self.pool)
         if pool.size == 0:
-            raise ValueError(f"no ShareGPT pair fits {caps}")
+            raise ValueError(f"no ShareGPT pair fits {caps.describe()}")
         rows = rng.choice(pool, size=n, replace=n > pool.size)
         return LengthSample(self.lengths.prompt_len[rows], self.lengths.output_len[rows], rows)
 
@@ -126,12 +133,19 @@ class SyntheticSource:
     vocab: tuple[int, int] = (10_000, 200_000)
 
     def sample(self, n: int, rng: np.random.Generator, caps: LengthCaps) -> LengthSample:
-        prompt = _uniform(self.prompt_len, caps.min_prompt_len, caps.max_prompt_len, n, rng)
-        output = _uniform(self.output_len, caps.min_output_len, caps.max_output_len, n, rng)
+        prompt = _uniform(
+            "prompt", self.prompt_len, caps.min_prompt_len, caps.max_prompt_len, n, rng
+        )
+        output = _uniform(
+            "output", self.output_len, caps.min_output_len, caps.max_output_len, n, rng
+        )
         if caps.max_total_len is not None:
             output = np.minimum(output, caps.max_total_len - prompt)
             if n and output.min() < caps.min_output_len:
-                raise ValueError(f"prompts of {prompt.max()} tokens leave no room under {caps}")
+                raise ValueError(
+                    f"prompts of {prompt.max()} tokens leave no room for an output of "
+                    f"{caps.min_output_len} under prompt + output <= {caps.max_total_len} tokens"
+                )
         return LengthSample(prompt, output)
 
     def prompt_token_ids(
@@ -145,13 +159,19 @@ class SyntheticSource:
 
 
 def _uniform(
-    spec: int | tuple[int, int], floor: int, cap: int | None, n: int, rng: np.random.Generator
+    what: str,
+    spec: int | tuple[int, int],
+    floor: int,
+    cap: int | None,
+    n: int,
+    rng: np.random.Generator,
 ) -> np.ndarray:
     lo, hi = (spec, spec) if isinstance(spec, int) else spec
+    asked = f"{lo}..{hi}"
     lo = max(lo, floor)
     hi = hi if cap is None else min(hi, cap)
     if lo > hi:
-        raise ValueError(f"length range {spec} is empty within [{floor}, {cap}]")
+        raise ValueError(f"{what} lengths {asked} do not fit {what}s of {_span(floor, cap)} tokens")
     return rng.integers(lo, hi, size=n, endpoint=True, dtype=np.int64)
 
 
@@ -187,3 +207,7 @@ def load_sharegpt_prompts(
         )
         for row, (prompt, output) in zip(sample.rows, texts, strict=True)
     ]
+
+
+def _span(lo: int, hi: int | None) -> str:
+    return f">= {lo}" if hi is None else f"{lo}..{hi}"
