@@ -62,6 +62,17 @@ def test_an_unwritable_output_is_refused_before_the_run(tmp_path: Path, option: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]  # no temporary left
 
 
+def test_checking_an_output_path_creates_nothing(tmp_path: Path) -> None:
+    """The check made the parent directories, so a run that then failed left them."""
+    target = tmp_path / "new" / "dir" / "r.json"
+    code, out = _invoke(*SIM, "--policy", "bogus", "--json", str(target))
+    assert code == 2, out
+    assert not (tmp_path / "new").exists()
+    code, out = _invoke(*SIM, "--json", str(target))  # a good run creates them
+    assert code == 0, out
+    assert json.loads(target.read_text())["summary"]["completed"] == 5
+
+
 def test_a_pipe_given_as_output_is_written_into_not_replaced(tmp_path: Path) -> None:
     """--json /dev/stdout or a FIFO: renaming a temporary over it put a plain file there."""
     fifo = tmp_path / "pipe"

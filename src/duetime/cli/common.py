@@ -50,8 +50,8 @@ def writable(path: Path | None) -> Path | None:
     """Option callback: refuse an output path that cannot be written, before any work.
 
     A benchmark that runs for minutes and then fails to save is the costliest
-    typo; this tries a file beside the target (creating its parent
-    directories, as the final atomic write would). A device or pipe
+    typo; this tries a file in the nearest directory that exists (the final
+    atomic write creates the rest), creating nothing. A device or pipe
     (``/dev/stdout``) is written in place, so it only needs to be writable.
     """
     from duetime.metrics.atomic import is_stream, prepare_parent
@@ -63,8 +63,7 @@ def writable(path: Path | None) -> Path | None:
             raise typer.BadParameter(f"cannot write {path}: permission denied")
         return path
     try:
-        prepare_parent(path)
-        with tempfile.TemporaryFile(dir=path.parent):
+        with tempfile.TemporaryFile(dir=prepare_parent(path, create=False)):
             pass
     except OSError as e:
         raise typer.BadParameter(f"cannot write {path}: {e.strerror or e}") from None

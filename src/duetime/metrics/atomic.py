@@ -57,18 +57,23 @@ def is_stream(target: Path) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
-def prepare_parent(target: Path) -> None:
+def prepare_parent(target: Path, *, create: bool = True) -> Path:
     """Create ``target``'s parent directories, or raise an OSError that says why not.
 
     Checked first: ``target`` being a directory, or a file where a parent
-    directory should be (mkdir would only say "File exists").
+    directory should be (mkdir would only say "File exists"). With ``create``
+    false nothing is made: the nearest existing ancestor is returned, for a
+    check that must leave no trace (an output option checked before a run
+    that then fails left an empty ``out/`` behind).
     """
     if target.is_dir():
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(target))
     home = next(p for p in target.parents if p.exists())
     if not home.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, f"{home} is not a directory", str(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if create:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    return home
 
 
 def save_png(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:
