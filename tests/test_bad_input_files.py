@@ -128,7 +128,12 @@ def test_random_bytes_as_gguf_exit_2(tmp_path: Path) -> None:
     assert "rand.gguf: not a GGUF file" in out
     code, out = _invoke("bench", "eviction", "--model", str(tmp_path / "nope"))
     assert code == 2, out
-    assert "nope: file does not exist" in out
+    assert "nope': not 'gemma', 'tiny' or an existing GGUF file" in out  # names the choices
+    assert "--model" in out
+    code, out = _invoke("bench", "eviction", "--model", str(path))
+    assert code == 2, out
+    assert "--model " in out
+    assert "rand.gguf: not a GGUF file" in out
 
 
 # --- 3.-5. throughput CSVs ----------------------------------------------------------------

@@ -25,12 +25,14 @@ from duetime.bench.amin import _fresh, _row
 from duetime.bench.engine_fit import (
     CLOCKS,
     Shape,
+    check_context,
     fit_cost,
     fold_ids,
     read_profile,
     time_shapes,
     warm_up,
 )
+from duetime.bench.limits import check_engine_requests
 from duetime.core.request import Job
 
 UNLIMITED = 1 << 40
@@ -38,22 +40,39 @@ CONSTRUCTIONS = ("rough", "bins10", "overlap-0.1", "overlap-0.95", "overlap-0.99
 
 
 def interval_spec(construction: str, max_output: int) -> str:
-    """The predictor spec of a construction, scaled to outputs of at most ``max_output``."""
+    """The predictor spec of a construction, scaled to outputs of at most ``max_output``.
+
+    Raises ValueError naming ``--intervals`` for an unknown construction or a
+    bad width (``overlap-nan``), so the CLI can check before the model loads.
+    """
+    from duetime.predict.intervals import make_interval_predictor
+
     if construction == "rough":
-        return f"interval:rough:1:{max_output}"
-    if construction == "bins10":
-        return f"interval:bins:{max(1, -(-max_output // 10))}"
-    if construction.startswith("overlap-"):
-        return f"interval:overlap:{construction.removeprefix('overlap-')}"
-    raise ValueError(
-        f"unknown interval construction {construction!r}; use {', '.join(CONSTRUCTIONS)}"
-    )
+        spec = f"interval:rough:1:{max_output}"
+    elif construction == "bins10":
+        spec = f"interval:bins:{max(1, -(-max_output // 10))}"
+    elif construction.startswith("overlap-"):
+        spec = f"interval:overlap:{construction.removeprefix('overlap-')}"
+    else:
+        raise ValueError(
+            f"--intervals: unknown interval construction {construction!r}; use "
+            f"{', '.join(CONSTRUCTIONS)} (overlap-<x> for any x in [0, 1))"
+        )
+    try:
+        make_interval_predictor(spec)
+    except ValueError as e:
+        raise ValueError(f"--intervals {construction!r}: {e}") from None
+    return spec
 
 
 def sharegpt_engine_jobs(
-    n: int, seed: int, max_prompt: int, max_output: int, vocab: int
+    n: int, seed: int, max_prompt: int, max_output: int, vocab: int | None
 ) -> list[Job]:
-    """ShareGPT pairs within the caps, tokenised, all arriving at t = 0."""
+    """ShareGPT pairs within the caps, tokenised, all arriving at t = 0.
+
+    ``vocab``: fold the ids into a smaller test vocabulary; ``None`` keeps
+    Gemma's ids (lengths are the same either way).
+    """
     from duetime import workloads as wl
 
     caps = wl.LengthCaps(max_prompt_len=max_prompt, max_output_len=max_output)
@@ -65,7 +84,7 @@ def sharegpt_engine_jobs(
         max_tokens=max_output,
         with_prompt_ids=True,
     )
-    return fold_ids(jobs, vocab)
+    return jobs if vocab is None else fold_ids(jobs, vocab)
 
 
 def engine_costs(
@@ -101,6 +120,37 @@ def check_fits(jobs: list[Job], specs: dict[str, str], memory: int) -> None:
                 f"--kv-capacity {memory}: under {name} intervals Amax reserves up to {hi:.0f} "
                 "tokens for one request and would never admit it; raise M or lower --max-output"
             )
+
+
+def check_options(
+    *,
+    requests: int,
+    seed: int,
+    kv_capacity: int,
+    max_prompt: int,
+    max_output: int,
+    constructions: tuple[str, ...],
+    context: int,
+) -> dict[str, str]:
+    """Refuse a run that cannot work, before the model loads; the constructions' specs.
+
+    Token ids do not change a job's length, so the fit against ``--kv-capacity``
+    (:func:`check_fits`) needs no model; ``context`` is the model's positions.
+    """
+    check_engine_requests(requests)
+    if not constructions:
+        raise ValueError("--intervals is empty")
+    specs = {c: interval_spec(c, max_output) for c in constructions}
+    jobs = sharegpt_engine_jobs(requests, seed, max_prompt, max_output, None)
+    longest = max(jobs, key=lambda j: j.request.prompt_len + j.output_len)
+    check_context(
+        longest.request.prompt_len + longest.output_len,
+        context,
+        f"--max-prompt {max_prompt}, --max-output {max_output}: a request of "
+        f"{longest.request.prompt_len} prompt and {longest.output_len} output tokens",
+    )
+    check_fits(jobs, specs, kv_capacity)
+    return specs
 
 
 def run_real(
@@ -194,6 +244,7 @@ def run(
     """
     if reps < 1:
         raise ValueError(f"--reps must be >= 1, got {reps}")
+    check_engine_requests(requests)
     specs = {c: interval_spec(c, max_output) for c in constructions}
     t0 = time.perf_counter()
     jobs = sharegpt_engine_jobs(requests, seed, max_prompt, max_output, model.config.vocab_size)
@@ -259,9 +310,12 @@ def table(fig: dict[str, Any]) -> Any:
         caption="TEL = sum of completion times (s); ratios: TEL / TEL(H-SF) on each side; "
         "restarts real/sim; KV peak real (tokens)",
     )
-    for col in ("policy", "intervals", "TEL real", "TEL sim", "sim/real", "real/HSF", "sim/HSF",
-                "restarts", "KV peak"):  # fmt: skip
-        t.add_column(col, justify="left" if col in ("policy", "intervals") else "right")
+    # At 80 columns (a pipe) "…" cut every construction to "overl…": the two key columns
+    # never wrap, the figures fold (never cut) and the headers wrap at their spaces.
+    for col in ("policy", "intervals", "TEL real", "TEL sim", "sim / real", "real / HSF",
+                "sim / HSF", "restarts", "KV peak"):  # fmt: skip
+        key = col in ("policy", "intervals")
+        t.add_column(col, justify="left" if key else "right", overflow="fold", no_wrap=key)
     for r in fig["rows"]:
         re, si = r["real"], r["sim"]
         t.add_row(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,16 +44,72 @@ from duetime.bench.deferred_prefill import (
 from duetime.bench.engine_fit import (
     CLOCKS,
     Shape,
+    check_context,
     fit_cost,
     read_profile,
     time_shapes,
     warm_up,
     with_synthetic_ids,
 )
+from duetime.bench.limits import check_engine_requests
 from duetime.core.request import Job
 
 K_GRID = (1, 2, 4, 8, 12)  # plus the analytic K*: 6 runs of ~40 s at C = 16
 REPS = 3
+
+
+def timed_contexts(prompt_len: int, mean_output: float) -> list[int]:
+    """The decoders' contexts :func:`engine_costs` times: a fresh one and a late one."""
+    return sorted({prompt_len + 1, prompt_len + max(2, round(2 * (mean_output - 1)))})
+
+
+def check_options(
+    *,
+    capacity: int,
+    prompt_len: int,
+    mean_output: float,
+    requests: int,
+    ks: tuple[int, ...] | None,
+    reps: int,
+    seed: int,
+    context: int,
+    timed: bool = True,
+) -> None:
+    """Refuse a run that cannot work, before anything is timed (or, from the CLI, loaded).
+
+    ``context``: the model's positions; every job (``prompt_len`` + its output)
+    must fit, and so must the decode steps timed for the cost fit (``timed``:
+    no ``--profile``). Without this check ``--mean-output 1e6`` ended in a torch
+    allocation error and ``1e18`` in "Storage size calculation overflowed".
+    """
+    check_engine_requests(requests)
+    if reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {reps}")
+    if requests < 2 * capacity:
+        raise ValueError(
+            f"--requests {requests} is too few for C = {capacity}: need >= {2 * capacity} so "
+            "that whole refill cycles fit between the first and the last prefill"
+        )
+    if prompt_len < 2:
+        raise ValueError(f"--prompt-len must be >= 2 (BOS + a token), got {prompt_len}")
+    if ks is not None and any(not 1 <= k <= capacity for k in ks):
+        raise ValueError(f"--ks {','.join(map(str, ks))}: every K must be in 1..C = {capacity}")
+    if not (math.isfinite(mean_output) and mean_output > 1):
+        raise ValueError(f"--mean-output must be finite and > 1 token, got {mean_output}")
+    what = f"--prompt-len {prompt_len} + --mean-output {mean_output:g}"
+    # The mean alone first: drawing 1e18-token outputs would overflow int64.
+    check_context(prompt_len + math.ceil(mean_output), context, what)
+    jobs = geometric_jobs(requests, _alpha(mean_output), prompt_len, seed)
+    longest = max(j.output_len for j in jobs)
+    check_context(prompt_len + longest, context, f"{what} (longest output {longest:,} tokens)")
+    if timed:  # the cost fit's late decoders, over REPS + 1 timed steps
+        late = timed_contexts(prompt_len, mean_output)[-1] + REPS + 2
+        check_context(late, context, f"{what} (timing decode steps at 2x the mean)")
+
+
+def _alpha(mean_output: float) -> float:
+    """The per-step departure probability of outputs of mean ``mean_output`` (first included)."""
+    return min(1.0, 1.0 / (mean_output - 1.0))
 
 
 def engine_costs(
@@ -72,7 +129,7 @@ def engine_costs(
     if profile is not None:
         return read_profile(profile)
     sizes = sorted({1, 2, max(1, capacity // 2), capacity})
-    ctx = sorted({prompt_len + 1, prompt_len + max(2, round(2 * (mean_output - 1)))})
+    ctx = timed_contexts(prompt_len, mean_output)
     shapes: list[Shape] = [((prompt_len,) * m, 0, 0) for m in sizes]
     shapes += [((), x, c) for x in sizes for c in ctx]
     return fit_cost(time_shapes(model, shapes, REPS, clock), name="engine-fitted")
@@ -152,17 +209,11 @@ def run(
     ``reps`` > 1 runs the K grid that many times, interleaved (every K once,
     then again), so a load change hits all K alike; rows hold the medians.
     """
-    if reps < 1:
-        raise ValueError(f"--reps must be >= 1, got {reps}")
-    if requests < 2 * capacity:
-        raise ValueError(
-            f"--requests {requests} is too few for C = {capacity}: need >= {2 * capacity} so "
-            "that whole refill cycles fit between the first and the last prefill"
-        )
-    if prompt_len < 2:
-        raise ValueError(f"--prompt-len must be >= 2 (BOS + a token), got {prompt_len}")
-    if ks is not None and any(not 1 <= k <= capacity for k in ks):
-        raise ValueError(f"--ks {','.join(map(str, ks))}: every K must be in 1..C = {capacity}")
+    check_options(
+        capacity=capacity, prompt_len=prompt_len, mean_output=mean_output, requests=requests,
+        ks=ks, reps=reps, seed=seed, context=model.config.max_position_embeddings,
+        timed=profile is None,
+    )  # fmt: skip
     t_start = time.perf_counter()
     tick = CLOCKS[clock]
     warm_up(model)
@@ -236,9 +287,11 @@ def table(fig: dict[str, Any]) -> Any:
         f"d0 = {fig['workload']['prompt_tokens']}, {fig['requests']} requests",
         caption="throughput in requests/s; completion = prefill start to last token, mean (s)",
     )
-    for col in ("K", "Thm 1", "sim", "real", "real/sim", "real tok/s", "sim compl s",
+    # At 80 columns (a pipe) no_wrap cut every header and dropped K: K never wraps, the
+    # figures fold (never cut) and the headers wrap at their spaces.
+    for col in ("K", "Thm 1", "sim", "real", "real / sim", "real tok/s", "sim compl s",
                 "real compl s"):  # fmt: skip
-        t.add_column(col, justify="right", no_wrap=True)
+        t.add_column(col, justify="right", overflow="fold", no_wrap=col == "K")
     for r in fig["real"]:
         k = r["k"]
         t.add_row(

@@ -43,10 +43,54 @@ def bench_clock(name: str, threads: int) -> Callable[[], float]:
     return CLOCKS[name]
 
 
-def load_bench_model(spec: str, dtype: str = "fp32") -> Any:
-    """The engine model named by ``--model``: ``gemma``, ``tiny`` or a GGUF file."""
+def check_model_spec(spec: str) -> None:
+    """``--model`` must be ``gemma``, ``tiny`` or an existing (GGUF) file."""
+    if spec not in ("gemma", "tiny") and not Path(spec).is_file():
+        raise ValueError(f"--model {spec!r}: not 'gemma', 'tiny' or an existing GGUF file")
+
+
+def check_dtype(dtype: str) -> None:
+    """``--dtype`` must be one the engine has."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def engine_context(spec: str) -> int:
+    """The positions (prompt + generated tokens) the model ``--model spec`` takes.
+
+    Read without loading its weights (the GGUF header, or the tiny model's
+    config), so a run that would outgrow the model fails before the load; a bad
+    name or a damaged file fails here too, naming ``--model``.
+    """
+    from duetime.engine.config import Gemma3Config
+
+    check_model_spec(spec)
+    if spec == "tiny":
+        from duetime.engine.testing import tiny_hf_model
+
+        return Gemma3Config.from_hf(tiny_hf_model().config).max_position_embeddings
+    from duetime.engine.gguf_file import GGUFFile, ModelFileError
+    from duetime.engine.weights import default_gguf_path
+
+    try:
+        gguf = GGUFFile(default_gguf_path() if spec == "gemma" else spec)
+        return Gemma3Config.from_gguf(gguf).max_position_embeddings
+    except ModelFileError as e:  # "<path>: <what is wrong>"
+        raise ValueError(f"--model {e}") from None
+
+
+def check_context(positions: int, context: int, what: str) -> None:
+    """Refuse a run whose sequences need more positions than the model's context."""
+    if positions > context:
+        raise ValueError(
+            f"{what}: {positions:,} positions, more than the model's context of {context:,}"
+        )
+
+
+def load_bench_model(spec: str, dtype: str = "fp32") -> Any:
+    """The engine model named by ``--model``: ``gemma``, ``tiny`` or a GGUF file."""
+    check_dtype(dtype)
+    check_model_spec(spec)
     if spec == "tiny":
         from duetime.engine.testing import engine_from_hf, tiny_hf_model
 
@@ -55,8 +99,6 @@ def load_bench_model(spec: str, dtype: str = "fp32") -> Any:
 
     if spec == "gemma":
         return load_model(dtype=dtype, progress=False)  # type: ignore[arg-type]
-    if not Path(spec).is_file():
-        raise ValueError(f"--model {spec!r}: not 'gemma', 'tiny' or an existing GGUF file")
     return load_model(spec, dtype=dtype, progress=False)  # type: ignore[arg-type]
 
 

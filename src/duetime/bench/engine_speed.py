@@ -149,6 +149,27 @@ def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def check_positions(
+    prefill: Sequence[int], ctx: int, n_steps: int, reps: int, context: int
+) -> None:
+    """Every cell's sequences must fit the model's ``context`` (its positions).
+
+    A prefill cell is one prompt of ``n`` tokens; a decode cell runs ``ctx``
+    tokens, one warm-up step and ``n_steps`` per repetition. Without this,
+    ``--prefill 40000`` on Gemma (32,768 positions) ended in a torch OOM.
+    """
+    if prefill and max(prefill) > context:
+        raise ValueError(
+            f"--prefill {max(prefill)}: longer than the model's context of {context:,} positions"
+        )
+    decode = ctx + 1 + n_steps * reps
+    if decode > context:
+        raise ValueError(
+            f"--context {ctx} + {1 + n_steps * reps} decode steps (--reps {reps}): {decode:,} "
+            f"positions, more than the model's context of {context:,}"
+        )
+
+
 def run(
     source: tuple[Gemma3Config, Weights] | None = None,
     *,
@@ -173,8 +194,12 @@ def run(
     """
     wall0 = time.perf_counter()
     sizes = QUICK if quick else FULL
-    prefill = tuple(prefill_tokens or sizes[0])
-    batches = tuple(batch_sizes or sizes[1])
+    # None is "the default grid"; an empty list given on purpose (--prefill ,) is a mistake.
+    for opt, given in (("--prefill", prefill_tokens), ("--batch", batch_sizes)):
+        if given is not None and not len(given):
+            raise ValueError(f"{opt} is empty: give at least one size, or leave it out")
+    prefill = tuple(sizes[0] if prefill_tokens is None else prefill_tokens)
+    batches = tuple(sizes[1] if batch_sizes is None else batch_sizes)
     ctx = context or sizes[2]
     n_steps = steps or sizes[3]
     for e in engines:
@@ -189,13 +214,23 @@ def run(
     for opt, sizes_given in (("--prefill", prefill), ("--batch", batches)):
         if not all(n >= 1 for n in sizes_given):
             raise ValueError(f"{opt} sizes must be >= 1, got {','.join(map(str, sizes_given))}")
-    if threads is not None:
-        torch.set_num_threads(threads)
     real = source is None
     if source is None:
-        from duetime.engine.weights import default_gguf_path, load_weights
+        from duetime.engine.gguf_file import GGUFFile
+        from duetime.engine.weights import default_gguf_path
 
         gguf_path = Path(gguf_path) if gguf_path is not None else default_gguf_path()
+        # The header alone (no weights) says how long a sequence may get.
+        context = Gemma3Config.from_gguf(GGUFFile(gguf_path)).max_position_embeddings
+    else:
+        context = source[0].max_position_embeddings
+    check_positions(prefill, ctx, n_steps, reps, context)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if source is None:
+        from duetime.engine.weights import load_weights
+
+        assert gguf_path is not None
         cfg, weights = load_weights(gguf_path, progress=progress)
     else:
         cfg, weights = source

@@ -144,6 +144,8 @@ def run(
     """All figures (see the module docstring) as one JSON-ready dict."""
     if not prompts:
         raise ValueError("no prompts to run")
+    if not alphas:
+        raise ValueError("no eviction ratio α to run")
     if any(not 0.0 <= a < 1.0 for a in alphas):
         raise ValueError(f"every α must be in [0, 1), got {list(alphas)}")
     if new_tokens < 1 or chunk < 1 or repeats < 1:

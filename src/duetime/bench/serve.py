@@ -145,9 +145,35 @@ def _overhead(model: Gemma3, codec: Codec, name: str, n: int) -> dict[str, Any]:
     }
 
 
+def check_config(cfg: ServeBenchConfig) -> None:
+    """Refuse what would fail part-way (or run nothing), before the model loads.
+
+    Every policy is built once here: an unknown name last in ``--policies`` used
+    to fail only after the ones before it had been served.
+    """
+    from duetime.bench.engine_fit import check_model_spec
+    from duetime.policies import make_policy
+
+    check_model_spec(cfg.model)
+    if not cfg.policies:
+        raise ValueError("--policies is empty: name at least one policy, e.g. fcfs,edf")
+    for name in cfg.policies:
+        try:
+            policy = make_policy(name)
+        except ValueError as e:
+            raise ValueError(f"--policies: {e}") from None
+        if getattr(policy, "needs_prediction", False):
+            raise ValueError(
+                f"--policies {name}: {name} orders requests by their predicted length, and "
+                "bench serve serves every policy without a length predictor; serve it alone "
+                f"with `duetime serve --policy {name} --predictor learned`"
+            )
+
+
 def run_serve_bench(
     cfg: ServeBenchConfig, progress: Callable[[int, int], None] | None = None
 ) -> dict[str, Any]:
+    check_config(cfg)
     options = ServeOptions(model=cfg.model, predictor=None)
     model, codec, name = load_served_model(options)
     total = len(cfg.policies) + 1

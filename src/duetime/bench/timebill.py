@@ -102,10 +102,17 @@ def periodic_jobs(
     return jobs
 
 
+#: Longest time budget taken, in seconds (11.6 days): far past any job here (the paper's
+#: are 5-10 s), and far from where the plots' axes break (1e308 ran, printed, then failed
+#: in matplotlib's tick arithmetic and wrote no JSON).
+MAX_BUDGET_S = 1e6
+
+
 def check_budgets(budgets: Sequence[float] | None) -> None:
-    """Refuse a time budget that is no period: 0, negative, NaN or infinite."""
-    if budgets is not None and not all(math.isfinite(b) and b > 0 for b in budgets):
-        raise ValueError(f"--budget must be finite and > 0 s, got {list(budgets)}")
+    """Refuse a time budget that is no period: 0, negative, NaN, infinite or past 1e6 s."""
+    if budgets is not None and not all(math.isfinite(b) and 0 < b <= MAX_BUDGET_S for b in budgets):
+        got = ", ".join(f"{b:g}" for b in budgets)
+        raise ValueError(f"--budget must be finite, > 0 and <= {MAX_BUDGET_S:g} s, got {got}")
 
 
 def scaled_budgets(cost: Any) -> list[float]:

@@ -66,7 +66,7 @@ def table(fig: dict[str, Any]) -> list[Any]:
         )
         t.add_column("method", no_wrap=True)
         for b in bs:
-            t.add_column(f"T={b:.2f}", justify="right", no_wrap=True)
+            t.add_column(f"T={b:g}", justify="right", no_wrap=True)  # .2f: 0.004 s read 0.00
         t.add_column("α", justify="right", no_wrap=True)
         for m, s in per.items():
             cells = []

@@ -77,12 +77,54 @@ def calibrate(model: Any, reps: int = 2) -> tuple[LinearStepCost, EngineScale]:
         max_setup_tokens=1024,
     )
     cost = fit_batch_cost(measure_steps(model, grid), name="engine-calibrated")
+    return cost, scale_for(cost)
+
+
+def scale_for(cost: LinearStepCost) -> EngineScale:
+    """The two scale factors of an engine whose steps cost ``cost``."""
     paper, _ = paper_rtx4090()
     step = cost.step_time(0, 0.0, 1, 64)
     time_x = step / paper.step_time(0, 0.0, 1, 64)
     target = time_x * paper.prefill_time(PAPER_PROMPT)
     n = _tokens_within(cost.prefill_time, target, PAPER_PROMPT)
-    return cost, EngineScale(time_x, n / PAPER_PROMPT, step, cost.prefill_time(n))
+    return EngineScale(time_x, n / PAPER_PROMPT, step, cost.prefill_time(n))
+
+
+def calibration_from_profile(profile: str) -> tuple[LinearStepCost, EngineScale]:
+    """A step-cost profile (a `duetime profile` JSON or a shipped name) instead of timing."""
+    from duetime.bench.engine_fit import read_profile
+
+    cost, _ = read_profile(profile)
+    return cost, scale_for(cost)
+
+
+def _scaled_prompt_len(prompt_len: int, scale: EngineScale | None) -> int:
+    """A task's prompt on the engine; without a scale yet, the shortest it can be (2)."""
+    return 2 if scale is None else max(2, round(prompt_len * scale.prompt_x))
+
+
+def check_fits(
+    wids: tuple[int, ...], requests: int, seed: int, kv_capacity: int, scale: EngineScale | None
+) -> None:
+    """Every task must fit ``kv_capacity`` at its peak (its prompt and whole answer).
+
+    A task that cannot never finishes (``--kv-capacity 1`` loaded, calibrated and
+    then failed "task 0 did not finish"). Before calibrating (``scale`` None)
+    prompts count as their shortest scaled length, so only a sure failure is
+    refused then; :func:`run` checks again with the scale.
+    """
+    from duetime.workloads.lrtrace import lrtrace_jobs
+
+    for w in wids:
+        for j in lrtrace_jobs(w, seed=seed)[:requests]:
+            p = _scaled_prompt_len(j.request.prompt_len, scale)
+            if p + j.output_len > kv_capacity:
+                least = "at least " if scale is None else ""
+                raise ValueError(
+                    f"--kv-capacity {kv_capacity}: task {j.request.rid} of WID{w} needs "
+                    f"{least}{p + j.output_len} KV tokens at its peak ({p} prompt + "
+                    f"{j.output_len} output) and would never finish"
+                )
 
 
 def calibration_from_json(path: str | Path) -> tuple[LinearStepCost, EngineScale]:
@@ -138,7 +180,7 @@ def scaled_jobs(
         r = j.request
         assert r.tuf is not None
         tuf = TimeUtility(ert=r.tuf.ert * tx, beta=r.tuf.beta, alpha=r.tuf.alpha / tx)
-        p = max(2, round(r.prompt_len * scale.prompt_x))
+        p = _scaled_prompt_len(r.prompt_len, scale)
         ids = (
             bos_id,
             *(int(i) for i in rng.integers(min(1000, vocab // 4), min(vocab, 30_000), p - 1)),
@@ -222,7 +264,9 @@ def run(
     if BASELINE not in systems:
         raise ValueError(f"systems must include the baseline {BASELINE!r}")
     t0 = time.perf_counter()
+    check_fits(wids, requests, seed, kv_capacity, calibration[1] if calibration else None)
     cost, scale = calibration if calibration is not None else calibrate(model)
+    check_fits(wids, requests, seed, kv_capacity, scale)
     cfg = model.config
     limits = {
         "kv_capacity": kv_capacity,

@@ -48,6 +48,27 @@ def compare(real: list[Any], sim: list[Any]) -> dict[str, float | None]:
     }
 
 
+def check_policy(policy: str, predictor: str) -> None:
+    """Refuse an unknown policy or predictor, or a policy that needs a prediction
+    without one, before the model loads (``hsf`` used to fail once running)."""
+    from duetime.policies import make_policy
+    from duetime.predict.oracle import make_job_predictor
+
+    try:
+        pol = make_policy(policy)
+    except ValueError as e:
+        raise ValueError(f"--policy: {e}") from None
+    try:
+        pred = make_job_predictor(predictor)
+    except ValueError as e:
+        raise ValueError(f"--predictor: {e}") from None
+    if pred is None and getattr(pol, "needs_prediction", False):
+        raise ValueError(
+            f"--policy {policy} orders requests by their predicted length: run it with "
+            "--predictor oracle (or noisy, learned)"
+        )
+
+
 def run(
     *,
     model: Any,
@@ -64,16 +85,21 @@ def run(
     plot: Path | None = None,
     jobs: list[Job] | None = None,
     eviction: str = "snapkv",
+    predictor: str = "none",
 ) -> dict[str, Any]:
     """Run both executors; returns the comparison figures (and writes a plot).
 
     ``jobs`` overrides the ShareGPT workload (tests use tiny vocabularies).
+    ``predictor``: a length predictor spec; each side gets its own, seeded alike.
     """
     from duetime.engine.executor import EngineExecutor
     from duetime.policies import make_policy
+    from duetime.predict.oracle import make_job_predictor
     from duetime.sim import SimConfig, Simulator
     from duetime.sim.profiles import load_profile
     from duetime.workloads import LengthCaps, Poisson, build_jobs
+
+    check_policy(policy, predictor)
 
     cost, _ = load_profile(profile)
     jobs = (
@@ -96,14 +122,18 @@ def run(
         max_num_seqs=max_num_seqs,
         max_batch_tokens=max_batch_tokens,
         eviction=eviction,
+        predictor=make_job_predictor(predictor, seed=seed),
     )
     real = engine.run(copy.deepcopy(jobs))
     cfg = SimConfig(
         kv_capacity=kv_capacity, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens
     )
-    sim = Simulator(make_policy(policy), cost, cfg).run(copy.deepcopy(jobs))
+    sim = Simulator(
+        make_policy(policy), cost, cfg, predictor=make_job_predictor(predictor, seed=seed)
+    ).run(copy.deepcopy(jobs))
     fig: dict[str, Any] = {
         "policy": policy,
+        "predictor": predictor,
         "eviction": eviction,
         "requests": requests,
         "rate_req_s": rate,

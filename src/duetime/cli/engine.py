@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from duetime.bench.limits import MAX_ENGINE_REQUESTS
 from duetime.cli.common import _progress, _user_errors, app, writable
 from duetime.cli.common import out as console
 
@@ -46,7 +47,7 @@ def profile(
         typer.Option(
             min=0,
             help="Also fit to the steps of a short serving run of this many ShareGPT "
-            "requests (seed 1; 0: the grid only).",
+            "requests (seed 1; 0: the grid only; --quick: at most 4).",
         ),
     ] = 40,
     json_path: Annotated[
@@ -80,10 +81,13 @@ def profile(
             samples = measure_steps(model, grid, progress=cb)
         grid_steps = len(samples)
         if serve_requests:
-            with console.status(f"serving {serve_requests} ShareGPT requests for in-situ steps"):
+            # --quick serves at most 4 short requests: say how many really run.
+            n_serve = min(serve_requests, 4) if quick else serve_requests
+            note = f" (--quick: {serve_requests} asked)" if n_serve != serve_requests else ""
+            with console.status(f"serving {n_serve} ShareGPT requests{note} for in-situ steps"):
                 samples += serving_steps(
                     model,
-                    requests=4 if quick else serve_requests,
+                    requests=n_serve,
                     max_prompt=32 if quick else 256,
                     max_output=8 if quick else 64,
                 )
@@ -141,7 +145,15 @@ def validate(
         "out/gemma3-270m-cpu.json"
     ),
     policy: Annotated[str, typer.Option()] = "fcfs",
-    requests: Annotated[int, typer.Option(min=1)] = 100,
+    requests: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=MAX_ENGINE_REQUESTS,
+            help=f"ShareGPT requests, at most {MAX_ENGINE_REQUESTS:,}: hours of real-engine "
+            "time already, and the simulator side keeps every record.",
+        ),
+    ] = 100,
     rate: Annotated[float, typer.Option(min=0.0)] = 2.0,
     seed: Annotated[int, typer.Option(min=0)] = 0,
     dtype: Annotated[
@@ -156,6 +168,13 @@ def validate(
     eviction: Annotated[
         str, typer.Option(help="KV eviction for policies that evict: snapkv or streaming.")
     ] = "snapkv",
+    predictor: Annotated[
+        str,
+        typer.Option(
+            help="Length predictor, the same on both sides: none, oracle, noisy[:σ], "
+            "interval:… or learned[:path] (hsf needs one).",
+        ),
+    ] = "none",
 ) -> None:
     """Same workload through the real engine and the simulator: per-request error."""
     from duetime.bench import validate as v
@@ -167,12 +186,13 @@ def validate(
             raise ValueError(f"{profile}: no such profile; run `duetime profile --out {profile}`")
         if eviction not in ("snapkv", "streaming"):
             raise ValueError(f"--eviction must be snapkv or streaming, got {eviction!r}")
+        v.check_policy(policy, predictor)  # before the load: hsf failed only once running
         _set_threads(threads)
         model = load_model(dtype=dtype)  # type: ignore[arg-type]
         fig = v.run(
             model=model, profile=profile, policy=policy, requests=requests, rate=rate,
             seed=seed, max_prompt=max_prompt, max_output=max_output, plot=plot,
-            eviction=eviction,
+            eviction=eviction, predictor=predictor,
         )  # fmt: skip
     console.print(render_table([("real vs sim", fig)], keys=list(fig)))
     console.print("target: median e2e error <= 10 % (Vidur: < 9 % against real GPUs)")

@@ -112,15 +112,21 @@ def run_engine(
 ) -> dict[str, Any]:
     """Run H-SF / Amax / Amin on the engine beside the simulator; print the table.
 
-    Checks the interval names before the model loads, so a typo costs no load.
+    Checks the options (interval names, --requests, the fit of every request in
+    --kv-capacity and in the model's context) before the model loads, so a typo
+    costs no load.
     """
     from duetime.bench import amin_engine as bench
+    from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context
 
     constructions = tuple(c.strip() for c in intervals.split(",") if c.strip())
-    if not constructions:
-        raise ValueError("--intervals is empty")
-    for c in constructions:
-        bench.interval_spec(c, max_output)  # raises on an unknown name
+    check_dtype(choice.dtype)
+    bench_clock(choice.clock, choice.threads)
+    bench.check_options(
+        requests=requests, seed=seed, kv_capacity=kv_capacity, max_prompt=max_prompt,
+        max_output=max_output, constructions=constructions,
+        context=engine_context(choice.model),
+    )  # fmt: skip
     fig = bench.run(
         choice.load(),
         model_name=choice.label,

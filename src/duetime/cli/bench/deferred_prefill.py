@@ -130,13 +130,22 @@ def run_engine(
 ) -> dict[str, Any]:
     """Run the real-engine deferred-prefill curve and print its table and summary.
 
-    The options are checked before the model loads, so a typo costs no load.
+    The options are checked before the model loads, so a typo costs no load;
+    the model's context is read from its config without loading the weights.
     """
     from duetime.bench import deferred_prefill_engine as bench
+    from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context
 
     k_grid = parse_ks(ks)
     if not (math.isfinite(mean_output) and mean_output > 1):
         raise ValueError(f"--mean-output must be finite and > 1 token, got {mean_output}")
+    check_dtype(choice.dtype)
+    bench_clock(choice.clock, choice.threads)
+    bench.check_options(
+        capacity=capacity, prompt_len=prompt_len, mean_output=mean_output, requests=requests,
+        ks=k_grid, reps=reps, seed=seed, context=engine_context(choice.model),
+        timed=profile is None,
+    )  # fmt: skip
     fig = bench.run(
         choice.load(),
         model_name=choice.label,

@@ -32,13 +32,17 @@ def bench_engine(
     from duetime.bench import engine_speed as bench
 
     def ints(s: str | None, opt: str) -> tuple[int, ...] | None:
+        if s is None:
+            return None  # the default grid
         try:
-            vals = tuple(int(x) for x in s.split(",") if x.strip()) if s else None
+            vals = tuple(int(x) for x in s.split(",") if x.strip())
         except ValueError:
             raise ValueError(
                 f"{opt} {s!r}: expected comma-separated integers, e.g. 1,4,16"
             ) from None
-        return vals  # sizes >= 1: checked by bench.run, before any model loads
+        if not vals:  # "" or ",": ran the default grid instead, silently
+            raise ValueError(f"{opt} {s!r} is empty: give at least one size, or leave it out")
+        return vals  # sizes >= 1 and within the context: checked by bench.run before loading
 
     with _user_errors():
         fig = bench.run(

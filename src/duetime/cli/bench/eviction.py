@@ -1,8 +1,9 @@
 """`duetime bench eviction`: SnapKV vs StreamingLLM on the engine (cost and output kept).
 
 It loads its model itself rather than through :mod:`duetime.cli.bench.model`:
-its ``tiny`` model follows ``--seed`` and its GGUF path is not checked first,
-so the shared loader would change what it measures and the errors it gives.
+its ``tiny`` model follows ``--seed``, so the shared loader would change what it
+measures. Its options (``--model`` and ``--dtype`` included, and the fit of the
+longest prompt in the model's context) are checked before the model loads.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
 @bench_app.command("eviction")
 def bench_eviction(
     model: Annotated[
-        str, typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT prompts) or 'tiny' (random).")
+        str,
+        typer.Option(
+            help="'gemma' (Gemma 3 270M, ShareGPT prompts), 'tiny' (random) or a Gemma 3 "
+            "GGUF path (ShareGPT prompts)."
+        ),
     ] = "gemma",
     prompts: Annotated[int, typer.Option(min=1, help="Prompts to continue.")] = 8,
     min_prompt: Annotated[int, typer.Option(min=1, help="Shortest prompt, tokens.")] = 256,
@@ -39,16 +44,22 @@ def bench_eviction(
     import torch
 
     from duetime.bench import eviction as bench
+    from duetime.bench.engine_fit import check_context, check_dtype, engine_context
     from duetime.metrics import render_table
 
     with _user_errors():
-        try:
-            ratios = [float(a) for a in alphas.split(",") if a]
-        except ValueError:
-            msg = f"--alphas must be numbers separated by commas, got {alphas!r}"
-            raise ValueError(msg) from None
+        ratios = parse_alphas(alphas)
         if min_prompt > max_prompt:
             raise ValueError(f"--min-prompt {min_prompt} exceeds --max-prompt {max_prompt}")
+        check_dtype(dtype)
+        # Every prompt (at most --max-prompt tokens) and its continuation must fit the
+        # model's context, read without loading the weights: a 100,000-token prompt on
+        # the tiny model (1,024 positions) ran for minutes.
+        check_context(
+            max_prompt + new_tokens,
+            engine_context(model),
+            f"--max-prompt {max_prompt} + --new-tokens {new_tokens}",
+        )
         torch.set_num_threads(threads)
         if model == "tiny":
             from duetime.engine.testing import engine_from_hf, tiny_hf_model
@@ -78,3 +89,16 @@ def bench_eviction(
         f"wall {fig['wall_s']:.1f} s"
     )
     save_figures(fig, json_path=json_path)
+
+
+def parse_alphas(alphas: str) -> list[float]:
+    """``"0.5,0.75"`` → ``[0.5, 0.75]``: numbers in [0, 1), at least one."""
+    try:
+        ratios = [float(a) for a in alphas.split(",") if a.strip()]
+    except ValueError:
+        raise ValueError(f"--alphas must be numbers separated by commas, got {alphas!r}") from None
+    if not ratios:  # ran every prompt, then failed on the empty table
+        raise ValueError(f"--alphas {alphas!r}: give at least one ratio, e.g. 0.5")
+    if not all(0.0 <= a < 1.0 for a in ratios):
+        raise ValueError(f"--alphas: every α must be in [0, 1), got {alphas!r}")
+    return ratios

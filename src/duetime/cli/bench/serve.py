@@ -13,7 +13,9 @@ from duetime.cli.common import JsonOpt, _progress, _user_errors, bench_app, out
 
 @bench_app.command("serve")
 def bench_serve(
-    model: Annotated[str, typer.Option(help="gemma (real) or tiny (random, seconds).")] = "gemma",
+    model: Annotated[
+        str, typer.Option(help="gemma (real), tiny (random, seconds) or a Gemma 3 GGUF path.")
+    ] = "gemma",
     policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = (
         "fcfs,edf,timebill,timelyllm"
     ),

@@ -166,6 +166,7 @@ def run_engine(
     from duetime.bench import timebill as sim_bench
     from duetime.bench import timebill_engine as bench
     from duetime.bench import timebill_engine_report as report
+    from duetime.bench.engine_fit import check_context, engine_context
 
     if min_prompt > max_prompt:
         raise ValueError(f"--min-prompt {min_prompt} > --max-prompt {max_prompt}")
@@ -175,6 +176,12 @@ def run_engine(
     if budget_scale not in bench.BUDGET_SCALES:
         raise ValueError(f"--budget-scale must be job or step, got {budget_scale!r}")
     sim_bench.check_budgets(budgets)
+    if model not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {model!r}")
+    # Every prompt and its answer must fit the model's context (its config, not its weights).
+    check_context(
+        max_prompt + n_max, engine_context(model), f"--max-prompt {max_prompt} + --n-max {n_max}"
+    )
     cost = None
     if profile is not None:
         from duetime.sim.profiles import load_profile

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from duetime.cli.bench.model import load_engine
-from duetime.cli.bench.options import SeedOpt
+from duetime.cli.bench.options import SeedOpt, no_engine_options
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, err, out
 
@@ -21,8 +21,13 @@ from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, err, o
 def bench_timelyllm(
     wid: Annotated[list[int] | None, typer.Option(help="LRTrace workload(s), 1-3.")] = None,
     profile: Annotated[
-        str, typer.Option(help="'paper-rtx4090' (modelled on the paper) or a shipped profile.")
-    ] = "paper-rtx4090",
+        str | None,
+        typer.Option(
+            help="'paper-rtx4090' (modelled on the paper) or a shipped profile [paper-rtx4090]; "
+            "--engine: this engine's step costs (a `duetime profile` JSON) instead of timing "
+            "them."
+        ),
+    ] = None,
     kv_capacity: Annotated[int | None, typer.Option(min=1, help="KV tokens (contention).")] = None,
     max_num_seqs: Annotated[
         int | None, typer.Option(min=1, help="Batch-size cap (the paper's Fig. 7 knob).")
@@ -34,11 +39,16 @@ def bench_timelyllm(
         bool,
         typer.Option(help="Run on the real engine (Gemma 3 270M), small scale, time-scaled."),
     ] = False,
-    requests: Annotated[int, typer.Option(min=2, help="--engine: tasks per workload.")] = 16,
-    dtype: Annotated[str, typer.Option(help="--engine: fp32, fast, q8, bf16 or int8.")] = ("fast"),
+    requests: Annotated[
+        int | None, typer.Option(min=2, help="--engine: tasks per workload [16].")
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="--engine: fp32, fast (default), q8, bf16 or int8.")
+    ] = None,
     threads: Annotated[
-        int, typer.Option(min=1, help="--engine: torch threads (1 on a shared 2-core machine).")
-    ] = 1,
+        int | None,
+        typer.Option(min=1, help="--engine: torch threads [1: a shared 2-core machine]."),
+    ] = None,
     calibration: Annotated[
         Path | None,
         typer.Option(help="--engine: reuse an earlier --engine JSON's cost and scale (same jobs)."),
@@ -60,20 +70,25 @@ def bench_timelyllm(
     if engine:
         run_engine(
             wids=wids,
-            requests=requests,
+            requests=requests or 16,
             seed=seed,
             kv_capacity=kv_capacity,
             max_num_seqs=max_num_seqs,
             offload=offload,
-            dtype=dtype,
-            threads=threads,
+            dtype=dtype or "fast",
+            threads=threads or 1,
             json_path=json_path,
             plot=plot,
             calibration=calibration,
+            profile=profile,
         )
         return
+    no_engine_options(
+        {"--requests": requests, "--dtype": dtype, "--threads": threads,
+         "--calibration": calibration}
+    )  # fmt: skip
     with _user_errors():
-        fig = bench.run(wids, seed, profile, kv_capacity, max_num_seqs, offload)
+        fig = bench.run(wids, seed, profile or "paper-rtx4090", kv_capacity, max_num_seqs, offload)
     out.print(bench.table(fig))
     print_summary(fig)
     oh = fig["overhead"]
@@ -113,22 +128,33 @@ def run_engine(
     json_path: Path | None,
     plot: Path | None,
     calibration: Path | None = None,
+    profile: str | None = None,
 ) -> None:
     """Load Gemma 3 270M, calibrate, run the five systems on scaled LRTrace tasks, report.
 
     ``calibration``: reuse the cost and scale of an earlier run's JSON, so two runs
-    (offload on and off, say) serve the same jobs.
+    (offload on and off, say) serve the same jobs. ``profile``: take the step
+    costs from a profile instead of timing them (the scale follows from them).
+    Every option, and the fit of each task in the KV capacity, is checked
+    before the model loads.
     """
     from duetime.bench import timelyllm as sim_bench
     from duetime.bench import timelyllm_engine as bench
-    from duetime.engine.gemma3 import DTYPES
+    from duetime.bench.engine_fit import check_dtype
 
+    kv_capacity = kv_capacity or 8192
     with _user_errors():
         # Checked here too (the loader checks it) so a bad --dtype fails before a
         # bad --calibration file does, as it always has.
-        if dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        check_dtype(dtype)
+        if calibration is not None and profile is not None:
+            raise ValueError(
+                "--calibration and --profile both give the engine's step costs; pick one"
+            )
         calib = bench.calibration_from_json(calibration) if calibration is not None else None
+        if profile is not None:
+            calib = bench.calibration_from_profile(profile)
+        bench.check_fits(wids, requests, seed, kv_capacity, calib[1] if calib else None)
         model = load_engine("gemma", dtype, threads)
         if calib is None:
             err.print("calibrating the step cost (a few dozen timed steps)...")
@@ -137,7 +163,7 @@ def run_engine(
             wids=wids,
             requests=requests,
             seed=seed,
-            kv_capacity=kv_capacity or 8192,
+            kv_capacity=kv_capacity,
             max_num_seqs=max_num_seqs or 16,
             offload=offload,
             calibration=calib,
@@ -145,7 +171,9 @@ def run_engine(
         )
     fig["dtype"] = dtype
     fig["torch_threads"] = threads
-    fig["calibration_from"] = None if calibration is None else str(calibration)
+    fig["calibration_from"] = (
+        str(calibration) if calibration is not None else f"profile {profile}" if profile else None
+    )
     sc = fig["scale"]
     out.print(sim_bench.table(fig))
     print_summary(fig)
