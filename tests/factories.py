@@ -130,3 +130,21 @@ def byte_codec_text(ids: Sequence[int], *, final: bool) -> str:
 
     data = bytes(i - ByteCodec.OFFSET for i in ids if ByteCodec.OFFSET <= i < ByteCodec.vocab_size)
     return codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=final)
+
+
+def cli_refused(*args: str, names: str, value: str | None = None) -> str:
+    """Run ``duetime *args``; assert exit 2, no traceback, and ``names`` (and ``value``) in
+    the output. Returns the output with rich's error box unfolded into one line of words,
+    which is what ``names`` is matched against (a long message wraps inside the box)."""
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    res = CliRunner().invoke(app, list(args))
+    output = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in output
+    assert names in output, output
+    if value is not None:
+        assert value in output, output
+    return output

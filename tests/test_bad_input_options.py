@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from duetime.cli import app
+from tests.factories import cli_refused
 
 runner = CliRunner()
 
@@ -25,23 +26,13 @@ def _invoke(*args: str) -> tuple[int, str]:
     return res.exit_code, res.output
 
 
-def _refused(*args: str, names: str, value: str | None = None) -> str:
-    code, output = _invoke(*args)
-    assert code == 2, output
-    assert "Traceback" not in output
-    assert names in output, output
-    if value is not None:
-        assert value in output, output
-    return output
-
-
 SIM = ("sim", "--workload", "synthetic", "--requests", "5")
 
 
 # --- 1. gamma cv ------------------------------------------------------------------------
 @pytest.mark.parametrize("cv", ["inf", "1e-200", "nan", "1e9"])
 def test_gamma_cv_out_of_range_is_refused(cv: str) -> None:
-    _refused(*SIM, "--arrival", "gamma", "--cv", cv, names="cv")
+    cli_refused(*SIM, "--arrival", "gamma", "--cv", cv, names="cv")
 
 
 @pytest.mark.parametrize("cv", [math.inf, 1e-200, math.nan])
@@ -65,7 +56,7 @@ def test_gamma_cv_in_range_still_works() -> None:
 # --- 2. NaN / inf past `<=` checks ------------------------------------------------------
 @pytest.mark.parametrize("scale", ["nan", "inf"])
 def test_sim_nan_deadline_scale_is_refused(scale: str) -> None:
-    _refused(*SIM, "--deadline-scale", scale, names="--deadline-scale", value=scale)
+    cli_refused(*SIM, "--deadline-scale", scale, names="--deadline-scale", value=scale)
 
 
 def test_assign_deadlines_refuses_nan() -> None:
@@ -104,7 +95,7 @@ def test_advise_batch_nan_deadline_is_refused(deadline: float) -> None:
 )
 def test_advise_deferred_prefill_names_mean_output(mean_output: str, shown: str) -> None:
     """1e18 printed a NaN throughput with numpy warnings, exit 0."""
-    _refused(
+    cli_refused(
         "advise", "deferred-prefill", "--capacity", "256", "--mean-output", mean_output,
         names="--mean-output", value=shown,
     )  # fmt: skip
@@ -112,12 +103,12 @@ def test_advise_deferred_prefill_names_mean_output(mean_output: str, shown: str)
 
 def test_advise_deferred_prefill_caps_the_capacity() -> None:
     """The solve grows as C³: C = 8000 took 170 s and 1.5 GB."""
-    _refused("advise", "deferred-prefill", "--capacity", "5000", "--mean-output", "100",
+    cli_refused("advise", "deferred-prefill", "--capacity", "5000", "--mean-output", "100",
              names="--capacity")  # fmt: skip
 
 
 def test_bench_deferred_prefill_engine_infinite_mean_output_is_refused(tmp_path: Path) -> None:
-    _refused(
+    cli_refused(
         "bench", "deferred-prefill", "--requests", "40", "--engine", "--model", "tiny",
         "--mean-output", "inf", "--plot", str(tmp_path / "d.png"),
         names="--mean-output", value="inf",
@@ -126,13 +117,13 @@ def test_bench_deferred_prefill_engine_infinite_mean_output_is_refused(tmp_path:
 
 @pytest.mark.parametrize("err", ["nan", "inf", "-1"])
 def test_noisy_predictor_bad_error_names_the_spec(err: str) -> None:
-    _refused(*SIM, "--predictor", f"noisy:{err}", names=f"'noisy:{err}'")
+    cli_refused(*SIM, "--predictor", f"noisy:{err}", names=f"'noisy:{err}'")
 
 
 @pytest.mark.parametrize("spec", ["noisy0.9", "noisyfoo", "noisy=0.9"])
 def test_a_mistyped_noisy_predictor_is_refused(spec: str) -> None:
     """These ran as noisy:0.3 and recorded the typo as the predictor's name."""
-    _refused(*SIM, "--predictor", spec, names=f"unknown predictor '{spec}'")
+    cli_refused(*SIM, "--predictor", spec, names=f"unknown predictor '{spec}'")
 
 
 @pytest.mark.parametrize("sigma", [1.0, 5.0, 400.0])
@@ -160,7 +151,7 @@ def test_bench_sensitivity_with_nothing_to_run_is_refused(
 ) -> None:
     """Both ran nothing and wrote an empty table and JSON, exit 0."""
     j = tmp_path / "s.json"
-    _refused("bench", "sensitivity", *args, "--json", str(j), names=names)
+    cli_refused("bench", "sensitivity", *args, "--json", str(j), names=names)
     assert not j.exists()
 
 
@@ -169,7 +160,7 @@ def test_bench_sensitivity_with_nothing_to_run_is_refused(
     ("option", "value"), [("--kv-capacity", "-5"), ("--max-num-seqs", "0"), ("--kv-capacity", "0")]
 )
 def test_sim_non_positive_limits_are_refused(option: str, value: str) -> None:
-    _refused(*SIM, option, value, names=option)
+    cli_refused(*SIM, option, value, names=option)
 
 
 @pytest.mark.parametrize(
@@ -179,7 +170,7 @@ def test_profile_refuses_non_positive_limits_before_loading(
     tmp_path: Path, args: tuple[str, str]
 ) -> None:
     out = str(tmp_path / "p.json")
-    _refused("profile", "--quick", "--serve-requests", "0", "--out", out, *args, names=args[0])
+    cli_refused("profile", "--quick", "--serve-requests", "0", "--out", out, *args, names=args[0])
 
 
 @pytest.mark.parametrize("key", ["kv_capacity_tokens", "max_num_seqs", "max_batch_tokens"])
@@ -190,7 +181,7 @@ def test_profile_json_with_non_positive_limit_is_refused(tmp_path: Path, key: st
     raw[key] = -5
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(raw))
-    _refused(*SIM, "--profile", str(path), names=key, value="-5")
+    cli_refused(*SIM, "--profile", str(path), names=key, value="-5")
 
 
 @pytest.mark.parametrize("field", ["kv_capacity", "max_num_seqs", "max_batch_tokens"])
@@ -217,14 +208,14 @@ def test_sim_spec_refuses_non_positive_overrides() -> None:
 # --- 4. bench sim --target-running ------------------------------------------------------
 @pytest.mark.parametrize("target", ["-1", "0", "nan", "inf"])
 def test_bench_sim_names_target_running(target: str) -> None:
-    _refused("bench", "sim", "--requests", "50", "--target-running", target,
+    cli_refused("bench", "sim", "--requests", "50", "--target-running", target,
              names="--target-running")  # fmt: skip
 
 
 # --- 5. bench deferred-prefill: too few requests ----------------------------------------
 def test_bench_deferred_prefill_too_few_requests_is_refused(tmp_path: Path) -> None:
     png = str(tmp_path / "d.png")
-    out = _refused("bench", "deferred-prefill", "--requests", "20", "--plot", png,
+    out = cli_refused("bench", "deferred-prefill", "--requests", "20", "--plot", png,
                    names="--requests 20")  # fmt: skip
     assert "too few" in out
     assert "nan" not in out
@@ -234,13 +225,13 @@ def test_bench_deferred_prefill_too_few_requests_is_refused(tmp_path: Path) -> N
 @pytest.mark.parametrize("budget", ["0", "-1", "nan", "inf"])
 def test_bench_timebill_bad_budget_is_refused(tmp_path: Path, budget: str) -> None:
     png = str(tmp_path / "t.png")
-    _refused("bench", "timebill", "--jobs", "5", "--budget", budget, "--plot", png,
+    cli_refused("bench", "timebill", "--jobs", "5", "--budget", budget, "--plot", png,
              names="--budget")  # fmt: skip
 
 
 def test_timebill_engine_refuses_bad_budget_before_loading(tmp_path: Path) -> None:
     png = str(tmp_path / "t.png")
-    _refused("bench", "timebill", "--engine", "--model", "tiny", "--budget", "0", "--plot", png,
+    cli_refused("bench", "timebill", "--engine", "--model", "tiny", "--budget", "0", "--plot", png,
              names="--budget")  # fmt: skip
 
 
@@ -256,7 +247,7 @@ def test_timebill_engine_refuses_bad_budget_before_loading(tmp_path: Path) -> No
     ],
 )
 def test_bench_engine_bad_lists_fail_before_loading(args: tuple[str, str], names: str) -> None:
-    _refused("bench", "engine", "--quick", *args, names=names)
+    cli_refused("bench", "engine", "--quick", *args, names=names)
 
 
 # --- 8. seeds ---------------------------------------------------------------------------
@@ -270,4 +261,4 @@ def test_bench_engine_bad_lists_fail_before_loading(args: tuple[str, str], names
     ],
 )
 def test_negative_seeds_name_the_option(args: tuple[str, ...], names: str) -> None:
-    _refused(*args, names=names)
+    cli_refused(*args, names=names)

@@ -21,6 +21,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from duetime.cli import app
+from tests.factories import cli_refused
 
 runner = CliRunner()
 
@@ -28,16 +29,6 @@ runner = CliRunner()
 def _invoke(*args: str) -> tuple[int, str]:
     res = runner.invoke(app, list(args))
     return res.exit_code, res.output
-
-
-def _refused(*args: str, names: str, value: str | None = None) -> str:
-    code, output = _invoke(*args)
-    assert code == 2, output
-    assert "Traceback" not in output
-    assert names in output, output
-    if value is not None:
-        assert value in output, output
-    return output
 
 
 @pytest.fixture
@@ -77,7 +68,7 @@ def test_deferred_prefill_mean_output_past_the_context_is_refused(
 ) -> None:
     """1e18: "Storage size calculation overflowed"; 1e6: a torch allocation traceback.
     600: the mean fits 1,024 positions, but the longest drawn output does not."""
-    out = _refused(*DP, "--mean-output", mean, "--plot", str(tmp_path / "d.png"),
+    out = cli_refused(*DP, "--mean-output", mean, "--plot", str(tmp_path / "d.png"),
                    names="--mean-output", value=shown)  # fmt: skip
     assert "context of 1,024" in out
 
@@ -96,11 +87,11 @@ def test_deferred_prefill_engine_checks_the_same_bound_as_the_cli() -> None:
 @pytest.mark.parametrize("alphas", [",", "", " , "])
 def test_eviction_empty_alphas_is_refused_before_loading(no_load: None, alphas: str) -> None:
     """Ran every prompt, then IndexError on the empty table."""
-    _refused(*EVICT, "--alphas", alphas, names="--alphas")
+    cli_refused(*EVICT, "--alphas", alphas, names="--alphas")
 
 
 def test_eviction_alpha_out_of_range_is_refused_before_loading(no_load: None) -> None:
-    _refused(*EVICT, "--alphas", "0.5,nan", names="--alphas")
+    cli_refused(*EVICT, "--alphas", "0.5,nan", names="--alphas")
 
 
 def test_eviction_run_refuses_no_alphas() -> None:
@@ -113,7 +104,7 @@ def test_eviction_run_refuses_no_alphas() -> None:
 # --- 3. timelyllm --engine: a KV capacity no task fits -----------------------------------
 def test_timelyllm_engine_kv_capacity_too_small_is_refused_before_loading(no_load: None) -> None:
     """Loaded, calibrated, then "AssertionError: task 0 did not finish"."""
-    out = _refused("bench", "timelyllm", "--engine", "--requests", "2", "--kv-capacity", "1",
+    out = cli_refused("bench", "timelyllm", "--engine", "--requests", "2", "--kv-capacity", "1",
                    names="--kv-capacity 1")  # fmt: skip
     assert "never finish" in out
 
@@ -138,13 +129,13 @@ def test_timebill_engine_huge_budget_is_refused_before_loading(
 ) -> None:
     """1e308 ran, printed, then failed in matplotlib ("arange: cannot compute length")
     and wrote no JSON."""
-    _refused(*TB, "--budget", budget, "--json", str(tmp_path / "x.json"),
+    cli_refused(*TB, "--budget", budget, "--json", str(tmp_path / "x.json"),
              "--plot", str(tmp_path / "x.png"), names="--budget")  # fmt: skip
     assert not (tmp_path / "x.json").exists()
 
 
 def test_timebill_simulated_huge_budget_is_refused(tmp_path: Path) -> None:
-    _refused("bench", "timebill", "--jobs", "5", "--budget", "1e308",
+    cli_refused("bench", "timebill", "--jobs", "5", "--budget", "1e308",
              "--plot", str(tmp_path / "t.png"), names="--budget")  # fmt: skip
 
 
@@ -165,7 +156,7 @@ def test_bench_serve_policies_are_all_checked_before_anything_runs(
     no_load: None, policies: str, names: str
 ) -> None:
     """',' ran nothing with exit 0; 'fcfs,edf,nope' served fcfs and edf before failing."""
-    _refused("bench", "serve", "--model", "tiny", "--policies", policies, names=names)
+    cli_refused("bench", "serve", "--model", "tiny", "--policies", policies, names=names)
 
 
 @pytest.mark.parametrize("args", [("--prefill", ","), ("--batch", ","), ("--prefill", "")])
@@ -173,7 +164,7 @@ def test_bench_engine_empty_size_list_is_refused_before_loading(
     no_load: None, args: tuple[str, str]
 ) -> None:
     """An explicitly empty list silently ran the default grid."""
-    _refused("bench", "engine", "--quick", "--transformers", "", "--engine", "fp32", *args,
+    cli_refused("bench", "engine", "--quick", "--transformers", "", "--engine", "fp32", *args,
              names=f"{args[0]} ", value="empty")  # fmt: skip
 
 
@@ -190,16 +181,16 @@ def test_engine_speed_run_refuses_an_empty_grid() -> None:
     [("--calibration", "x.json"), ("--requests", "4"), ("--dtype", "fast"), ("--threads", "1")],
 )
 def test_timelyllm_engine_only_options_need_engine(args: tuple[str, str]) -> None:
-    _refused("bench", "timelyllm", *args, names=args[0], value="only apply with --engine")
+    cli_refused("bench", "timelyllm", *args, names=args[0], value="only apply with --engine")
 
 
 def test_timelyllm_engine_profile_is_used_not_ignored(no_load: None) -> None:
     """--profile nope with --engine was silently ignored (the run timed its own costs)."""
-    _refused("bench", "timelyllm", "--engine", "--profile", "nope", names="'nope'")
+    cli_refused("bench", "timelyllm", "--engine", "--profile", "nope", names="'nope'")
 
 
 def test_timelyllm_engine_profile_and_calibration_conflict(no_load: None, tmp_path: Path) -> None:
-    _refused("bench", "timelyllm", "--engine", "--profile", "a100-llama2-7b",
+    cli_refused("bench", "timelyllm", "--engine", "--profile", "a100-llama2-7b",
              "--calibration", str(tmp_path / "c.json"),
              names="--calibration and --profile")  # fmt: skip
 
@@ -220,14 +211,14 @@ def test_timelyllm_engine_scale_from_a_profile_matches_its_cost() -> None:
 # --- 7. a prompt longer than the model's context ------------------------------------------
 def test_eviction_prompt_past_the_context_is_refused_before_loading(no_load: None) -> None:
     """100,000-token prompts on the tiny model (1,024 positions) ran for minutes."""
-    _refused(*EVICT, "--min-prompt", "100000", "--max-prompt", "100000",
+    cli_refused(*EVICT, "--min-prompt", "100000", "--max-prompt", "100000",
              names="--max-prompt 100000", value="context of 1,024")  # fmt: skip
 
 
 def test_bench_engine_prefill_past_the_context_is_refused_before_loading(no_load: None) -> None:
     """--prefill 40000 on Gemma (32,768 positions) ended in a torch OOM traceback; the
     context comes from the shipped GGUF's header, not its weights."""
-    _refused("bench", "engine", "--quick", "--transformers", "", "--engine", "fp32",
+    cli_refused("bench", "engine", "--quick", "--transformers", "", "--engine", "fp32",
              "--prefill", "40000", names="--prefill 40000", value="32,768")  # fmt: skip
 
 
@@ -249,14 +240,14 @@ def test_engine_speed_checks_the_context_of_a_given_model() -> None:
 def test_amin_engine_request_past_the_context_is_refused_before_loading(
     no_load: None, tmp_path: Path
 ) -> None:
-    _refused(*AMIN, "--max-prompt", "100000", "--kv-capacity", "100000",
+    cli_refused(*AMIN, "--max-prompt", "100000", "--kv-capacity", "100000",
              "--plot", str(tmp_path / "a.png"), names="--max-prompt", value="context")  # fmt: skip
 
 
 def test_timebill_engine_prompt_past_the_context_is_refused_before_loading(
     no_load: None, tmp_path: Path
 ) -> None:
-    _refused(*TB, "--max-prompt", "2000", "--plot", str(tmp_path / "x.png"),
+    cli_refused(*TB, "--max-prompt", "2000", "--plot", str(tmp_path / "x.png"),
              names="--max-prompt 2000", value="context")  # fmt: skip
 
 
@@ -339,9 +330,9 @@ def test_validate_hsf_without_predictor_is_refused_before_loading(
     """Said "run it with --predictor oracle", after the load, though validate had none."""
     prof = tmp_path / "p.json"
     prof.write_text("{}")
-    _refused("validate", "--profile", str(prof), "--policy", "hsf", names="--predictor oracle")
-    _refused("validate", "--profile", str(prof), "--policy", "nope", names="--policy")
-    _refused("validate", "--profile", str(prof), "--predictor", "nope", names="--predictor")
+    cli_refused("validate", "--profile", str(prof), "--policy", "hsf", names="--predictor oracle")
+    cli_refused("validate", "--profile", str(prof), "--policy", "nope", names="--policy")
+    cli_refused("validate", "--profile", str(prof), "--predictor", "nope", names="--predictor")
 
 
 def test_validate_runs_hsf_with_the_oracle_on_both_sides(tmp_path: Path) -> None:
@@ -367,7 +358,7 @@ def test_validate_runs_hsf_with_the_oracle_on_both_sides(tmp_path: Path) -> None
 
 def test_bench_serve_hsf_is_refused_before_loading(no_load: None) -> None:
     """Said "serve it with --predictor learned", which bench serve does not take."""
-    out = _refused("bench", "serve", "--model", "tiny", "--policies", "fcfs,hsf",
+    out = cli_refused("bench", "serve", "--model", "tiny", "--policies", "fcfs,hsf",
                    names="--policies hsf")  # fmt: skip
     assert "duetime serve --policy hsf --predictor learned" in out
 
@@ -378,7 +369,7 @@ def test_amin_engine_bad_intervals_are_refused_before_loading(
     no_load: None, tmp_path: Path, intervals: str
 ) -> None:
     """overlap-nan failed with "bad predictor 'interval:overlap:nan'" after the load."""
-    _refused(*AMIN, "--intervals", intervals, "--plot", str(tmp_path / "a.png"),
+    cli_refused(*AMIN, "--intervals", intervals, "--plot", str(tmp_path / "a.png"),
              names="--intervals")  # fmt: skip
 
 
@@ -390,7 +381,9 @@ def test_a_bad_model_name_names_model_and_the_choices(
 ) -> None:
     """Was "nope: file does not exist"."""
     extra = ("--plot", str(tmp_path / "p.png")) if plot else ()
-    _refused(*command, "--model", "nope", *extra, names="--model 'nope'", value="'gemma', 'tiny'")
+    cli_refused(
+        *command, "--model", "nope", *extra, names="--model 'nope'", value="'gemma', 'tiny'"
+    )
 
 
 # --- 12. profile --quick: say how many requests really serve ---------------------------------
@@ -432,14 +425,14 @@ def test_validate_caps_requests(tmp_path: Path) -> None:
     """10^8 grew memory drawing the workload."""
     prof = tmp_path / "p.json"
     prof.write_text("{}")
-    _refused("validate", "--profile", str(prof), "--requests", "100000000", names="--requests")
+    cli_refused("validate", "--profile", str(prof), "--requests", "100000000", names="--requests")
 
 
 @pytest.mark.parametrize("command", [AMIN, DP])
 def test_engine_benches_cap_requests_before_loading(
     no_load: None, tmp_path: Path, command: tuple[str, ...]
 ) -> None:
-    _refused(*command, "--requests", "100000000", "--plot", str(tmp_path / "p.png"),
+    cli_refused(*command, "--requests", "100000000", "--plot", str(tmp_path / "p.png"),
              names="--requests 100,000,000", value="100,000")  # fmt: skip
 
 

@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from duetime.cli import app
+from tests.factories import cli_refused
 
 runner = CliRunner()
 SIM = ("sim", "--workload", "synthetic", "--requests", "40", "--rate", "12")
@@ -25,14 +26,6 @@ SIM = ("sim", "--workload", "synthetic", "--requests", "40", "--rate", "12")
 def _invoke(*args: str) -> tuple[int, str]:
     res = runner.invoke(app, list(args))
     return res.exit_code, " ".join(res.output.replace("│", " ").split())
-
-
-def _refused(*args: str, names: str) -> str:
-    code, output = _invoke(*args)
-    assert code == 2, output
-    assert "Traceback" not in output
-    assert names in output, output
-    return output
 
 
 def _profile(tmp_path: Path, **changes: object) -> str:
@@ -69,7 +62,7 @@ def test_no_trace_is_saved_for_a_run_that_cannot_start(
     tmp_path: Path, option: str, value: str
 ) -> None:
     trace = tmp_path / "t.jsonl"
-    _refused(*SIM, option, value, "--save-trace", str(trace), names="bogus")
+    cli_refused(*SIM, option, value, "--save-trace", str(trace), names="bogus")
     assert not trace.exists()
 
 
@@ -91,7 +84,7 @@ def test_sweep_hands_cv_to_its_runs(tmp_path: Path) -> None:
 
 def test_sweep_refuses_an_unknown_metric_before_running(tmp_path: Path) -> None:
     png = tmp_path / "s.png"
-    out = _refused("sweep", "--metrics", "e2e_p90_s,bogus", "--plot", str(png), names="'bogus'")
+    out = cli_refused("sweep", "--metrics", "e2e_p90_s,bogus", "--plot", str(png), names="'bogus'")
     assert "ttft_p90_s" in out  # it says what a row has
     assert not png.exists()
 
@@ -115,7 +108,7 @@ def test_a_trace_sweeps_once_per_policy_and_seed_not_per_rate(tmp_path: Path) ->
 @pytest.mark.parametrize("rate", ["1e-20", "1e-100"])
 def test_a_rate_too_low_to_time_is_refused(rate: str) -> None:
     """--rate 1e-100 hung in the decode loop; 1e-20 reported 0 s latencies."""
-    _refused(*SIM[:-2], "--rate", rate, names="raise the arrival rate")
+    cli_refused(*SIM[:-2], "--rate", rate, names="raise the arrival rate")
 
 
 def test_the_simulator_refuses_a_job_past_the_time_it_can_keep() -> None:
@@ -132,7 +125,9 @@ def test_the_simulator_refuses_a_job_past_the_time_it_can_keep() -> None:
 
 
 def test_a_run_too_large_for_memory_is_an_error_line() -> None:
-    _refused("sim", "--workload", "synthetic", "--requests", "1000000000000", names="out of memory")
+    cli_refused(
+        "sim", "--workload", "synthetic", "--requests", "1000000000000", names="out of memory"
+    )
 
 
 @pytest.mark.parametrize(
@@ -149,17 +144,17 @@ def test_a_run_too_large_for_memory_is_an_error_line() -> None:
 def test_a_profile_field_of_the_wrong_kind_is_refused(
     tmp_path: Path, changes: dict[str, object], names: str
 ) -> None:
-    _refused(*SIM, "--profile", _profile(tmp_path, **changes), names=names)
+    cli_refused(*SIM, "--profile", _profile(tmp_path, **changes), names=names)
 
 
 def test_a_binary_profile_is_named(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     path.write_bytes(b"\xff\xfe\x00")
-    _refused(*SIM, "--profile", str(path), names=f"{path}: not a profile")
+    cli_refused(*SIM, "--profile", str(path), names=f"{path}: not a profile")
 
 
 def test_an_unknown_workload_lists_the_names(tmp_path: Path) -> None:
-    out = _refused("sim", "--workload", "sharegtp", names="unknown workload 'sharegtp'")
+    out = cli_refused("sim", "--workload", "sharegtp", names="unknown workload 'sharegtp'")
     assert "synthetic" in out
 
 
@@ -168,13 +163,13 @@ def test_a_tuf_whose_utility_cannot_be_summed_is_refused(tmp_path: Path) -> None
             "tuf": {"ert": 0.0, "beta": 1.0, "alpha": -1e308}}  # fmt: skip
     trace = tmp_path / "t.jsonl"
     trace.write_text(json.dumps(line) + "\n")
-    _refused("sim", "--workload", str(trace), names="t.jsonl:1: field 'tuf.alpha'")
+    cli_refused("sim", "--workload", str(trace), names="t.jsonl:1: field 'tuf.alpha'")
 
 
 def test_demo_refuses_an_unwritable_out_before_running(tmp_path: Path) -> None:
     a_file = tmp_path / "plain"
     a_file.write_text("x")
-    out = _refused("demo", "--requests", "50", "--out", str(a_file), names="'--out'")
+    out = cli_refused("demo", "--requests", "50", "--out", str(a_file), names="'--out'")
     assert "cannot write" in out
     assert "ShareGPT requests at" not in out  # no table: nothing ran
     assert a_file.read_text() == "x"
