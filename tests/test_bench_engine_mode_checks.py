@@ -373,6 +373,15 @@ def test_amin_engine_bad_intervals_are_refused_before_loading(
              names="--intervals")  # fmt: skip
 
 
+@pytest.mark.parametrize("command", [DP, AMIN])
+def test_a_bad_profile_is_refused_before_loading(
+    no_load: None, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """It was read after the model had loaded (and timed nothing, as a profile skips that)."""
+    cli_refused(*command, "--profile", "nope", "--plot", str(tmp_path / "p.png"),
+                names="unknown profile (--profile) 'nope'")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("command", "plot"), [(EVICT, False), (("bench", "serve"), False), (DP, True), (AMIN, True)]
 )

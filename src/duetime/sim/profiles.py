@@ -26,8 +26,8 @@ def profile_path(name_or_path: str) -> Path:
     cand = Path(str(root / f"{name_or_path}.json"))
     if not cand.exists():
         raise CostModelError(
-            f"unknown profile {name_or_path!r}; shipped: {', '.join(builtin_profiles())} "
-            "(or give a path to a profile JSON)"
+            f"unknown profile (--profile) {name_or_path!r}; shipped: "
+            f"{', '.join(builtin_profiles())} (or give a path to a profile JSON)"
         )
     return cand
 

@@ -117,7 +117,7 @@ def run_engine(
     costs no load.
     """
     from duetime.bench import amin_engine as bench
-    from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context
+    from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context, read_profile
 
     constructions = tuple(c.strip() for c in intervals.split(",") if c.strip())
     check_dtype(choice.dtype)
@@ -127,6 +127,8 @@ def run_engine(
         max_output=max_output, constructions=constructions,
         context=engine_context(choice.model),
     )  # fmt: skip
+    if profile is not None:  # read after the load before: a typo cost the load
+        read_profile(profile)
     fig = bench.run(
         choice.load(),
         model_name=choice.label,

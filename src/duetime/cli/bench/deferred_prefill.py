@@ -134,7 +134,7 @@ def run_engine(
     the model's context is read from its config without loading the weights.
     """
     from duetime.bench import deferred_prefill_engine as bench
-    from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context
+    from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context, read_profile
 
     k_grid = parse_ks(ks)
     if not (math.isfinite(mean_output) and mean_output > 1):
@@ -146,6 +146,8 @@ def run_engine(
         ks=k_grid, reps=reps, seed=seed, context=engine_context(choice.model),
         timed=profile is None,
     )  # fmt: skip
+    if profile is not None:  # read after the load before: a typo cost the load
+        read_profile(profile)
     fig = bench.run(
         choice.load(),
         model_name=choice.label,
