@@ -139,3 +139,34 @@ def test_the_commands_serve_with_their_header_timeout(
     assert ran["http"].header_timeout_s == 4.5
     result = CliRunner().invoke(app, [*args, "--port", "0", "--header-timeout", "0"])
     assert result.exit_code == 2
+
+
+def _closed_for_late_headers(url: str) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"GET /metr")
+        data, _ = _read_until_closed(conn)
+    assert data.startswith(b"HTTP/1.1 408 ")
+
+
+@pytest.mark.parametrize("server", ["serve", "gateway"])
+def test_a_header_timeout_close_is_counted_in_metrics(server: str) -> None:
+    """No request reached the app, so /metrics did not count these closes at all."""
+    import httpx
+
+    from duetime.server.app import create_app
+    from duetime.server.gateway import GatewayConfig, create_gateway_app
+    from tests.factories import prometheus_samples
+    from tests.test_server_regressions import _served_state
+
+    if server == "serve":
+        app = create_app(_served_state())
+        sample = 'duetime_http_responses_total{route="other",status="408"}'
+    else:
+        app = create_gateway_app(["http://127.0.0.1:9"], GatewayConfig(health_interval_s=60))
+        sample = 'duetime_gateway_requests_total{outcome="http_408"}'
+    with serve_in_thread(app, header_timeout_s=TIMEOUT_S) as url:
+        _closed_for_late_headers(url)
+        _closed_for_late_headers(url)
+        counts = prometheus_samples(httpx.get(f"{url}/metrics", timeout=10).text)
+    assert counts.get(sample) == 2.0

@@ -99,7 +99,7 @@ def gateway(
     import uvicorn
 
     from duetime.server.gateway import GatewayConfig, create_gateway_app
-    from duetime.server.header_timeout import header_timeout_protocol
+    from duetime.server.header_timeout import header_timeout_protocol, on_close_of
 
     with _user_errors():
         urls = _check_backends(backend, allow_remote)
@@ -128,5 +128,5 @@ def gateway(
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=shutdown_timeout,
-        http=header_timeout_protocol(header_timeout),
+        http=header_timeout_protocol(header_timeout, on_close_of(gw_app)),
     )

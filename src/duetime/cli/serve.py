@@ -88,7 +88,7 @@ def serve(
 
     from duetime.server.app import create_app
     from duetime.server.build import ServeOptions, build_state, load_served_model
-    from duetime.server.header_timeout import header_timeout_protocol
+    from duetime.server.header_timeout import header_timeout_protocol, on_close_of
 
     with _user_errors():
         from duetime.engine.gemma3 import DTYPES
@@ -137,11 +137,12 @@ def serve(
         highlight=False,
         soft_wrap=True,
     )
+    app = create_app(state)
     uvicorn.run(
-        create_app(state),
+        app,
         host=host,
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=shutdown_timeout,
-        http=header_timeout_protocol(header_timeout),
+        http=header_timeout_protocol(header_timeout, on_close_of(app)),
     )

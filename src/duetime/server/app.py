@@ -115,6 +115,8 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
     app.add_middleware(ResponseCounter, metrics=state.metrics, routes=_ROUTES)
     app.add_middleware(StripTrailingSlash)  # outermost: the others see the routed path
     app.state.duetime = state
+    # a connection closed for late headers (header_timeout) never reached a route: "other"
+    app.state.on_header_timeout = lambda: state.metrics.responses.labels("other", "408").inc()
 
     @app.get("/health")
     async def health() -> JSONResponse:

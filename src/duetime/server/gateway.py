@@ -169,6 +169,8 @@ def create_gateway_app(
     )
     app.add_middleware(StripTrailingSlash)
     app.state.gateway = gw
+    # a connection closed for late headers (header_timeout) never reached a route
+    app.state.on_header_timeout = lambda: gw.m_requests.labels("http_408").inc()
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -20,18 +20,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["DEFAULT_HEADER_TIMEOUT_S", "header_timeout_protocol"]
+__all__ = ["DEFAULT_HEADER_TIMEOUT_S", "header_timeout_protocol", "on_close_of"]
 
 DEFAULT_HEADER_TIMEOUT_S = 30.0
 _log = logging.getLogger("uvicorn.error")
 
 
-def header_timeout_protocol(timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> type[H11Protocol]:
+def header_timeout_protocol(
+    timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, on_close: Callable[[], None] | None = None
+) -> type[H11Protocol]:
     """An h11 protocol class that closes a connection after ``timeout_s`` s without
-    complete request headers (pass it as ``uvicorn.run(..., http=...)``)."""
+    complete request headers (pass it as ``uvicorn.run(..., http=...)``).
+
+    ``on_close`` is called for each such close: no request reached the app, so
+    this is how its /metrics can count them (:func:`on_close_of`).
+    """
     if not timeout_s > 0:
         raise ValueError(f"header timeout should be > 0 s, got {timeout_s}")
     reply = (
@@ -65,6 +73,8 @@ def header_timeout_protocol(timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> type
             )
             self.transport.write(reply % (len(body), body))
             self.transport.close()
+            if on_close is not None:
+                on_close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -84,3 +94,9 @@ def header_timeout_protocol(timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> type
             super().connection_lost(exc)
 
     return HeaderTimeoutProtocol
+
+
+def on_close_of(app: Any) -> Callable[[], None] | None:
+    """The counter an app offers for header-timeout closes (``app.state.on_header_timeout``),
+    or None: ``duetime serve`` and the gateway set one, a bare ASGI app has none."""
+    return getattr(getattr(app, "state", None), "on_header_timeout", None)

@@ -14,7 +14,11 @@ from typing import Any
 
 import uvicorn
 
-from duetime.server.header_timeout import DEFAULT_HEADER_TIMEOUT_S, header_timeout_protocol
+from duetime.server.header_timeout import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    header_timeout_protocol,
+    on_close_of,
+)
 
 __all__ = ["serve_in_thread"]
 
@@ -37,7 +41,7 @@ def serve_in_thread(
         port=0,
         log_level=log_level,
         lifespan="on",
-        http=header_timeout_protocol(header_timeout_s),
+        http=header_timeout_protocol(header_timeout_s, on_close_of(app)),
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
