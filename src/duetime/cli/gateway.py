@@ -96,10 +96,9 @@ def gateway(
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Route OpenAI requests over several backends by predicted finish (docs/gateway.md)."""
-    import uvicorn
 
     from duetime.server.gateway import GatewayConfig, create_gateway_app
-    from duetime.server.header_timeout import header_timeout_protocol, on_close_of
+    from duetime.server.threaded import run_server
 
     with _user_errors():
         urls = _check_backends(backend, allow_remote)
@@ -122,11 +121,11 @@ def gateway(
         + ", ".join(urls),
         highlight=False,
     )
-    uvicorn.run(
+    run_server(
         gw_app,
         host=host,
         port=port,
         log_level=log_level,
-        timeout_graceful_shutdown=shutdown_timeout,
-        http=header_timeout_protocol(header_timeout, on_close_of(gw_app)),
+        shutdown_timeout_s=shutdown_timeout,
+        header_timeout_s=header_timeout,
     )

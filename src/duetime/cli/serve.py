@@ -84,11 +84,10 @@ def serve(
 ) -> None:
     """Serve the model over HTTP with OpenAI's API plus deadlines (see docs/server.md)."""
     import torch
-    import uvicorn
 
     from duetime.server.app import create_app
     from duetime.server.build import ServeOptions, build_state, load_served_model
-    from duetime.server.header_timeout import header_timeout_protocol, on_close_of
+    from duetime.server.threaded import run_server
 
     with _user_errors():
         from duetime.engine.gemma3 import DTYPES
@@ -138,11 +137,11 @@ def serve(
         soft_wrap=True,
     )
     app = create_app(state)
-    uvicorn.run(
+    run_server(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        timeout_graceful_shutdown=shutdown_timeout,
-        http=header_timeout_protocol(header_timeout, on_close_of(app)),
+        shutdown_timeout_s=shutdown_timeout,
+        header_timeout_s=header_timeout,
     )

@@ -1,7 +1,11 @@
-"""Run an ASGI app under uvicorn on a background thread (tests, benchmarks, demos).
+"""Run an ASGI app under uvicorn as duetime does: in the foreground (``duetime serve``,
+``duetime gateway``: :func:`run_server`) or on a background thread (tests, benchmarks,
+demos: :func:`serve_in_thread`).
 
-The port is chosen by the OS (bind to port 0) and read back from the socket,
-so parallel test workers never collide.
+Both use the same HTTP protocol, the h11 one with a header timeout whose closes
+the app counts (:mod:`duetime.server.header_timeout`). In a thread the port is
+chosen by the OS (bind to port 0) and read back from the socket, so parallel
+test workers never collide.
 """
 
 from __future__ import annotations
@@ -20,7 +24,32 @@ from duetime.server.header_timeout import (
     on_close_of,
 )
 
-__all__ = ["serve_in_thread"]
+__all__ = ["run_server", "serve_in_thread"]
+
+
+def _http(app: Any, header_timeout_s: float) -> type:
+    """The protocol class: late headers close the connection, counted by ``app``."""
+    return header_timeout_protocol(header_timeout_s, on_close_of(app))
+
+
+def run_server(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    log_level: str,
+    shutdown_timeout_s: int,
+    header_timeout_s: float,
+) -> None:
+    """Serve ``app`` in the foreground until SIGTERM / Ctrl-C (uvicorn.run)."""
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout_s,
+        http=_http(app, header_timeout_s),
+    )
 
 
 @contextmanager
@@ -41,7 +70,7 @@ def serve_in_thread(
         port=0,
         log_level=log_level,
         lifespan="on",
-        http=header_timeout_protocol(header_timeout_s, on_close_of(app)),
+        http=_http(app, header_timeout_s),
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
