@@ -133,9 +133,10 @@ def sweep(
         if any(s < 0 for s in seed_list):
             _fail(f"--seeds must be non-negative integers, got {seeds!r}")
         plotted = [m.strip() for m in metrics.split(",")]
-        unknown = [m for m in plotted if m not in row_figures()]
+        figures = row_figures()
+        unknown = [m for m in plotted if m not in figures]
         if unknown:  # found before the sweep runs, not as an empty plot after it
-            _fail(f"unknown --metrics {unknown}; a row has {', '.join(row_figures())}")
+            _fail(f"unknown --metrics {unknown}; a row has {', '.join(figures)}")
         trace = is_trace(SimSpec(workload=workload))
         if trace:
             rate_list = rate_list[:1]  # a trace has its own arrival times: one run, not one a rate

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 #: step leaves the clock where it was: latencies come out 0 and a run may never end.
 MAX_TIME_S = 1e9
 
+#: Largest |alpha| and |beta| of a time-utility function (the server and trace files
+#: both bound them): alpha = -1e308 made a finite request's utility -inf.
+MAX_TUF_MAGNITUDE = 1e6
+
 
 @dataclass(slots=True, frozen=True)
 class LengthPrediction:

@@ -32,6 +32,8 @@ from pydantic import (
     field_validator,
 )
 
+from duetime.core.request import MAX_TUF_MAGNITUDE
+
 #: Upper bound on any millisecond field: about 11.6 days, far past any sane deadline.
 MAX_MS = 1e9
 #: Upper bound on max_tokens accepted at all (the context length is checked later).
@@ -65,8 +67,10 @@ class TUFSpec(_Body):
     model_config = ConfigDict(extra="forbid")
 
     ert_ms: float = Field(ge=0, le=MAX_MS, description="Expected response time (ms).")
-    beta: float = Field(1.0, gt=0, le=1e6, description="Utility before ERT.")
-    alpha: float = Field(-2.0, le=0, ge=-1e6, description="Slope after ERT (utility per second).")
+    beta: float = Field(1.0, gt=0, le=MAX_TUF_MAGNITUDE, description="Utility before ERT.")
+    alpha: float = Field(
+        -2.0, le=0, ge=-MAX_TUF_MAGNITUDE, description="Slope after ERT (utility per second)."
+    )
 
 
 class TimeFields(_Body):

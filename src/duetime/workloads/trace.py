@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from duetime.core.request import MAX_TIME_S, Job, Request, TimeUtility
+from duetime.core.request import MAX_TIME_S, MAX_TUF_MAGNITUDE, Job, Request, TimeUtility
 from duetime.workloads._files import atomic_writer
 
 # What Request assumes when a line gives no max_tokens.
@@ -49,9 +49,8 @@ class _Strict(BaseModel):
 
 class _TufLine(_Strict):
     ert: float = Field(ge=0, le=MAX_TIME_S)
-    # bounded as the server's: alpha = -1e308 made a finite line's utility -inf
-    beta: float = Field(default=1.0, ge=-1e6, le=1e6)
-    alpha: float = Field(default=-2.0, ge=-1e6, le=0)
+    beta: float = Field(default=1.0, ge=-MAX_TUF_MAGNITUDE, le=MAX_TUF_MAGNITUDE)
+    alpha: float = Field(default=-2.0, ge=-MAX_TUF_MAGNITUDE, le=0)
 
 
 class _JobLine(_Strict):
