@@ -219,7 +219,7 @@ def predict_throughput(
             "--input-len",
             min=1,
             max=MAX_TOKENS,
-            help="ii: prompt tokens (at most 10,000,000: the longest context windows).",
+            help=f"ii: prompt tokens (at most {MAX_TOKENS:,}: the longest context windows).",
         ),
     ],
     output_len: Annotated[
@@ -228,7 +228,7 @@ def predict_throughput(
             "--output-len",
             min=1,
             max=MAX_TOKENS,
-            help="oo: output tokens (at most 10,000,000, as --input-len).",
+            help=f"oo: output tokens (at most {MAX_TOKENS:,}, as --input-len).",
         ),
     ],
     batch: Annotated[
@@ -237,7 +237,8 @@ def predict_throughput(
             "--batch",
             min=1,
             max=MAX_BATCH,
-            help="bb: concurrent requests (at most 1,000,000; engines run hundreds to thousands).",
+            help=f"bb: concurrent requests (at most {MAX_BATCH:,}; engines run hundreds or "
+            "thousands).",
         ),
     ],
     config: Annotated[
@@ -295,8 +296,7 @@ def predict_collect_throughput(
     from duetime.cli.common import _progress
     from duetime.predict.ala_collect import SIM_SPECS, Grid, collect
 
-    # a config given twice is collected once (collect de-duplicates too)
-    names = list(dict.fromkeys(config or [s.name for s in SIM_SPECS]))
+    names = config or [s.name for s in SIM_SPECS]  # collect runs a repeated name once
     grid = Grid(ii=(16, 32), oo=(4, 8), bb=(1, 2, 4)) if quick else None
     with _user_errors():
         prog, cb = _progress(1, "collecting throughput")
