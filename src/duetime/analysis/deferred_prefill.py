@@ -75,6 +75,15 @@ def cycle_moments(capacity: int, alpha: float, k: int) -> tuple[float, float]:
 MAX_MEAN_OUTPUT = 1e7
 
 
+def departure_alpha(mean_output: float) -> float:
+    """α, the per-step departure probability of outputs of mean ``mean_output`` tokens.
+
+    The first token is the prefill's, so ``1/α = mean_output − 1`` decode steps
+    (α at most 1).
+    """
+    return min(1.0 / (mean_output - 1.0), 1.0)
+
+
 @dataclass(frozen=True, slots=True)
 class DeferredPrefillModel:
     """The paper's parameters; times in seconds.
@@ -123,8 +132,7 @@ class DeferredPrefillModel:
             raise ValueError(
                 f"prompt length (--prompt-len) must be finite and > 0, got {prompt_len}"
             )
-        alpha = 1.0 / (mean_output - 1.0)
-        alpha = min(alpha, 1.0)
+        alpha = departure_alpha(mean_output)
         d0 = float(prompt_len)
         return cls(
             capacity=capacity,

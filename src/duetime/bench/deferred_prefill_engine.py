@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from duetime.analysis.deferred_prefill import DeferredPrefillModel, advise
+from duetime.analysis.deferred_prefill import DeferredPrefillModel, advise, departure_alpha
 from duetime.bench.deferred_prefill import (
     UNLIMITED,
     curve_summary,
@@ -99,17 +99,12 @@ def check_options(
     what = f"--prompt-len {prompt_len} + --mean-output {mean_output:g}"
     # The mean alone first: drawing 1e18-token outputs would overflow int64.
     check_context(prompt_len + math.ceil(mean_output), context, what)
-    jobs = geometric_jobs(requests, _alpha(mean_output), prompt_len, seed)
+    jobs = geometric_jobs(requests, departure_alpha(mean_output), prompt_len, seed)
     longest = max(j.output_len for j in jobs)
     check_context(prompt_len + longest, context, f"{what} (longest output {longest:,} tokens)")
     if timed:  # the cost fit's late decoders, over REPS + 1 timed steps
         late = timed_contexts(prompt_len, mean_output)[-1] + REPS + 2
         check_context(late, context, f"{what} (timing decode steps at 2x the mean)")
-
-
-def _alpha(mean_output: float) -> float:
-    """The per-step departure probability of outputs of mean ``mean_output`` (first included)."""
-    return min(1.0, 1.0 / (mean_output - 1.0))
 
 
 def engine_costs(
