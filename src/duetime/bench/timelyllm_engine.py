@@ -264,7 +264,8 @@ def run(
     if BASELINE not in systems:
         raise ValueError(f"systems must include the baseline {BASELINE!r}")
     t0 = time.perf_counter()
-    check_fits(wids, requests, seed, kv_capacity, calibration[1] if calibration else None)
+    if calibration is None:  # a sure failure, before the calibration's timed steps
+        check_fits(wids, requests, seed, kv_capacity, None)
     cost, scale = calibration if calibration is not None else calibrate(model)
     check_fits(wids, requests, seed, kv_capacity, scale)
     cfg = model.config
