@@ -88,6 +88,53 @@ def test_suspended_segment_not_yet_due_asks_for_wake_up() -> None:
     assert 1.0 < dec.wake_at < 10.0
 
 
+def test_latency_guard_counts_the_prefills_admitted_in_the_same_call() -> None:
+    """§4.4: one urgent segment is decoding, 16 new tasks arrive at once. Whatever the
+    policy admits lands in the urgent segment's next step (their prefill) and batch
+    (their decoding): the segment must still end by its due time under the same cost
+    model. The old guard counted only resumed sequences and let all 16 in (late 0.6 s)."""
+    cost, cfg = paper_rtx4090()
+    clock = DecodeClock()
+    now = 10.0
+    urgent = Seq(Request(rid=0, arrival=now - 0.05, prompt_len=300, tuf=TUF_URGENT), clock, 0)
+    urgent.status, urgent.prefilled = SeqStatus.RUNNING, 300
+    urgent._start_decoding()
+    urgent._set_generated(4)
+    waiting = [
+        Seq(Request(rid=i, arrival=now, prompt_len=p, tuf=TUF_NORMAL), clock, i)
+        for i, p in enumerate([20, 350, 20, 350] * 4, start=1)
+    ]
+    snap = EngineSnapshot(
+        now=now,
+        waiting=waiting,
+        running=[urgent],
+        prefilling=[],
+        suspended=[],
+        kv_capacity=cfg.kv_capacity,
+        kv_free=cfg.kv_capacity - urgent.kv_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        max_batch_tokens=cfg.max_batch_tokens,
+        num_decoding=1,
+        cost=cost,
+    )
+    policy = make_policy("timelyllm")
+    dec = policy.schedule(snap)
+    due_left = urgent.req.arrival + TUF_URGENT.ert - now
+    remaining = policy.segment_tokens - 4  # type: ignore[attr-defined]
+    kv = urgent.kv_tokens
+    solo = remaining * cost.step_time(0, 0.0, 1, kv)
+    assert solo < due_left  # on time alone, so the guard has something to protect
+    tokens = sum(n for _, n in dec.prefill)
+    attn = float(sum(n * n for _, n in dec.prefill))
+    d_after = 1 + len(dec.prefill)
+    wcet = cost.step_time(tokens, attn, 1, kv) + (remaining - 1) * cost.step_time(
+        0, 0.0, d_after, kv
+    )
+    assert wcet <= due_left
+    assert dec.prefill  # ... and it is a guard, not a stop: what fits still goes in
+    assert len(dec.prefill) < len(waiting)
+
+
 @pytest.mark.parametrize("kv_capacity", [None, 3000])
 def test_simulated_run_resumes_without_reprefill_and_respects_memory(
     kv_capacity: int | None,

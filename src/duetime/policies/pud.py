@@ -35,16 +35,20 @@ the batch often enough (§4.1).
 Latency-guided batch size (§4.4): before adding a generation, the most
 urgent running one (least time left to its segment's due time) must still
 finish its segment in time with one more sequence in the batch. Its WCET is
-``remaining tokens × step time``, remaining = ``segment_tokens`` − tokens
-generated since it was (re)started (at least 1), step time from the cost model
-(on the simulator that *is* the recent speed; on the engine it is the fitted
-profile). If it would meet its due time now but not with the extra sequence,
-nothing more is added this step. The memory check is the admission rule above.
+this step (every prefill chunk admitted so far in this call, the candidate's
+included, beside the decoders) plus ``remaining − 1`` decode steps of the
+batch those admissions make, remaining = ``segment_tokens`` − tokens generated
+since it was (re)started (at least 1), step times from the cost model (on the
+simulator that *is* the recent speed; on the engine it is the fitted profile).
+If it would meet its due time with what this call has added so far but not
+with the candidate too, nothing more is added this step. The memory check is
+the admission rule above.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 from duetime.core.decision import Decision
@@ -69,6 +73,37 @@ def pud_priority(
         due = ready_at
     slack = max(due - now - g, l_min)
     return util / (g * slack)
+
+
+@dataclass(frozen=True)
+class _StepWork:
+    """The next step as admitted so far: its prefill chunks and the batch around it."""
+
+    prefill_tokens: int
+    prefill_attn: float  # Σ n·(prefilled + n) over the chunks, as the simulator charges it
+    decoders_now: int  # sequences that decode in this step
+    decoders_after: int  # ... and in the steps after it (this step's prefills joined)
+
+    @staticmethod
+    def of(chunks: list[tuple[int, int]], snap: EngineSnapshot, decoders: int) -> _StepWork:
+        by_rid = {s.rid: s for s in snap.prefilling}
+        tokens = sum(n for _, n in chunks)
+        attn = sum(n * (by_rid[rid].prefilled + n) for rid, n in chunks)
+        return _StepWork(tokens, float(attn), decoders, decoders + len(chunks))
+
+    def plus(self, seq: Seq, budget: int) -> _StepWork:
+        """This step with ``seq`` resumed (it decodes now) or prefilled (it decodes after)."""
+        if seq.status is SeqStatus.SUSPENDED:
+            return replace(
+                self, decoders_now=self.decoders_now + 1, decoders_after=self.decoders_after + 1
+            )
+        n = max(min(seq.prefill_target, budget), 0)
+        return replace(
+            self,
+            prefill_tokens=self.prefill_tokens + n,
+            prefill_attn=self.prefill_attn + n * (seq.prefilled + n),
+            decoders_after=self.decoders_after + 1,
+        )
 
 
 @register("timelyllm")
@@ -167,16 +202,19 @@ class TimelyLLM(QueuePolicy):
         cands.sort(key=lambda c: (c[0], c[1]))
 
         guard = self._guard(snap, decoders) if self.latency_guard else None
+        # What this step already carries beside its decoders (the chunks above) and the
+        # sequences that join the batch after it: the guard weighs each candidate on top.
+        step_work = _StepWork.of(dec.prefill, snap, decoders)
         for _, _, s in cands:
             if n_seqs >= snap.max_num_seqs:
                 break
             if guard is not None and decoders > 0:
                 due_left, remaining = guard
-                d = decoders + 1
+                with_s = step_work.plus(s, budget)
                 if (
-                    remaining * self._step(snap, decoders)
+                    self._wcet(snap, step_work, remaining)
                     <= due_left
-                    < remaining * self._step(snap, d)
+                    < self._wcet(snap, with_s, remaining)
                 ):
                     break  # one more sequence would make the most urgent generation late
             if s.status is SeqStatus.SUSPENDED:
@@ -186,6 +224,7 @@ class TimelyLLM(QueuePolicy):
                     continue
                 if need > free or budget <= 0:
                     continue
+                step_work = step_work.plus(s, budget)
                 dec.resume.append(s.rid)
                 self._seg_start[s.rid] = s.generated
                 free -= need
@@ -200,6 +239,7 @@ class TimelyLLM(QueuePolicy):
                 if need + 1 > free or budget <= 0:
                     continue
                 n = min(need, budget)
+                step_work = step_work.plus(s, budget)
                 dec.prefill.append((s.rid, n))
                 self._seg_start[s.rid] = s.generated
                 budget -= n
@@ -210,6 +250,15 @@ class TimelyLLM(QueuePolicy):
         if not (dec.prefill or dec.resume or decoders or dec.cancel or dec.preempt):
             self._break_deadlock(snap, dec)
         return dec
+
+    def _wcet(self, snap: EngineSnapshot, work: _StepWork, remaining: int) -> float:
+        """Time for the most urgent generation's ``remaining`` tokens under ``work``."""
+        cost = snap.cost
+        if cost is None:
+            return remaining * self._step(snap, work.decoders_after)
+        kv = snap.kv_capacity - snap.kv_free
+        first = cost.step_time(work.prefill_tokens, work.prefill_attn, work.decoders_now, kv)
+        return first + (remaining - 1) * cost.step_time(0, 0.0, work.decoders_after, kv)
 
     def _guard(self, snap: EngineSnapshot, decoders: int) -> tuple[float, int] | None:
         """(time left to its due time, tokens left) of the most urgent decoding generation."""
