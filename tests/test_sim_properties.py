@@ -155,6 +155,25 @@ def test_segments_suspend_and_resume_with_gap() -> None:
     assert rec.output_tokens == 30
 
 
+def test_gap_estimates_drive_resumes_and_true_gaps_drive_the_record() -> None:
+    """TimelyLLM §4.3: the server resumes by its estimate of the client's action time
+    (the minimum for a search); the client wants the next segment when it has done
+    its actions in order, at max(segment delivered, previous want) + true gap."""
+    import pytest
+
+    req = Request(rid=0, arrival=0.0, prompt_len=20)
+    job = Job(req, 12, (4, 4, 4), (1.0, 1.0), (0.25, 0.25))
+    rec = Simulator(make_policy("fcfs"), SIMPLE_COST).run([job]).records[0]
+    d0, d1, d2 = rec.segment_done
+    step = (d2 - d1 - 0.25) / 4  # an alone decode step (they differ by ~1e-6 s here)
+    # Resumed 0.25 s after each boundary (the estimate), not 1 s (the truth).
+    assert d1 == pytest.approx(d0 + 0.25 + 4 * step, abs=1e-3)
+    # The client: action 0 runs d0 .. d0 + 1; action 1 starts then (segment 1 came
+    # earlier), so it wants segment 2 at d0 + 2, not d1 + 1.
+    assert d1 < d0 + 1.0
+    assert rec.segment_ready == pytest.approx([d0 + 1.0, d0 + 2.0])
+
+
 def test_unknown_rid_in_decision_is_a_clear_policy_error() -> None:
     class Bad(QueuePolicy):
         name = "bad"

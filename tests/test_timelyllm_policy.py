@@ -215,3 +215,19 @@ def test_vllm_stream_resumes_within_max_num_seqs_and_cancels_what_never_fits() -
     dec = make_policy("vllm-stream").schedule(snap)
     assert dec.cancel == [3]
     assert dec.resume == []
+
+
+@pytest.mark.parametrize("policy", ["timelyllm", "fcfs"])
+def test_the_records_score_as_the_robot_does(policy: str) -> None:
+    """The executor's record of when the client wanted each segment (what every
+    metric reads) agrees with the robot's own scoring, which runs its actions in
+    order: utility totals match to rounding."""
+    from duetime.metrics.columns import Columns
+    from duetime.metrics.utility import segment_outcomes
+
+    jobs = lrtrace_jobs(2, seed=0, time_s=120.0)
+    cost, cfg = paper_rtx4090()
+    res = Simulator(make_policy(policy), cost, cfg).run(jobs)
+    robot = sum(robot_outcome(j, r.segment_done)[0] for j, r in zip(jobs, res.records, strict=True))
+    recorded = float(segment_outcomes(Columns.from_records(res.records), None).utility.sum())
+    assert recorded == pytest.approx(robot, rel=1e-9)

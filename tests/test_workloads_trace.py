@@ -42,6 +42,7 @@ def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
             output_len=60,
             segments=(20, 30, 10),
             segment_gaps=(0.25, 1.0),
+            segment_gap_estimates=(0.25, 0.5),
         ),
     ]
     path = tmp_path / "t.jsonl"
@@ -102,6 +103,14 @@ BAD_LINES = [
     (_line(output_len=5, segments=[2, 2]), "field 'segments': must sum to output_len (5)"),
     (_line(output_len=5, segments=[2, 3], segment_gaps=[1, 2]), "field 'segment_gaps': needs"),
     (_line(segment_gaps=[1.0]), "field 'segment_gaps': given without segments"),
+    (
+        _line(output_len=5, segments=[2, 3], segment_gaps=[1.0], segment_gap_estimates=[1, 2]),
+        "field 'segment_gap_estimates': needs one entry per segment gap (1), got 2",
+    ),
+    (
+        _line(output_len=5, segments=[2, 3], segment_gaps=[1.0], segment_gap_estimates=[-1]),
+        "field 'segment_gap_estimates[0]': must be >= 0",
+    ),
     (_line(arrival=5.0, deadline=4.0), "field 'deadline': must be >= arrival (5.0)"),
     (_line(output_len=9, max_tokens=8), "field 'output_len': 9 exceeds max_tokens 8"),
     (_line(output_len=5000), "exceeds max_tokens 4096 (the default; give max_tokens)"),

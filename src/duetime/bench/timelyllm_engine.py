@@ -197,7 +197,8 @@ def scaled_jobs(
             prompt_token_ids=ids,
         )
         gaps = tuple(g * tx for g in j.segment_gaps)
-        jobs.append(Job(req, j.output_len, j.segments, gaps))
+        estimates = tuple(g * tx for g in j.segment_gap_estimates)
+        jobs.append(Job(req, j.output_len, j.segments, gaps, estimates))
     return jobs
 
 

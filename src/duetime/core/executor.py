@@ -436,6 +436,7 @@ class ExecutorCore:
         seq.kv_offloaded = False
         seq.first_token_time = rec.first_token = None  # the tokens sent so far are void
         seq.segment_index = 0
+        seq.ready_at = seq.req.arrival
         target = rec.target_tokens
         seq.segment_end = min(job.segments[0], target) if job.segments else target
         rec.segment_done.clear()
@@ -494,13 +495,23 @@ class ExecutorCore:
         gap = job.segment_gaps[k] if k < len(job.segment_gaps) else 0.0
         nxt = job.segments[k + 1] if k + 1 < len(job.segments) else target
         seq.segment_end = min(seq.segment_end + nxt, target)
-        self._suspend_at_boundary(seq, gap)
+        self._suspend_at_boundary(seq, gap, job.gap_estimate(k))
 
-    def _suspend_at_boundary(self, seq: Seq, gap: float) -> None:
-        """Segment boundary: keep the KV, wait ``gap`` s for the client to want the next one."""
+    def _suspend_at_boundary(self, seq: Seq, gap: float, estimate: float | None = None) -> None:
+        """Segment boundary: keep the KV; the client wants the next segment after ``gap`` s.
+
+        The client works through its segments in order (a robot runs one action at a
+        time): it starts on this one when it has it *and* is done with the previous
+        one, so it wants the next at ``max(now, previous want) + gap``. The record
+        keeps that true time (scoring); ``seq.ready_at``, what policies see, is the
+        same sum over the server's ``estimate`` of the gap (default: the true one).
+        """
+        rec = self.records[seq.rid]
+        wanted = rec.segment_ready[-1] if rec.segment_ready else self.now
+        expected = seq.ready_at if seq.segment_index > 0 else self.now
         seq.segment_index += 1
-        seq.ready_at = self.now + gap
-        self.records[seq.rid].segment_ready.append(seq.ready_at)
+        seq.ready_at = max(self.now, expected) + (gap if estimate is None else estimate)
+        rec.segment_ready.append(max(self.now, wanted) + gap)
         seq.status = SeqStatus.SUSPENDED
         self._park(seq)
         self.suspended[seq.rid] = seq
@@ -513,7 +524,9 @@ class ExecutorCore:
         For requests whose segments are not known in advance (``Job.segments``
         empty): the sequence is suspended with its KV, exactly as at a
         trace-given boundary, and the client wants the next segment ``gap`` s
-        from now. False (nothing done) unless it is decoding and unfinished.
+        after it has this one and is done with the previous one
+        (:meth:`_suspend_at_boundary`). False (nothing done) unless it is
+        decoding and unfinished.
         """
         seq = self.seqs.get(rid)
         if seq is None or seq.status is not SeqStatus.RUNNING or not seq.decoding:

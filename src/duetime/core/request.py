@@ -123,12 +123,20 @@ class Job:
     ``k`` the client is busy for ``segment_gaps[k]`` seconds (robot action,
     reading) before it wants segment ``k + 1``. An empty ``segments`` means one
     segment.
+
+    ``segment_gap_estimates`` is what the server is told each gap will take
+    (TimelyLLM §4.3: the robot's execution-time model, which for an action whose
+    time varies with the scenario, such as a search, gives its *minimum*). The
+    executor's ``Seq.ready_at``, which policies read, comes from these; the
+    client's true wants (``RequestRecord.segment_ready``, what is scored) from
+    ``segment_gaps``. Empty: the server knows the true gaps.
     """
 
     request: Request
     output_len: int
     segments: tuple[int, ...] = field(default=())
     segment_gaps: tuple[float, ...] = field(default=())
+    segment_gap_estimates: tuple[float, ...] = field(default=())
 
     def __post_init__(self) -> None:
         rid = self.request.rid
@@ -145,3 +153,17 @@ class Job:
                     f"job {rid}: need len(segments) - 1 = {len(self.segments) - 1} gaps, "
                     f"got {len(self.segment_gaps)}"
                 )
+        estimates = self.segment_gap_estimates
+        if estimates and len(estimates) != len(self.segment_gaps):
+            raise ValueError(
+                f"job {rid}: need one gap estimate per gap ({len(self.segment_gaps)}), "
+                f"got {len(estimates)}"
+            )
+        if any(not (math.isfinite(g) and g >= 0) for g in self.segment_gaps + estimates):
+            raise ValueError(f"job {rid}: segment gaps and their estimates must be finite, >= 0")
+
+    def gap_estimate(self, k: int) -> float:
+        """What the server expects the gap after segment ``k`` to be."""
+        if k < len(self.segment_gap_estimates):
+            return self.segment_gap_estimates[k]
+        return self.segment_gaps[k] if k < len(self.segment_gaps) else 0.0

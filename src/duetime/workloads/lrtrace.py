@@ -14,6 +14,11 @@ module rebuilds the *structure* the paper describes:
   zero for ``print``). Drone plans are ~20 tokens, arm plans ~100 (§6);
 - ``segment_gaps[k]`` is the robot's execution time of segment ``k``: the
   client wants segment ``k + 1`` when that action ends;
+  ``segment_gap_estimates[k]`` is what the server's time model says (§4.3):
+  the same for actions whose time follows from the command (a move's distance,
+  a turn's angle, an arm skill), the *minimum* for a search, whose time
+  depends on where the target is (``SEARCH_MIN_S``, "to ensure the plan can be
+  generated in time, even in the worst case");
 - TUFs (§2.3, §7.1): normal drone and arm tasks ERT 1 s, β 1, α −2; urgent
   drone tasks ERT 0.2 s, β 2, α −6.67 (the paper prints "α at 6.67"; the
   cut-off of 0.5 s it gives makes the slope negative); chatbot like normal;
@@ -74,8 +79,11 @@ def _turn(rng: Rng) -> tuple[int, float]:  # tc(90): 30–180 degrees at ~90°/s
     return int(rng.integers(4, 7)), 0.3 + float(rng.uniform(30, 180)) / 90.0
 
 
+SEARCH_MIN_S = 2.0
+
+
 def _search(rng: Rng) -> tuple[int, float]:  # s('cat'): scenario-dependent, sampled
-    return int(rng.integers(5, 8)), float(rng.uniform(2.0, 6.0))
+    return int(rng.integers(5, 8)), float(rng.uniform(SEARCH_MIN_S, 6.0))
 
 
 def _check(rng: Rng) -> tuple[int, float]:  # ?iv('book')==True: one detector call
@@ -110,17 +118,21 @@ TRACES: dict[int, tuple[str, tuple[Skill, ...]]] = {
     11: ("arm", (_PICK, _PLACE) * 4),  # fruit and vegetable classification
 }
 _TUF = {"normal": TUF_NORMAL, "urgent": TUF_URGENT, "arm": TUF_NORMAL, "chatbot": TUF_CHATBOT}
+# The server's time model gives these skills' minimum; every other skill's time is known.
+_ESTIMATE_S: dict[Skill, float] = {_search: SEARCH_MIN_S}
 
 
-def _plan(trace_id: int, rng: Rng) -> tuple[str, list[int], list[float]]:
+def _plan(trace_id: int, rng: Rng) -> tuple[str, list[int], list[float], list[float]]:
     klass, skills = TRACES[trace_id]
     toks, times = zip(*(s(rng) for s in skills), strict=True)
-    return klass, list(toks), list(times)
+    estimates = [_ESTIMATE_S.get(s, t) for s, t in zip(skills, times, strict=True)]
+    return klass, list(toks), list(times), estimates
 
 
-def _chatbot(rng: Rng) -> tuple[str, list[int], list[float]]:
+def _chatbot(rng: Rng) -> tuple[str, list[int], list[float], list[float]]:
     toks = [int(t) for t in rng.integers(15, 36, size=int(rng.integers(6, 13)))]
-    return "chatbot", toks, [t * READ_S_PER_TOKEN for t in toks]
+    times = [t * READ_S_PER_TOKEN for t in toks]
+    return "chatbot", toks, times, times
 
 
 def lrtrace_jobs(
@@ -139,10 +151,10 @@ def lrtrace_jobs(
     while t < horizon:
         for _ in range(int(rng.integers(1, cfg.max_tpe + 1))):
             if chatbot_share > 0 and rng.random() < chatbot_share:
-                klass, toks, times = _chatbot(rng)
+                klass, toks, times, estimates = _chatbot(rng)
                 prompt = int(rng.integers(30, 120))
             else:
-                klass, toks, times = _plan(int(rng.choice(cfg.trace_ids)), rng)
+                klass, toks, times, estimates = _plan(int(rng.choice(cfg.trace_ids)), rng)
                 prompt = int(rng.integers(200, 501))
             tuf = _TUF[klass]
             req = Request(
@@ -154,6 +166,8 @@ def lrtrace_jobs(
                 tuf=tuf,
                 klass=klass,
             )
-            jobs.append(Job(req, sum(toks), tuple(toks), tuple(times[:-1])))
+            gaps, expected = tuple(times[:-1]), tuple(estimates[:-1])
+            known = expected == gaps  # no search in the plan: the server knows every gap
+            jobs.append(Job(req, sum(toks), tuple(toks), gaps, () if known else expected))
         t += float(rng.exponential(1.0 / cfg.eps))
     return jobs

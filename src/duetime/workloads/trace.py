@@ -3,7 +3,7 @@
 A line holds ``rid``, ``arrival`` (seconds), ``prompt_len``, ``output_len`` and
 optionally ``max_tokens`` (default 4096), ``deadline`` (absolute seconds),
 ``priority``, ``klass``, ``tuf`` ``{ert, beta, alpha}``, ``segments``,
-``segment_gaps``, ``overrun`` (``"kill"`` or ``"skip-next"``) and
+``segment_gaps``, ``segment_gap_estimates``, ``overrun`` (``"kill"`` or ``"skip-next"``) and
 ``kv_eviction`` (``"off"``, ``"auto"`` or a ratio in [0, 1)) -- the fields of
 :class:`~duetime.core.request.Job`. Types are
 strict (``"5"`` or ``5.0`` is not a token count; ``5`` is a valid arrival time),
@@ -65,6 +65,7 @@ class _JobLine(_Strict):
     tuf: _TufLine | None = None
     segments: list[Annotated[int, Field(ge=1)]] = []
     segment_gaps: list[Annotated[float, Field(ge=0, le=MAX_TIME_S)]] = []
+    segment_gap_estimates: list[Annotated[float, Field(ge=0, le=MAX_TIME_S)]] = []
     overrun: Literal["kill", "skip-next"] | None = None
     kv_eviction: Any = None  # checked below: one message for a union (not one per branch)
 
@@ -140,6 +141,11 @@ def _cross_check(line: _JobLine) -> tuple[str, str] | None:
             f"needs len(segments) - 1 = {len(line.segments) - 1} entries, "
             f"got {len(line.segment_gaps)}"
         )
+    if line.segment_gap_estimates and len(line.segment_gap_estimates) != len(line.segment_gaps):
+        return "segment_gap_estimates", (
+            f"needs one entry per segment gap ({len(line.segment_gaps)}), "
+            f"got {len(line.segment_gap_estimates)}"
+        )
     return None
 
 
@@ -158,7 +164,13 @@ def _to_job(line: _JobLine, where: str) -> Job:
             overrun=line.overrun,
             kv_eviction=line.kv_eviction,
         )
-        return Job(request, line.output_len, tuple(line.segments), tuple(line.segment_gaps))
+        return Job(
+            request,
+            line.output_len,
+            tuple(line.segments),
+            tuple(line.segment_gaps),
+            tuple(line.segment_gap_estimates),
+        )
     except ValueError as e:  # a rule of Request/Job not mirrored above
         raise TraceError(f"{where}: {e}") from None
 
@@ -312,6 +324,8 @@ def job_to_dict(job: Job) -> dict[str, Any]:
         line["segments"] = [_int(n) for n in job.segments]
     if job.segment_gaps:
         line["segment_gaps"] = [_float(gap) for gap in job.segment_gaps]
+    if job.segment_gap_estimates:
+        line["segment_gap_estimates"] = [_float(gap) for gap in job.segment_gap_estimates]
     if r.overrun is not None:
         line["overrun"] = r.overrun
     if r.kv_eviction is not None:
