@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from duetime.bench.timelyllm import overhead, paper_rtx4090, robot_outcome
+from duetime.bench.timelyllm import overhead, overhead_snapshot, paper_rtx4090, robot_outcome
 from duetime.core.request import Job, Request
 from duetime.core.sequence import DecodeClock, Seq, SeqStatus
 from duetime.core.snapshot import EngineSnapshot
@@ -181,6 +181,20 @@ def test_overhead_microbenchmark_runs() -> None:
     oh = overhead((8,), repeats=2)
     assert set(oh) == {"schedule_ms_8"}
     assert math.isfinite(oh["schedule_ms_8"])
+
+
+@pytest.mark.parametrize("n", [8, 512])
+def test_overhead_times_a_call_that_admits_and_resumes(n: int) -> None:
+    """The timed call must be the busy case the docs describe (rank everything, admit
+    and resume), not one that runs out of memory and preempts (it did at 512)."""
+    snap = overhead_snapshot(n)
+    assert snap.kv_free >= 0
+    assert all(s.ready_at <= snap.now for s in snap.suspended)
+    dec = make_policy("timelyllm").schedule(snap)
+    assert dec.prefill
+    assert dec.resume
+    assert not dec.preempt
+    assert not dec.cancel
 
 
 def test_vllm_stream_resumes_within_max_num_seqs_and_cancels_what_never_fits() -> None:

@@ -172,49 +172,56 @@ def _gain(v: float, base: float) -> float | None:
     return v / base if base > 0 else None
 
 
-def overhead(sizes: tuple[int, ...] = (8, 64, 512), repeats: int = 50) -> dict[str, float]:
-    """Median wall time of one ``TimelyLLM.schedule`` call with ``n`` queued tasks (ms).
-
-    Half the tasks are new (waiting), half are suspended segments ready to
-    resume; eight sequences are decoding. Printed by the bench, never asserted.
-    """
+def overhead_snapshot(n: int) -> EngineSnapshot:
+    """``n`` queued tasks for :func:`overhead`: half new (waiting), half suspended
+    segments ready to resume (due now), eight sequences decoding; free KV is the
+    profile's whole capacity on top of what they hold, so a call ranks every
+    candidate and admits what the step takes instead of preempting."""
     from duetime.core.request import Request
-    from duetime.policies import make_policy
     from duetime.workloads.lrtrace import TUF_NORMAL, TUF_URGENT
 
     cost, cfg = paper_rtx4090()
+    clock = DecodeClock()
+    waiting, suspended, running = [], [], []
+    for i in range(n + 8):
+        tuf = TUF_URGENT if i % 3 == 0 else TUF_NORMAL
+        req = Request(rid=i, arrival=0.01 * i, prompt_len=300, tuf=tuf)
+        s = Seq(req, clock, i)
+        if i >= n:
+            s.status, s.prefilled = SeqStatus.RUNNING, 300
+            s._start_decoding()
+            running.append(s)
+        elif i % 2:
+            s.status, s.prefilled, s.segment_index = SeqStatus.SUSPENDED, 300, 1
+            s._set_generated(6)
+            s.ready_at = 5.0 - 0.001 * i
+            suspended.append(s)
+        else:
+            waiting.append(s)
+    held = sum(s.kv_tokens for s in running + suspended)
+    return EngineSnapshot(
+        now=5.0,
+        waiting=waiting,
+        running=running,
+        prefilling=[],
+        suspended=suspended,
+        kv_capacity=cfg.kv_capacity + held,
+        kv_free=cfg.kv_capacity,
+        max_num_seqs=cfg.max_num_seqs,
+        max_batch_tokens=cfg.max_batch_tokens,
+        num_decoding=8,
+        cost=cost,
+    )
+
+
+def overhead(sizes: tuple[int, ...] = (8, 64, 512), repeats: int = 50) -> dict[str, float]:
+    """Median wall time of one ``TimelyLLM.schedule`` call on :func:`overhead_snapshot`
+    (ms). Printed by the bench, never asserted."""
+    from duetime.policies import make_policy
+
     out: dict[str, float] = {}
     for n in sizes:
-        clock = DecodeClock()
-        waiting, suspended, running = [], [], []
-        for i in range(n + 8):
-            tuf = TUF_URGENT if i % 3 == 0 else TUF_NORMAL
-            req = Request(rid=i, arrival=0.01 * i, prompt_len=300, tuf=tuf)
-            s = Seq(req, clock, i)
-            if i >= n:
-                s.status, s.prefilled = SeqStatus.RUNNING, 300
-                s._start_decoding()
-                running.append(s)
-            elif i % 2:
-                s.status, s.prefilled, s.segment_index = SeqStatus.SUSPENDED, 300, 1
-                s._set_generated(6)
-                s.ready_at = 5.0 + 0.01 * i
-                suspended.append(s)
-            else:
-                waiting.append(s)
-        snap = EngineSnapshot(
-            now=5.0,
-            waiting=waiting,
-            running=running,
-            prefilling=[],
-            suspended=suspended,
-            kv_capacity=cfg.kv_capacity,
-            kv_free=cfg.kv_capacity - 8 * 310 - len(suspended) * 306,
-            max_num_seqs=cfg.max_num_seqs,
-            max_batch_tokens=cfg.max_batch_tokens,
-            num_decoding=8,
-            cost=cost,
-        )
+        snap = overhead_snapshot(n)
         pol = make_policy("timelyllm")
         times = []
         for _ in range(repeats):

@@ -12,11 +12,14 @@ scheduling point the priority of each candidate segment ``s_k`` of request
   model: ``segment_tokens`` decode steps at the batch size the segment would
   join, plus the remaining prefill for a first segment; ``segment_tokens``
   defaults to 10, the paper's "maximum token length" of a robot segment.
-  Without a cost model ``G = g_default`` (90 ms).
+  Without a cost model ``G = g_default`` (90 ms), and a new request's prefill
+  is priced as one more ``g_default`` (180 ms in all).
 - ``W(s_k; t)``: the waiting time of the segment if its generation begins at
   ``t``: ``t + G − arrival`` for ``k = 0``; ``t + G − ready_at`` for ``k > 0``,
   where ``ready_at`` is when the executor expects the robot to finish the
-  previous segment's action (its execution-time model). TUF1 has ERT = 0 and
+  previous segment's action: ``max(previous segment delivered, previous
+  ready_at) + estimated action time`` (the time model's; a search's minimum,
+  ``Job.segment_gap_estimates``). TUF1 has ERT = 0 and
   clips negative waits (``TimeUtility.later_segment``).
 - ``L``: slack, the time left until the segment is due after generating it:
   ``max(due − t − G, l_min)`` with ``due = arrival + ERT`` (k = 0) or
