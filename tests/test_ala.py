@@ -84,10 +84,40 @@ def test_error_predictor_encodes_subsets_and_gives_confidence() -> None:
     assert encode(small, u).tolist() == [1, 0, 1, 1, 1, 1]  # ii, then bb, then oo bits
     log = anneal(lambda s: 5.0 + len(s.ii), u, lambda s, r: small, n_iter=3)[2]
     ep = ErrorPredictor(log, u, data)
-    assert ep.confidence(data) == pytest.approx(1.0)
+    # distance 0 to a logged loop subset; the starting subset (all of data) is not one
+    assert ep.confidence(data.select(small.mask(data))) == pytest.approx(1.0)
+    assert 0.5 <= ep.confidence(data) < 1.0
     far = ala_data.ConfigData("far", data.ii * 50, data.oo * 50, data.bb * 50, data.thpt)
     assert ep.confidence(far) < 0.8
     assert np.isfinite(ep.predict(small))
+
+
+def test_error_predictor_learns_the_loop_entries_not_the_starting_subset() -> None:
+    # Alg. 6 appends (S', E') only inside its loop: S0 (iteration 0 of our log) is
+    # not training data for the error predictor (Alg. 7) nor a neighbour (Alg. 8).
+    data = ala_data.ConfigData(
+        "toy",
+        np.array([64, 64, 64, 128, 128, 128]),
+        np.array([32] * 6),
+        np.array([1, 2, 4, 1, 2, 4]),
+        np.array([10.0, 18, 30, 9, 17, 28]),
+    )
+    u = Subset.of(data)
+    small = Subset(frozenset({64}), u.oo, u.bb)
+    log = anneal(lambda s: 100.0 if s == u else 5.0, u, lambda s, r: small, n_iter=3)[2]
+    assert [st.iteration for st in log] == [0, 1, 2, 3]
+    assert log[0].subset == u
+    ep = ErrorPredictor(log, u, data)
+    assert [st.iteration for st in ep.steps] == [1, 2, 3]
+    # trained on S0 too, XGBoost would predict far above 5 % for S0's own encoding
+    assert ep.predict(u) == pytest.approx(5.0, abs=0.05)
+    assert ep.confidence(data) < 1.0
+    # with no loop iteration the starting subset is all there is, and it is used
+    only_s0 = anneal(lambda s: 100.0 if s == u else 5.0, u, lambda s, r: small, n_iter=0)[2]
+    ep0 = ErrorPredictor(only_s0, u, data)
+    assert [st.iteration for st in ep0.steps] == [0]
+    assert ep0.predict(u) == pytest.approx(100.0, abs=1.0)
+    assert ep0.confidence(data) == pytest.approx(1.0)
 
 
 def _write(tmp_path: Path, body: str) -> Path:

@@ -66,6 +66,18 @@ def test_ete_mapping_matches_cost_model() -> None:
     )
 
 
+def test_ete_round_trip_through_timebill_cost() -> None:
+    # c >= q: ete_from_cost inverts LinearStepCost.timebill exactly
+    ete = ete_from_cost(LinearStepCost.timebill(a=1e-9, b=1e-4, c=0.02, p=1e-6, q=0.01))
+    assert (ete.a, ete.b, ete.c, ete.p, ete.q) == pytest.approx((1e-9, 1e-4, 0.02, 1e-6, 0.01))
+    # c < q: timebill() stores c_prefill = max(c - q, 0), so c comes back as max(c, q) = q
+    cost = LinearStepCost.timebill(a=1e-9, b=1e-4, c=0.005, p=1e-6, q=0.01)
+    assert cost.c_prefill == 0.0
+    ete = ete_from_cost(cost)
+    assert ete.c == pytest.approx(0.01)
+    assert (ete.a, ete.b, ete.p, ete.q) == pytest.approx((1e-9, 1e-4, 1e-6, 0.01))
+
+
 def test_lengths() -> None:
     assert predicted_length(37.2, 4096) == 38
     assert predicted_length(37.2, 4096, bucket=16) == 48

@@ -15,7 +15,7 @@ scored.
   the paper; ``*_completed_mean`` averages over completed jobs only and
   ``*_produced_mean`` scores every job that produced tokens against the same
   number of reference tokens (how much a killed job's partial answer agreed).
-* **Budgets**: three of the paper's T = 5…10 s (5, 7.5, 10), scaled. ``step``
+* **Budgets**: T = 5, 7.5 and 10 s from the paper's 5–10 s range, scaled. ``step``
   scaling multiplies them by (this engine's measured decode step) / 27 ms (our
   estimate of Qwen2.5-7B on the A40, ``timebill.PAPER_STEP_S``); ``job``
   scaling (default) by (median full-KV job time here) / 7.5 s, so the middle

@@ -53,7 +53,9 @@ def ete_from_cost(cost: LinearStepCost) -> TimeBillETE:
 
     A whole prompt alone costs ``c0 + c_prefill + a1·N + a2·N²`` and a decode step of one
     sequence ``c0 + b + d·N_kv``, so ``a = a2, b = a1, c = c0 + c_prefill, p = d, q = c0 + b``
-    (the inverse of :meth:`LinearStepCost.timebill`).
+    (the inverse of :meth:`LinearStepCost.timebill` when ``c ≥ q``; otherwise ``c`` comes back
+    as ``q``: ``timebill()`` stores ``c_prefill = max(c − q, 0)``, so the round trip gives
+    ``max(c, q)``).
     """
     return TimeBillETE(
         a=cost.a2, b=cost.a1, c=cost.c0 + cost.c_prefill, p=cost.d, q=cost.c0 + cost.b

@@ -7,7 +7,11 @@ fitted curve per (ii, oo)); Algorithm 3 trains a multi-output XGBoost on the
 features below; Algorithm 5 predicts: look (ii, oo) up in ``P``, else ask
 XGBoost, then evaluate ``c − a·e^(−b·bb)``. Algorithm 8's confidence is
 ``1 / (1 + d_min)`` with ``d_min`` the smallest mean per-feature cosine
-distance between histograms of (ii, oo, bb).
+distance between histograms of (ii, oo, bb). That feature set is our reading
+of an ambiguous Sec. II-F, which names "the (ii, oo, bb, thpt) features" and
+then histograms "for each feature, i.e., ii, bb, oo": leaving thpt out lets a
+workload that was never run get a confidence, and makes the confidence blind
+to hardware on the same grid (``docs/ala.md``).
 
 :class:`AlaPredictor` is what the rest of duetime reads: a
 :class:`ThroughputPrediction` (point, interval, confidence), the same three

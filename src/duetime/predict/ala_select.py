@@ -7,6 +7,11 @@ distinct ii, bb and oo value) learns the error a subset gives, and a new
 dataset gets a predicted error plus the confidence ``1 / (1 + d_min)`` from
 its histogram distance to the logged subsets (Alg. 8).
 
+Our log also records the starting subset ``S₀`` as iteration 0, for the
+record; Alg. 6 appends ``(S′, E′)`` only inside its loop, so
+:class:`ErrorPredictor` learns from (and measures distance to) the loop's
+entries alone, and falls back to ``S₀`` only when the loop ran no iteration.
+
 A subset here is a set of values per feature, ``(S_ii, S_oo, S_bb)``; its
 rows are the training runs whose three values are all in it. The paper
 modifies subsets by "adding or deleting elements" and encodes them by the
@@ -86,7 +91,8 @@ def anneal(
     A worse candidate is accepted with probability ``exp((E* − E') / τ)``,
     ``τ`` cooling by ``alpha`` each step. The paper returns only the log; the
     best subset seen is returned too (the log would give it as well).
-    Iteration 0 is the initial subset.
+    Iteration 0 is the initial subset: logged here for the record, though the
+    paper's log holds the loop's candidates only (:class:`ErrorPredictor` skips it).
     """
     rng = np.random.default_rng(seed)
     cur, cur_e = s0, evaluate(s0)
@@ -186,7 +192,12 @@ def encode(s: Subset, universe: Subset) -> np.ndarray:
 
 class ErrorPredictor:
     """Algorithm 7: XGBoost from a subset's encoding to the error it gave (%), plus
-    Algorithm 8's confidence from histogram distance to the logged subsets."""
+    Algorithm 8's confidence from histogram distance to the logged subsets.
+
+    Both read the annealing loop's entries (``iteration >= 1``), as Alg. 6 logs
+    them; the starting subset (iteration 0) is used only when the loop logged no
+    finite error (``n_iter = 0``). :attr:`steps` holds the entries used.
+    """
 
     def __init__(
         self,
@@ -195,9 +206,11 @@ class ErrorPredictor:
         data: ConfigData,
         seed: int = 0,
     ) -> None:
-        steps = [st for st in log if math.isfinite(st.err_pct)]
+        finite = [st for st in log if math.isfinite(st.err_pct)]
+        steps = [st for st in finite if st.iteration > 0] or finite
         if not steps:
             raise ValueError("the annealing log has no finite error to learn from")
+        self.steps: list[Step[Subset]] = steps
         self.universe = universe
         x = np.stack([encode(st.subset, universe) for st in steps])
         y = np.array([st.err_pct for st in steps])
