@@ -20,13 +20,15 @@ module rebuilds the *structure* the paper describes:
   depends on where the target is (``SEARCH_MIN_S``, "to ensure the plan can be
   generated in time, even in the worst case");
 - TUFs (§2.3, §7.1): normal drone and arm tasks ERT 1 s, β 1, α −2; urgent
-  drone tasks ERT 0.2 s, β 2, α −6.67 (the paper prints "α at 6.67"; the
-  cut-off of 0.5 s it gives makes the slope negative); chatbot like normal;
+  drone tasks ERT 0.2 s, β 2, α −6.67 (our copy's text reads "α at 6.67",
+  its LaTeX ``-6.67``, and the 0.5 s cut-off it gives agrees); chatbot like
+  normal;
 - chatbot tasks (§7.4.2, optional ``chatbot_share``): sentence segments of
   15–35 tokens, the gap is reading time at 300 words per minute with
   words ≈ 0.75 × tokens, i.e. 0.15 s per token;
 - prompts: only the part that varies per task (the skill set, guidance and
-  examples are stored on the server and cached, §4.1), 200–500 tokens.
+  examples are stored on the server and cached, §4.1), 200–500 tokens for a
+  robot task, 30–119 for a chatbot one.
 
 ``Request.klass`` is the task category ("normal", "urgent", "arm",
 "chatbot"); ``deadline = arrival + ERT`` so deadline policies (EDF) see the
