@@ -93,6 +93,26 @@ def test_restart_discards_progress_and_reprefills_only_the_prompt() -> None:
     assert rec.num_preemptions == 1
 
 
+def test_a_restart_can_be_readmitted_in_the_same_decision() -> None:
+    # A_ℓ names a request it restarts for admission in the same decision: executors apply
+    # preempt before prefill, and a restarted request is WAITING by then.
+    class Readmit(Scripted):
+        def schedule(self, snap: EngineSnapshot) -> Decision:
+            dec = super().schedule(snap)
+            if dec.preempt:
+                dec.prefill.append((0, 0))
+            return dec
+
+    job = Job(Request(rid=0, arrival=0.0, prompt_len=7), output_len=5)
+    cost = LinearStepCost(c0=1.0, a1=0.25)
+    res = Simulator(Readmit(), cost, SimConfig(kv_capacity=100)).run([job])
+    rec = res.records[0]
+    assert rec.first_token == pytest.approx(4.75 + 2.75)  # the prompt again, at once
+    assert rec.finish == pytest.approx(4.75 + 2.75 + 4)
+    assert res.tokens_generated == 3 + 5
+    assert res.counters["restarts"] == 1
+
+
 def test_recompute_still_keeps_the_generated_tokens() -> None:
     class Recompute(Scripted):
         def schedule(self, snap: EngineSnapshot) -> Decision:

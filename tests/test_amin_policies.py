@@ -105,6 +105,30 @@ def test_aell_promotes_long_jobs_once() -> None:
     assert [r.num_preemptions for r in res.records] == [0, 1, 0, 1, 0]
 
 
+def test_aell_readmits_a_promoted_job_in_the_same_step() -> None:
+    # Alg. 6 moves a promoted job "to the end of R_t" and fills the batch from R_t in the
+    # same step. ℓ = 8, u = 13, s = 2, M = 85: at t = 8 the three short jobs of the first
+    # batch are done and the four long ones are promoted; job 8 (started at 5) still runs,
+    # and the four fit next to it, so they start again at t = 8, not when job 8 ends at 13.
+    outs = [8, 8, 8, 13, 13, 13, 13, 8, 8]
+    res = run("aell", outs, 85, "interval:rough:8:13", s=2)
+    longs = [r for r, o in zip(res.records, outs, strict=True) if o == 13]
+    assert [(r.first_token, r.finish, r.num_preemptions) for r in longs] == [(9.0, 21.0, 1)] * 4
+    assert res.records[8].first_token == 6.0  # (admitted at 5: first token after one step)
+    assert tel(res) == 129  # the per-step Alg. 6 reference; 149 when they waited for t = 13
+
+
+def test_amin_readmits_an_evicted_job_at_the_next_step() -> None:
+    # Two jobs, bound 1, s = 1, M = 7: at t = 2 the next step would need 2·4 = 8 tokens,
+    # so job 1 is cancelled (õ ← 2). It rejoins R_t for t = 3, where it fits next to
+    # job 0 (3 + 1 + 1 tokens, assumed to end now) with its 1 + 1: it restarts then, not
+    # when job 0 ends at t = 4 (an event the call would otherwise have waited for).
+    res = run("amin", [4, 3], 7, "interval:rough:1:6", s=1)
+    assert [(r.first_token, r.finish) for r in res.records] == [(1.0, 4.0), (4.0, 6.0)]
+    assert res.counters["restarts"] == 1
+    assert tel(res) == 10
+
+
 def test_two_point_ratios_respect_theorems_6_and_7() -> None:
     from duetime.analysis.amin_model import aell_bound, amin_two_point_bound
 

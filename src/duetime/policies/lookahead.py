@@ -15,6 +15,16 @@ All four are one loop with a different *assumed output length*:
    ask to be woken then: the paper's scheduler acts at every step, ours at
    events.
 
+A sequence restarted in steps 1–2 is waiting again once the decision is
+applied (executors apply ``preempt`` before ``prefill``, and a restart leaves
+it WAITING), so it can be named for admission in the same decision. A policy
+that sets :attr:`LookaheadPolicy.readmit_restarted` (A_ℓ: Alg. 6 moves a
+promoted request "to the end of R_t" and then fills the batch "from the front
+of R_t") offers it behind the waiting queue in this very call; for the others
+(Amin's Alg. 2 takes ``R_t`` as it was before the removals) it joins the queue
+for the next step, so the call asks to be woken one step ahead. Either way a
+restarted request never waits for an unrelated event.
+
 A subclass sets :meth:`assumed_len`; the ordering key and the victim order
 follow from it. Policies read only ``Request.predicted`` and the counts of a
 sequence, never the hidden true length.
@@ -23,6 +33,7 @@ sequence, never the hidden true length.
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Any
 
 from duetime.core.decision import Decision
@@ -51,6 +62,9 @@ class LookaheadPolicy(QueuePolicy):
 
     name = "lookahead"
     sorted_by_length = True  # the waiting queue is in ascending assumed length
+    # Offer what a call restarts behind the waiting queue in the same call (see the
+    # module docstring); needs :meth:`fresh_len` and ``preempt_mode="restart"``.
+    readmit_restarted = False
 
     def __init__(self, *, seed: int = 0, max_skip: int = 64, **kwargs: Any) -> None:
         # Skip a request that does not fit and try the next: with uneven prompts a
@@ -65,6 +79,14 @@ class LookaheadPolicy(QueuePolicy):
     # --- the choice a subclass makes -----------------------------------------
     def assumed_len(self, seq: Seq) -> int:
         """Output tokens the policy assumes ``seq`` produces in all (> generated)."""
+        raise NotImplementedError
+
+    def fresh_len(self, seq: Seq) -> int:
+        """Output tokens assumed for ``seq`` started over, after :meth:`on_cancel` saw it.
+
+        :meth:`assumed_len` cannot say: the snapshot still shows the tokens the
+        restart throws away. Only a policy with :attr:`readmit_restarted` needs it.
+        """
         raise NotImplementedError
 
     def waiting_key(self, seq: Seq) -> Any:
@@ -90,6 +112,7 @@ class LookaheadPolicy(QueuePolicy):
         dec = Decision(preempt_mode=self.preempt_mode)
         free, decoders, n_seqs = snap.kv_free, snap.num_decoding, len(snap.running)
         gone: set[int] = set()
+        restarted: list[Seq] = []  # in dec.preempt order: the order they rejoin the queue
 
         def cancel(seq: Seq) -> None:
             nonlocal free, decoders, n_seqs
@@ -99,6 +122,7 @@ class LookaheadPolicy(QueuePolicy):
             else:
                 self.on_cancel(seq)
                 dec.preempt.append(seq.rid)
+                restarted.append(seq)
             gone.add(seq.rid)
             free += kv
             decoders -= 1 if seq.prefill_done else 0
@@ -152,13 +176,18 @@ class LookaheadPolicy(QueuePolicy):
                     budget -= n
                     free -= n
 
+        # Restarted in this call: offered again behind the queue (their restart resets
+        # them to the prompt and no tokens), or looked at again one step from now.
+        again = restarted if self.readmit_restarted and self.preempt_mode == "restart" else []
         missed: list[tuple[int, int]] = []  # (r, c) of the first few that did not fit
         misses = 0
-        for seq in snap.waiting:
+        for seq in chain(snap.waiting, again):
             if n_seqs >= snap.max_num_seqs:
                 break
-            need = seq.prefill_target
-            r = self.assumed_len(seq) - seq.generated
+            if seq.rid in gone:
+                need, r = seq.req.prompt_len, self.fresh_len(seq)
+            else:
+                need, r = seq.prefill_target, self.assumed_len(seq) - seq.generated
             allowed = min(mem.allowance(r), free)
             room = min(allowed, budget)
             alone = n_seqs == 0 and not dec.prefill  # nothing else could ever make room
@@ -183,8 +212,10 @@ class LookaheadPolicy(QueuePolicy):
             if (self.sorted_by_length and room < 1) or misses >= self.max_skip:
                 break
 
-        if not dec.prefill:
+        if not dec.prefill:  # (a prefill step is followed by a call anyway)
             waits = [self.next_wake(snap)]
+            if restarted and not again:
+                waits.append(1)  # they are in the queue from the next step on
             if n_seqs < snap.max_num_seqs:
                 waits += [mem.earliest_start(r, c) for r, c in missed]
             j = min((w for w in waits if w is not None), default=None)
