@@ -111,6 +111,7 @@ def test_reps_interleave_and_report_medians(model: Any) -> None:
         (["--engine", "--model", "tiny", "--capacity", "4", "--ks", "a"], "comma-separated"),
         (["--engine", "--model", "tiny", "--capacity", "8", "--requests", "10"], "too few"),
         (["--engine", "--model", "tiny", "--mean-output", "1"], "--mean-output"),
+        (["--engine", "--model", "tiny", "--mean-output", "1.5"], "(--mean-output) must be >= 2"),
         (["--engine", "--model", "nope.gguf"], "not 'gemma', 'tiny'"),
         (["--engine", "--model", "tiny", "--profile", "nope"], "unknown profile"),
         (["--prompt-len", "8"], "only apply with --engine"),

@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from duetime.analysis.deferred_prefill import DeferredPrefillModel, advise, cycle_moments
+from duetime.analysis.deferred_prefill import (
+    DeferredPrefillModel,
+    advise,
+    cycle_moments,
+    departure_alpha,
+)
 from duetime.bench.deferred_prefill import geometric_jobs, measure
 from duetime.cli import app
 from duetime.core.cost import LinearStepCost
@@ -146,6 +151,54 @@ def test_advise_matches_model() -> None:
     assert adv["gain_vs_k1_pct"] == pytest.approx(
         100 * (MODEL.throughput(9) / MODEL.throughput(1) - 1)
     )
+    ka = adv["k_star_approx"]
+    assert adv["theorem1_gain_at_k_star_approx_pct"] == pytest.approx(
+        100 * (MODEL.throughput(ka) / MODEL.throughput(1) - 1)
+    )
+    assert adv["prop1_gain_pct"] == pytest.approx(
+        100 * (MODEL.throughput_approx(ka) / MODEL.throughput_approx(1) - 1)
+    )
+
+
+def test_advise_cli_tells_prop1_gain_from_theorem1_gain(tmp_path: Path) -> None:
+    """C = 256, mean output 320: the line labelled Prop. 1 printed +6.05 %, Theorem 1's
+    gain at Prop. 1's K*; Prop. 1's own prediction is +9.18 %."""
+    j = tmp_path / "a.json"
+    r = CliRunner().invoke(app, ["advise", "deferred-prefill", "--capacity", "256",
+                                 "--mean-output", "320", "--json", str(j)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    adv = json.loads(j.read_text())
+    assert adv["k_star"] == adv["k_star_approx"] == 21
+    assert adv["gain_vs_k1_pct"] == pytest.approx(6.05, abs=0.005)
+    assert adv["theorem1_gain_at_k_star_approx_pct"] == pytest.approx(6.05, abs=0.005)
+    assert adv["prop1_gain_pct"] == pytest.approx(9.18, abs=0.005)
+    assert "gain_vs_k1_approx_pct" not in adv  # the old, mislabelled key
+    text = " ".join(r.output.split())  # rich wraps long lines
+    assert "approximation (Prop. 1): K* = 21, predicts ρ(K*) = 8.411 req/s, +9.18 %" in text
+    assert "Theorem 1 at Prop. 1's K* = 21: ρ = 8.413 req/s, +6.05 %" in text
+
+
+@pytest.mark.parametrize("mean", ["1.2", "1.999", "nan"])
+def test_advise_refuses_a_mean_output_under_two_tokens(mean: str) -> None:
+    """1.2 was clamped to α = 1 and printed "1/α = 1.0 decode steps", exit 0."""
+    r = CliRunner().invoke(app, ["advise", "deferred-prefill", "--capacity", "8",
+                                 "--mean-output", mean])  # fmt: skip
+    assert r.exit_code == 2, r.output
+    assert "--mean-output" in r.output
+    assert ">= 2" in r.output
+    assert "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match="--mean-output"):
+        departure_alpha(float(mean))
+
+
+def test_two_tokens_is_one_decode_step_and_prop1_takes_one_step_cycles() -> None:
+    """Mean output 2 gives α = 1: every request leaves after its one decode step, so a
+    cycle is one step (the exact chain agrees), where Prop. 1's ln(1 − K/C)/ln(1 − α) is 0."""
+    assert departure_alpha(2.0) == 1.0
+    assert cycle_moments(16, 1.0, 5) == pytest.approx((1.0, 0.0))
+    m = DeferredPrefillModel(16, 1.0, c_p=0.05, prefill_per_prompt=0.002, c_d=0.01, t_d=0.001)
+    assert m.throughput_approx(4) == pytest.approx(1 / ((0.05 + 0.01) / 4 + 0.001 + 0.002))
 
 
 @pytest.mark.parametrize("stall", [True, False])

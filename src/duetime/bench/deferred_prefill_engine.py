@@ -94,12 +94,13 @@ def check_options(
         raise ValueError(f"--prompt-len must be >= 2 (BOS + a token), got {prompt_len}")
     if ks is not None and any(not 1 <= k <= capacity for k in ks):
         raise ValueError(f"--ks {','.join(map(str, ks))}: every K must be in 1..C = {capacity}")
-    if not (math.isfinite(mean_output) and mean_output > 1):
-        raise ValueError(f"--mean-output must be finite and > 1 token, got {mean_output}")
+    if not math.isfinite(mean_output):
+        raise ValueError(f"--mean-output must be finite, got {mean_output}")
+    alpha = departure_alpha(mean_output)  # refuses a mean under 2 tokens, as advise does
     what = f"--prompt-len {prompt_len} + --mean-output {mean_output:g}"
     # The mean alone first: drawing 1e18-token outputs would overflow int64.
     check_context(prompt_len + math.ceil(mean_output), context, what)
-    jobs = geometric_jobs(requests, departure_alpha(mean_output), prompt_len, seed)
+    jobs = geometric_jobs(requests, alpha, prompt_len, seed)
     longest = max(j.output_len for j in jobs)
     check_context(prompt_len + longest, context, f"{what} (longest output {longest:,} tokens)")
     if timed:  # the cost fit's late decoders, over REPS + 1 timed steps

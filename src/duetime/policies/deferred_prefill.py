@@ -1,13 +1,19 @@
 """Deferred prefill: refill the batch only after K departures (Mohanty et al., EuroMLSys 2025).
 
 The batch holds at most ``C`` requests (``max_num_seqs``, or ``capacity``).
-While fewer than ``K`` of its slots are free the engine only decodes; once
-``K`` or more are free (``K`` departures since the batch was last full) it
-runs one prefill phase that refills every free slot from the queue, in
-arrival order. A prefill phase stalls decoding, as in vLLM 0.6's default
-scheduler that the paper measures: the running requests are suspended for
-the prefill step and resumed right after it. ``K = 1`` is vLLM's behaviour
-(prefill whenever a slot frees up).
+The engine only decodes until ``K`` requests have left the batch (finished,
+cancelled or preempted) since the last prefill phase (the paper's §2.3
+rule); then one prefill phase refills every free slot it can from the
+queue, in arrival order. A prefill phase stalls decoding, as in vLLM 0.6's
+default scheduler that the paper measures: the running requests are
+suspended for the prefill step and resumed right after it. ``K = 1`` is
+vLLM's behaviour (prefill whenever a slot frees up).
+
+Departures, not free slots: when KV memory stops a refill short of ``C``
+with requests still waiting, the slots it leaves empty are not departures,
+so the next phase waits for ``K`` more, as the paper's rule says (counting
+free slots prefilled again after a single departure). When memory never
+stops a refill the two counts are the same.
 
 With prefill costing ``c_p + (t_p·d₀/N)·m`` for ``m`` prompts and a decode
 step ``c_d + t_d·X``, fewer, larger prefills amortise ``c_p`` but leave
@@ -29,7 +35,28 @@ from duetime.policies.registry import register
 
 @register("deferred-prefill")
 class DeferredPrefill(QueuePolicy):
-    """FCFS continuous batching that prefills only once ``k`` batch slots are free."""
+    """FCFS continuous batching that prefills only after ``k`` departures since the last phase.
+
+    Departures are counted as ``self._left − n``: the batch size the last
+    prefill phase left minus the batch size now (finished, cancelled and
+    preempted requests are gone from ``snap.running``). That is one integer
+    of state, the same in both executors (the policy sees only snapshots),
+    and no per-request bookkeeping (so no ``forget``). Comparing the batch's
+    set of rids between calls would cost O(C) a step and would have to net
+    out a request that leaves for a segment gap and comes back without a
+    prefill; the count does that by itself.
+
+    How a phase ends sets the base. Memory (the next prompt does not fit,
+    requests still waiting): ``_left`` is the batch it left, and the slots
+    it left empty are not departures; only here do departures and free slots
+    differ. A full batch: ``_left = C``. An empty queue: ``_left = C`` too, so
+    slots left empty for want of requests count as departed and later
+    arrivals get in once ``K`` slots are free (the paper's queue never
+    empties; counting from a nearly empty batch would hold a lone arrival
+    until the batch drains). The step's token budget: the phase goes on in
+    the next step (``_refilling``), as vLLM runs a prefill phase longer than
+    its token budget over consecutive prefill steps.
+    """
 
     name = "deferred-prefill"
 
@@ -49,6 +76,10 @@ class DeferredPrefill(QueuePolicy):
         self.capacity = capacity
         self.stall_decode = stall_decode
         self._stalled: list[Seq] = []  # suspended by us for the prefill step just run
+        # Batch size the last prefill phase left, the base of the departure count; None
+        # before the first phase, which counts as C (see the class docstring).
+        self._left: int | None = None
+        self._refilling = False  # the last phase ran out of step budget: go on with it
 
     def schedule(self, snap: EngineSnapshot) -> Decision:
         dec = Decision(preempt_mode=self.preempt_mode)
@@ -75,22 +106,15 @@ class DeferredPrefill(QueuePolicy):
             if step > 0:
                 admit.append((seq.rid, step))
                 budget -= step
-        if snap.waiting and (cap - n >= min(self.k, cap) or n == 0):
-            for seq in snap.waiting:
-                need = seq.prefill_target
-                if need + 1 > snap.kv_capacity:
-                    # Grew (before a recompute preemption) past what memory can ever hold:
-                    # give up on it, as QueuePolicy does, or it blocks the queue for good.
-                    dec.cancel.append(seq.rid)
-                    continue
-                # Whole prompts, unless one is longer than any step takes (may_chunk).
-                step = min(need, budget) if self.may_chunk(seq, snap) else need
-                if n >= cap or need + 1 > free or not 1 <= step <= budget:
-                    break
-                admit.append((seq.rid, step))
-                free -= need
-                budget -= step
-                n += 1
+        departed = (cap if self._left is None else self._left) - n
+        if not snap.waiting:
+            self._refilling = False  # nothing left to refill with: the phase is over
+        elif self._refilling or n == 0 or departed >= min(self.k, cap):
+            n_before = n
+            n, stop = self._refill(snap, dec, admit, free, budget, n, cap)
+            if n > n_before or self._refilling:  # a phase ran: count from what it leaves
+                self._left = n if stop == "memory" else cap
+            self._refilling = stop == "budget"
         if admit:
             dec.prefill = admit
             if self.stall_decode:  # the prefill step runs alone; the batch waits for it
@@ -100,6 +124,43 @@ class DeferredPrefill(QueuePolicy):
         dec.resume = [s.rid for s in stalled] + back
         self._relieve(snap, dec)
         return dec
+
+    def _refill(
+        self,
+        snap: EngineSnapshot,
+        dec: Decision,
+        admit: list[tuple[int, int]],
+        free: int,
+        budget: int,
+        n: int,
+        cap: int,
+    ) -> tuple[int, str]:
+        """Admit waiting prompts in order into ``admit``; the batch size and why it stopped.
+
+        The reason is ``"full"`` (no slot), ``"memory"`` (the next prompt does not fit
+        in KV memory), ``"budget"`` (nor in what is left of the step's tokens) or
+        ``"empty"`` (the queue ran out).
+        """
+        for seq in snap.waiting:
+            need = seq.prefill_target
+            if need + 1 > snap.kv_capacity:
+                # Grew (before a recompute preemption) past what memory can ever hold:
+                # give up on it, as QueuePolicy does, or it blocks the queue for good.
+                dec.cancel.append(seq.rid)
+                continue
+            # Whole prompts, unless one is longer than any step takes (may_chunk).
+            step = min(need, budget) if self.may_chunk(seq, snap) else need
+            if n >= cap:
+                return n, "full"
+            if need + 1 > free:
+                return n, "memory"
+            if not 1 <= step <= budget:
+                return n, "budget"
+            admit.append((seq.rid, step))
+            free -= need
+            budget -= step
+            n += 1
+        return n, "empty"
 
     def _relieve(self, snap: EngineSnapshot, dec: Decision) -> None:
         """Memory pressure: give up the newest requests (vLLM) until the next step fits.
