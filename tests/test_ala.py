@@ -71,7 +71,8 @@ def test_annealing_improves_a_toy_objective_and_is_seeded() -> None:
     assert [st.err_pct for st in again] == [st.err_pct for st in log]
 
 
-def test_error_predictor_encodes_subsets_and_gives_confidence() -> None:
+def _toy_universe() -> tuple[ala_data.ConfigData, Subset, Subset]:
+    """Six runs over ii in {64, 128}, bb in {1, 2, 4}; the universe; the ii = 64 half."""
     data = ala_data.ConfigData(
         "toy",
         np.array([64, 64, 64, 128, 128, 128]),
@@ -80,7 +81,11 @@ def test_error_predictor_encodes_subsets_and_gives_confidence() -> None:
         np.array([10.0, 18, 30, 9, 17, 28]),
     )
     u = Subset.of(data)
-    small = Subset(frozenset({64}), u.oo, u.bb)
+    return data, u, Subset(frozenset({64}), u.oo, u.bb)
+
+
+def test_error_predictor_encodes_subsets_and_gives_confidence() -> None:
+    data, u, small = _toy_universe()
     assert encode(small, u).tolist() == [1, 0, 1, 1, 1, 1]  # ii, then bb, then oo bits
     log = anneal(lambda s: 5.0 + len(s.ii), u, lambda s, r: small, n_iter=3)[2]
     ep = ErrorPredictor(log, u, data)
@@ -95,15 +100,7 @@ def test_error_predictor_encodes_subsets_and_gives_confidence() -> None:
 def test_error_predictor_learns_the_loop_entries_not_the_starting_subset() -> None:
     # Alg. 6 appends (S', E') only inside its loop: S0 (iteration 0 of our log) is
     # not training data for the error predictor (Alg. 7) nor a neighbour (Alg. 8).
-    data = ala_data.ConfigData(
-        "toy",
-        np.array([64, 64, 64, 128, 128, 128]),
-        np.array([32] * 6),
-        np.array([1, 2, 4, 1, 2, 4]),
-        np.array([10.0, 18, 30, 9, 17, 28]),
-    )
-    u = Subset.of(data)
-    small = Subset(frozenset({64}), u.oo, u.bb)
+    data, u, small = _toy_universe()
     log = anneal(lambda s: 100.0 if s == u else 5.0, u, lambda s, r: small, n_iter=3)[2]
     assert [st.iteration for st in log] == [0, 1, 2, 3]
     assert log[0].subset == u
