@@ -82,8 +82,8 @@ def departure_alpha(mean_output: float) -> float:
 
     The first token is the prefill's, so ``1/α = mean_output − 1`` decode steps.
     A request in the batch decodes at least once (α is a probability, so
-    ``1/α >= 1``): a mean under 2 tokens fits no α and is refused. It used to be
-    clamped to α = 1, so ``--mean-output 1.2`` was silently modelled as 2 tokens.
+    ``1/α >= 1``): a mean under 2 tokens fits no α and is refused rather than
+    clamped to α = 1, which would model ``--mean-output 1.2`` as 2 tokens unsaid.
     """
     if not mean_output >= MIN_MEAN_OUTPUT:  # NaN too
         raise ValueError(
