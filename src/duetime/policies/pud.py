@@ -211,9 +211,9 @@ class TimelyLLM(QueuePolicy):
         for _, _, s in cands:
             if n_seqs >= snap.max_num_seqs:
                 break
+            with_s = step_work.plus(s, budget)  # the step if ``s`` goes in
             if guard is not None and decoders > 0:
                 due_left, remaining = guard
-                with_s = step_work.plus(s, budget)
                 if (
                     self._wcet(snap, step_work, remaining)
                     <= due_left
@@ -227,7 +227,7 @@ class TimelyLLM(QueuePolicy):
                     continue
                 if need > free or budget <= 0:
                     continue
-                step_work = step_work.plus(s, budget)
+                step_work = with_s
                 dec.resume.append(s.rid)
                 self._seg_start[s.rid] = s.generated
                 free -= need
@@ -242,7 +242,7 @@ class TimelyLLM(QueuePolicy):
                 if need + 1 > free or budget <= 0:
                     continue
                 n = min(need, budget)
-                step_work = step_work.plus(s, budget)
+                step_work = with_s
                 dec.prefill.append((s.rid, n))
                 self._seg_start[s.rid] = s.generated
                 budget -= n
