@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from duetime.cli.bench.model import load_engine
-from duetime.cli.bench.options import SeedOpt, no_engine_options
+from duetime.cli.bench.options import EngineThreadsOpt, SeedOpt, no_engine_options
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, err, out
 
@@ -45,10 +45,7 @@ def bench_timelyllm(
     dtype: Annotated[
         str | None, typer.Option(help="--engine: fp32, fast (default), q8, bf16 or int8.")
     ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(min=1, help="--engine: torch threads [1: a shared 2-core machine]."),
-    ] = None,
+    threads: EngineThreadsOpt = None,
     calibration: Annotated[
         Path | None,
         typer.Option(help="--engine: reuse an earlier --engine JSON's cost and scale (same jobs)."),
