@@ -131,6 +131,14 @@ def _same_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def check_alphas(alphas: Sequence[float], name: str = "α") -> None:
+    """At least one eviction ratio, each in [0, 1); ``name`` is how messages call them."""
+    if not alphas:
+        raise ValueError(f"{name}: no eviction ratio to run; give at least one, e.g. 0.5")
+    if any(not 0.0 <= a < 1.0 for a in alphas):
+        raise ValueError(f"{name}: every α must be in [0, 1), got {list(alphas)}")
+
+
 def run(
     model: Gemma3,
     prompts: Sequence[Sequence[int]],
@@ -144,10 +152,7 @@ def run(
     """All figures (see the module docstring) as one JSON-ready dict."""
     if not prompts:
         raise ValueError("no prompts to run")
-    if not alphas:
-        raise ValueError("no eviction ratio α to run")
-    if any(not 0.0 <= a < 1.0 for a in alphas):
-        raise ValueError(f"every α must be in [0, 1), got {list(alphas)}")
+    check_alphas(alphas)
     if new_tokens < 1 or chunk < 1 or repeats < 1:
         raise ValueError("new_tokens, chunk and repeats must be >= 1")
     t_start = time.perf_counter()

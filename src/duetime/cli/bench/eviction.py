@@ -92,13 +92,13 @@ def bench_eviction(
 
 
 def parse_alphas(alphas: str) -> list[float]:
-    """``"0.5,0.75"`` → ``[0.5, 0.75]``: numbers in [0, 1), at least one."""
+    """``"0.5,0.75"`` → ``[0.5, 0.75]``: numbers in [0, 1), at least one (checked here,
+    before the model loads, by the bench's own rule)."""
+    from duetime.bench.eviction import check_alphas
+
     try:
         ratios = [float(a) for a in alphas.split(",") if a.strip()]
     except ValueError:
         raise ValueError(f"--alphas must be numbers separated by commas, got {alphas!r}") from None
-    if not ratios:  # ran every prompt, then failed on the empty table
-        raise ValueError(f"--alphas {alphas!r}: give at least one ratio, e.g. 0.5")
-    if not all(0.0 <= a < 1.0 for a in ratios):
-        raise ValueError(f"--alphas: every α must be in [0, 1), got {alphas!r}")
+    check_alphas(ratios, name="--alphas")  # an empty list ran every prompt, then failed
     return ratios
