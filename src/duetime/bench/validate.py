@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from duetime.core.request import Job
+
+if TYPE_CHECKING:
+    from duetime.predict.oracle import JobPredictor
 
 
 def compare(real: list[Any], sim: list[Any]) -> dict[str, float | None]:
@@ -48,9 +51,11 @@ def compare(real: list[Any], sim: list[Any]) -> dict[str, float | None]:
     }
 
 
-def check_policy(policy: str, predictor: str) -> None:
+def check_policy(policy: str, predictor: str, seed: int = 0) -> JobPredictor | None:
     """Refuse an unknown policy or predictor, or a policy that needs a prediction
-    without one, before the model loads (``hsf`` used to fail once running)."""
+    without one, before the model loads (``hsf`` used to fail once running).
+
+    Returns the predictor it built (seeded with ``seed``), for one side of the run."""
     from duetime.policies import make_policy
     from duetime.predict.oracle import make_job_predictor
 
@@ -59,7 +64,7 @@ def check_policy(policy: str, predictor: str) -> None:
     except ValueError as e:
         raise ValueError(f"--policy: {e}") from None
     try:
-        pred = make_job_predictor(predictor)
+        pred = make_job_predictor(predictor, seed=seed)
     except ValueError as e:
         raise ValueError(f"--predictor: {e}") from None
     if pred is None and getattr(pol, "needs_prediction", False):
@@ -67,6 +72,7 @@ def check_policy(policy: str, predictor: str) -> None:
             f"--policy {policy} orders requests by their predicted length: run it with "
             "--predictor oracle (or noisy, learned)"
         )
+    return pred
 
 
 def run(
@@ -99,7 +105,7 @@ def run(
     from duetime.sim.profiles import load_profile
     from duetime.workloads import LengthCaps, Poisson, build_jobs
 
-    check_policy(policy, predictor)
+    engine_predictor = check_policy(policy, predictor, seed)
 
     cost, _ = load_profile(profile)
     jobs = (
@@ -122,7 +128,7 @@ def run(
         max_num_seqs=max_num_seqs,
         max_batch_tokens=max_batch_tokens,
         eviction=eviction,
-        predictor=make_job_predictor(predictor, seed=seed),
+        predictor=engine_predictor,
     )
     real = engine.run(copy.deepcopy(jobs))
     cfg = SimConfig(
