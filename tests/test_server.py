@@ -97,6 +97,29 @@ def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
 
 
+def test_sampling_is_seeded_per_request_and_greedy_stays_the_default(
+    client: openai.OpenAI, served: tuple[str, ServerState]
+) -> None:
+    def answer(stream: bool = False, **sampling: object) -> str:
+        kw = {"model": MODEL, "prompt": "Once upon", "max_tokens": 16}
+        extra = {"ignore_eos": True, **sampling}
+        if not stream:
+            return client.completions.create(**kw, extra_body=extra).choices[0].text  # type: ignore[call-overload,no-any-return]
+        chunks = client.completions.create(**kw, stream=True, extra_body=extra)  # type: ignore[call-overload]
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    greedy = answer()
+    assert answer(temperature=0, top_p=0.5, seed=3) == greedy  # temperature 0: the arg-max
+    seeded = answer(temperature=1.0, seed=42)
+    assert seeded != greedy
+    assert answer(temperature=1.0, seed=42) == seeded
+    assert answer(stream=True, temperature=1.0, seed=42) == seeded
+    assert answer(temperature=1.0, seed=43) != seeded
+    assert answer(temperature=1.0, top_k=1, seed=43) == greedy  # top_k 1: the arg-max
+    _idle(served[1])
+    assert not served[1].engine.executor.samplers  # each one left with its request
+
+
 def test_stop_string_cuts_the_answer(client: openai.OpenAI) -> None:
     full = (
         client.completions.create(
@@ -280,6 +303,13 @@ def test_metrics_count_every_response_by_route_and_status(
             "logit_bias",
         ),
         (json.dumps({"model": MODEL, "prompt": "x", "suffix": "}"}).encode(), 400, "suffix"),
+        # sampling fields out of their ranges name the field
+        (json.dumps({"model": MODEL, "prompt": "x", "top_p": 0}).encode(), 400, "top_p"),
+        (json.dumps({"model": MODEL, "prompt": "x", "top_p": 1.5}).encode(), 400, "top_p"),
+        (json.dumps({"model": MODEL, "prompt": "x", "top_k": -2}).encode(), 400, "top_k"),
+        (json.dumps({"model": MODEL, "prompt": "x", "temperature": 2.5}).encode(), 400, "temp"),
+        (json.dumps({"model": MODEL, "prompt": "x", "seed": "7"}).encode(), 400, "seed"),
+        (json.dumps({"model": MODEL, "prompt": "x", "seed": 1 << 64}).encode(), 400, "seed"),
         (
             b'{"model": "duetime-tiny", "prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}",
             400,

@@ -37,6 +37,7 @@ from duetime.engine.eviction import (
     streaming_llm_evict,
 )
 from duetime.engine.gemma3 import Gemma3
+from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -74,10 +75,12 @@ class EngineExecutor(ExecutorCore):
     step (``check_accounting``). ``segmenters[rid]`` (a
     :class:`~duetime.engine.segment_stop.TextSegmenter`) ends that request's
     segments where its generated text says, for jobs without trace-given
-    segments. With ``offload_suspended`` a suspended
-    sequence's KV is spooled to disk when a step needs its room (see
-    ``core/executor.py``). ``cost`` is the fitted profile handed to
-    policies as ``snapshot.cost`` (None until `duetime profile` has run).
+    segments. ``samplers[rid]`` (a :class:`~duetime.engine.sampling.Sampler`)
+    draws that request's tokens; every other request takes the arg-max. With
+    ``offload_suspended`` a suspended sequence's KV is spooled to disk when a
+    step needs its room (see ``core/executor.py``). ``cost`` is the fitted
+    profile handed to policies as ``snapshot.cost`` (None until `duetime
+    profile` has run).
     ``telemetry`` receives one JSON line per step.
 
     ``eviction`` is how KV is dropped when a policy asks for ratio α:
@@ -152,6 +155,8 @@ class EngineExecutor(ExecutorCore):
         self.on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
         # Segmented generation by text (TimelyLLM's stop checker): rid → its checker.
         self.segmenters: dict[int, TextSegmenter] = {}
+        # Requests that sample instead of taking the arg-max: rid → its seeded sampler.
+        self.samplers: dict[int, Sampler] = {}
 
     def step_cost_model(self) -> LinearStepCost | None:
         return self.cost
@@ -258,12 +263,19 @@ class EngineExecutor(ExecutorCore):
         next_ids = torch.argmax(logits, dim=-1).tolist()
         dt = self._clock() - t0
         produced: list[tuple[int, int]] = []
-        replay = self._replay
-        for (seq, sampled), tok in zip(owners, next_ids, strict=True):
+        replay, samplers = self._replay, self.samplers
+        for row, ((seq, sampled), tok) in enumerate(zip(owners, next_ids, strict=True)):
             if sampled:
                 ids = self.tokens[seq.rid]
-                if replay and seq.rid in replay:
-                    tok = self._replayed(seq, len(ids) - seq.req.prompt_len, tok)
+                forced = (
+                    self._replayed(seq, len(ids) - seq.req.prompt_len)
+                    if replay and seq.rid in replay
+                    else None
+                )
+                if forced is not None:
+                    tok = forced  # no draw: the generator stays where the first run left it
+                elif samplers and seq.rid in samplers:
+                    tok = samplers[seq.rid].pick(logits[row])
                 ids.append(int(tok))
                 produced.append((seq.rid, int(tok)))
         self.now = self._clock() - self._t0
@@ -416,12 +428,12 @@ class EngineExecutor(ExecutorCore):
     def clock_origin(self) -> float:
         return self._t0
 
-    def _replayed(self, seq: Seq, index: int, sampled: int) -> int:
-        """Token ``index`` of ``seq``'s answer: the one made before its restart, while any."""
+    def _replayed(self, seq: Seq, index: int) -> int | None:
+        """Token ``index`` of ``seq``'s answer as made before its restart; None past it."""
         before = self._replay[seq.rid]
         if index >= len(before):
             del self._replay[seq.rid]
-            return sampled
+            return None
         if index == len(before) - 1:
             del self._replay[seq.rid]
         return before[index]
@@ -432,6 +444,7 @@ class EngineExecutor(ExecutorCore):
         self._replay.pop(rid, None)
         self.stop_on_eos.pop(rid, None)
         self.segmenters.pop(rid, None)
+        self.samplers.pop(rid, None)
 
     def close(self) -> None:
         """Remove swapped-out KV files and close the telemetry file."""

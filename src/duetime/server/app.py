@@ -283,6 +283,7 @@ async def _serve(
         stop_on_eos=not body.ignore_eos,
         min_tokens=body.min_tokens,
         segmenter=segmenter,
+        sampling=body.sampling(),
     )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     relay = _Relay(state, req.rid, stream, stops, Detokenizer(state.codec), body.min_tokens)

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from duetime.core.request import Job
+from duetime.core.sampling import SamplingParams
 from duetime.core.sequence import SeqStatus
 from duetime.engine.executor import EngineExecutor
+from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
 from duetime.server.step_timer import StepTimer
 
@@ -190,10 +192,15 @@ class EngineLoop:
         stop_on_eos: bool,
         min_tokens: int = 0,
         segmenter: TextSegmenter | None = None,
+        sampling: SamplingParams | None = None,
     ) -> None:
-        """Queue a request; ``segmenter`` suspends it at each text segment end (TimelyLLM)."""
+        """Queue a request; ``segmenter`` suspends it at each text segment end (TimelyLLM);
+        ``sampling`` picks its tokens (None or greedy params: the arg-max)."""
+        sampler = None if sampling is None or sampling.greedy else Sampler(sampling)
         with self._lock:
-            self._inbox.append(("submit", (job, stream, stop_on_eos, min_tokens, segmenter)))
+            self._inbox.append(
+                ("submit", (job, stream, stop_on_eos, min_tokens, segmenter, sampler))
+            )
         self._wake.set()
 
     def abort(self, rid: int) -> None:
@@ -285,7 +292,7 @@ class EngineLoop:
         done_before = ex.n_done
         for kind, payload in items:
             if kind == "submit":
-                job, stream, stop_on_eos, min_tokens, segmenter = payload
+                job, stream, stop_on_eos, min_tokens, segmenter, sampler = payload
                 rid = job.request.rid
                 try:
                     ex.admit_arrival(job)
@@ -297,6 +304,8 @@ class EngineLoop:
                     ex.stop_on_eos[rid] = min_tokens
                 if segmenter is not None:
                     ex.segmenters[rid] = segmenter
+                if sampler is not None:
+                    ex.samplers[rid] = sampler
             elif ex.abort(payload):
                 self._finish(payload, "abort" if kind == "abort" else "stop")
         if ex.n_done != done_before:  # e.g. a prompt that can never fit was refused at admission

@@ -1,13 +1,15 @@
 """Request and response bodies of the OpenAI-compatible API, with duetime's time fields.
 
 Standard OpenAI fields keep their names and meaning; fields duetime does not
-implement (``top_p``, ``presence_penalty``, ...) are accepted and ignored, as
-vLLM does, so existing clients work unchanged. The time-aware extensions
+implement (``presence_penalty``, ``frequency_penalty``, ...) are accepted and
+ignored, as vLLM does, so existing clients work unchanged. The time-aware extensions
 arrive through the client's ``extra_body`` and are documented here, in the
 OpenAPI schema FastAPI serves at ``/docs`` and ``/openapi.json``.
 
-Decoding is greedy: ``temperature`` is accepted for compatibility and ignored
-(every benchmark in duetime compares policies on identical outputs). Fields
+Decoding is greedy unless a request asks otherwise: ``temperature`` defaults
+to 0, not OpenAI's 1, so the same request gets the same answer (every benchmark
+in duetime compares policies on identical outputs). ``temperature`` > 0 samples,
+cut by ``top_p`` and vLLM's ``top_k``, reproducibly with a ``seed``. Fields
 that would change the response's shape (``logprobs``, ``best_of`` > 1, ``n`` >
 1) or that a client relies on for what the text is (``response_format`` other
 than text, ``logit_bias``, ``suffix``, tools the model may call) are refused
@@ -33,6 +35,7 @@ from pydantic import (
 )
 
 from duetime.core.request import MAX_TUF_MAGNITUDE
+from duetime.core.sampling import SamplingParams
 
 #: Upper bound on any millisecond field: about 11.6 days, far past any sane deadline.
 MAX_MS = 1e9
@@ -129,7 +132,22 @@ class _Common(TimeFields):
     model: str = Field(min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(0.0, ge=0, le=2, description="Ignored: decoding is greedy.")
+    temperature: float = Field(
+        0.0,
+        ge=0,
+        le=2,
+        description="0 (the default, unlike OpenAI's 1): greedy, the same answer every time; "
+        "above 0: sample from the logits divided by it.",
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Sample from the likeliest tokens holding this much mass."
+    )
+    top_k: int = Field(
+        -1, ge=-1, description="vLLM's extension: sample from the k likeliest (-1 or 0: all)."
+    )
+    seed: int | None = Field(
+        None, ge=-(1 << 63), lt=1 << 64, description="Makes sampling reproducible."
+    )
     n: Literal[1] = Field(1, description="Only one choice per request.")
     stop: Text | list[Annotated[Text, Field(min_length=1, max_length=256)]] | None = Field(
         None, description="Up to 4 stop strings; the answer ends before the first one."
@@ -139,6 +157,15 @@ class _Common(TimeFields):
         None, description='Only {"type": "text"}: answers are plain text (no JSON mode).'
     )
     logit_bias: dict[str, Any] | None = Field(None, description="Not supported: null or {}.")
+
+    def sampling(self) -> SamplingParams:
+        """How the engine picks this answer's tokens (greedy at temperature 0)."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            seed=self.seed,
+        )
 
     @field_validator("response_format")
     @classmethod
@@ -154,7 +181,7 @@ class _Common(TimeFields):
     @classmethod
     def _no_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v:
-            raise ValueError("logit_bias is not supported (greedy decoding, no biases)")
+            raise ValueError("logit_bias is not supported: send null or {}")
         return v
 
     @field_validator("stop")
@@ -202,13 +229,13 @@ class CompletionRequest(_Common):
     @classmethod
     def _no_logprobs(cls, v: int | None) -> None:
         if v is not None:
-            raise ValueError("logprobs are not supported (decoding is greedy): leave it null")
+            raise ValueError("logprobs are not supported: leave it null")
 
     @field_validator("best_of")
     @classmethod
     def _one_best(cls, v: int | None) -> int | None:
         if v is not None and v != 1:
-            raise ValueError("best_of must be 1: one greedy answer per request")
+            raise ValueError("best_of must be 1: one answer per request")
         return v
 
 
@@ -263,7 +290,7 @@ class ChatCompletionRequest(_Common):
     @classmethod
     def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
         if v is not None and v is not False:
-            raise ValueError("logprobs are not supported (decoding is greedy)")
+            raise ValueError("logprobs are not supported: leave it null or false")
         return v
 
     def token_limit(self) -> int | None:
