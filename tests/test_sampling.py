@@ -30,6 +30,11 @@ from duetime.policies import make_policy
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": math.nan}, "top_p"),
         ({"top_k": -1}, "top_k"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
     ],
 )
 def test_bad_params_are_refused_by_name(kwargs: dict[str, Any], needle: str) -> None:
@@ -37,12 +42,45 @@ def test_bad_params_are_refused_by_name(kwargs: dict[str, Any], needle: str) -> 
         SamplingParams(**kwargs)
 
 
-def test_greedy_params_need_no_sampler() -> None:
-    assert SamplingParams().greedy
-    assert SamplingParams(temperature=0.7, top_k=1).greedy
-    assert not SamplingParams(temperature=0.7).greedy
-    with pytest.raises(ValueError, match="greedy"):
+def test_only_plain_greedy_params_go_without_a_sampler() -> None:
+    assert SamplingParams().plain
+    assert SamplingParams(temperature=0.7, top_k=1).plain
+    assert not SamplingParams(temperature=0.7).plain
+    penalised = SamplingParams(frequency_penalty=0.5)
+    assert penalised.greedy
+    assert not penalised.plain  # the arg-max of other logits: a sampler applies them
+    Sampler(penalised)
+    with pytest.raises(ValueError, match="no sampler"):
         Sampler(SamplingParams(top_p=0.5))
+
+
+@pytest.mark.parametrize(
+    ("penalties", "tokens", "want"),
+    [
+        # answer so far [1, 1] after prompt [0]: token 1's logit 3.0 against token 2's 2.5
+        ({"frequency_penalty": 0.2}, [0, 1, 1], 1),  # 3.0 - 2 x 0.2 = 2.6
+        ({"frequency_penalty": 0.3}, [0, 1, 1], 2),  # 3.0 - 2 x 0.3 = 2.4
+        ({"presence_penalty": 0.4}, [0, 1, 1], 1),  # once, whatever the count: 2.6
+        ({"presence_penalty": 0.6}, [0, 1, 1], 2),  # 2.4
+        ({"presence_penalty": 2.0}, [1], 1),  # a prompt token is not the answer's
+        ({"repetition_penalty": 1.25}, [1], 2),  # the prompt's too: 3.0 / 1.25 = 2.4
+        ({"repetition_penalty": 1.1}, [1], 1),  # 2.73
+        ({"repetition_penalty": 0.5}, [2], 2),  # below 1 favours them: 5.0
+    ],
+)
+def test_penalties_change_the_logits_as_vllm_does(
+    penalties: dict[str, float], tokens: list[int], want: int
+) -> None:
+    logits = torch.tensor([1.0, 3.0, 2.5, -1.0])
+    before = logits.clone()
+    assert Sampler(SamplingParams(**penalties)).pick(logits, tokens, prompt_len=1) == want
+    assert torch.equal(logits, before)  # the batch's logits are left as they were
+
+
+def test_repetition_penalty_multiplies_a_negative_logit() -> None:
+    logits = torch.tensor([-1.0, -0.5, -2.0])
+    assert Sampler(SamplingParams(repetition_penalty=1.5)).pick(logits, [1], 1) == 1  # -0.75
+    assert Sampler(SamplingParams(repetition_penalty=3.0)).pick(logits, [1], 1) == 0  # -1.5
 
 
 def _frequencies(params: SamplingParams, logits: torch.Tensor, n: int) -> list[float]:
@@ -161,12 +199,18 @@ def test_sampled_requests_are_seeded_per_request_and_leave_greedy_ones_alone(mod
         assert alone.outputs[rid] == batched.outputs[rid]
 
 
-def test_a_restarted_sampled_request_continues_its_draws_where_it_left_them(model: Any) -> None:
+@pytest.mark.parametrize("penalised", [False, True])
+def test_a_restarted_sampled_request_continues_its_draws_where_it_left_them(
+    model: Any, penalised: bool
+) -> None:
     """Replayed tokens draw nothing, so the answer after a restart is the one an
-    uninterrupted run makes; drawing during the replay would shift every later token."""
+    uninterrupted run makes; drawing during the replay would shift every later token.
+    Penalties read the tokens the executor holds, so they survive the restart too."""
     jobs = _jobs(10, seed=3)
+    extra = {"frequency_penalty": 0.5, "repetition_penalty": 1.3} if penalised else {}
     sampled = {
-        j.request.rid: SamplingParams(temperature=1.0, seed=100 + j.request.rid) for j in jobs
+        j.request.rid: SamplingParams(temperature=1.0, seed=100 + j.request.rid, **extra)
+        for j in jobs
     }
     roomy = _run(model, jobs, sampled, kv_capacity=10_000)
     tight = _run(
@@ -179,3 +223,20 @@ def test_a_restarted_sampled_request_continues_its_draws_where_it_left_them(mode
     )
     assert tight.counters.get("restarts", 0) > 0  # the point of the test
     assert tight.outputs == roomy.outputs
+
+
+def test_penalties_act_in_the_executor_greedy_or_not(model: Any) -> None:
+    """The random model repeats itself under plain greedy decoding; a frequency
+    penalty makes the same greedy requests repeat less."""
+    jobs = _jobs(8, seed=21)
+    plain = _run(model, jobs, {}, kv_capacity=10_000)
+    penalty = SamplingParams(frequency_penalty=2.0)
+    penalised = _run(model, jobs, {j.request.rid: penalty for j in jobs}, kv_capacity=10_000)
+
+    def repeats(outputs: dict[int, list[int]]) -> int:
+        return sum(len(out) - len(set(out)) for out in outputs.values())
+
+    assert repeats(plain.outputs) > 0  # else the test shows nothing
+    assert repeats(penalised.outputs) < repeats(plain.outputs)
+    again = _run(model, jobs, {j.request.rid: penalty for j in jobs}, kv_capacity=10_000)
+    assert again.outputs == penalised.outputs  # greedy with penalties: no randomness

@@ -116,6 +116,10 @@ def test_sampling_is_seeded_per_request_and_greedy_stays_the_default(
     assert answer(stream=True, temperature=1.0, seed=42) == seeded
     assert answer(temperature=1.0, seed=43) != seeded
     assert answer(temperature=1.0, top_k=1, seed=43) == greedy  # top_k 1: the arg-max
+    penalised = answer(frequency_penalty=2.0, repetition_penalty=1.5)
+    assert penalised != greedy
+    assert answer(frequency_penalty=2.0, repetition_penalty=1.5) == penalised  # still greedy
+    assert answer(presence_penalty=0, frequency_penalty=0, repetition_penalty=1) == greedy
     _idle(served[1])
     assert not served[1].engine.executor.samplers  # each one left with its request
 
@@ -310,6 +314,21 @@ def test_metrics_count_every_response_by_route_and_status(
         (json.dumps({"model": MODEL, "prompt": "x", "temperature": 2.5}).encode(), 400, "temp"),
         (json.dumps({"model": MODEL, "prompt": "x", "seed": "7"}).encode(), 400, "seed"),
         (json.dumps({"model": MODEL, "prompt": "x", "seed": 1 << 64}).encode(), 400, "seed"),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "presence_penalty": -2.5}).encode(),
+            400,
+            "presence_penalty",
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "frequency_penalty": 3}).encode(),
+            400,
+            "frequency_penalty",
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "repetition_penalty": 0}).encode(),
+            400,
+            "repetition_penalty",
+        ),
         (
             b'{"model": "duetime-tiny", "prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}",
             400,

@@ -12,20 +12,31 @@ from dataclasses import dataclass
 
 __all__ = ["SamplingParams"]
 
+#: OpenAI's range for presence and frequency penalties.
+MAX_PENALTY = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """The defaults are greedy decoding.
+    """The defaults are greedy decoding over the model's own logits.
 
-    ``temperature`` 0 is greedy (arg-max), whatever the other fields say.
-    ``top_k`` 0 keeps every token; ``top_p`` 1 keeps every token. ``seed``
-    makes the draws reproducible (None: a fresh random seed per request).
+    ``temperature`` 0 (or ``top_k`` 1) takes the arg-max, whatever ``top_p``
+    says. ``top_k`` 0 and ``top_p`` 1 keep every token. ``seed`` makes the
+    draws reproducible (None: a fresh random seed per request). The penalties
+    change the logits first, greedy or not, as vLLM applies them: each token of
+    the prompt or the answer so far has a positive logit divided by
+    ``repetition_penalty`` and a negative one multiplied by it; then each token
+    of the answer so far loses ``presence_penalty`` once and
+    ``frequency_penalty`` per occurrence.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -34,8 +45,28 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: no cut), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and abs(v) <= MAX_PENALTY):
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
+            )
 
     @property
     def greedy(self) -> bool:
-        """Whether every draw is the arg-max (no sampler is needed)."""
+        """Whether the token is the arg-max (of the penalised logits, if any)."""
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1
+        )
+
+    @property
+    def plain(self) -> bool:
+        """The arg-max of the logits as they are: the engine needs no sampler for it."""
+        return self.greedy and not self.penalised

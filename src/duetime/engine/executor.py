@@ -275,7 +275,7 @@ class EngineExecutor(ExecutorCore):
                 if forced is not None:
                     tok = forced  # no draw: the generator stays where the first run left it
                 elif samplers and seq.rid in samplers:
-                    tok = samplers[seq.rid].pick(logits[row])
+                    tok = samplers[seq.rid].pick(logits[row], ids, seq.req.prompt_len)
                 ids.append(int(tok))
                 produced.append((seq.rid, int(tok)))
         self.now = self._clock() - self._t0

@@ -1,20 +1,23 @@
-"""Per-request sampling: temperature, top-k, top-p (nucleus) and a seed.
+"""Per-request sampling: temperature, top-k, top-p (nucleus), a seed, and the penalties.
 
 Greedy decoding stays the default and costs nothing extra: the executor takes
 one arg-max over the batch's logits and calls a :class:`Sampler` only for the
-rows of requests that asked for sampling. Each request draws from its own
+rows of requests that asked for sampling or a penalty. Each request draws from its own
 seeded ``torch.Generator``, so its answer does not depend on what else shares
 the batch (up to float rounding of the logits), and a restarted request
 replays the tokens it had without drawing (see ``EngineExecutor``), which
 leaves its generator where an uninterrupted run would have it.
 
-Order of the cuts, as in vLLM and Hugging Face: logits ÷ temperature, then
-top-k, then the smallest set of tokens whose probability reaches top-p.
+Order, as in vLLM: the penalties (repetition, then frequency and presence),
+logits ÷ temperature, top-k, then the smallest set of tokens whose probability
+reaches top-p. The penalties read the request's tokens as the executor holds
+them, so a replayed or restarted answer is penalised exactly as the first run.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 import torch
 
@@ -36,17 +39,23 @@ class Sampler:
     """Draws one request's tokens from its logits rows, with its own generator."""
 
     def __init__(self, params: SamplingParams) -> None:
-        if params.greedy:
-            raise ValueError("greedy decoding needs no sampler (temperature 0 or top_k 1)")
+        if params.plain:
+            raise ValueError("plain greedy decoding needs no sampler (the batch's arg-max)")
         self.params = params
         self.generator = torch.Generator()
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator.manual_seed(seed)
 
-    def pick(self, logits: torch.Tensor) -> int:
-        """One token id from a ``[vocab]`` row of logits."""
+    def pick(self, logits: torch.Tensor, tokens: Sequence[int] = (), prompt_len: int = 0) -> int:
+        """One token id from a ``[vocab]`` row of logits; ``tokens`` are the request's
+        prompt and answer so far, its first ``prompt_len`` the prompt (the penalties')."""
         p = self.params
-        x = logits.detach().float() / p.temperature
+        x = logits.detach().float()
+        if p.penalised:
+            x = _penalise(x.clone(), tokens, prompt_len, p)
+        if p.greedy:
+            return int(torch.argmax(x))
+        x = x / p.temperature
         ids: torch.Tensor | None = None
         if 0 < p.top_k < x.numel():
             x, ids = torch.topk(x, p.top_k)
@@ -56,6 +65,21 @@ class Sampler:
             ids = kept if ids is None else ids[kept]
         choice = _draw(probs, self.generator)
         return choice if ids is None else int(ids[choice])
+
+
+def _penalise(
+    x: torch.Tensor, tokens: Sequence[int], prompt_len: int, p: SamplingParams
+) -> torch.Tensor:
+    """``x`` (a row of logits, changed in place) under ``p``'s penalties."""
+    if p.repetition_penalty != 1 and tokens:
+        seen = torch.unique(torch.as_tensor(tokens, dtype=torch.long))
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    answer = tokens[prompt_len:]
+    if (p.presence_penalty or p.frequency_penalty) and answer:
+        ids, counts = torch.unique(torch.as_tensor(answer, dtype=torch.long), return_counts=True)
+        x[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    return x
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -195,8 +195,8 @@ class EngineLoop:
         sampling: SamplingParams | None = None,
     ) -> None:
         """Queue a request; ``segmenter`` suspends it at each text segment end (TimelyLLM);
-        ``sampling`` picks its tokens (None or greedy params: the arg-max)."""
-        sampler = None if sampling is None or sampling.greedy else Sampler(sampling)
+        ``sampling`` picks its tokens (None or plain greedy params: the batch's arg-max)."""
+        sampler = None if sampling is None or sampling.plain else Sampler(sampling)
         with self._lock:
             self._inbox.append(
                 ("submit", (job, stream, stop_on_eos, min_tokens, segmenter, sampler))

@@ -1,15 +1,16 @@
 """Request and response bodies of the OpenAI-compatible API, with duetime's time fields.
 
 Standard OpenAI fields keep their names and meaning; fields duetime does not
-implement (``presence_penalty``, ``frequency_penalty``, ...) are accepted and
-ignored, as vLLM does, so existing clients work unchanged. The time-aware extensions
+implement (``user``, ``metadata``, ...) are accepted and ignored, as vLLM does,
+so existing clients work unchanged. The time-aware extensions
 arrive through the client's ``extra_body`` and are documented here, in the
 OpenAPI schema FastAPI serves at ``/docs`` and ``/openapi.json``.
 
 Decoding is greedy unless a request asks otherwise: ``temperature`` defaults
 to 0, not OpenAI's 1, so the same request gets the same answer (every benchmark
 in duetime compares policies on identical outputs). ``temperature`` > 0 samples,
-cut by ``top_p`` and vLLM's ``top_k``, reproducibly with a ``seed``. Fields
+cut by ``top_p`` and vLLM's ``top_k``, reproducibly with a ``seed``; the
+presence, frequency and (vLLM's) repetition penalties apply greedy or not. Fields
 that would change the response's shape (``logprobs``, ``best_of`` > 1, ``n`` >
 1) or that a client relies on for what the text is (``response_format`` other
 than text, ``logit_bias``, ``suffix``, tools the model may call) are refused
@@ -148,6 +149,18 @@ class _Common(TimeFields):
     seed: int | None = Field(
         None, ge=-(1 << 63), lt=1 << 64, description="Makes sampling reproducible."
     )
+    presence_penalty: float = Field(
+        0.0, ge=-2, le=2, description="Subtracted once from each token the answer holds."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2, le=2, description="Subtracted per occurrence in the answer so far."
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        description="vLLM's extension: logits of tokens in the prompt or answer are divided by "
+        "it (multiplied when negative); 1 changes nothing.",
+    )
     n: Literal[1] = Field(1, description="Only one choice per request.")
     stop: Text | list[Annotated[Text, Field(min_length=1, max_length=256)]] | None = Field(
         None, description="Up to 4 stop strings; the answer ends before the first one."
@@ -165,6 +178,9 @@ class _Common(TimeFields):
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
             seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
         )
 
     @field_validator("response_format")
