@@ -666,6 +666,24 @@ def test_real_gemma_answers_through_the_openai_client() -> None:
             stream=True,
         )
         assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices).strip()
+        # Sampling on the real vocabulary (262k tokens, the int8 head's approximate tail):
+        # a seed gives its answer back, and the answer is not the greedy one.
+        sampled = [
+            client.completions.create(
+                model=name,
+                prompt="The capital of France is",
+                max_tokens=8,
+                temperature=1.0,
+                top_p=0.95,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+            for seed in (1, 1, 2)
+        ]
+        assert sampled[0] == sampled[1]
+        assert len({sampled[0], sampled[2], text}) > 1
         _idle(state)
 
 
