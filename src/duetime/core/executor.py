@@ -492,7 +492,7 @@ class ExecutorCore:
             self._finish(seq)
             return
         k = seq.segment_index
-        gap = job.segment_gaps[k] if k < len(job.segment_gaps) else 0.0
+        gap = job.gap(k)
         nxt = job.segments[k + 1] if k + 1 < len(job.segments) else target
         seq.segment_end = min(seq.segment_end + nxt, target)
         self._suspend_at_boundary(seq, gap, job.gap_estimate(k))

@@ -162,8 +162,13 @@ class Job:
         if any(not (math.isfinite(g) and g >= 0) for g in self.segment_gaps + estimates):
             raise ValueError(f"job {rid}: segment gaps and their estimates must be finite, >= 0")
 
+    def gap(self, k: int) -> float:
+        """The client's true gap after segment ``k`` (0 where the job gives none)."""
+        return self.segment_gaps[k] if k < len(self.segment_gaps) else 0.0
+
     def gap_estimate(self, k: int) -> float:
-        """What the server expects the gap after segment ``k`` to be."""
+        """What the server expects the gap after segment ``k`` to be (the true one
+        where the job gives no estimate)."""
         if k < len(self.segment_gap_estimates):
             return self.segment_gap_estimates[k]
-        return self.segment_gaps[k] if k < len(self.segment_gaps) else 0.0
+        return self.gap(k)
