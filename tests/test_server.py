@@ -124,6 +124,57 @@ def test_sampling_is_seeded_per_request_and_greedy_stays_the_default(
     assert not served[1].engine.executor.samplers  # each one left with its request
 
 
+@pytest.mark.parametrize("stop", [None, "a"])
+def test_completion_logprobs_cover_the_answer_streamed_or_not(
+    served: tuple[str, ServerState], stop: str | None
+) -> None:
+    url, state = served
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 24, "logprobs": 2, "stop": stop}
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+    choice = whole["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"]  # the pieces make up the text
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    if stop is None:
+        assert len(lp["tokens"]) == whole["usage"]["completion_tokens"]
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))  # greedy: the likeliest token
+        assert 1 <= len(top) <= 3
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert [t for p in parts for t in p["tokens"]] == lp["tokens"]
+    assert [v for p in parts for v in p["token_logprobs"]] == lp["token_logprobs"]
+    assert [o for p in parts for o in p["text_offset"]] == lp["text_offset"]
+    _idle(state)
+
+
+def test_chat_logprobs_list_the_top_tokens(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count: one two"}],
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    assert "".join(t.token for t in content) == resp.choices[0].message.content
+    for t in content:
+        assert bytes(t.bytes or []) == t.token.encode()
+        assert len(t.top_logprobs) == 3
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count: one two"}], max_tokens=12
+    )
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == resp.choices[0].message.content
+
+
 def test_stop_string_cuts_the_answer(client: openai.OpenAI) -> None:
     full = (
         client.completions.create(
@@ -291,7 +342,12 @@ def test_metrics_count_every_response_by_route_and_status(
             "prompt.1: input should be greater",
         ),
         # fields that would change the response's shape are refused, not dropped
-        (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 5}).encode(), 400, "logprobs"),
+        (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 6}).encode(), 400, "logprobs"),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "logprobs": 1, "echo": True}).encode(),
+            400,
+            "echo",
+        ),
         (json.dumps({"model": MODEL, "prompt": "x", "best_of": 2}).encode(), 400, "best_of"),
         # fields a client relies on for what the text is: refused, not ignored
         (
@@ -364,8 +420,11 @@ def test_bad_input_is_a_4xx_with_an_error_object(
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
             "surrogate",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
-        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "needs logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},

@@ -37,6 +37,7 @@ from duetime.engine.eviction import (
     streaming_llm_evict,
 )
 from duetime.engine.gemma3 import Gemma3
+from duetime.engine.logprobs import LogprobLog
 from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
 
@@ -76,7 +77,9 @@ class EngineExecutor(ExecutorCore):
     :class:`~duetime.engine.segment_stop.TextSegmenter`) ends that request's
     segments where its generated text says, for jobs without trace-given
     segments. ``samplers[rid]`` (a :class:`~duetime.engine.sampling.Sampler`)
-    draws that request's tokens; every other request takes the arg-max. With
+    draws that request's tokens; every other request takes the arg-max.
+    ``logprob_logs[rid]`` (a :class:`~duetime.engine.logprobs.LogprobLog`)
+    receives the log-probabilities of that request's tokens. With
     ``offload_suspended`` a suspended sequence's KV is spooled to disk when a
     step needs its room (see ``core/executor.py``). ``cost`` is the fitted
     profile handed to policies as ``snapshot.cost`` (None until `duetime
@@ -157,6 +160,8 @@ class EngineExecutor(ExecutorCore):
         self.segmenters: dict[int, TextSegmenter] = {}
         # Requests that sample instead of taking the arg-max: rid → its seeded sampler.
         self.samplers: dict[int, Sampler] = {}
+        # Requests that asked for their tokens' log-probabilities: rid → where they go.
+        self.logprob_logs: dict[int, LogprobLog] = {}
 
     def step_cost_model(self) -> LinearStepCost | None:
         return self.cost
@@ -263,7 +268,7 @@ class EngineExecutor(ExecutorCore):
         next_ids = torch.argmax(logits, dim=-1).tolist()
         dt = self._clock() - t0
         produced: list[tuple[int, int]] = []
-        replay, samplers = self._replay, self.samplers
+        replay, samplers, logprob_logs = self._replay, self.samplers, self.logprob_logs
         for row, ((seq, sampled), tok) in enumerate(zip(owners, next_ids, strict=True)):
             if sampled:
                 ids = self.tokens[seq.rid]
@@ -276,6 +281,9 @@ class EngineExecutor(ExecutorCore):
                     tok = forced  # no draw: the generator stays where the first run left it
                 elif samplers and seq.rid in samplers:
                     tok = samplers[seq.rid].pick(logits[row], ids, seq.req.prompt_len)
+                if logprob_logs and seq.rid in logprob_logs:
+                    position = len(ids) - seq.req.prompt_len
+                    logprob_logs[seq.rid].record(position, logits[row], int(tok))
                 ids.append(int(tok))
                 produced.append((seq.rid, int(tok)))
         self.now = self._clock() - self._t0
@@ -445,6 +453,7 @@ class EngineExecutor(ExecutorCore):
         self.stop_on_eos.pop(rid, None)
         self.segmenters.pop(rid, None)
         self.samplers.pop(rid, None)
+        self.logprob_logs.pop(rid, None)
 
     def close(self) -> None:
         """Remove swapped-out KV files and close the telemetry file."""

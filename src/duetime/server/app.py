@@ -27,12 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from duetime.core.request import Job, LengthPrediction, TimeUtility
 from duetime.core.request import Request as EngineRequest
+from duetime.engine.logprobs import LogprobLog
 from duetime.predict.oracle import JobPredictor
 from duetime.server.admission import Admission
 from duetime.server.chat_template import render_chat
 from duetime.server.codec import Codec, Detokenizer
 from duetime.server.engine_loop import EngineLoop, Outcome, Stream
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
+from duetime.server.logprob_format import LoggedToken, chat_logprobs, completion_logprobs
 from duetime.server.metrics import ResponseCounter, ServerMetrics
 from duetime.server.paths import StripTrailingSlash
 from duetime.server.schemas import (
@@ -277,6 +279,8 @@ async def _serve(
         from duetime.engine.segment_stop import TextSegmenter, make_rule
 
         segmenter = TextSegmenter(make_rule(body.segment), state.codec.decode)
+    top_n = body.logprob_top_n()
+    logprobs = None if top_n is None else LogprobLog(top_n)
     engine.submit(
         job,
         stream,
@@ -284,9 +288,12 @@ async def _serve(
         min_tokens=body.min_tokens,
         segmenter=segmenter,
         sampling=body.sampling(),
+        logprobs=logprobs,
     )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    relay = _Relay(state, req.rid, stream, stops, Detokenizer(state.codec), body.min_tokens)
+    relay = _Relay(
+        state, req.rid, stream, stops, Detokenizer(state.codec), body.min_tokens, logprobs
+    )
     meta = _Meta(
         rid=req.rid,
         model=cfg.model_name,
@@ -369,6 +376,7 @@ class _Relay:
         stops: list[str],
         detok: Detokenizer,
         min_tokens: int = 0,
+        logprobs: LogprobLog | None = None,
     ) -> None:
         self.state = state
         self.rid = rid
@@ -383,6 +391,10 @@ class _Relay:
         #: Where in the text a stop string may begin: past the first ``min_tokens`` tokens
         #: ("never stop before this", as vLLM), None until they are in.
         self.floor: int | None = 0 if min_tokens <= 0 else None
+        #: Where the engine puts the answer tokens' log-probabilities (None: not asked).
+        self.logprobs = logprobs
+        self._ends: list[int] = []  # with logprobs: the text's length after each token
+        self._given = 0  # tokens whose log-probabilities the client has
 
     async def deltas(self, timeout: float) -> AsyncIterator[str]:
         """Text deltas until the answer ends; sets ``outcome``."""
@@ -401,6 +413,8 @@ class _Relay:
                 ) from None
             if isinstance(item, Outcome):
                 self.detok.flush()
+                if self._ends:  # text held back at the end is the last token's
+                    self._ends[-1] = len(self.detok.text)
                 out = self._emit(final=True)
                 self.outcome = self._as_seen(item)
                 self.stream.counted(self.outcome)
@@ -410,7 +424,12 @@ class _Relay:
             if self.stopped:
                 continue  # generated before the engine saw the stop: not part of the answer
             self.completion_tokens += len(item)
-            self.detok.add(item)
+            if self.logprobs is None:
+                self.detok.add(item)
+            else:  # one at a time: where each token's text ends
+                for tok in item:
+                    self.detok.add([tok])
+                    self._ends.append(len(self.detok.text))
             if self.floor is None and self.completion_tokens >= self.min_tokens:
                 self.floor = len(self.detok.text)
             out = self._emit(final=False)
@@ -440,6 +459,27 @@ class _Relay:
             end = max(min(end, _safe_end(text, self.stops)), floor)
         out = text[start:end] if end > start else ""
         self.sent += out
+        return out
+
+    def take_logprobs(self) -> list[LoggedToken]:
+        """The tokens whose text the client now has whole and whose log-probabilities it
+        has not got yet; once the answer ended, every token with text in it.
+
+        The newest token waits for the next (or the end): text the detokenizer still
+        holds back is its, and a streamed answer must split its text as a whole one."""
+        if self.logprobs is None:
+            return []
+        sent, ends, ended = len(self.sent), self._ends, self.outcome is not None
+        upto = min(len(ends) if ended else len(ends) - 1, len(self.logprobs.entries))
+        out = []
+        for i in range(self._given, upto):
+            start = ends[i - 1] if i else 0
+            whole = ends[i] <= sent or (ended and not self.stopped)
+            if not whole and not (ended and start < sent):
+                break
+            text = self.sent[start : min(ends[i], sent)]
+            out.append(LoggedToken(self.logprobs.entries[i], text, start))
+            self._given = i + 1
         return out
 
     def _as_seen(self, outcome: Outcome) -> Outcome:
@@ -498,6 +538,15 @@ async def _whole(relay: _Relay, meta: _Meta, request: Request, timeout: float) -
     return JSONResponse(body)
 
 
+def _logprobs(relay: _Relay, meta: _Meta) -> dict[str, Any] | None:
+    """The choice's ``logprobs`` for the tokens the client got since the last call."""
+    if relay.logprobs is None:
+        return None
+    tokens = relay.take_logprobs()
+    fmt = chat_logprobs if meta.chat else completion_logprobs
+    return fmt(tokens, relay.state.codec)
+
+
 def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
@@ -522,21 +571,30 @@ def _final_body(relay: _Relay, meta: _Meta, text: str) -> dict[str, Any]:
         obj = "chat.completion"
     else:
         choice, obj = {"text": (meta.echo or "") + text}, "text_completion"
+    choice["logprobs"] = _logprobs(relay, meta)
     body = _envelope(meta, obj, {**choice, "finish_reason": reason})
     body["usage"] = _usage(relay, meta)
     body["duetime"] = relay.timing().model_dump()
     return body
 
 
-def _chunk(meta: _Meta, delta: str | None, reason: str | None, *, first: bool = False) -> dict:
+def _chunk(
+    meta: _Meta,
+    delta: str | None,
+    reason: str | None,
+    *,
+    first: bool = False,
+    logprobs: dict[str, Any] | None = None,
+) -> dict:
+    end = {"finish_reason": reason, "logprobs": logprobs}
     if meta.chat:
         d: dict[str, Any] = {}
         if first:
             d["role"] = "assistant"
         if delta is not None:
             d["content"] = delta
-        return _envelope(meta, "chat.completion.chunk", {"delta": d, "finish_reason": reason})
-    return _envelope(meta, "text_completion", {"text": delta or "", "finish_reason": reason})
+        return _envelope(meta, "chat.completion.chunk", {"delta": d, **end})
+    return _envelope(meta, "text_completion", {"text": delta or "", **end})
 
 
 def _envelope(meta: _Meta, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
@@ -547,7 +605,7 @@ def _envelope(meta: _Meta, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
         "object": obj,
         "created": meta.created,
         "model": meta.model,
-        "choices": [{"index": 0, **choice, "logprobs": None}],
+        "choices": [{"index": 0, "logprobs": None, **choice}],
     }
 
 
@@ -565,14 +623,19 @@ async def _sse(
         elif meta.echo:
             yield _sse_line(_chunk(meta, meta.echo, None))
         async for delta in relay.deltas(relay.state.config.request_timeout_s):
-            yield _sse_line(_chunk(meta, delta, None))
+            yield _sse_line(_chunk(meta, delta, None, logprobs=_logprobs(relay, meta)))
         outcome = relay.outcome
         assert outcome is not None
         if outcome.finish_reason == "error":
             err = {"message": f"the engine failed: {outcome.error}", "type": "server_error"}
             yield _sse_line({"error": err})
         else:
-            last = _chunk(meta, None if meta.chat else "", relay.finish_reason())
+            last = _chunk(
+                meta,
+                None if meta.chat else "",
+                relay.finish_reason(),
+                logprobs=_logprobs(relay, meta),
+            )
             last["duetime"] = relay.timing().model_dump()
             yield _sse_line(last)
             if include_usage:

@@ -29,6 +29,7 @@ from duetime.core.request import Job
 from duetime.core.sampling import SamplingParams
 from duetime.core.sequence import SeqStatus
 from duetime.engine.executor import EngineExecutor
+from duetime.engine.logprobs import LogprobLog
 from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
 from duetime.server.step_timer import StepTimer
@@ -193,14 +194,15 @@ class EngineLoop:
         min_tokens: int = 0,
         segmenter: TextSegmenter | None = None,
         sampling: SamplingParams | None = None,
+        logprobs: LogprobLog | None = None,
     ) -> None:
         """Queue a request; ``segmenter`` suspends it at each text segment end (TimelyLLM);
-        ``sampling`` picks its tokens (None or plain greedy params: the batch's arg-max)."""
+        ``sampling`` picks its tokens (None or plain greedy params: the batch's arg-max);
+        ``logprobs`` receives their log-probabilities (the caller reads it as tokens come)."""
         sampler = None if sampling is None or sampling.plain else Sampler(sampling)
+        item = (job, stream, stop_on_eos, min_tokens, segmenter, sampler, logprobs)
         with self._lock:
-            self._inbox.append(
-                ("submit", (job, stream, stop_on_eos, min_tokens, segmenter, sampler))
-            )
+            self._inbox.append(("submit", item))
         self._wake.set()
 
     def abort(self, rid: int) -> None:
@@ -292,7 +294,7 @@ class EngineLoop:
         done_before = ex.n_done
         for kind, payload in items:
             if kind == "submit":
-                job, stream, stop_on_eos, min_tokens, segmenter, sampler = payload
+                job, stream, stop_on_eos, min_tokens, segmenter, sampler, logprobs = payload
                 rid = job.request.rid
                 try:
                     ex.admit_arrival(job)
@@ -306,6 +308,8 @@ class EngineLoop:
                     ex.segmenters[rid] = segmenter
                 if sampler is not None:
                     ex.samplers[rid] = sampler
+                if logprobs is not None:
+                    ex.logprob_logs[rid] = logprobs
             elif ex.abort(payload):
                 self._finish(payload, "abort" if kind == "abort" else "stop")
         if ex.n_done != done_before:  # e.g. a prompt that can never fit was refused at admission

@@ -11,9 +11,10 @@ to 0, not OpenAI's 1, so the same request gets the same answer (every benchmark
 in duetime compares policies on identical outputs). ``temperature`` > 0 samples,
 cut by ``top_p`` and vLLM's ``top_k``, reproducibly with a ``seed``; the
 presence, frequency and (vLLM's) repetition penalties apply greedy or not. Fields
-that would change the response's shape (``logprobs``, ``best_of`` > 1, ``n`` >
-1) or that a client relies on for what the text is (``response_format`` other
-than text, ``logit_bias``, ``suffix``, tools the model may call) are refused
+that would change the response's shape (``best_of`` > 1, ``n`` > 1,
+``logprobs`` with ``echo``) or that a client relies on for what the text is
+(``response_format`` other than text, ``logit_bias``, ``suffix``, tools the
+model may call) are refused
 rather than silently dropped: an answer that ignored them would look right and
 be wrong.
 
@@ -220,7 +221,13 @@ class CompletionRequest(_Common):
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     echo: bool = False
     suffix: str | None = Field(None, description="Not supported: null or empty.")
-    logprobs: int | None = Field(None, description="Not supported: must be null.")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=5,
+        description="Log-probability of each answer token and of its N likeliest alternatives "
+        "(0 to 5); not with echo (no prompt log-probabilities).",
+    )
     best_of: int | None = Field(None, description="Only 1 (or null).")
 
     @field_validator("prompt")
@@ -243,9 +250,17 @@ class CompletionRequest(_Common):
 
     @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, v: int | None) -> None:
-        if v is not None:
-            raise ValueError("logprobs are not supported: leave it null")
+    def _no_prompt_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("echo"):
+            raise ValueError(
+                "logprobs with echo would need the prompt's log-probabilities, which are not "
+                "computed: drop one of them"
+            )
+        return v
+
+    def logprob_top_n(self) -> int | None:
+        """Alternatives listed per answer token; None where no log-probabilities were asked."""
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -278,8 +293,15 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    logprobs: bool | None = Field(None, description="Not supported: false or null.")
-    top_logprobs: int | None = Field(None, description="Not supported: must be null.")
+    logprobs: bool | None = Field(
+        None, description="Return the log-probability of each answer token."
+    )
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="With logprobs: also the N likeliest tokens at each position (0 to 20).",
+    )
     tools: list[Any] | None = Field(None, description="Only with tool_choice 'none'.")
     functions: list[Any] | None = Field(None, description="Only with function_call 'none'.")
     tool_choice: str | dict[str, Any] | None = Field(
@@ -302,12 +324,16 @@ class ChatCompletionRequest(_Common):
             f"{info.field_name} 'none' to have them ignored"
         )
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
-        if v is not None and v is not False:
-            raise ValueError("logprobs are not supported: leave it null or false")
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return v
+
+    def logprob_top_n(self) -> int | None:
+        """Alternatives listed per answer token; None where no log-probabilities were asked."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         """The client's cap on the answer, or None where it sent none."""
