@@ -153,6 +153,7 @@ class Seen:
     error: dict[str, Any] | None = None
     headers: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # the tokens' strings in logprobs
 
     @property
     def answered(self) -> bool:
@@ -246,7 +247,7 @@ def _malformed(draw: Any, chat: bool, base: dict[str, Any]) -> tuple[bytes, int]
             (json.dumps({**base, "messages": []}).encode(), 400),
             (json.dumps({**base, "messages": [{"role": "robot", "content": "x"}]}).encode(), 400),
             (json.dumps({**base, "messages": "hello"}).encode(), 400),
-            (json.dumps({**base, "logprobs": True}).encode(), 400),
+            (json.dumps({**base, "logprobs": False, "top_logprobs": 2}).encode(), 400),
         ]
     else:
         cases += [
@@ -257,7 +258,7 @@ def _malformed(draw: Any, chat: bool, base: dict[str, Any]) -> tuple[bytes, int]
             (json.dumps({**base, "prompt": [2, 10**6]}).encode(), 400),
             (json.dumps({**base, "echo": 1}).encode(), 400),
             (json.dumps({**base, "best_of": 3}).encode(), 400),
-            (json.dumps({**base, "logprobs": 1}).encode(), 400),
+            (json.dumps({**base, "logprobs": 6}).encode(), 400),
         ]
     return cases[180 - kind] if 180 - kind < len(cases) else None
 
@@ -292,6 +293,13 @@ def _call(draw: Any, i: int, eng: Engine) -> Call:
             ids = tuple(codec.encode(text))
         if draw(st.integers(0, 7)) == 0:
             fields["echo"] = True
+    if "echo" not in fields and draw(st.integers(0, 3)) == 0:  # log-probabilities
+        if chat:
+            fields["logprobs"] = True
+            if draw(st.booleans()):
+                fields["top_logprobs"] = draw(st.integers(0, 20))
+        else:
+            fields["logprobs"] = draw(st.integers(0, 5))
     room = eng.max_context - len(ids)
     how = draw(st.sampled_from(["none", "small", "1", "small", "room", "small", "1", "over"]))
     if how == "none":
@@ -475,6 +483,7 @@ def _idle(state: ServerState, app: _Handling, timeout: float = 15.0) -> None:
         held = ex.kv_used or ex.kv_device or ex.seqs or ex.records or ex.tokens or ex.slots
         cache = ex.kv.slots or ex.kv.total_tokens or ex._spooled
         kept = engine._live or ex.stop_on_eos or ex.segmenters or ex._replay
+        kept = kept or ex.samplers or ex.logprob_logs
         if quiet and not held and not cache and not kept and not ex.in_system and not app.active:
             since = since or time.monotonic()
             if time.monotonic() - since >= 0.05:
@@ -522,12 +531,21 @@ def _whole(c: Call, status: int, content: bytes, headers: httpx.Headers) -> Seen
     seen.final = data
     choice = data["choices"][0]
     seen.text = choice["message"]["content"] if c.chat else choice["text"]
+    seen.pieces = _pieces(c, choice)
     seen.usage = data.get("usage")
     if data["object"] != ("chat.completion" if c.chat else "text_completion"):
         seen.problems.append(f"object {data['object']!r}")
     if c.chat and choice["message"]["role"] != "assistant":
         seen.problems.append(f"role {choice['message']['role']!r}")
     return seen
+
+
+def _pieces(c: Call, choice: dict[str, Any]) -> list[str]:
+    """The answer tokens' strings a choice's ``logprobs`` lists (none where not asked)."""
+    lp = choice.get("logprobs")
+    if not lp:
+        return []
+    return [t["token"] for t in lp["content"]] if c.chat else list(lp["tokens"])
 
 
 async def _events(c: Call, r: httpx.Response) -> Seen:
@@ -579,6 +597,7 @@ async def _events(c: Call, r: httpx.Response) -> Seen:
             seen.text += delta.get("content") or ""
         else:
             seen.text += choice["text"]
+        seen.pieces += _pieces(c, choice)
         if choice["finish_reason"] is not None:
             finals.append(obj)
     if len(ids) > 1:
@@ -690,6 +709,11 @@ def _check(eng: Engine, c: Call, s: Seen) -> list[str]:
     return bad + _check_answer(eng, c, s)
 
 
+def _asks_logprobs(c: Call) -> bool:
+    v = c.fields.get("logprobs")  # chat: true; completions: 0 to 5 (0 asks too)
+    return v is not None and v is not False
+
+
 def _judged(c: Call) -> bool:
     """Whether admission may refuse ``c`` for its deadline."""
     has = "deadline_ms" in c.fields or "time_budget_ms" in c.fields
@@ -743,6 +767,13 @@ def _check_answer(eng: Engine, c: Call, s: Seen) -> list[str]:
             f"answer {text!r} {reason} ({n} tokens); the model's is {want_text!r} "
             f"{want_reason} ({want_n} tokens)"
         )
+    if _asks_logprobs(c):  # one entry per token, whose strings make up the text
+        if "".join(s.pieces) != text:
+            bad.append(f"logprobs' tokens {s.pieces} do not make up the text {text!r}")
+        if len(s.pieces) > n or (not c.fields.get("stop") and len(s.pieces) != n):
+            bad.append(f"{len(s.pieces)} logprobs entries for {n} tokens")
+    elif s.pieces:
+        bad.append("logprobs nobody asked for")
     if eng.codec == "char" and len(text) > n:  # one character per token (none for ids < 3)
         bad.append(f"{len(text)} characters but completion_tokens {n}")
     bad += answer_shape_problems(n, reason, c.max_tokens, timing)
