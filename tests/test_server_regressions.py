@@ -27,7 +27,8 @@ from duetime.core.snapshot import EngineSnapshot
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies.fcfs import FCFS
-from duetime.server.app import ServerState, _Meta, _whole, create_app
+from duetime.server.answers import Meta, whole_answer
+from duetime.server.app import ServerState, create_app
 from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.codec import ByteCodec, Codec, Detokenizer
 from duetime.server.engine_loop import EngineLoop, Outcome
@@ -226,7 +227,7 @@ class _CancelledAsTimeout:
             raise ApiError(
                 504, "the request timed out in the server", type="server_error"
             ) from None
-        yield ""  # an async generator, as _Relay.deltas is
+        yield ""  # an async generator, as Relay.deltas is
 
     def abort(self) -> None:
         self.aborted = True
@@ -252,8 +253,8 @@ def test_an_answer_that_fails_as_its_client_leaves_logs_nothing() -> None:
             lambda _loop, context: errors.append(context["message"])
         )
         relay = _CancelledAsTimeout()
-        meta = _Meta(rid=1, model=MODEL, chat=False, prompt_tokens=1, echo=None)
-        response = await _whole(relay, meta, _Gone(), 10.0)  # type: ignore[arg-type]
+        meta = Meta(rid=1, model=MODEL, chat=False, prompt_tokens=1, echo=None, codec=ByteCodec())
+        response = await whole_answer(relay, meta, _Gone(), 10.0)  # type: ignore[arg-type]
         assert response.status_code == 499
         assert relay.aborted
         await asyncio.sleep(0.05)  # the cancelled task ends (with its 504)

@@ -12,10 +12,7 @@ memory is freed by the engine on its next round).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -30,18 +27,18 @@ from duetime.core.request import Request as EngineRequest
 from duetime.engine.logprobs import LogprobLog
 from duetime.predict.oracle import JobPredictor
 from duetime.server.admission import Admission
+from duetime.server.answers import Meta, sse_answer, whole_answer
 from duetime.server.chat_template import render_chat
 from duetime.server.codec import Codec, Detokenizer
-from duetime.server.engine_loop import EngineLoop, Outcome, Stream
+from duetime.server.engine_loop import EngineLoop, Stream
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
-from duetime.server.logprob_format import LoggedToken, chat_logprobs, completion_logprobs
 from duetime.server.metrics import ResponseCounter, ServerMetrics
 from duetime.server.paths import StripTrailingSlash
+from duetime.server.relay import Relay
 from duetime.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
-    TimingInfo,
 )
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
@@ -293,24 +290,25 @@ async def _serve(
         logprobs=logprobs,
     )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    relay = _Relay(
-        state, req.rid, stream, stops, Detokenizer(state.codec), body.min_tokens, logprobs
+    relay = Relay(
+        engine, req.rid, stream, stops, Detokenizer(state.codec), body.min_tokens, logprobs
     )
-    meta = _Meta(
+    meta = Meta(
         rid=req.rid,
         model=cfg.model_name,
         chat=chat,
         prompt_tokens=len(ids),
         echo=_echo(state, body, ids, text),
+        codec=state.codec,
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(relay, meta, include_usage, request),
+            sse_answer(relay, meta, include_usage, request, cfg.request_timeout_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await _whole(relay, meta, request, cfg.request_timeout_s)
+    return await whole_answer(relay, meta, request, cfg.request_timeout_s)
 
 
 def _echo(
@@ -343,314 +341,3 @@ def _predict(state: ServerState, job: Job) -> LengthPrediction | None:
     return LengthPrediction(
         point=min(p.point, cap), lo=min(p.lo, cap), hi=min(p.hi, cap), confidence=p.confidence
     )
-
-
-def _safe_end(text: str, stops: list[str]) -> int:
-    """Index before the longest suffix of ``text`` that begins some stop string."""
-    end = len(text)
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                end = min(end, len(text) - k)
-                break
-    return end
-
-
-@dataclass(slots=True)
-class _Meta:
-    rid: int
-    model: str
-    chat: bool
-    prompt_tokens: int
-    echo: str | None
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
-    created: int = field(default_factory=lambda: int(time.time()))
-
-
-class _Relay:
-    """Turns the engine's token batches into text deltas, applying stop strings."""
-
-    def __init__(
-        self,
-        state: ServerState,
-        rid: int,
-        stream: Stream,
-        stops: list[str],
-        detok: Detokenizer,
-        min_tokens: int = 0,
-        logprobs: LogprobLog | None = None,
-    ) -> None:
-        self.state = state
-        self.rid = rid
-        self.stream = stream
-        self.stops = stops
-        self.detok = detok
-        self.min_tokens = min_tokens
-        self.sent = ""  # text handed to the client
-        self.completion_tokens = 0
-        self.outcome: Outcome | None = None
-        self.stopped = False  # a stop string ended the answer
-        #: Where in the text a stop string may begin: past the first ``min_tokens`` tokens
-        #: ("never stop before this", as vLLM), None until they are in.
-        self.floor: int | None = 0 if min_tokens <= 0 else None
-        #: Where the engine puts the answer tokens' log-probabilities (None: not asked).
-        self.logprobs = logprobs
-        self._ends: list[int] = []  # with logprobs: the text's length after each token
-        self._given = 0  # tokens whose log-probabilities the client has
-
-    async def deltas(self, timeout: float) -> AsyncIterator[str]:
-        """Text deltas until the answer ends; sets ``outcome``."""
-        deadline = time.monotonic() + timeout
-        while self.outcome is None:
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    raise TimeoutError
-                # Times out while no token comes (queued, a long prefill): that too is a 504.
-                item = await self.stream.get(left)
-            except TimeoutError:
-                self.abort()
-                raise ApiError(
-                    504, "the request timed out in the server", type="server_error"
-                ) from None
-            if isinstance(item, Outcome):
-                self.detok.flush()
-                if self._ends:  # text held back at the end is the last token's
-                    self._ends[-1] = len(self.detok.text)
-                out = self._emit(final=True)
-                self.outcome = self._as_seen(item)
-                self.stream.counted(self.outcome)
-                if out:
-                    yield out
-                break
-            if self.stopped:
-                continue  # generated before the engine saw the stop: not part of the answer
-            self.completion_tokens += len(item)
-            if self.logprobs is None:
-                self.detok.add(item)
-            else:  # one at a time: where each token's text ends
-                for tok in item:
-                    self.detok.add([tok])
-                    self._ends.append(len(self.detok.text))
-            if self.floor is None and self.completion_tokens >= self.min_tokens:
-                self.floor = len(self.detok.text)
-            out = self._emit(final=False)
-            if out:
-                yield out
-            if self.stopped:
-                # Ends the sequence as a normal "stop" (its deadline judged, its KV freed);
-                # keep listening: the outcome still comes.
-                self.state.engine.finish(self.rid)
-
-    def _emit(self, *, final: bool) -> str:
-        """The text that may be sent now: up to a stop string, holding back a possible start."""
-        if self.stopped:
-            return ""
-        text = self.detok.text
-        start = len(self.sent)
-        end = len(text)
-        floor = self.floor
-        if floor is None:  # within min_tokens: no stop string counts, nothing is held back
-            floor = end
-        for stop in self.stops:
-            cut = text.find(stop, max(start, floor))
-            if cut >= 0 and cut < end:
-                end = cut
-                self.stopped = True
-        if not self.stopped and not final:
-            end = max(min(end, _safe_end(text, self.stops)), floor)
-        out = text[start:end] if end > start else ""
-        self.sent += out
-        return out
-
-    def take_logprobs(self) -> list[LoggedToken]:
-        """The tokens whose text the client now has whole and whose log-probabilities it
-        has not got yet; once the answer ended, every token with text in it.
-
-        The newest token waits for the next (or the end): text the detokenizer still
-        holds back is its, and a streamed answer must split its text as a whole one."""
-        if self.logprobs is None:
-            return []
-        sent, ends, ended = len(self.sent), self._ends, self.outcome is not None
-        upto = min(len(ends) if ended else len(ends) - 1, len(self.logprobs.entries))
-        out = []
-        for i in range(self._given, upto):
-            start = ends[i - 1] if i else 0
-            whole = ends[i] <= sent or (ended and not self.stopped)
-            if not whole and not (ended and start < sent):
-                break
-            text = self.sent[start : min(ends[i], sent)]
-            out.append(LoggedToken(self.logprobs.entries[i], text, start))
-            self._given = i + 1
-        return out
-
-    def _as_seen(self, outcome: Outcome) -> Outcome:
-        """The outcome as the client sees it: a stop string it got ends the answer as
-        "stop", whatever the engine had ended it with meanwhile ("length" at the same
-        token, a policy's "abort" or an engine "error" before the finish arrived)."""
-        if self.stopped and outcome.finish_reason != "stop":
-            return dataclasses.replace(outcome, finish_reason="stop", error=None)
-        return outcome
-
-    def abort(self) -> None:
-        self.stream.close()
-        self.state.engine.abort(self.rid)
-
-    def finish_reason(self) -> str:
-        assert self.outcome is not None
-        return self.outcome.finish_reason
-
-    def timing(self) -> TimingInfo:
-        o = self.outcome
-        assert o is not None
-        return TimingInfo(
-            ttft_ms=None if o.ttft is None else round(o.ttft * 1000, 3),
-            e2e_ms=round(o.e2e * 1000, 3),
-            deadline_met=o.deadline_met,
-            kv_eviction_ratio=o.kv_evicted_ratio,
-            predicted_tokens=o.predicted_tokens,
-            preemptions=o.preemptions,
-            completion_tokens=self.completion_tokens,
-        )
-
-
-async def _whole(relay: _Relay, meta: _Meta, request: Request, timeout: float) -> Response:
-    waiter = asyncio.ensure_future(_collect(relay, timeout))
-    # Where the client left, the answer is dropped unread, and the cancelled task may still
-    # end with an error (wait_for can turn the cancel into its timeout, hence a 504):
-    # retrieve it, or asyncio logs "Task exception was never retrieved" with a traceback.
-    waiter.add_done_callback(_retrieve)
-    try:
-        while not waiter.done():
-            done, _ = await asyncio.wait({waiter}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                waiter.cancel()
-                relay.abort()
-                return Response(status_code=499)
-        text = waiter.result()
-    except BaseException:
-        waiter.cancel()
-        relay.abort()
-        raise
-    outcome = relay.outcome
-    assert outcome is not None
-    if outcome.finish_reason == "error":
-        raise ApiError(500, f"the engine failed: {outcome.error}", type="server_error")
-    body = _final_body(relay, meta, text)
-    return JSONResponse(body)
-
-
-def _logprobs(relay: _Relay, meta: _Meta) -> dict[str, Any] | None:
-    """The choice's ``logprobs`` for the tokens the client got since the last call."""
-    if relay.logprobs is None:
-        return None
-    tokens = relay.take_logprobs()
-    fmt = chat_logprobs if meta.chat else completion_logprobs
-    return fmt(tokens, relay.state.codec)
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-async def _collect(relay: _Relay, timeout: float) -> str:
-    return "".join([d async for d in relay.deltas(timeout)])
-
-
-def _usage(relay: _Relay, meta: _Meta) -> dict[str, int]:
-    return {
-        "prompt_tokens": meta.prompt_tokens,
-        "completion_tokens": relay.completion_tokens,
-        "total_tokens": meta.prompt_tokens + relay.completion_tokens,
-    }
-
-
-def _final_body(relay: _Relay, meta: _Meta, text: str) -> dict[str, Any]:
-    reason = relay.finish_reason()
-    if meta.chat:
-        choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
-        obj = "chat.completion"
-    else:
-        choice, obj = {"text": (meta.echo or "") + text}, "text_completion"
-    choice["logprobs"] = _logprobs(relay, meta)
-    body = _envelope(meta, obj, {**choice, "finish_reason": reason})
-    body["usage"] = _usage(relay, meta)
-    body["duetime"] = relay.timing().model_dump()
-    return body
-
-
-def _chunk(
-    meta: _Meta,
-    delta: str | None,
-    reason: str | None,
-    *,
-    first: bool = False,
-    logprobs: dict[str, Any] | None = None,
-) -> dict:
-    end = {"finish_reason": reason, "logprobs": logprobs}
-    if meta.chat:
-        d: dict[str, Any] = {}
-        if first:
-            d["role"] = "assistant"
-        if delta is not None:
-            d["content"] = delta
-        return _envelope(meta, "chat.completion.chunk", {"delta": d, **end})
-    return _envelope(meta, "text_completion", {"text": delta or "", **end})
-
-
-def _envelope(meta: _Meta, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's response frame around one choice."""
-    prefix = "chatcmpl-" if meta.chat else "cmpl-"
-    return {
-        "id": prefix + meta.id,
-        "object": obj,
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [{"index": 0, "logprobs": None, **choice}],
-    }
-
-
-def _sse_line(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _sse(
-    relay: _Relay, meta: _Meta, include_usage: bool, request: Request
-) -> AsyncIterator[bytes]:
-    finished = False
-    try:
-        if meta.chat:
-            yield _sse_line(_chunk(meta, "", None, first=True))
-        elif meta.echo:
-            yield _sse_line(_chunk(meta, meta.echo, None))
-        async for delta in relay.deltas(relay.state.config.request_timeout_s):
-            yield _sse_line(_chunk(meta, delta, None, logprobs=_logprobs(relay, meta)))
-        outcome = relay.outcome
-        assert outcome is not None
-        if outcome.finish_reason == "error":
-            err = {"message": f"the engine failed: {outcome.error}", "type": "server_error"}
-            yield _sse_line({"error": err})
-        else:
-            last = _chunk(
-                meta,
-                None if meta.chat else "",
-                relay.finish_reason(),
-                logprobs=_logprobs(relay, meta),
-            )
-            last["duetime"] = relay.timing().model_dump()
-            yield _sse_line(last)
-            if include_usage:
-                usage = _chunk(meta, None, None)
-                usage["choices"] = []
-                usage["usage"] = _usage(relay, meta)
-                yield _sse_line(usage)
-        yield b"data: [DONE]\n\n"
-        finished = True
-    except ApiError as e:
-        yield _sse_line({"error": {"message": e.message, "type": e.type}})
-        yield b"data: [DONE]\n\n"
-    finally:
-        if not finished:
-            relay.abort()  # the client went away (or timed out): free the sequence now
-        del request
