@@ -30,6 +30,9 @@ from duetime.policies import make_policy
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": math.nan}, "top_p"),
         ({"top_k": -1}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": math.nan}, "min_p"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3.0}, "frequency_penalty"),
         ({"frequency_penalty": math.nan}, "frequency_penalty"),
@@ -113,6 +116,14 @@ def test_top_k_and_top_p_keep_only_the_head_in_its_proportions() -> None:
     # top_k cuts first, then top_p renormalised over what is left: {0.4, 0.3, 0.2} -> 0.44 + 0.33
     got = _frequencies(SamplingParams(temperature=1.0, top_k=3, top_p=0.7, seed=5), logits, 2_000)
     assert got[2] == got[3] == 0
+    # min_p 0.6 keeps the tokens at least 0.6 x 0.4 = 0.24 likely: 0 and 1, still 4 : 3
+    got = _frequencies(SamplingParams(temperature=1.0, min_p=0.6, seed=6), logits, 14_000)
+    assert got[2] == got[3] == 0
+    assert abs(got[0] - 4 / 7) < 0.015
+    # ... after the temperature: at 2.0 the probabilities flatten and 0.2 passes 0.6 x max
+    got = _frequencies(SamplingParams(temperature=2.0, min_p=0.6, seed=7), logits, 2_000)
+    assert got[3] == 0
+    assert got[2] > 0
 
 
 @pytest.mark.parametrize(
@@ -184,7 +195,10 @@ def _run(model: Any, jobs: list[Job], sampled: dict[int, SamplingParams], **kw: 
 
 def test_sampled_requests_are_seeded_per_request_and_leave_greedy_ones_alone(model: Any) -> None:
     jobs = _jobs(8, seed=11)
-    sampled = {0: SamplingParams(temperature=1.0, seed=5), 3: SamplingParams(0.8, 0.9, 50, 6)}
+    sampled = {
+        0: SamplingParams(temperature=1.0, seed=5),
+        3: SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=6),
+    }
     batched = _run(model, jobs, sampled, kv_capacity=10_000)
     prompts = [list(j.request.prompt_token_ids or ()) for j in jobs]
     greedy = greedy_generate(model, prompts, max(j.output_len for j in jobs))

@@ -116,6 +116,7 @@ def test_sampling_is_seeded_per_request_and_greedy_stays_the_default(
     assert answer(stream=True, temperature=1.0, seed=42) == seeded
     assert answer(temperature=1.0, seed=43) != seeded
     assert answer(temperature=1.0, top_k=1, seed=43) == greedy  # top_k 1: the arg-max
+    assert answer(temperature=1.0, min_p=1.0, seed=43) == greedy  # only the likeliest left
     penalised = answer(frequency_penalty=2.0, repetition_penalty=1.5)
     assert penalised != greedy
     assert answer(frequency_penalty=2.0, repetition_penalty=1.5) == penalised  # still greedy
@@ -367,6 +368,7 @@ def test_metrics_count_every_response_by_route_and_status(
         (json.dumps({"model": MODEL, "prompt": "x", "top_p": 0}).encode(), 400, "top_p"),
         (json.dumps({"model": MODEL, "prompt": "x", "top_p": 1.5}).encode(), 400, "top_p"),
         (json.dumps({"model": MODEL, "prompt": "x", "top_k": -2}).encode(), 400, "top_k"),
+        (json.dumps({"model": MODEL, "prompt": "x", "min_p": 1.2}).encode(), 400, "min_p"),
         (json.dumps({"model": MODEL, "prompt": "x", "temperature": 2.5}).encode(), 400, "temp"),
         (json.dumps({"model": MODEL, "prompt": "x", "seed": "7"}).encode(), 400, "seed"),
         (json.dumps({"model": MODEL, "prompt": "x", "seed": 1 << 64}).encode(), 400, "seed"),

@@ -21,7 +21,8 @@ class SamplingParams:
     """The defaults are greedy decoding over the model's own logits.
 
     ``temperature`` 0 (or ``top_k`` 1) takes the arg-max, whatever ``top_p``
-    says. ``top_k`` 0 and ``top_p`` 1 keep every token. ``seed`` makes the
+    and ``min_p`` say. ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 keep every token;
+    ``min_p`` drops those less likely than ``min_p`` times the likeliest. ``seed`` makes the
     draws reproducible (None: a fresh random seed per request). The penalties
     change the logits first, greedy or not, as vLLM applies them: each token of
     the prompt or the answer so far has a positive logit divided by
@@ -33,6 +34,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -45,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: no cut), got {self.top_k}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (math.isfinite(v) and abs(v) <= MAX_PENALTY):

@@ -9,13 +9,14 @@ replays the tokens it had without drawing (see ``EngineExecutor``), which
 leaves its generator where an uninterrupted run would have it.
 
 Order, as in vLLM: the penalties (repetition, then frequency and presence),
-logits ÷ temperature, top-k, then the smallest set of tokens whose probability
-reaches top-p. The penalties read the request's tokens as the executor holds
+logits ÷ temperature, min-p, top-k, then the smallest set of tokens whose
+probability reaches top-p. The penalties read the request's tokens as the executor holds
 them, so a replayed or restarted answer is penalised exactly as the first run.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 
@@ -56,6 +57,8 @@ class Sampler:
         if p.greedy:
             return int(torch.argmax(x))
         x = x / p.temperature
+        if p.min_p > 0:  # p_i < min_p · p_max, i.e. x_i < x_max + log(min_p)
+            x[x < x.max() + math.log(p.min_p)] = -math.inf
         ids: torch.Tensor | None = None
         if 0 < p.top_k < x.numel():
             x, ids = torch.topk(x, p.top_k)

@@ -9,7 +9,7 @@ OpenAPI schema FastAPI serves at ``/docs`` and ``/openapi.json``.
 Decoding is greedy unless a request asks otherwise: ``temperature`` defaults
 to 0, not OpenAI's 1, so the same request gets the same answer (every benchmark
 in duetime compares policies on identical outputs). ``temperature`` > 0 samples,
-cut by ``top_p`` and vLLM's ``top_k``, reproducibly with a ``seed``; the
+cut by ``top_p`` and vLLM's ``top_k`` and ``min_p``, reproducibly with a ``seed``; the
 presence, frequency and (vLLM's) repetition penalties apply greedy or not. Fields
 that would change the response's shape (``best_of`` > 1, ``n`` > 1,
 ``logprobs`` with ``echo``) or that a client relies on for what the text is
@@ -147,6 +147,12 @@ class _Common(TimeFields):
     top_k: int = Field(
         -1, ge=-1, description="vLLM's extension: sample from the k likeliest (-1 or 0: all)."
     )
+    min_p: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="vLLM's extension: drop tokens less likely than min_p times the likeliest.",
+    )
     seed: int | None = Field(
         None, ge=-(1 << 63), lt=1 << 64, description="Makes sampling reproducible."
     )
@@ -178,6 +184,7 @@ class _Common(TimeFields):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
+            min_p=self.min_p,
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
