@@ -30,6 +30,7 @@ from duetime.core.decision import Decision
 from duetime.core.request import Job, Request, TimeUtility
 from duetime.core.sequence import SeqStatus
 from duetime.core.snapshot import EngineSnapshot
+from duetime.engine.executor import StopRule
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies import available_policies, make_policy
@@ -128,7 +129,8 @@ def _serve(
         ex.eos_token_id = r.choice(firsts)
         for j in jobs:
             if r.random() < 0.5:
-                min_tokens[j.request.rid] = ex.stop_on_eos[j.request.rid] = r.choice([0, 1, 2])
+                min_tokens[j.request.rid] = m = r.choice([0, 1, 2])
+                ex.stop_tokens[j.request.rid] = StopRule(frozenset({ex.eos_token_id}), m)
     aborted: set[int] = set()
     if sc["aborts"]:
 

@@ -35,7 +35,7 @@ from duetime.core.sequence import SeqStatus
 from duetime.core.snapshot import EngineSnapshot
 from duetime.engine import SeqChunk, greedy_generate
 from duetime.engine.eviction import snapkv_evict, streaming_llm_evict
-from duetime.engine.executor import EngineExecutor
+from duetime.engine.executor import EngineExecutor, StopRule
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.segment_stop import SegmentRule, TextSegmenter
 from duetime.engine.testing import engine_from_hf, hf_greedy, tiny_hf_model
@@ -238,7 +238,8 @@ def test_engine_under_chaos_frees_everything_and_keeps_greedy_answers(
         ex.eos_token_id = r.choice([t for ids in want.values() for t in ids[:3]])
         for rid in want:
             if r.random() < 0.5:
-                min_tokens[rid] = ex.stop_on_eos[rid] = r.choice([0, 1, 2])
+                min_tokens[rid] = m = r.choice([0, 1, 2])
+                ex.stop_tokens[rid] = StopRule(frozenset({ex.eos_token_id}), m)
     if sc["text_segments"]:
         for j in jobs:
             if not j.segments and r.random() < 0.5:

@@ -176,6 +176,32 @@ def test_chat_logprobs_list_the_top_tokens(client: openai.OpenAI) -> None:
     assert plain.choices[0].message.content == resp.choices[0].message.content
 
 
+def test_stop_token_ids_end_the_answer_with_that_token(served: tuple[str, ServerState]) -> None:
+    """vLLM's stop_token_ids: the answer ends at (and holds) the first such token past
+    min_tokens, as "stop", even with ignore_eos."""
+    from duetime.engine.generate import greedy_generate
+
+    url, state = served
+    ids = greedy_generate(state.engine.executor.model, [state.codec.encode("Hello there")], 16)[0]
+    k = max(i for i in range(16) if ids[i] not in ids[:i])  # the last first occurrence
+    assert k >= 2  # (5 on this model) else the cut says little
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 16, "ignore_eos": True}
+    full = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+    cut = httpx.post(
+        url + "/v1/completions", json={**body, "stop_token_ids": [ids[k]]}, timeout=30
+    ).json()
+    assert cut["usage"]["completion_tokens"] == k + 1
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert full["choices"][0]["text"].startswith(cut["choices"][0]["text"])
+    later = httpx.post(
+        url + "/v1/completions",
+        json={**body, "stop_token_ids": [ids[k]], "min_tokens": k + 2},
+        timeout=30,
+    ).json()
+    assert later["usage"]["completion_tokens"] > k + 1  # not before min_tokens
+    _idle(state)
+
+
 def test_stop_string_cuts_the_answer(client: openai.OpenAI) -> None:
     full = (
         client.completions.create(
@@ -369,6 +395,16 @@ def test_metrics_count_every_response_by_route_and_status(
         (json.dumps({"model": MODEL, "prompt": "x", "top_p": 1.5}).encode(), 400, "top_p"),
         (json.dumps({"model": MODEL, "prompt": "x", "top_k": -2}).encode(), 400, "top_k"),
         (json.dumps({"model": MODEL, "prompt": "x", "min_p": 1.2}).encode(), 400, "min_p"),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "stop_token_ids": [5, 259]}).encode(),
+            400,
+            "stop_token_ids must be < 259",
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}).encode(),
+            400,
+            "stop_token_ids",
+        ),
         (json.dumps({"model": MODEL, "prompt": "x", "temperature": 2.5}).encode(), 400, "temp"),
         (json.dumps({"model": MODEL, "prompt": "x", "seed": "7"}).encode(), 400, "seed"),
         (json.dumps({"model": MODEL, "prompt": "x", "seed": 1 << 64}).encode(), 400, "seed"),

@@ -114,7 +114,7 @@ def _idle(state: ServerState, timeout: float = 15.0) -> None:
         s, ex = engine.stats, engine.executor
         quiet = not (s.kv_used or s.running or s.waiting or s.suspended or engine.inbox_size)
         held = ex.kv_used or ex.kv_device or ex.seqs or ex.records or ex.tokens or ex.slots
-        kept = engine._live or ex.stop_on_eos or ex.segmenters
+        kept = engine._live or ex.stop_tokens or ex.segmenters
         if quiet and not held and not kept:
             return
         time.sleep(0.02)

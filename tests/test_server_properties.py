@@ -482,7 +482,7 @@ def _idle(state: ServerState, app: _Handling, timeout: float = 15.0) -> None:
         quiet = not (s.kv_used or s.running or s.waiting or s.suspended or engine.inbox_size)
         held = ex.kv_used or ex.kv_device or ex.seqs or ex.records or ex.tokens or ex.slots
         cache = ex.kv.slots or ex.kv.total_tokens or ex._spooled
-        kept = engine._live or ex.stop_on_eos or ex.segmenters or ex._replay
+        kept = engine._live or ex.stop_tokens or ex.segmenters or ex._replay
         kept = kept or ex.samplers or ex.logprob_logs
         if quiet and not held and not cache and not kept and not ex.in_system and not app.active:
             since = since or time.monotonic()

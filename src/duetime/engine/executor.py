@@ -53,6 +53,20 @@ def rss_bytes() -> int:
         return 0
 
 
+@dataclass(frozen=True, slots=True)
+class StopRule:
+    """Token ids that end a request's answer once it holds ``min_tokens`` tokens: its
+    end-of-sequence (unless it ignores it) and any a client named (vLLM's
+    ``stop_token_ids``). The ending token is part of the answer."""
+
+    ids: frozenset[int]
+    min_tokens: int = 0
+
+    def ends(self, token: int, generated: int) -> bool:
+        """Whether ``token``, the ``generated``-th of the answer, ends it."""
+        return token in self.ids and generated >= self.min_tokens
+
+
 @dataclass(slots=True)
 class EngineResult:
     """Records, generated ids and counters of one engine run."""
@@ -153,7 +167,8 @@ class EngineExecutor(ExecutorCore):
         self._spooled: dict[int, Path] = {}
         # Online serving: requests that end at end-of-sequence, and who hears each new token.
         self.eos_token_id: int | None = model.config.eos_token_id
-        self.stop_on_eos: dict[int, int] = {}  # rid → min_tokens before EOS may end it
+        # rid → the tokens that end its answer (EOS, a client's stop ids), from min_tokens on
+        self.stop_tokens: dict[int, StopRule] = {}
         self.last_step: tuple[float, int, int, int] | None = None  # (s, prefill, decoders, kv)
         self.on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
         # Segmented generation by text (TimelyLLM's stop checker): rid → its checker.
@@ -288,13 +303,10 @@ class EngineExecutor(ExecutorCore):
                 produced.append((seq.rid, int(tok)))
         self.now = self._clock() - self._t0
         self._after_step(chunks)
-        if self.stop_on_eos:
+        if self.stop_tokens:
             for rid, tok in produced:
-                if (
-                    tok == self.eos_token_id
-                    and rid in self.stop_on_eos
-                    and self.seqs[rid].generated >= self.stop_on_eos[rid]
-                ):
+                rule = self.stop_tokens.get(rid)
+                if rule is not None and rule.ends(tok, self.seqs[rid].generated):
                     self.finish_early(rid)
         if self.segmenters:
             self._check_segments(produced)
@@ -450,7 +462,7 @@ class EngineExecutor(ExecutorCore):
         super().forget(rid)
         self.tokens.pop(rid, None)
         self._replay.pop(rid, None)
-        self.stop_on_eos.pop(rid, None)
+        self.stop_tokens.pop(rid, None)
         self.segmenters.pop(rid, None)
         self.samplers.pop(rid, None)
         self.logprob_logs.pop(rid, None)

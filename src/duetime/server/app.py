@@ -224,6 +224,8 @@ async def _serve(
         )
     if body.min_tokens > max_tokens:
         raise ApiError(400, "min_tokens must be <= max_tokens", param="min_tokens")
+    if any(i >= cfg.vocab_size for i in body.stop_token_ids or ()):
+        raise ApiError(400, f"stop_token_ids must be < {cfg.vocab_size}", param="stop_token_ids")
 
     engine = state.engine
     now = engine.now()
@@ -285,6 +287,7 @@ async def _serve(
         stream,
         stop_on_eos=not body.ignore_eos,
         min_tokens=body.min_tokens,
+        stop_token_ids=body.stop_token_ids or (),
         segmenter=segmenter,
         sampling=body.sampling(),
         logprobs=logprobs,

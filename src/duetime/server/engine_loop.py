@@ -21,14 +21,14 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from duetime.core.request import Job
 from duetime.core.sampling import SamplingParams
 from duetime.core.sequence import SeqStatus
-from duetime.engine.executor import EngineExecutor
+from duetime.engine.executor import EngineExecutor, StopRule
 from duetime.engine.logprobs import LogprobLog
 from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
@@ -192,15 +192,23 @@ class EngineLoop:
         *,
         stop_on_eos: bool,
         min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
         segmenter: TextSegmenter | None = None,
         sampling: SamplingParams | None = None,
         logprobs: LogprobLog | None = None,
     ) -> None:
         """Queue a request; ``segmenter`` suspends it at each text segment end (TimelyLLM);
         ``sampling`` picks its tokens (None or plain greedy params: the batch's arg-max);
-        ``logprobs`` receives their log-probabilities (the caller reads it as tokens come)."""
+        ``logprobs`` receives their log-probabilities (the caller reads it as tokens come).
+        The answer ends at its end-of-sequence (with ``stop_on_eos``) or any of
+        ``stop_token_ids``, once it holds ``min_tokens`` tokens."""
         sampler = None if sampling is None or sampling.plain else Sampler(sampling)
-        item = (job, stream, stop_on_eos, min_tokens, segmenter, sampler, logprobs)
+        ids = set(stop_token_ids)
+        eos = self.executor.eos_token_id
+        if stop_on_eos and eos is not None:
+            ids.add(eos)
+        stop = StopRule(frozenset(ids), min_tokens) if ids else None
+        item = (job, stream, stop, segmenter, sampler, logprobs)
         with self._lock:
             self._inbox.append(("submit", item))
         self._wake.set()
@@ -294,7 +302,7 @@ class EngineLoop:
         done_before = ex.n_done
         for kind, payload in items:
             if kind == "submit":
-                job, stream, stop_on_eos, min_tokens, segmenter, sampler, logprobs = payload
+                job, stream, stop, segmenter, sampler, logprobs = payload
                 rid = job.request.rid
                 try:
                     ex.admit_arrival(job)
@@ -302,8 +310,8 @@ class EngineLoop:
                     stream.put(self._outcome(job, "error", error=str(e)))  # counted by the stream
                     continue
                 self._live[rid] = _Live(job, stream)
-                if stop_on_eos:
-                    ex.stop_on_eos[rid] = min_tokens
+                if stop is not None:
+                    ex.stop_tokens[rid] = stop
                 if segmenter is not None:
                     ex.segmenters[rid] = segmenter
                 if sampler is not None:
@@ -344,18 +352,19 @@ class EngineLoop:
                 short = rec.output_tokens < min(
                     self._live[rid].job.output_len, rec.request.max_tokens
                 )
-                self._finish(rid, "stop" if short or self._ended_on_eos(rid) else "length")
+                self._finish(rid, "stop" if short or self._ended_on_stop_token(rid) else "length")
 
-    def _ended_on_eos(self, rid: int) -> bool:
-        """Whether the answer's last token is an end-of-sequence that ends it. An EOS that
+    def _ended_on_stop_token(self, rid: int) -> bool:
+        """Whether the answer's last token is one that ends it (EOS, a stop id). One that
         is also the ``max_tokens``-th token leaves the answer no shorter than the limit,
         but the model finished it: "stop", as vLLM and OpenAI say, not "length"."""
         ex = self.executor
-        min_tokens = ex.stop_on_eos.get(rid)
+        rule = ex.stop_tokens.get(rid)
         toks = ex.tokens.get(rid)
-        if min_tokens is None or not toks or toks[-1] != ex.eos_token_id:
+        n = ex.records[rid].output_tokens
+        if rule is None or not toks or n < 1:
             return False
-        return ex.records[rid].output_tokens >= max(min_tokens, 1)
+        return rule.ends(toks[-1], n)
 
     def _finish(self, rid: int, reason: FinishReason) -> None:
         live = self._live.pop(rid, None)

@@ -172,6 +172,12 @@ class _Common(TimeFields):
     stop: Text | list[Annotated[Text, Field(min_length=1, max_length=256)]] | None = Field(
         None, description="Up to 4 stop strings; the answer ends before the first one."
     )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        max_length=64,
+        description="vLLM's extension: token ids that end the answer (the ending token is "
+        "part of it), after min_tokens.",
+    )
     user: str | None = None
     response_format: dict[str, Any] | None = Field(
         None, description='Only {"type": "text"}: answers are plain text (no JSON mode).'
