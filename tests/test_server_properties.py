@@ -8,9 +8,11 @@ sent at once: completions and chat completions, streamed or not (with or
 without ``include_usage``), text or token-id prompts, ``echo``, stop strings
 (often taken from the model's own answer so that they hit), ``max_tokens``
 from 1 to more than the context leaves, deadlines, priorities, TUFs, overrun,
-KV eviction, ``ignore_eos``, ``min_tokens``, segments and classes; some bodies
-are malformed in one of many ways. Clients hang up before the first byte,
-while queued, in the middle of a stream, or give up on a client-side timeout.
+KV eviction, ``ignore_eos``, ``min_tokens``, segments and classes, sampling
+fields (temperature, top-p/k, min-p, seed, a penalty) and log-probabilities;
+some bodies are malformed in one of many ways. Clients hang up before the
+first byte, while queued, in the middle of a stream, or give up on a
+client-side timeout.
 The server runs in-process (uvicorn on a thread) on a tiny random-weight
 model, never the real Gemma. What must hold:
 
@@ -18,11 +20,13 @@ model, never the real Gemma. What must hold:
   complete JSON body or SSE stream, or a JSON error object with a 4xx, or the
   504 of the server's own timeout) within a bound; bad input gets the 4xx it
   deserves, never a 5xx;
-* an answer that ran to its end is the model's greedy continuation cut where
-  its ``finish_reason`` says ("stop" for end-of-sequence or a stop string,
+* an answer that ran to its end is the model's greedy continuation (unless it
+  sampled, was penalised or had KV evicted: then only its shape is judged), cut
+  where its ``finish_reason`` says ("stop" for end-of-sequence or a stop string,
   "length" at ``max_tokens``), so a streamed answer equals the non-streamed one
   for the same prompt; one the policy cut short ("abort") is a prefix of it;
-  ``usage`` and the ``duetime`` object agree with the text;
+  ``usage`` and the ``duetime`` object agree with the text, and so do the
+  tokens of ``logprobs`` (one per token, their strings making up the text);
 * afterwards no handler runs, the engine holds no request, the KV cache no
   slot and no token, and ``/metrics`` agrees with what the clients saw: finish
   reasons, 429s by cause, tokens generated, gauges at zero, and every request
@@ -407,7 +411,25 @@ def _extensions(draw: Any, ids: Sequence[int], max_tokens: int, eng: Engine) -> 
                 stops.append(stop)
         if stops:
             out["stop"] = stops[0] if len(stops) == 1 and draw(st.booleans()) else stops
+    if draw(st.integers(0, 5)) == 0:  # sampling fields, often ones that leave it greedy
+        out["temperature"] = draw(st.sampled_from([0.0, 0.7, 1.3]))
+        for key, values in (
+            ("top_p", [0.5, 0.95]),
+            ("top_k", [-1, 1, 5]),
+            ("min_p", [0.0, 0.1]),
+            ("seed", [0, 1]),
+            ("frequency_penalty", [0.0, 1.0]),
+        ):
+            if draw(st.booleans()):
+                out[key] = draw(st.sampled_from(values))
     return out
+
+
+def _greedy_request(c: Call) -> bool:
+    """Whether ``c``'s answer is the model's plain greedy one (the reference's)."""
+    f = c.fields
+    argmax = f.get("temperature", 0.0) == 0 or f.get("top_k") == 1
+    return argmax and not f.get("frequency_penalty")
 
 
 @st.composite
@@ -750,7 +772,8 @@ def _check_answer(eng: Engine, c: Call, s: Seen) -> list[str]:
             return [*bad, f"echo {echo!r} missing: {text!r}"]
         text = text[len(echo) :]
     want_text, want_reason, want_n = _reference(eng, c)
-    evicted = timing["kv_eviction_ratio"] > 0
+    # Evicted KV or sampling (or a penalty) leave the greedy reference: shape checks only.
+    unlike_ref = timing["kv_eviction_ratio"] > 0 or not _greedy_request(c)
     if reason not in ("stop", "length", "abort"):
         bad.append(f"finish_reason {reason!r}")
     elif reason == "abort":  # cut short by the policy: what was sent stands
@@ -758,11 +781,11 @@ def _check_answer(eng: Engine, c: Call, s: Seen) -> list[str]:
         # stop never came. A half character at the cut is sent as U+FFFD.
         full = _text_after(eng.codec, _greedy(c.ids, c.max_tokens), final=True)
         stops = c.fields.get("stop") or []
-        if not evicted and not full.startswith(text.rstrip("\ufffd")):
+        if not unlike_ref and not full.startswith(text.rstrip("\ufffd")):
             bad.append(f"aborted answer {text!r} is not a prefix of {full!r}")
         if any(stop in text for stop in ([stops] if isinstance(stops, str) else stops)):
             bad.append(f"aborted answer {text!r} holds a stop string of {stops}")
-    elif not evicted and (text, reason, n) != (want_text, want_reason, want_n):
+    elif not unlike_ref and (text, reason, n) != (want_text, want_reason, want_n):
         bad.append(
             f"answer {text!r} {reason} ({n} tokens); the model's is {want_text!r} "
             f"{want_reason} ({want_n} tokens)"
@@ -796,6 +819,8 @@ def _same_prompt_same_answer(eng: Engine, calls: list[Call], seen: list[Seen]) -
             continue
         reason = s.final["choices"][0]["finish_reason"]
         if reason == "abort" or s.final["duetime"]["kv_eviction_ratio"] > 0:
+            continue
+        if not _greedy_request(c):
             continue
         key = (c.route, c.ids, c.max_tokens, json.dumps([c.fields.get(k) for k in keys]))
         texts.setdefault(key, set()).add((c.stream, s.text, reason))
