@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from duetime.server.codec import Codec
 from duetime.server.errors import ApiError
 from duetime.server.logprob_format import chat_logprobs, completion_logprobs
 from duetime.server.relay import Relay
@@ -36,7 +35,6 @@ class Meta:
     chat: bool
     prompt_tokens: int
     echo: str | None
-    codec: Codec  # names the tokens of a logprobs object
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -74,7 +72,7 @@ def _logprobs(relay: Relay, meta: Meta) -> dict[str, Any] | None:
         return None
     tokens = relay.take_logprobs()
     fmt = chat_logprobs if meta.chat else completion_logprobs
-    return fmt(tokens, meta.codec)
+    return fmt(tokens, relay.detok.codec)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

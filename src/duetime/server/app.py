@@ -302,7 +302,6 @@ async def _serve(
         chat=chat,
         prompt_tokens=len(ids),
         echo=_echo(state, body, ids, text),
-        codec=state.codec,
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
