@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["SamplingParams"]
+__all__ = ["MAX_PENALTY", "SamplingParams"]
 
 #: OpenAI's range for presence and frequency penalties.
 MAX_PENALTY = 2.0
@@ -52,7 +52,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (math.isfinite(v) and abs(v) <= MAX_PENALTY):
-                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(
                 f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"

@@ -9,14 +9,13 @@ OpenAPI schema FastAPI serves at ``/docs`` and ``/openapi.json``.
 Decoding is greedy unless a request asks otherwise: ``temperature`` defaults
 to 0, not OpenAI's 1, so the same request gets the same answer (every benchmark
 in duetime compares policies on identical outputs). ``temperature`` > 0 samples,
-cut by ``top_p`` and vLLM's ``top_k`` and ``min_p``, reproducibly with a ``seed``; the
-presence, frequency and (vLLM's) repetition penalties apply greedy or not. Fields
-that would change the response's shape (``best_of`` > 1, ``n`` > 1,
-``logprobs`` with ``echo``) or that a client relies on for what the text is
-(``response_format`` other than text, ``logit_bias``, ``suffix``, tools the
-model may call) are refused
-rather than silently dropped: an answer that ignored them would look right and
-be wrong.
+cut by ``top_p`` and vLLM's ``top_k`` and ``min_p``, reproducibly with a
+``seed``; the presence, frequency and (vLLM's) repetition penalties apply
+greedy or not. Fields that would change the response's shape (``best_of`` > 1,
+``n`` > 1, ``logprobs`` with ``echo``) or that a client relies on for what the
+text is (``response_format`` other than text, ``logit_bias``, ``suffix``, tools
+the model may call) are refused rather than silently dropped: an answer that
+ignored them would look right and be wrong.
 
 Types are strict (``"max_tokens": "3"`` or ``true`` is a 400, not 3 or 1), and
 text must be valid Unicode: JSON's ``\ud800`` escapes can smuggle a lone
@@ -37,7 +36,7 @@ from pydantic import (
 )
 
 from duetime.core.request import MAX_TUF_MAGNITUDE
-from duetime.core.sampling import SamplingParams
+from duetime.core.sampling import MAX_PENALTY, SamplingParams
 
 #: Upper bound on any millisecond field: about 11.6 days, far past any sane deadline.
 MAX_MS = 1e9
@@ -157,10 +156,16 @@ class _Common(TimeFields):
         None, ge=-(1 << 63), lt=1 << 64, description="Makes sampling reproducible."
     )
     presence_penalty: float = Field(
-        0.0, ge=-2, le=2, description="Subtracted once from each token the answer holds."
+        0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="Subtracted once from each token the answer holds.",
     )
     frequency_penalty: float = Field(
-        0.0, ge=-2, le=2, description="Subtracted per occurrence in the answer so far."
+        0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="Subtracted per occurrence in the answer so far.",
     )
     repetition_penalty: float = Field(
         1.0,
