@@ -287,17 +287,13 @@ class EngineExecutor(ExecutorCore):
         for row, ((seq, sampled), tok) in enumerate(zip(owners, next_ids, strict=True)):
             if sampled:
                 ids = self.tokens[seq.rid]
-                forced = (
-                    self._replayed(seq, len(ids) - seq.req.prompt_len)
-                    if replay and seq.rid in replay
-                    else None
-                )
+                position = len(ids) - seq.req.prompt_len  # of this token in the answer
+                forced = self._replayed(seq, position) if replay and seq.rid in replay else None
                 if forced is not None:
                     tok = forced  # no draw: the generator stays where the first run left it
                 elif samplers and seq.rid in samplers:
                     tok = samplers[seq.rid].pick(logits[row], ids, seq.req.prompt_len)
                 if logprob_logs and seq.rid in logprob_logs:
-                    position = len(ids) - seq.req.prompt_len
                     logprob_logs[seq.rid].record(position, logits[row], int(tok))
                 ids.append(int(tok))
                 produced.append((seq.rid, int(tok)))
