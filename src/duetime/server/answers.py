@@ -30,7 +30,6 @@ __all__ = ["Meta", "sse_answer", "whole_answer"]
 class Meta:
     """What every body or chunk of one answer repeats (OpenAI's id, model, created)."""
 
-    rid: int
     model: str
     chat: bool
     prompt_tokens: int

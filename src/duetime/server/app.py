@@ -297,7 +297,6 @@ async def _serve(
         engine, req.rid, stream, stops, Detokenizer(state.codec), body.min_tokens, logprobs
     )
     meta = Meta(
-        rid=req.rid,
         model=cfg.model_name,
         chat=chat,
         prompt_tokens=len(ids),
