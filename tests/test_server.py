@@ -796,3 +796,39 @@ def test_retired_requests_leave_no_policy_state() -> None:
         policy = state.engine.executor.policy
         assert policy._evicted == set()  # type: ignore[attr-defined]
         assert not state.engine.executor.records
+
+
+def test_a_repeated_system_prompt_is_served_from_the_prefix_cache(
+    client: openai.OpenAI, served: tuple[str, ServerState]
+) -> None:
+    """The second chat with the same long system prompt reports the cached prompt
+    tokens in usage (OpenAI's prompt_tokens_details) and in /metrics, and answers as
+    the first one would have without the cache."""
+    url, state = served
+    system = {"role": "system", "content": "You are a careful robot arm. " * 8}
+    ask = [system, {"role": "user", "content": "Pick up the red cube."}]
+    first = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8)
+    second = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8)
+    assert first.usage is not None
+    assert second.usage is not None
+    details = second.usage.prompt_tokens_details
+    assert details is not None
+    assert details.cached_tokens is not None
+    # every whole 16-token block but those holding the last 32 tokens (SnapKV's window)
+    assert details.cached_tokens == (second.usage.prompt_tokens - 32) // 16 * 16 > 200
+    assert second.choices[0].message.content == first.choices[0].message.content
+    text = httpx.get(url + "/metrics").text
+    hits = next(ln for ln in text.splitlines() if ln.startswith("duetime_prefix_cache_hits_total"))
+    assert float(hits.split()[-1]) >= details.cached_tokens
+    assert "duetime_prefix_cache_tokens " in text
+    _idle(state)
+
+    off = _state(prefix_cache_tokens=0)
+    with serve_in_thread(create_app(off)) as url_off:
+        plain = openai.OpenAI(base_url=url_off + "/v1", api_key="unused", max_retries=0)
+        for _ in range(2):
+            again = plain.chat.completions.create(model=MODEL, messages=ask, max_tokens=8)
+            assert again.usage is not None
+            assert again.usage.prompt_tokens_details is not None
+            assert again.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.choices[0].message.content == first.choices[0].message.content

@@ -50,6 +50,14 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Largest running batch.")] = 32,
     max_batch_tokens: Annotated[int, typer.Option(min=16, help="Tokens per step.")] = 2048,
     max_waiting: Annotated[int, typer.Option(min=1, help="Queue limit before 429.")] = 256,
+    prefix_cache: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Tokens of prompt KV kept for later prompts that begin the same way "
+            "(automatic prefix caching; 0: off). Gemma 3 270M: 37 KB a token.",
+        ),
+    ] = 4096,
     predictor: Annotated[
         str, typer.Option(help="Length predictor: auto, learned[:path] or none.")
     ] = "auto",
@@ -111,6 +119,7 @@ def serve(
             max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
             max_waiting=max_waiting,
+            prefix_cache_tokens=prefix_cache,
             predictor=None if predictor == "none" else predictor,
             profile=profile,
             telemetry=telemetry,

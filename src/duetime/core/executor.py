@@ -93,10 +93,17 @@ class ExecutorCore:
         self.n_done = 0  # finished + cancelled
         self.tokens_generated = 0  # every output token produced
         self.prefill_tokens = 0  # every prompt (or recomputed) token run through prefill
+        self.prefill_cached_tokens = 0  # prefill tokens whose KV a prefix cache supplied
 
     # --- hooks for executors with real memory (no-ops here) --------------------
-    def _on_admit(self, seq: Seq) -> None:
-        """A WAITING sequence is about to get KV memory (its first prefill chunk)."""
+    def _on_admit(self, seq: Seq) -> int:
+        """A WAITING sequence is about to get KV memory (its first prefill chunk).
+
+        Returns how many of its first tokens already have their KV (a prefix cache
+        hit; fewer than ``prefill_target``): their prefill is skipped. The policy
+        reserved memory for the whole prefill, so a hit never needs more than that.
+        """
+        return 0
 
     def _on_drop_kv(self, seq: Seq) -> None:
         """The sequence's KV is gone for good (finish, cancel, recompute preemption)."""
@@ -355,11 +362,16 @@ class ExecutorCore:
                 raise PolicyError(f"policy {name!r}: prefill of request {rid} twice in one step")
             named.add(rid)
             if seq.status is SeqStatus.WAITING:
-                self._on_admit(seq)
+                cached = self._on_admit(seq)
                 self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running[rid] = seq
                 self.prefilling[rid] = seq
+                if cached:
+                    seq.prefilled = cached
+                    self._static_kv += cached
+                    self.prefill_cached_tokens += cached
+                self.records[rid].cached_prompt_tokens = min(cached, seq.req.prompt_len)
             elif seq.status is not SeqStatus.RUNNING or seq.prefill_done:
                 raise PolicyError(f"policy {name!r}: prefill of request {rid} in {seq!r}")
             n = seq.prefill_remaining if n <= 0 else min(n, seq.prefill_remaining)

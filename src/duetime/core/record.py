@@ -17,7 +17,9 @@ class RequestRecord:
     ``k + 1`` (the end of the gap after segment ``k``), so a completed request
     has one fewer ready time than done times and segment ``k``'s waiting time
     is ``segment_done[k] − segment_ready[k − 1]``. ``finish`` is None when the
-    request was cancelled.
+    request was cancelled. ``cached_prompt_tokens``: prompt tokens whose KV a
+    prefix cache supplied at the request's last admission (always 0 in the
+    simulator; None until it is admitted).
     """
 
     request: Request
@@ -28,6 +30,7 @@ class RequestRecord:
     target_tokens: int = 0
     num_preemptions: int = 0
     kv_evicted_ratio: float = 0.0
+    cached_prompt_tokens: int | None = None
     segment_done: list[float] = field(default_factory=list)
     segment_ready: list[float] = field(default_factory=list)
 

@@ -38,6 +38,7 @@ from duetime.engine.eviction import (
 )
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.logprobs import LogprobLog
+from duetime.engine.prefix_cache import ROOT_KEY, PrefixCache, block_key
 from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
 
@@ -108,6 +109,13 @@ class EngineExecutor(ExecutorCore):
     w = 32, fp32); a sequence evicted after its first decode no longer has them
     and falls back to StreamingLLM (counted in ``counters["snapkv_fallbacks"]``).
 
+    ``prefix_cache_tokens`` > 0 keeps the KV of that many prompt tokens, in blocks,
+    for later prompts that begin the same way (:mod:`~duetime.engine.prefix_cache`):
+    a request admitted with a cached beginning copies its KV and prefills the rest
+    (``prefill_cached_tokens`` counts them). Its own budget, off the policy's books.
+    A hit leaves the last token to compute (its logits give the first answer token),
+    and under SnapKV the last ``snapkv_window``, whose queries SnapKV scores keys by.
+
     ``skip_idle`` is for benchmarks that replay a trace: when nothing can run
     until the next arrival or ready time, the run's clock jumps there instead
     of sleeping (:attr:`idle_skipped_s` adds up the jumps). Every step is still
@@ -132,6 +140,7 @@ class EngineExecutor(ExecutorCore):
         eviction: str = "snapkv",
         snapkv_window: int = DEFAULT_WINDOW,
         skip_idle: bool = False,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         if eviction not in EVICTION_METHODS:
             raise ValueError(
@@ -149,6 +158,11 @@ class EngineExecutor(ExecutorCore):
         )
         self.model = model
         self.kv = model.new_kv_cache()
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        if self.prefix_cache is not None:
+            self.kv.keep_extra = self.prefix_cache.block_size - 1
+        # rid → (blocks of its prefill known to the prefix cache, the last one's key)
+        self._chains: dict[int, tuple[int, bytes]] = {}
         self.eviction = eviction
         self.snapkv_window = snapkv_window
         self.cost = cost
@@ -194,12 +208,43 @@ class EngineExecutor(ExecutorCore):
         super().admit_arrival(job)
         self.tokens[job.request.rid] = list(ids)
 
-    def _on_admit(self, seq: Seq) -> None:
+    def _on_admit(self, seq: Seq) -> int:
         slot = self.slots[seq.rid] = self.kv.allocate(seq.prefill_target + 16)
+        cached = 0
+        if self.prefix_cache is not None:
+            computed = self.snapkv_window if self.eviction == "snapkv" else 1
+            keys, blocks = self.prefix_cache.match(
+                self.tokens[seq.rid], seq.prefill_target - computed
+            )
+            cached = self.kv.load_prefix(slot, blocks)
+            self._chains[seq.rid] = (len(keys), keys[-1] if keys else ROOT_KEY)
         if self.eviction == "snapkv":
             self.kv.watch(slot, self.snapkv_window)  # the prefill's last queries, for SnapKV
+        return cached
+
+    def _cache_blocks(self, seq: Seq, end: int) -> None:
+        """Offer the prefix cache every whole block of ``seq`` up to position ``end``,
+        just computed: a block that began in an earlier chunk is still held, since
+        sliding layers keep ``block_size - 1`` entries more than their window."""
+        cache = self.prefix_cache
+        assert cache is not None
+        size = cache.block_size
+        done, parent = self._chains.get(seq.rid, (0, ROOT_KEY))
+        ids = self.tokens[seq.rid]
+        slot = self.slots[seq.rid]
+        while (done + 1) * size <= end:
+            start = done * size
+            key = block_key(parent, ids[start : start + size])
+            if key not in cache:
+                cache.insert(key, parent, self.kv.read_positions(slot, start, start + size))
+            parent, done = key, done + 1
+        if end >= seq.prefill_target:
+            self._chains.pop(seq.rid, None)  # prefill done: nothing more to offer
+        else:
+            self._chains[seq.rid] = (done, parent)
 
     def _on_drop_kv(self, seq: Seq) -> None:
+        self._chains.pop(seq.rid, None)
         slot = self.slots.pop(seq.rid, None)
         if slot is not None:
             self.kv.free(slot)
@@ -282,6 +327,9 @@ class EngineExecutor(ExecutorCore):
         logits = self.model.step(model_chunks, kv)
         next_ids = torch.argmax(logits, dim=-1).tolist()
         dt = self._clock() - t0
+        if self.prefix_cache is not None:
+            for seq, n in chunks:  # before _after_step, which may free a finished one's KV
+                self._cache_blocks(seq, seq.prefilled + n)
         produced: list[tuple[int, int]] = []
         replay, samplers, logprob_logs = self._replay, self.samplers, self.logprob_logs
         for row, ((seq, sampled), tok) in enumerate(zip(owners, next_ids, strict=True)):
@@ -458,6 +506,7 @@ class EngineExecutor(ExecutorCore):
         super().forget(rid)
         self.tokens.pop(rid, None)
         self._replay.pop(rid, None)
+        self._chains.pop(rid, None)
         self.stop_tokens.pop(rid, None)
         self.segmenters.pop(rid, None)
         self.samplers.pop(rid, None)

@@ -107,6 +107,9 @@ class KVCache:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._window_keep = config.sliding_window - 1
+        # Entries a sliding layer keeps beyond its window when it trims: the prefix
+        # cache reads a block that began in an earlier chunk (block_size - 1 of them).
+        self.keep_extra = 0
         self._watched: dict[int, ObsWindow] = {}  # slots whose last queries are kept
 
     # ----------------------------------------------------------------- allocation
@@ -217,6 +220,47 @@ class KVCache:
             assert isinstance(obs, dict), "not an observation-window state"
             self._watched[slot] = ObsWindow.from_state(obs, self.dtype)
         return slot
+
+    # ------------------------------------------------------------------ prefix cache
+    def read_positions(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """A copy of positions ``[start, end)`` of every layer, ``[layers, 2, kv_heads,
+        end - start, head_dim]``: a block for the prefix cache. Every layer must still
+        hold them in order (a prefill's chunks, before any eviction)."""
+        layers = self._seqs[slot].layers
+        c = self.config
+        out = torch.empty(
+            (len(layers), 2, c.num_kv_heads, end - start, c.head_dim), dtype=self.dtype
+        )
+        for i, layer in enumerate(layers):
+            lo = start - layer.base
+            assert layer.pos is None, "positions of an evicted layer"
+            assert lo >= 0, "positions no longer held (trimmed)"
+            assert end - layer.base <= layer.length, "positions not computed yet"
+            out[i] = layer.buf[:, :, lo : end - layer.base]
+        return out
+
+    def load_prefix(self, slot: int, blocks: list[torch.Tensor]) -> int:
+        """Fill an empty sequence with the positions ``blocks`` (from
+        :meth:`read_positions`, consecutive from position 0) hold; returns their count.
+        A sliding layer takes only the blocks its window still sees."""
+        seq = self._seqs[slot]
+        assert seq.next_pos == 0, "a prefix goes into an empty sequence"
+        if not blocks:
+            return 0
+        size = blocks[0].shape[3]
+        n = size * len(blocks)
+        for i, layer in enumerate(seq.layers):
+            first = 0
+            if self.config.sliding_layers[i]:
+                first = max(0, n - self._window_keep) // size
+            length = n - first * size
+            if length > layer.capacity:
+                self._resize(layer, length)
+            for j, block in enumerate(blocks[first:]):
+                layer.buf[:, :, j * size : (j + 1) * size] = block[i]
+            layer.base, layer.length = first * size, length
+        seq.next_pos = n
+        return n
 
     # ----------------------------------------------------------------- accounting
     def __contains__(self, slot: int) -> bool:
@@ -348,7 +392,7 @@ class KVCache:
         need = layer.length + n
         if need <= layer.capacity:
             return
-        keep_n = self._window_keep
+        keep_n = self._window_keep + self.keep_extra
         win = self._watched.get(slot)
         if win is not None:
             # SnapKV's window queries saw keys up to window - 1 before themselves: keep

@@ -83,11 +83,13 @@ async def _collect(relay: Relay, timeout: float) -> str:
     return "".join([d async for d in relay.deltas(timeout)])
 
 
-def _usage(relay: Relay, meta: Meta) -> dict[str, int]:
+def _usage(relay: Relay, meta: Meta) -> dict[str, Any]:
+    cached = relay.outcome.cached_tokens if relay.outcome is not None else None
     return {
         "prompt_tokens": meta.prompt_tokens,
         "completion_tokens": relay.completion_tokens,
         "total_tokens": meta.prompt_tokens + relay.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached or 0},
     }
 
 

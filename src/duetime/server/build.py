@@ -36,6 +36,7 @@ class ServeOptions:
     max_num_seqs: int = 32
     max_batch_tokens: int = 2048
     max_waiting: int = 256
+    prefix_cache_tokens: int = 4096  # automatic prefix caching's budget; 0: off
     predictor: str | None = "auto"  # auto: the learned length predictor for real models
     profile: Path | None = None
     telemetry: Path | None = None
@@ -84,6 +85,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
             telemetry=options.telemetry,
             check_accounting=False,
             eviction=options.eviction,
+            prefix_cache_tokens=options.prefix_cache_tokens,
         )
         ex.eos_token_id = codec.eos_id
         return ex

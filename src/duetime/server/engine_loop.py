@@ -57,6 +57,9 @@ class Outcome:
     deadline: float | None = None
     preemptions: int = 0
     error: str | None = None
+    prompt_tokens: int = 0
+    #: Prompt tokens whose KV came from the prefix cache; None if it never reached the engine.
+    cached_tokens: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -132,6 +135,7 @@ class EngineStats:
     suspended: int = 0
     kv_used: int = 0
     kv_capacity: int = 0
+    prefix_cache_tokens: int = 0  # tokens of prompt KV the prefix cache holds
     engine_steps: int = 0
     engine_errors: int = 0
     alive: bool = False
@@ -401,6 +405,8 @@ class EngineLoop:
             deadline=req.deadline,
             preemptions=ex.seqs[req.rid].num_preemptions if req.rid in ex.seqs else 0,
             error=error,
+            prompt_tokens=req.prompt_len,
+            cached_tokens=rec.cached_prompt_tokens if rec else None,
         )
 
     def _fail_all(self, why: str, *, log_it: bool = True) -> None:
@@ -433,6 +439,7 @@ class EngineLoop:
             suspended=len(ex.suspended),
             kv_used=ex.kv_used,
             kv_capacity=ex.kv_capacity,
+            prefix_cache_tokens=ex.prefix_cache.num_tokens if ex.prefix_cache else 0,
             engine_steps=ex.engine_steps,
             engine_errors=self._errors,
             alive=True,

@@ -36,6 +36,11 @@ class _EngineCollector(Collector):
             ("duetime_suspended", "Sequences suspended or swapped out.", s.suspended),
             ("duetime_kv_used_tokens", "KV cache memory in use, in tokens.", s.kv_used),
             ("duetime_kv_capacity_tokens", "KV cache budget M, in tokens.", s.kv_capacity),
+            (
+                "duetime_prefix_cache_tokens",
+                "Prompt KV the prefix cache holds, in tokens (off the KV budget).",
+                s.prefix_cache_tokens,
+            ),
             ("duetime_engine_steps", "Engine steps run so far.", s.engine_steps),
             ("duetime_engine_errors", "Steps that raised (the engine restarted).", s.engine_errors),
         ):
@@ -78,6 +83,16 @@ class ServerMetrics:
             registry=r,
         )
         self.tokens = Counter("duetime_generated_tokens", "Tokens generated.", registry=r)
+        self.prefix_queries = Counter(
+            "duetime_prefix_cache_queries",
+            "Prompt tokens of requests admitted to the engine (looked up in the prefix cache).",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "duetime_prefix_cache_hits",
+            "Prompt tokens whose KV the prefix cache supplied.",
+            registry=r,
+        )
         self.responses = Counter(
             "duetime_http_responses",
             "HTTP responses by route and status (a stream's status is its first line's).",
@@ -98,6 +113,9 @@ class ServerMetrics:
     def observe(self, outcome: Outcome) -> None:
         self.requests.labels(outcome.finish_reason).inc()
         self.tokens.inc(outcome.output_tokens)
+        if outcome.cached_tokens is not None:
+            self.prefix_queries.inc(outcome.prompt_tokens)
+            self.prefix_hits.inc(outcome.cached_tokens)
         if outcome.ttft is not None:
             self.ttft.observe(outcome.ttft)
         if outcome.finish_reason in ("stop", "length"):
