@@ -175,6 +175,7 @@ class Engine:
     max_batch_tokens: int
     max_waiting: int
     request_timeout_s: float
+    prefix_cache_tokens: int = 4096
 
     @property
     def max_context(self) -> int:
@@ -216,15 +217,20 @@ def _engine(draw: Any, case: str) -> Engine:
         max_batch_tokens=draw(st.sampled_from([8, 48, 2048])),
         max_waiting=draw(st.sampled_from([2, 256, 256])),
         request_timeout_s=draw(st.sampled_from([0.05, 0.4, 600.0, 600.0, 600.0])),
+        # off, room for two blocks (so blocks are dropped as others come), the default
+        prefix_cache_tokens=draw(st.sampled_from([0, 32, 4096, 4096])),
     )
 
 
 def _malformed(draw: Any, chat: bool, base: dict[str, Any]) -> tuple[bytes, int] | None:
     """A body broken in one way and the status it must get, or None for a good one."""
     kind = draw(st.integers(0, 180))  # small values (the ones hypothesis tries first) are good
+    # The NaN goes in front of a body without its own temperature: JSON's last duplicate
+    # key wins, so a sampled request's "temperature": 0.0 made the NaN body a good one.
+    unsampled = {k: v for k, v in base.items() if k != "temperature"}
     cases: list[tuple[bytes, int]] = [
         (b"{not json", 400),
-        (json.dumps(base).encode().replace(b"{", b'{"temperature": NaN, ', 1), 400),
+        (json.dumps(unsampled).encode().replace(b"{", b'{"temperature": NaN, ', 1), 400),
         (json.dumps(base).encode().replace(b"{", b'{"user": Infinity, ', 1), 400),
         (b"", 400),
         (b"[1, 2]", 400),
@@ -464,6 +470,7 @@ def _state(eng: Engine) -> ServerState:
         max_batch_tokens=eng.max_batch_tokens,
         max_waiting=eng.max_waiting,
         request_timeout_s=eng.request_timeout_s,
+        prefix_cache_tokens=eng.prefix_cache_tokens,
     )
     with pytest.MonkeyPatch.context() as mp:
         if eng.policy == "hsf":  # it orders by predicted lengths and needs a predictor
@@ -760,8 +767,18 @@ def _check_answer(eng: Engine, c: Call, s: Seen) -> list[str]:
     n = timing["completion_tokens"]
     if s.usage is not None:
         want = {"prompt_tokens": len(c.ids), "completion_tokens": n, "total_tokens": len(c.ids) + n}
-        if s.usage != want:
+        usage = dict(s.usage)
+        cached = (usage.pop("prompt_tokens_details", None) or {}).get("cached_tokens")
+        if usage != want:
             bad.append(f"usage {s.usage}, expected {want}")
+        # whole 16-token blocks of the prompt; all of it only for a prefill recomputed after
+        # a preemption, whose last computed token is then one of the answer's
+        if not (
+            isinstance(cached, int)
+            and 0 <= cached <= len(c.ids)
+            and (cached % 16 == 0 or cached == len(c.ids))
+        ):
+            bad.append(f"usage {s.usage}: cached_tokens not whole blocks of the prompt")
     text = s.text
     if c.fields.get("echo"):
         codec = _codec(eng.codec)

@@ -22,4 +22,5 @@ from duetime.cli.bench import (  # noqa: F401  (registers the commands)
     serve,
     sensitivity,
     eviction,
+    prefix_cache,
 )

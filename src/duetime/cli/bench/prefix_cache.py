@@ -1,0 +1,83 @@
+"""`duetime bench prefix-cache`: TTFT with and without automatic prefix caching, side by side."""
+
+from __future__ import annotations
+
+import random
+from typing import Annotated
+
+import typer
+
+from duetime.cli.bench.save import save_figures
+from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
+
+
+@bench_app.command("prefix-cache")
+def bench_prefix_cache(
+    model: Annotated[
+        str,
+        typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT text), 'tiny' (random) or a GGUF."),
+    ] = "gemma",
+    requests: Annotated[
+        int, typer.Option(min=2, max=200, help="Requests sharing the prompt (the 1st fills).")
+    ] = 8,
+    system_len: Annotated[int, typer.Option(min=16, help="Shared prompt, tokens.")] = 512,
+    question_len: Annotated[
+        int, typer.Option(min=1, help="Longest question after it, tokens.")
+    ] = 64,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")] = 16,
+    cache_tokens: Annotated[int, typer.Option(min=16, help="Prefix cache budget, tokens.")] = 4096,
+    dtype: Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")] = "q8",
+    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 2,
+    seed: Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")] = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """Serve requests that share a long prompt one at a time, without and with the
+    prefix cache, and compare their time to first token and their answers."""
+    import torch
+
+    from duetime.bench import prefix_cache as bench
+    from duetime.bench.engine_fit import check_context, check_dtype, engine_context
+    from duetime.metrics import render_table
+
+    with _user_errors():
+        check_dtype(dtype)
+        check_context(
+            system_len + question_len + new_tokens,
+            engine_context(model),
+            f"--system-len {system_len} + --question-len {question_len} + "
+            f"--new-tokens {new_tokens}",
+        )
+        if cache_tokens < system_len:
+            raise ValueError(
+                f"--cache-tokens {cache_tokens} cannot hold the --system-len {system_len} prompt"
+            )
+        torch.set_num_threads(threads)
+        if model == "tiny":
+            from duetime.engine.testing import engine_from_hf, tiny_hf_model
+
+            m = engine_from_hf(tiny_hf_model(seed=seed), dtype)  # type: ignore[arg-type]
+            r = random.Random(seed)
+            vocab = m.config.vocab_size
+            system = [r.randrange(vocab) for _ in range(system_len)]
+            questions = [
+                [r.randrange(vocab) for _ in range(r.randint(1, question_len))]
+                for _ in range(requests)
+            ]
+        else:
+            from duetime.bench.eviction import sharegpt_prompts
+            from duetime.engine.load import load_model
+
+            m = load_model(None if model == "gemma" else model, dtype=dtype)  # type: ignore[arg-type]
+            # a long ShareGPT prompt as the shared one, short ones (BOS dropped) after it
+            system = sharegpt_prompts(1, system_len, 4 * system_len, seed)[0][:system_len]
+            questions = [q[1:] for q in sharegpt_prompts(requests, 2, question_len + 1, seed)]
+        fig = bench.run(m, system, questions, new_tokens=new_tokens, cache_tokens=cache_tokens)
+        fig.update(model=model, dtype=dtype, threads=threads, seed=seed)
+    out.print(render_table(bench.table_columns(fig), keys=bench.TABLE_KEYS))
+    out.print(
+        f"{fig['requests'] - 1} requests after the first: TTFT p50 "
+        f"{fig['ttft_speedup']:.2f}x faster with the cache, mean e2e {fig['e2e_speedup']:.2f}x; "
+        f"{fig['hit_rate_pct']:.1f} % of their prompt tokens came from it; "
+        f"answers identical {fig['answers_identical']}/{fig['requests']}"
+    )
+    save_figures(fig, json_path=json_path)
