@@ -179,6 +179,8 @@ def _bar_text(ids: Any) -> str:
 def scenarios(draw: Any) -> dict[str, Any]:
     mode = draw(st.sampled_from(["recompute", "swap", "restart"]))
     segmented = draw(st.booleans())
+    # A beginning some prompts share (whole 16-token blocks of it: prefix cache hits)
+    shared = tuple(draw(st.lists(st.integers(0, 255), min_size=16, max_size=60)))
     jobs = []
     for i in range(draw(st.integers(1, 10))):
         p = draw(st.integers(1, 40))
@@ -188,6 +190,8 @@ def scenarios(draw: Any) -> dict[str, Any]:
             cut = draw(st.integers(1, o - 1))
             segs = (cut, o - cut)
         prompt = tuple(draw(st.lists(st.integers(0, 255), min_size=p, max_size=p)))
+        if draw(st.booleans()):
+            prompt = shared + prompt
         jobs.append(
             _job(
                 i, prompt, o, segments=segs, gaps=(0.001,) if segs else (),
@@ -209,6 +213,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
         "eos": draw(st.booleans()),
         "text_segments": segmented and draw(st.booleans()),
         "aborts": draw(st.booleans()),
+        "prefix_cache": draw(st.sampled_from([0, 32, 4096])),
     }
 
 
@@ -225,6 +230,7 @@ def test_engine_under_chaos_frees_everything_and_keeps_greedy_answers(
         policy, model, kv_capacity=sc["kv_capacity"], max_num_seqs=sc["max_num_seqs"],
         max_batch_tokens=sc["max_batch_tokens"], eviction=sc["eviction"],
         snapkv_window=sc["snapkv_window"], offload_suspended=sc["offload"], skip_idle=True,
+        prefix_cache_tokens=sc["prefix_cache"],
     )  # fmt: skip
     r = random.Random(sc["seed"])
     want = {
@@ -268,6 +274,7 @@ def test_engine_under_chaos_frees_everything_and_keeps_greedy_answers(
     assert ex.spooled_at_close == {}
     assert ex._spool is None  # the spool directory is gone
     assert not ex.kv.watching
+    assert not ex._chains
     assert res.kv_peak <= sc["kv_capacity"]
     for rec in res.records:
         rid = rec.request.rid

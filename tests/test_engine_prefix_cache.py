@@ -208,6 +208,37 @@ def test_snapkv_eviction_after_a_hit_keeps_what_it_keeps_without_one(model: Any)
     assert outputs[0] == outputs[1]
 
 
+def _turn(rid: int, ids: list[int], out: int) -> Job:
+    req = Request(
+        rid=rid, arrival=0.0, prompt_len=len(ids), prompt_token_ids=tuple(ids), max_tokens=64
+    )
+    return Job(req, out)
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_a_next_turn_reuses_the_answer_s_blocks_unless_its_kv_was_evicted(
+    model: Any, evict: bool
+) -> None:
+    """A conversation's next prompt holds the last answer: its blocks, made while
+    decoding, are in the cache too. A sequence whose KV was evicted offers nothing
+    after the eviction (its KV no longer is a full prefill's)."""
+    policy = EvictAfterPrefill(0.5) if evict else make_policy("fcfs")
+    ex = EngineExecutor(
+        policy, model, kv_capacity=10_000, eviction="streaming", prefix_cache_tokens=4096
+    )
+    r = random.Random(7)
+    first = [r.randrange(256) for _ in range(40)]
+    answer = ex.run([_turn(0, first, 40)]).outputs[0]
+    second = first + answer + [r.randrange(256) for _ in range(10)]
+    res = ex.run([_turn(1, second, 5)])
+    rec = res.records[0]
+    # decoding fed all but the answer's last token: 79 positions, 4 whole blocks
+    assert rec.cached_prompt_tokens == (32 if evict else 64)
+    if not evict:
+        assert res.outputs[1] == _reference(model, [_turn(1, second, 5)])[1]
+    assert ex.kv.total_tokens == 0
+
+
 # --- `duetime bench prefix-cache` ------------------------------------------------------
 def test_bench_prefix_cache_reports_both_runs_side_by_side(tmp_path: Any) -> None:
     import json

@@ -161,7 +161,8 @@ class EngineExecutor(ExecutorCore):
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         if self.prefix_cache is not None:
             self.kv.keep_extra = self.prefix_cache.block_size - 1
-        # rid → (blocks of its prefill known to the prefix cache, the last one's key)
+        # rid → (its whole blocks offered to the prefix cache, the last one's key); only
+        # while its KV is every position's own (an evicted sequence's is not: it leaves)
         self._chains: dict[int, tuple[int, bytes]] = {}
         self.eviction = eviction
         self.snapkv_window = snapkv_window
@@ -222,26 +223,28 @@ class EngineExecutor(ExecutorCore):
             self.kv.watch(slot, self.snapkv_window)  # the prefill's last queries, for SnapKV
         return cached
 
-    def _cache_blocks(self, seq: Seq, end: int) -> None:
-        """Offer the prefix cache every whole block of ``seq`` up to position ``end``,
-        just computed: a block that began in an earlier chunk is still held, since
-        sliding layers keep ``block_size - 1`` entries more than their window."""
+    def _cache_blocks(self, rid: int, end: int) -> None:
+        """Offer the prefix cache every whole block of ``rid`` up to position ``end``,
+        just computed (prompt and answer alike: a conversation's next turn begins with
+        both). A block that began in an earlier step is still held, since sliding
+        layers keep ``block_size - 1`` entries more than their window."""
+        chain = self._chains.get(rid)
         cache = self.prefix_cache
-        assert cache is not None
+        if chain is None or cache is None:
+            return
         size = cache.block_size
-        done, parent = self._chains.get(seq.rid, (0, ROOT_KEY))
-        ids = self.tokens[seq.rid]
-        slot = self.slots[seq.rid]
+        done, parent = chain
+        if (done + 1) * size > end:
+            return
+        ids = self.tokens[rid]
+        slot = self.slots[rid]
         while (done + 1) * size <= end:
             start = done * size
             key = block_key(parent, ids[start : start + size])
             if key not in cache:
                 cache.insert(key, parent, self.kv.read_positions(slot, start, start + size))
             parent, done = key, done + 1
-        if end >= seq.prefill_target:
-            self._chains.pop(seq.rid, None)  # prefill done: nothing more to offer
-        else:
-            self._chains[seq.rid] = (done, parent)
+        self._chains[rid] = (done, parent)
 
     def _on_drop_kv(self, seq: Seq) -> None:
         self._chains.pop(seq.rid, None)
@@ -285,6 +288,7 @@ class EngineExecutor(ExecutorCore):
         return self._spool
 
     def _on_evict(self, seq: Seq, n_tokens: int, alpha: float) -> None:
+        self._chains.pop(seq.rid, None)  # its later blocks would not be a full prefill's
         if seq.rid in self._spooled:  # swapped out: bring it back, evict, spool it again
             self._on_swap_in(seq)
             self._evict_slot(self.slots[seq.rid], n_tokens)
@@ -327,9 +331,11 @@ class EngineExecutor(ExecutorCore):
         logits = self.model.step(model_chunks, kv)
         next_ids = torch.argmax(logits, dim=-1).tolist()
         dt = self._clock() - t0
-        if self.prefix_cache is not None:
-            for seq, n in chunks:  # before _after_step, which may free a finished one's KV
-                self._cache_blocks(seq, seq.prefilled + n)
+        if self._chains:  # before _after_step, which may free a finished one's KV
+            for seq, n in chunks:
+                self._cache_blocks(seq.rid, seq.prefilled + n)
+            for seq in decoders:  # its last token's KV went in this step
+                self._cache_blocks(seq.rid, len(self.tokens[seq.rid]))
         produced: list[tuple[int, int]] = []
         replay, samplers, logprob_logs = self._replay, self.samplers, self.logprob_logs
         for row, ((seq, sampled), tok) in enumerate(zip(owners, next_ids, strict=True)):
