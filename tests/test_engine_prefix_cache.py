@@ -45,6 +45,18 @@ def test_match_returns_the_longest_cached_run_of_whole_blocks_under_the_limit() 
     assert cache.queried_tokens == len(b) + 3 * B - 1 + 3 * B
 
 
+def test_peek_finds_what_match_would_and_changes_nothing() -> None:
+    cache = PrefixCache(3 * B)
+    a, b = list(range(2 * B + 5)), list(range(100, 100 + B))
+    ka = _fill(cache, a, 2)
+    _fill(cache, b, 1)
+    assert cache.peek(a, len(a)) == 2 * B
+    assert cache.peek(a, 2 * B - 1) == B
+    assert cache.queried_tokens == cache.hit_tokens == 0  # nothing counted
+    cache.insert(chain_keys(list(range(500, 500 + B)), 1, B)[0], ROOT_KEY, _kv(0))
+    assert ka[1] not in cache  # a's leaf was still the oldest: peeking did not touch it
+
+
 def test_a_block_is_shared_only_when_every_token_before_it_agrees() -> None:
     cache = PrefixCache(1024)
     a = list(range(2 * B))

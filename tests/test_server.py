@@ -832,3 +832,28 @@ def test_a_repeated_system_prompt_is_served_from_the_prefix_cache(
             assert again.usage.prompt_tokens_details is not None
             assert again.usage.prompt_tokens_details.cached_tokens == 0
         assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_admission_counts_a_cached_prompt_as_the_copy_it_is(tmp_path: Path) -> None:
+    """A prompt whose beginning the prefix cache holds is judged by the prefill it still
+    needs: with 10 ms per prefill token, a 400-token prompt cannot answer in 1.5 s, but
+    the same prompt again (all but its last 32 tokens cached) can; another long prompt
+    still cannot."""
+    profile = tmp_path / "prefill-bound.json"
+    coefficients = {"c0": 0.001, "a1": 0.01}  # 10 ms a prefill token, 1 ms a decode step
+    profile.write_text(json.dumps({"name": "prefill-bound", "coefficients": coefficients}))
+    state = _state(profile=profile)
+    with serve_in_thread(create_app(state)) as url:
+        prompt = "The warehouse robot waits for its next order. " * 9  # 415 bytes
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+        first = httpx.post(url + "/v1/completions", json={**body, "deadline_ms": 1500})
+        assert first.status_code == 429, first.text  # 4.1 s of prefill predicted
+        warm = httpx.post(url + "/v1/completions", json=body, timeout=60)  # no deadline
+        assert warm.status_code == 200, warm.text
+        assert state.engine.cached_prefix_len(state.codec.encode(prompt)) >= 352
+        again = httpx.post(url + "/v1/completions", json={**body, "deadline_ms": 1500}, timeout=60)
+        assert again.status_code == 200, again.text
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 352
+        other = {**body, "prompt": prompt.upper(), "deadline_ms": 1500}
+        assert httpx.post(url + "/v1/completions", json=other).status_code == 429
+        _idle(state)

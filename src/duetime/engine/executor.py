@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -209,13 +209,25 @@ class EngineExecutor(ExecutorCore):
         super().admit_arrival(job)
         self.tokens[job.request.rid] = list(ids)
 
+    def _hit_limit(self, n: int) -> int:
+        """How many of a prefill's ``n`` tokens a prefix-cache hit may cover: all but the
+        last (its logits give the next token), and under SnapKV all but the last
+        ``snapkv_window``, whose queries SnapKV scores the prompt's keys by."""
+        return n - (self.snapkv_window if self.eviction == "snapkv" else 1)
+
+    def cached_prefix_len(self, ids: Sequence[int]) -> int:
+        """Prompt tokens of ``ids`` the prefix cache would supply if admitted now (0
+        without a cache): for estimates, such as the server's admission control."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.peek(ids, self._hit_limit(len(ids)))
+
     def _on_admit(self, seq: Seq) -> int:
         slot = self.slots[seq.rid] = self.kv.allocate(seq.prefill_target + 16)
         cached = 0
         if self.prefix_cache is not None:
-            computed = self.snapkv_window if self.eviction == "snapkv" else 1
             keys, blocks = self.prefix_cache.match(
-                self.tokens[seq.rid], seq.prefill_target - computed
+                self.tokens[seq.rid], self._hit_limit(seq.prefill_target)
             )
             cached = self.kv.load_prefix(slot, blocks)
             self._chains[seq.rid] = (len(keys), keys[-1] if keys else ROOT_KEY)

@@ -120,6 +120,20 @@ class PrefixCache:
         self.hit_tokens += len(keys) * self.block_size
         return keys, kvs
 
+    def peek(self, ids: Sequence[int], limit: int) -> int:
+        """Tokens :meth:`match` would find now, without counting or marking anything
+        (admission control asks before the request is queued; another thread may be
+        changing the cache meanwhile, so this is an estimate)."""
+        n = 0
+        parent = ROOT_KEY
+        size = self.block_size
+        for k in range(max(0, min(limit, len(ids))) // size):
+            parent = block_key(parent, ids[k * size : (k + 1) * size])
+            if parent not in self._blocks:
+                break
+            n += size
+        return n
+
     def insert(self, key: bytes, parent: bytes, kv: torch.Tensor) -> bool:
         """Keep block ``key`` (child of ``parent``, ``ROOT_KEY`` for a first block) with its
         KV. False when it is there already, when the budget holds no block, or when its

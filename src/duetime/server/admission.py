@@ -3,11 +3,13 @@
 A request is refused with 429 (and ``Retry-After``) when the queue is full, or
 when even an optimistic estimate of its finish time misses its deadline:
 
-    t̂_finish = now + T_prefill(queued prompt tokens) + T_prefill(prompt)
+    t̂_finish = now + T_prefill(queued prompt tokens) + T_prefill(prompt − cached)
                + N̂ · t_step(running + 1 decoders, KV in use + prompt)
 
 with ``N̂`` the predicted answer length (exactly ``max_tokens`` when the
-client asked for ``ignore_eos``) and step times from :class:`StepTimer`. The
+client asked for ``ignore_eos``), ``cached`` the prompt tokens the prefix
+cache holds now (their prefill is a copy), and step times from
+:class:`StepTimer`. The
 estimate ignores whatever a policy may put ahead of the request later, so it
 errs towards accepting: a request it refuses had no chance under FCFS order.
 A request that allows KV eviction (``kv_eviction`` not ``off``) is accepted
@@ -43,11 +45,13 @@ class Admission:
         self.timer = timer
         self.max_waiting = max_waiting
 
-    def estimate(self, stats: EngineStats, prompt_len: int, tokens: float) -> float | None:
+    def estimate(
+        self, stats: EngineStats, prompt_len: int, tokens: float, cached_tokens: int = 0
+    ) -> float | None:
         """Optimistic seconds from now to the last token, or None without a step model."""
         if not self.timer.ready:
             return None
-        t = self.timer.prefill_time(stats.waiting_prefill_tokens + prompt_len)
+        t = self.timer.prefill_time(stats.waiting_prefill_tokens + prompt_len - cached_tokens)
         step = self.timer.step_time(0, stats.running + 1, stats.kv_used + prompt_len)
         return t + max(tokens - 1, 0.0) * step
 
@@ -60,8 +64,10 @@ class Admission:
         tokens: float,
         budget_s: float | None,
         allows_eviction: bool,
+        cached_tokens: int = 0,
     ) -> Verdict:
-        """``queued``: requests waiting in the engine plus those not yet handed to it."""
+        """``queued``: requests waiting in the engine plus those not yet handed to it;
+        ``cached_tokens``: of the prompt, those the prefix cache holds."""
         if queued >= self.max_waiting:
             drain = self.timer.prefill_time(stats.waiting_prefill_tokens)
             return Verdict(
@@ -70,7 +76,7 @@ class Admission:
                 why="queue",
                 retry_after_s=max(1, math.ceil(drain)),
             )
-        eta = self.estimate(stats, prompt_len, tokens)
+        eta = self.estimate(stats, prompt_len, tokens, cached_tokens)
         if budget_s is None or eta is None or eta <= budget_s:
             return Verdict(True, predicted_finish_s=eta)
         if allows_eviction:

@@ -258,6 +258,7 @@ async def _serve(
         tokens=tokens,
         budget_s=budget,
         allows_eviction=body.allows_eviction(),
+        cached_tokens=engine.cached_prefix_len(ids),
     )
     if not verdict.accept:
         state.metrics.rejected.labels(verdict.why).inc()

@@ -182,6 +182,11 @@ class EngineLoop:
         self.stats = EngineStats(kv_capacity=self.executor.kv_capacity)
 
     # --- called from any thread ----------------------------------------------------
+    def cached_prefix_len(self, ids: Sequence[int]) -> int:
+        """Prompt tokens the prefix cache holds for ``ids`` now (an estimate: the engine
+        thread may change the cache before the request is admitted)."""
+        return self.executor.cached_prefix_len(ids)
+
     def next_rid(self) -> int:
         return next(self._rids)
 
