@@ -246,15 +246,12 @@ class EngineExecutor(ExecutorCore):
             return
         size = cache.block_size
         done, parent = chain
-        if (done + 1) * size > end:
-            return
-        ids = self.tokens[rid]
-        slot = self.slots[rid]
         while (done + 1) * size <= end:
             start = done * size
-            key = block_key(parent, ids[start : start + size])
+            key = block_key(parent, self.tokens[rid][start : start + size])
             if key not in cache:
-                cache.insert(key, parent, self.kv.read_positions(slot, start, start + size))
+                kv = self.kv.read_positions(self.slots[rid], start, start + size)
+                cache.insert(key, parent, kv)
             parent, done = key, done + 1
         self._chains[rid] = (done, parent)
 
