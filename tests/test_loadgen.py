@@ -90,6 +90,12 @@ class FakeServer:
                 part = {"delta": {"content": f" t{i}"}} if chat else {"text": f" t{i}"}
                 yield _sse({"choices": [{"index": 0, **part}]})
             last: dict[str, Any] = {"choices": [], "usage": {"completion_tokens": tokens}}
+            system = (chat and body["messages"][0]["role"] == "system") or (
+                not chat and body["prompt"].startswith("SYS")
+            )
+            if system:  # a prefix cache served 8 of its 10 prompt tokens
+                details = {"cached_tokens": 8}
+                last["usage"].update(prompt_tokens=10, prompt_tokens_details=details)
             if "deadline_ms" in body:
                 last["duetime"] = {"ttft_ms": 1.0, "e2e_ms": 20.0, "deadline_met": True}
             yield _sse(last)
@@ -203,6 +209,31 @@ def test_wire_format_completions_and_chat(server: tuple[FakeServer, str]) -> Non
     assert "min_tokens" not in body
     assert "deadline_ms" not in body
     assert [o.chunks for o in run.outcomes] == [4, 4]  # the role-only chunk is not a token
+
+
+def test_a_system_prompt_begins_every_request_and_cached_tokens_are_reported(
+    server: tuple[FakeServer, str],
+) -> None:
+    fake, url = server
+    target = Target(base=url, model="m", chat=True, system_prompt="SYS: be brief. ")
+    run = run_load(_requests(3), target, Bounds())
+    assert fake.bodies[0]["messages"] == [
+        {"role": "system", "content": "SYS: be brief. "},
+        {"role": "user", "content": "p0"},
+    ]
+    ok = [o for o in run.outcomes if o.status == "ok"]
+    assert ok
+    assert all((o.prompt_tokens, o.cached_tokens) == (10, 8) for o in ok)
+    assert summarize_run(run)["prompt_cached_pct"] == pytest.approx(80.0)
+
+    fake.reset()
+    plain = Target(base=url, model="m", system_prompt="SYS: be brief. ")
+    run = run_load(_requests(2), plain, Bounds())
+    assert fake.bodies[0]["prompt"] == "SYS: be brief. p0"
+    fake.reset()
+    run = run_load(_requests(2), Target(base=url, model="m"), Bounds())
+    assert fake.bodies[0]["prompt"] == "p0"
+    assert summarize_run(run)["prompt_cached_pct"] is None  # no server said
 
 
 def test_bounded_by_max_requests_and_duration(server: tuple[FakeServer, str]) -> None:

@@ -19,6 +19,13 @@ def load(
         str | None, typer.Option(help="Model name to ask for (default: the first /v1/models).")
     ] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Use /v1/chat/completions.")] = False,
+    system_prompt: Annotated[
+        str | None,
+        typer.Option(
+            help="Text every request begins with (chat: a system message), as agents and "
+            "robots send: what a server's prefix cache serves. Not counted in --max-context."
+        ),
+    ] = None,
     workload: Annotated[str, typer.Option(help="sharegpt, synthetic, or a JSONL trace path.")] = (
         "sharegpt"
     ),
@@ -118,7 +125,14 @@ def load(
         plans = [(r, spec.build(r if r is not None else 1.0)) for r in rates]
         if model is None:
             model = discover_model(base, api_key=api_key)
-    target = Target(base=base, model=model, chat=chat, ignore_eos=ignore_eos, api_key=api_key)
+    target = Target(
+        base=base,
+        model=model,
+        chat=chat,
+        ignore_eos=ignore_eos,
+        api_key=api_key,
+        system_prompt=system_prompt,
+    )
 
     rows: list[dict[str, Any]] = []
     records = {}
@@ -147,6 +161,7 @@ def load(
             "model": target.model,
             "endpoint": target.path,
             "ignore_eos": ignore_eos,
+            "system_prompt_chars": len(system_prompt or ""),
             "workload": workload,
             "arrival": arrival,
             "cv": cv,

@@ -43,6 +43,7 @@ TABLE_KEYS: tuple[str, ...] = (
     "throughput_tok_s",
     "goodput_req_s",
     "deadline_hit_rate",
+    "prompt_cached_pct",
 )
 
 # Keys kept from duetime.metrics.summarize (the rest describe simulator-only features).
@@ -148,7 +149,17 @@ def _server_reports(outcomes: Sequence[Outcome]) -> Row:
         float(r["kv_eviction_ratio"]) for r in reports if _number(r.get("kv_eviction_ratio"))
     ]
     e2e = [float(r["e2e_ms"]) / 1000.0 for r in reports if _number(r.get("e2e_ms"))]
+    # Prompt tokens the server's prefix cache supplied (usage.prompt_tokens_details)
+    usage = [
+        (o.prompt_tokens, o.cached_tokens)
+        for o in outcomes
+        if o.prompt_tokens is not None and o.cached_tokens is not None
+    ]
+    prompt_total = sum(p for p, _ in usage)
     return {
+        "prompt_cached_pct": 100.0 * sum(c for _, c in usage) / prompt_total
+        if prompt_total
+        else None,
         "server_reports": len(reports),
         "server_deadline_met_rate": sum(met) / len(met) if met else None,
         "server_e2e_p90_s": float(np.percentile(e2e, 90)) if e2e else None,

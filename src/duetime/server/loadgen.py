@@ -42,13 +42,16 @@ _DELAY_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")  # Retry-After in seconds
 @dataclass(frozen=True, slots=True)
 class Target:
     """What to call. ``base`` is the server root (no ``/v1``); ``chat`` selects
-    ``/v1/chat/completions``; ``ignore_eos`` asks for exactly ``max_tokens`` tokens."""
+    ``/v1/chat/completions``; ``ignore_eos`` asks for exactly ``max_tokens`` tokens;
+    ``system_prompt`` begins every request (a system message, or the prompt's start):
+    the shared beginning a prefix cache serves."""
 
     base: str
     model: str
     chat: bool = False
     ignore_eos: bool = False
     api_key: str | None = None
+    system_prompt: str | None = None
 
     @property
     def path(self) -> str:
@@ -84,6 +87,8 @@ class Outcome:
     ended: float | None = None  # a rejection or error came back
     chunks: int = 0  # chunks with non-empty text
     usage_tokens: int | None = None  # completion_tokens, when the server reports usage
+    prompt_tokens: int | None = None  # the server's usage, when it reports it
+    cached_tokens: int | None = None  # of those, served by its prefix cache (OpenAI's field)
     http_status: int | None = None
     retry_after_s: float | None = None
     error: str | None = None
@@ -112,10 +117,13 @@ def request_body(req: LoadRequest, target: Target) -> dict[str, Any]:
     KV eviction, TUF) only when the request has them (vLLM and llama.cpp ignore fields they
     do not know)."""
     body: dict[str, Any] = {"model": target.model}
+    system = target.system_prompt
     if target.chat:
         body["messages"] = [{"role": "user", "content": req.prompt}]
+        if system:
+            body["messages"].insert(0, {"role": "system", "content": system})
     else:
-        body["prompt"] = req.prompt
+        body["prompt"] = (system or "") + req.prompt
     body.update(
         max_tokens=req.max_tokens,
         stream=True,
@@ -285,13 +293,22 @@ def _absorb(out: Outcome, event: Any, chat: bool, at: float) -> None:
             out.first_token = at
         out.chunks += 1
     usage = event.get("usage")
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    # A count only: true (an int to Python) or -1 would have been summed into the token totals.
-    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
-        out.usage_tokens = tokens
+    if isinstance(usage, dict):
+        # A count only: true (an int to Python) or -1 would have been summed into the totals.
+        if _count(tokens := usage.get("completion_tokens")):
+            out.usage_tokens = tokens
+        if _count(prompt := usage.get("prompt_tokens")):
+            out.prompt_tokens = prompt
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and _count(cached := details.get("cached_tokens")):
+            out.cached_tokens = cached
     report = event.get("duetime")
     if isinstance(report, dict):
         out.server = report
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _error(out: Outcome, at: float, message: str) -> None:
