@@ -523,7 +523,7 @@ def _check_row(row: dict[str, Any], records: list[Any] | None = None) -> None:
     assert row["ok"] + row["rejected"] + row["errors"] + row["unfinished"] == row["sent"]
     for key in row:
         base = key.split("[", 1)[0]
-        assert base in UNITLESS or base.endswith("_s"), key
+        assert base in UNITLESS or base.endswith(("_s", "_pct")), key
     for name in ("ttft", "tbt", "e2e"):
         values = [row[f"{name}_p{q}_s"] for q in (50, 90, 99)]
         if row["ok"] == 0 or (name == "tbt" and values[0] is None):
