@@ -2,10 +2,11 @@
 
 Chat and agent traffic repeats its beginnings: a system prompt, a robot's
 instructions, a conversation's earlier turns. On a CPU the prefill of those
-tokens dominates the time to first token (Gemma 3 270M: about a second per
-thousand tokens here), so computing them once and copying their keys and
-values into the next request that starts the same way turns a prefill of
-``n`` tokens into a copy plus a prefill of what is new.
+tokens dominates the time to first token (Gemma 3 270M: 0.45 s for 512
+tokens, 3.3 s for 2,048 here, `duetime bench prefix-cache`), so computing
+them once and copying their keys and values into the next request that starts
+the same way turns a prefill of ``n`` tokens into a copy plus a prefill of
+what is new.
 
 Why blocks of copies and not vLLM's shared paged blocks: the engine's KV cache
 is one contiguous tensor per sequence and layer (``kv_cache.py`` says why), so
@@ -17,8 +18,8 @@ and policies see only what is left to prefill.
 A block is ``block_size`` tokens of one prompt, all layers; its key hashes the
 whole token prefix that ends with it (a chain, as in vLLM), so two prompts
 share a block only when they agree on every token up to its end. Blocks are
-dropped least recently used first, and only blocks no longer block leads
-on, so the cache never holds a block it cannot reach from the start.
+dropped least recently used first, and only those that no other cached block
+follows, so the cache never holds a block it cannot reach from the start.
 """
 
 from __future__ import annotations
