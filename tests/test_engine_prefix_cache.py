@@ -308,3 +308,18 @@ def test_real_gemma_answers_the_same_from_a_cached_system_prompt() -> None:
         usable = min(len(system), rec.request.prompt_len - 32)
         assert rec.cached_prompt_tokens == usable // B * B > 0
     assert res.outputs == _reference(gemma, jobs)
+
+
+def test_an_executor_hit_covering_the_whole_prefill_is_refused(model: Any) -> None:
+    """The core checks the hook's contract: a step must compute at least one token."""
+    from duetime.core.executor import ExecutorError
+
+    class Overeager(EngineExecutor):
+        def _on_admit(self, seq: Any) -> int:
+            super()._on_admit(seq)
+            return seq.prefill_target
+
+    ex = Overeager(make_policy("fcfs"), model)
+    with pytest.raises(ExecutorError, match="at least one token"):
+        ex.run(_shared_prefix_jobs(2))
+    assert ex.prefill_cached_tokens == 0  # refused before anything was booked

@@ -363,6 +363,11 @@ class ExecutorCore:
             named.add(rid)
             if seq.status is SeqStatus.WAITING:
                 cached = self._on_admit(seq)
+                if not 0 <= cached < seq.prefill_target:  # the step must compute a token
+                    raise ExecutorError(
+                        f"request {rid}: {cached} cached tokens of a {seq.prefill_target}-token "
+                        "prefill (a hit must leave at least one token to compute)"
+                    )
                 self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running[rid] = seq
