@@ -102,20 +102,9 @@ class PrefixCache:
         tokens: their keys and KV tensors (not copies). Counts ``limit`` tokens as queried
         and the run's as hits, and marks the run used (its first block last, so a chain
         is dropped from its end)."""
-        limit = max(0, min(limit, len(ids)))
-        self.queried_tokens += limit
-        keys: list[bytes] = []
-        kvs: list[torch.Tensor] = []
-        if not self._blocks:
-            return keys, kvs
-        parent = ROOT_KEY
-        for k in range(limit // self.block_size):
-            parent = block_key(parent, ids[k * self.block_size : (k + 1) * self.block_size])
-            block = self._blocks.get(parent)
-            if block is None:
-                break
-            keys.append(parent)
-            kvs.append(block.kv)
+        self.queried_tokens += max(0, min(limit, len(ids)))
+        keys = self._cached_run(ids, limit)
+        kvs = [self._blocks[key].kv for key in keys]
         for key in reversed(keys):
             self._blocks.move_to_end(key)
         self.hit_tokens += len(keys) * self.block_size
@@ -125,15 +114,22 @@ class PrefixCache:
         """Tokens :meth:`match` would find now, without counting or marking anything
         (admission control asks before the request is queued; another thread may be
         changing the cache meanwhile, so this is an estimate)."""
-        n = 0
-        parent = ROOT_KEY
+        return len(self._cached_run(ids, limit)) * self.block_size
+
+    def _cached_run(self, ids: Sequence[int], limit: int) -> list[bytes]:
+        """Keys of the cached blocks that start ``ids``, up to the first one missing or
+        reaching past ``limit`` tokens."""
+        keys: list[bytes] = []
+        if not self._blocks:
+            return keys  # nothing to find: no hashing
         size = self.block_size
+        parent = ROOT_KEY
         for k in range(max(0, min(limit, len(ids))) // size):
             parent = block_key(parent, ids[k * size : (k + 1) * size])
             if parent not in self._blocks:
                 break
-            n += size
-        return n
+            keys.append(parent)
+        return keys
 
     def insert(self, key: bytes, parent: bytes, kv: torch.Tensor) -> bool:
         """Keep block ``key`` (child of ``parent``, ``ROOT_KEY`` for a first block) with its
