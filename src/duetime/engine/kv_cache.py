@@ -225,7 +225,8 @@ class KVCache:
     def read_positions(self, slot: int, start: int, end: int) -> torch.Tensor:
         """A copy of positions ``[start, end)`` of every layer, ``[layers, 2, kv_heads,
         end - start, head_dim]``: a block for the prefix cache. Every layer must still
-        hold them in order (a prefill's chunks, before any eviction)."""
+        hold them in order (computed by a prefill chunk or a decode step, before any
+        eviction)."""
         layers = self._seqs[slot].layers
         c = self.config
         out = torch.empty(

@@ -33,7 +33,7 @@ NUCLEUS_PROBE = 256
 #: below the likeliest, the last bin open-ended) and only the bin where the mass
 #: crosses top-p is sorted: exact, at ~1 ms instead of a 262k-entry sort's ~20 ms.
 BINS_PER_NAT = 64
-N_BINS = 64 * 40
+N_BINS = BINS_PER_NAT * 40  # 40 nats below the likeliest token
 
 
 class Sampler:
