@@ -137,8 +137,21 @@ def _row(
     row["launch_lag_p99_s"] = float(np.percentile(lags, 99)) if lags else None
     waits = [o.retry_after_s for o in outcomes if o.retry_after_s is not None]
     row["retry_after_mean_s"] = float(np.mean(waits)) if waits else None
+    row["prompt_cached_pct"] = _prompt_cached_pct(outcomes)
     row.update(_server_reports(outcomes))
     return row
+
+
+def _prompt_cached_pct(outcomes: Sequence[Outcome]) -> float | None:
+    """% of the prompt tokens a server's prefix cache supplied, over the answers whose
+    usage said both (OpenAI's ``prompt_tokens_details.cached_tokens``; any server)."""
+    usage = [
+        (o.prompt_tokens, o.cached_tokens)
+        for o in outcomes
+        if o.prompt_tokens is not None and o.cached_tokens is not None
+    ]
+    total = sum(p for p, _ in usage)
+    return 100.0 * sum(c for _, c in usage) / total if total else None
 
 
 def _server_reports(outcomes: Sequence[Outcome]) -> Row:
@@ -149,17 +162,7 @@ def _server_reports(outcomes: Sequence[Outcome]) -> Row:
         float(r["kv_eviction_ratio"]) for r in reports if _number(r.get("kv_eviction_ratio"))
     ]
     e2e = [float(r["e2e_ms"]) / 1000.0 for r in reports if _number(r.get("e2e_ms"))]
-    # Prompt tokens the server's prefix cache supplied (usage.prompt_tokens_details)
-    usage = [
-        (o.prompt_tokens, o.cached_tokens)
-        for o in outcomes
-        if o.prompt_tokens is not None and o.cached_tokens is not None
-    ]
-    prompt_total = sum(p for p, _ in usage)
     return {
-        "prompt_cached_pct": 100.0 * sum(c for _, c in usage) / prompt_total
-        if prompt_total
-        else None,
         "server_reports": len(reports),
         "server_deadline_met_rate": sum(met) / len(met) if met else None,
         "server_e2e_p90_s": float(np.percentile(e2e, 90)) if e2e else None,
