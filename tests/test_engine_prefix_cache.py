@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
+from duetime.core.prefix_cache import ROOT_KEY, PrefixCache, chain_keys, id_keys
 from duetime.core.request import Job, Request
 from duetime.engine import greedy_generate
 from duetime.engine.batch import SeqChunk
 from duetime.engine.executor import EngineExecutor
-from duetime.engine.prefix_cache import ROOT_KEY, PrefixCache, chain_keys
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies import make_policy
 from tests.factories import EvictAfterPrefill, fresh_jobs
@@ -24,7 +24,16 @@ def _kv(tag: float) -> torch.Tensor:
     return torch.full((2, 2, 1, B, 4), tag)
 
 
-def _fill(cache: PrefixCache, ids: list[int], n_blocks: int) -> list[bytes]:
+def _match(cache: PrefixCache[Any], ids: list[int], limit: int) -> tuple[list[Any], list[Any]]:
+    """A lookup of ``ids``' whole blocks within ``limit`` tokens (what the core does)."""
+    return cache.match(id_keys(ids, limit, B), min(limit, len(ids)))
+
+
+def _peek(cache: PrefixCache[Any], ids: list[int], limit: int) -> int:
+    return cache.peek(id_keys(ids, limit, B))
+
+
+def _fill(cache: PrefixCache[Any], ids: list[int], n_blocks: int) -> list[bytes]:
     keys = chain_keys(ids, n_blocks, B)
     for i, key in enumerate(keys):
         cache.insert(key, keys[i - 1] if i else ROOT_KEY, _kv(float(i)))
@@ -36,11 +45,11 @@ def test_match_returns_the_longest_cached_run_of_whole_blocks_under_the_limit() 
     a = list(range(100))
     keys = _fill(cache, a, 4)
     b = a[: 2 * B] + [999] * 40  # agrees on two blocks, then differs
-    got, kvs = cache.match(b, limit=len(b))
+    got, kvs = _match(cache, b, len(b))
     assert got == keys[:2]
     assert [float(t[0, 0, 0, 0, 0]) for t in kvs] == [0.0, 1.0]
-    assert cache.match(a, limit=3 * B - 1)[0] == keys[:2]  # a block past the limit is not used
-    assert cache.match(a, limit=3 * B)[0] == keys[:3]
+    assert _match(cache, a, 3 * B - 1)[0] == keys[:2]  # a block past the limit is not used
+    assert _match(cache, a, 3 * B)[0] == keys[:3]
     assert cache.hit_tokens == 2 * B + 2 * B + 3 * B
     assert cache.queried_tokens == len(b) + 3 * B - 1 + 3 * B
 
@@ -50,8 +59,8 @@ def test_peek_finds_what_match_would_and_changes_nothing() -> None:
     a, b = list(range(2 * B + 5)), list(range(100, 100 + B))
     ka = _fill(cache, a, 2)
     _fill(cache, b, 1)
-    assert cache.peek(a, len(a)) == 2 * B
-    assert cache.peek(a, 2 * B - 1) == B
+    assert _peek(cache, a, len(a)) == 2 * B
+    assert _peek(cache, a, 2 * B - 1) == B
     assert cache.queried_tokens == cache.hit_tokens == 0  # nothing counted
     cache.insert(chain_keys(list(range(500, 500 + B)), 1, B)[0], ROOT_KEY, _kv(0))
     assert ka[1] not in cache  # a's leaf was still the oldest: peeking did not touch it
@@ -62,7 +71,7 @@ def test_a_block_is_shared_only_when_every_token_before_it_agrees() -> None:
     a = list(range(2 * B))
     _fill(cache, a, 2)
     b = [7, *a[1:]]  # first block differs, second identical
-    assert cache.match(b, limit=len(b))[0] == []
+    assert _match(cache, b, len(b))[0] == []
 
 
 def test_the_budget_drops_least_recently_used_leaves_and_keeps_every_chain_reachable() -> None:
@@ -71,13 +80,13 @@ def test_the_budget_drops_least_recently_used_leaves_and_keeps_every_chain_reach
     ka = _fill(cache, a, 2)
     kb = chain_keys(b, 2, B)
     cache.insert(kb[0], ROOT_KEY, _kv(0))
-    cache.match(a, limit=len(a))  # a's blocks are now used more recently than b's first
+    _match(cache, a, len(a))  # a's blocks are now used more recently than b's first
     cache.insert(kb[1], kb[0], _kv(1))  # over budget by one block
     # b's first block is the oldest but b's new block leads on from it: a's leaf goes
     assert cache.num_blocks == 3
     assert cache.dropped_blocks == 1
-    assert cache.match(a, limit=len(a))[0] == ka[:1]
-    assert cache.match(b, limit=len(b))[0] == kb
+    assert _match(cache, a, len(a))[0] == ka[:1]
+    assert _match(cache, b, len(b))[0] == kb
     cache.insert(chain_keys(list(range(500, 500 + B)), 1, B)[0], ROOT_KEY, _kv(0))
     assert ka[0] not in cache  # now the oldest leaf
     for key in kb:  # what stays can still be reached from the start
@@ -175,7 +184,7 @@ def test_a_hit_copies_exactly_the_kv_a_full_prefill_computes(model: Any) -> None
     )
     ex.run(fresh_jobs(jobs))
     ids = list(jobs[1].request.prompt_token_ids or ())
-    _, blocks = ex.prefix_cache.match(ids, len(ids))  # type: ignore[union-attr]
+    _, blocks = _match(ex.prefix_cache, ids, len(ids))  # type: ignore[arg-type]
     assert len(blocks) == len(ids) // B  # its own prefill stored every whole block
     kv = model.new_kv_cache()
     slot = kv.allocate()
@@ -315,8 +324,8 @@ def test_an_executor_hit_covering_the_whole_prefill_is_refused(model: Any) -> No
     from duetime.core.executor import ExecutorError
 
     class Overeager(EngineExecutor):
-        def _on_admit(self, seq: Any) -> int:
-            super()._on_admit(seq)
+        def _on_admit(self, seq: Any, prefix: list[Any]) -> int:
+            super()._on_admit(seq, prefix)
             return seq.prefill_target
 
     ex = Overeager(make_policy("fcfs"), model)

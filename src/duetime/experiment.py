@@ -16,6 +16,7 @@ from typing import Any
 
 from duetime.core.cost import LinearStepCost
 from duetime.core.policy import Policy
+from duetime.core.record import RequestRecord
 from duetime.core.request import Job
 from duetime.metrics import SLO, summarize
 from duetime.policies import make_policy
@@ -36,6 +37,9 @@ class SimSpec:
     ``arrival + deadline_scale × (its time alone on the profile)``, the usual
     "slack" definition of a deadline. ``predictor``: ``policy`` (the policy's
     own default), ``none``, ``oracle``, ``noisy`` or ``noisy:<rel_error>``.
+    ``shared_prefix`` > 0 puts one of ``prefix_groups`` system prompts of that many
+    tokens in front of every generated prompt (:class:`~duetime.workloads.SharedPrefix`);
+    ``prefix_cache`` is the simulated prefix cache's budget in tokens (0: none).
     """
 
     policy: str = "fcfs"
@@ -51,6 +55,9 @@ class SimSpec:
     max_context: int = 4096
     kv_capacity: int | None = None
     max_num_seqs: int | None = None
+    prefix_cache: int = 0
+    shared_prefix: int = 0
+    prefix_groups: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,6 +77,11 @@ def build_jobs(spec: SimSpec) -> list[Job]:
     from duetime import workloads as wl
 
     if is_trace(spec):
+        if spec.shared_prefix:
+            raise ValueError(
+                "--shared-prefix applies to generated workloads; a trace names its prefixes "
+                "(prefix_group, prefix_len)"
+            )
         if not Path(spec.workload).exists():
             raise ValueError(
                 f"unknown workload {spec.workload!r}: use {', '.join(GENERATED_WORKLOADS)} "
@@ -99,6 +111,9 @@ def build_jobs(spec: SimSpec) -> list[Job]:
         caps=caps,
         with_prompt_text=spec.workload.startswith("sharegpt")
         and spec.predictor.startswith("learned"),
+        shared_prefix=(
+            wl.SharedPrefix(spec.shared_prefix, spec.prefix_groups) if spec.shared_prefix else None
+        ),
     )
 
 
@@ -124,6 +139,9 @@ def sim_config(spec: SimSpec) -> tuple[LinearStepCost, SimConfig]:
         if spec.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {spec.max_num_seqs}")
         cfg.max_num_seqs = spec.max_num_seqs
+    if spec.prefix_cache < 0:
+        raise ValueError(f"--prefix-cache must be >= 0 tokens, got {spec.prefix_cache}")
+    cfg.prefix_cache_tokens = spec.prefix_cache
     return cost, cfg
 
 
@@ -137,7 +155,18 @@ RUN_FIGURES = (
     "kv_peak_tokens",
     "mean_running",
     "rejected",
+    "prompt_cached_pct",
 )
+
+
+def prompt_cached_pct(records: list[RequestRecord]) -> float | None:
+    """Percent of the prompt tokens of admitted requests whose KV a prefix cache supplied
+    (at each one's last admission); None when none was admitted."""
+    admitted = [r for r in records if r.cached_prompt_tokens is not None]
+    total = sum(r.request.prompt_len for r in admitted)
+    if not total:
+        return None
+    return 100.0 * sum(r.cached_prompt_tokens or 0 for r in admitted) / total
 
 
 def row_figures() -> list[str]:
@@ -199,6 +228,7 @@ def run_planned(plan: PlannedRun, progress: Any = None) -> tuple[SimResult, dict
         result.kv_peak,
         result.mean_running,
         result.counters.get("rejected", 0),
+        prompt_cached_pct(result.records),
     )
     row.update(zip(RUN_FIGURES, run_figures, strict=True))
     return result, row

@@ -35,6 +35,21 @@ CvOpt = Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variat
 DeadlineScaleOpt = Annotated[
     float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
 ]
+PrefixCacheOpt = Annotated[
+    int,
+    typer.Option(min=0, help="Automatic prefix caching: the cache's budget in tokens (0: none)."),
+]
+SharedPrefixOpt = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        help="Put a system prompt of this many tokens in front of every prompt (0: none; "
+        "generated workloads only).",
+    ),
+]
+PrefixGroupsOpt = Annotated[
+    int, typer.Option(min=1, help="How many different system prompts --shared-prefix draws from.")
+]
 
 
 @app.command()
@@ -51,6 +66,9 @@ def sim(
     deadline_scale: DeadlineScaleOpt = None,
     kv_capacity: Annotated[int | None, typer.Option(min=1, help="Override KV tokens.")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(min=1, help="Override batch cap.")] = None,
+    prefix_cache: PrefixCacheOpt = 0,
+    shared_prefix: SharedPrefixOpt = 0,
+    prefix_groups: PrefixGroupsOpt = 1,
     save_trace: Annotated[
         Path | None, typer.Option(help="Save the workload as JSONL.", callback=writable)
     ] = None,
@@ -75,6 +93,9 @@ def sim(
             deadline_scale=deadline_scale,
             kv_capacity=kv_capacity,
             max_num_seqs=max_num_seqs,
+            prefix_cache=prefix_cache,
+            shared_prefix=shared_prefix,
+            prefix_groups=prefix_groups,
         )
         plan = plan_spec(spec)  # every name checked before the trace is written
         if save_trace is not None:  # with the deadlines the run uses
@@ -89,6 +110,8 @@ def sim(
         f"simulated {result.sim_time:,.1f} s in {result.wall_s:.2f} s wall "
         f"({result.engine_steps:,} steps, {result.preemptions:,} preemptions)"
     )
+    if row["prompt_cached_pct"] is not None and prefix_cache:
+        out.print(f"prefix cache: {row['prompt_cached_pct']:.1f} % of prompt tokens were cached")
     if json_path is not None:
         write_json(json_path, {"spec": spec.to_dict(), "summary": row})
     if plot is not None:
@@ -111,6 +134,9 @@ def sweep(
     profile: ProfileOpt = "a100-llama2-7b",
     predictor: PredictorOpt = "policy",
     deadline_scale: DeadlineScaleOpt = None,
+    prefix_cache: PrefixCacheOpt = 0,
+    shared_prefix: SharedPrefixOpt = 0,
+    prefix_groups: PrefixGroupsOpt = 1,
     workers: Annotated[int, typer.Option(min=1, help="Parallel workers.")] = 2,
     use_ray: Annotated[bool, typer.Option("--ray", help="Run on a Ray cluster.")] = False,
     metrics: Annotated[str, typer.Option(help="Metrics to plot.")] = (
@@ -152,6 +178,9 @@ def sweep(
                 profile=profile,
                 predictor=predictor,
                 deadline_scale=deadline_scale,
+                prefix_cache=prefix_cache,
+                shared_prefix=shared_prefix,
+                prefix_groups=prefix_groups,
             )
             for p in policies.split(",")
             for r in rate_list

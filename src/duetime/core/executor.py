@@ -28,10 +28,12 @@ disk bit for bit).
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from duetime.core.decision import Decision
 from duetime.core.policy import Policy, PolicyError
+from duetime.core.prefix_cache import ROOT_KEY, PrefixCache, block_key
 from duetime.core.record import RequestRecord
 from duetime.core.request import Job
 from duetime.core.sequence import DecodeClock, Seq, SeqStatus
@@ -59,7 +61,11 @@ class ExecutorCore:
         max_batch_tokens: int,
         predictor: JobPredictor | None = None,
         offload_suspended: bool = False,
+        prefix_cache_tokens: int = 0,
+        prefix_compute_tail: int = 1,
     ) -> None:
+        if prefix_compute_tail < 1:
+            raise ValueError(f"prefix_compute_tail must be >= 1, got {prefix_compute_tail}")
         self.policy = policy
         self.offload_suspended = offload_suspended
         self.kv_capacity = kv_capacity
@@ -94,16 +100,53 @@ class ExecutorCore:
         self.tokens_generated = 0  # every output token produced
         self.prefill_tokens = 0  # every prompt (or recomputed) token run through prefill
         self.prefill_cached_tokens = 0  # prefill tokens whose KV a prefix cache supplied
+        # Automatic prefix caching (core/prefix_cache.py): the books are kept here, for
+        # both executors; what a block holds is the executor's (_block_payload).
+        self.prefix_cache: PrefixCache[Any] | None = (
+            PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        )
+        self.prefix_compute_tail = prefix_compute_tail  # prompt tokens a hit leaves to compute
+        # rid → (its whole blocks offered to the prefix cache, the last one's key); only
+        # while its KV is every position's own (an evicted sequence's is not: it leaves)
+        self._chains: dict[int, tuple[int, Hashable]] = {}
+        # (decode step, order, epoch, seq): when a decoder completes its next block
+        self._block_due: list[tuple[int, int, int, Seq]] = []
 
     # --- hooks for executors with real memory (no-ops here) --------------------
-    def _on_admit(self, seq: Seq) -> int:
+    def _on_admit(self, seq: Seq, prefix: list[Any]) -> int:
         """A WAITING sequence is about to get KV memory (its first prefill chunk).
 
-        Returns how many of its first tokens already have their KV (a prefix cache
-        hit; fewer than ``prefill_target``): their prefill is skipped. The policy
-        reserved memory for the whole prefill, so a hit never needs more than that.
+        ``prefix`` holds the payloads of the prefix-cache blocks its prefill begins
+        with (:meth:`_prefix_hit`). Returns how many of its first tokens thereby
+        have their KV (fewer than ``prefill_target``): their prefill is skipped. The
+        policy reserved memory for the whole prefill, so a hit never needs more.
         """
-        return 0
+        return len(prefix) * self.prefix_cache.block_size if self.prefix_cache else 0
+
+    def _block_key(self, seq: Seq, k: int, parent: Hashable) -> Hashable:
+        """The prefix-cache key of block ``k`` of ``seq``'s tokens (prompt, then answer),
+        after the blocks keyed ``parent``.
+
+        What the core knows of a sequence's tokens: its prompt ids when the request
+        carries them, else the shared prefix it names (``prefix_group``, the first
+        ``prefix_len`` tokens); any other block is the request's own, which only its
+        own recomputation can reuse. The engine, which has every token, hashes them.
+        """
+        size = self.prefix_cache.block_size if self.prefix_cache else 1
+        req = seq.req
+        ids = req.prompt_token_ids
+        end = (k + 1) * size
+        if ids is not None:
+            if end <= len(ids) and isinstance(parent, bytes):
+                return block_key(parent, ids[end - size : end])
+        elif req.prefix_group is not None and end <= req.prefix_len:
+            return ("prefix", req.prefix_group, k)
+        return ("own", seq.rid, k)
+
+    def _block_payload(self, seq: Seq, start: int, end: int) -> Any:
+        """What the prefix cache keeps of positions ``[start, end)`` of ``seq`` (the
+        engine: their K/V; a simulator: nothing)."""
+        return None
 
     def _on_drop_kv(self, seq: Seq) -> None:
         """The sequence's KV is gone for good (finish, cancel, recompute preemption)."""
@@ -122,6 +165,82 @@ class ExecutorCore:
 
     def _on_segment_end(self, seq: Seq) -> None:
         """The sequence reached a segment boundary and is now SUSPENDED."""
+
+    # --- prefix caching ----------------------------------------------------------
+    def _block_keys(self, seq: Seq, n_blocks: int) -> Iterator[Hashable]:
+        """Keys of ``seq``'s first ``n_blocks`` blocks, one at a time (a lookup stops at
+        its first miss)."""
+        parent: Hashable = ROOT_KEY
+        for k in range(n_blocks):
+            parent = self._block_key(seq, k, parent)
+            yield parent
+
+    def _prefix_hit(self, seq: Seq) -> list[Any]:
+        """Look the prefill of a sequence about to be admitted up in the prefix cache:
+        the payloads of the cached blocks it begins with. A hit leaves the last
+        ``prefix_compute_tail`` tokens to compute (the last one's logits give the next
+        token; the engine under SnapKV needs its query window's too)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return []
+        limit = max(0, seq.prefill_target - self.prefix_compute_tail)
+        keys, payloads = cache.match(self._block_keys(seq, limit // cache.block_size), limit)
+        self._chains[seq.rid] = (len(keys), keys[-1] if keys else ROOT_KEY)
+        return payloads
+
+    def _offer_blocks(self, chunks: list[tuple[Seq, int]]) -> None:
+        """Offer the prefix cache every whole block a step (or a run of decode steps) just
+        completed: of the prefill ``chunks``, and of the decoders due one (prompt and
+        answer alike: a conversation's next turn begins with both). Decoders are found
+        through a heap of the step each completes its next block at, so a run of steps
+        costs the blocks it completes, not one look at every sequence a step."""
+        if self.prefix_cache is None or not self._chains:
+            return
+        for seq, _ in chunks:
+            if not seq.prefill_done:  # a finished prefill joined the decoders, below
+                self._offer_seq(seq)
+        due, steps = self._block_due, self.clock.steps
+        while due and due[0][0] <= steps:
+            _, _, epoch, seq = heapq.heappop(due)
+            if seq.decoding and seq._epoch == epoch:
+                self._offer_seq(seq)
+                self._push_block_due(seq)
+
+    def _offer_seq(self, seq: Seq) -> None:
+        """Offer every whole block of ``seq`` its KV holds that it has not offered yet."""
+        chain = self._chains.get(seq.rid)
+        cache = self.prefix_cache
+        if chain is None or cache is None:
+            return  # its KV is not its prefill's any more (evicted): it offers nothing
+        size = cache.block_size
+        done, parent = chain
+        end = self._kv_positions(seq)
+        while (done + 1) * size <= end:
+            key = self._block_key(seq, done, parent)
+            if key not in cache:
+                start = done * size
+                cache.insert(key, parent, self._block_payload(seq, start, start + size))
+            parent, done = key, done + 1
+        self._chains[seq.rid] = (done, parent)
+
+    @staticmethod
+    def _kv_positions(seq: Seq) -> int:
+        """Positions a running sequence's KV holds (a decoder's newest token is produced
+        but not yet fed back)."""
+        return seq.req.prompt_len + seq.generated - 1 if seq.prefill_done else seq.prefilled
+
+    def _push_block_due(self, seq: Seq) -> None:
+        """A decoder with a chain: note the decode step it completes its next block at."""
+        chain = self._chains.get(seq.rid)
+        if chain is None or self.prefix_cache is None:
+            return
+        ahead = (chain[0] + 1) * self.prefix_cache.block_size - self._kv_positions(seq)
+        heapq.heappush(self._block_due, (self.clock.steps + ahead, seq.order, seq._epoch, seq))
+
+    def _drop_kv(self, seq: Seq) -> None:
+        """The sequence's KV is gone for good: it offers the prefix cache nothing more."""
+        self._chains.pop(seq.rid, None)
+        self._on_drop_kv(seq)
 
     # --- policy interface ------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
@@ -209,6 +328,8 @@ class ExecutorCore:
         heapq.heappush(
             self._stop_heap, (self.clock.steps + stop - seq.generated, seq.order, seq._epoch, seq)
         )
+        if self._chains:
+            self._push_block_due(seq)
 
     def _stop_decoding(self, seq: Seq) -> None:
         self._rebase()
@@ -298,10 +419,10 @@ class ExecutorCore:
                 self._pending_swap += kv
                 self.counters["swaps"] += 1
             elif dec.preempt_mode == "restart":
-                self._on_drop_kv(seq)
+                self._drop_kv(seq)
                 self._restart(seq)
             else:  # recompute: recompute prompt + generated tokens later
-                self._on_drop_kv(seq)
+                self._drop_kv(seq)
                 seq.status = SeqStatus.WAITING
                 seq.prefill_target = seq.req.prompt_len + seq.generated
                 seq.prefilled = 0
@@ -342,6 +463,7 @@ class ExecutorCore:
             if seq.status not in (SeqStatus.RUNNING, SeqStatus.SUSPENDED) or not seq.prefill_done:
                 raise PolicyError(f"policy {name!r}: evict on request {rid} without a full KV")
             n = int(alpha * seq.kv_tokens)
+            self._chains.pop(rid, None)  # its later blocks would not be a full prefill's
             self._on_evict(seq, n, alpha)
             seq.kv_evicted += n
             if seq.decoding:
@@ -362,7 +484,7 @@ class ExecutorCore:
                 raise PolicyError(f"policy {name!r}: prefill of request {rid} twice in one step")
             named.add(rid)
             if seq.status is SeqStatus.WAITING:
-                cached = self._on_admit(seq)
+                cached = self._on_admit(seq, self._prefix_hit(seq))
                 if not 0 <= cached < seq.prefill_target:  # the step must compute a token
                     raise ExecutorError(
                         f"request {rid}: {cached} cached tokens of a {seq.prefill_target}-token "
@@ -387,7 +509,7 @@ class ExecutorCore:
         """Cancel a live sequence: its KV memory is freed at once."""
         self._release(seq)
         if seq.status is not SeqStatus.WAITING or seq.kv_offloaded:
-            self._on_drop_kv(seq)
+            self._drop_kv(seq)
         seq.status = SeqStatus.CANCELLED
         rec = self.records[seq.rid]
         rec.cancelled_at = self.now
@@ -560,7 +682,7 @@ class ExecutorCore:
         """A released sequence has its whole answer: free its KV and close its record."""
         rec = self.records[seq.rid]
         seq.status = SeqStatus.FINISHED
-        self._on_drop_kv(seq)
+        self._drop_kv(seq)
         self.n_done += 1
         rec.finish = self.now
         rec.output_tokens = seq.generated
@@ -592,6 +714,7 @@ class ExecutorCore:
             # Join the decoders; one whose stop is already reached (a one-token
             # answer, a segment of one) is popped by _finish_due right below.
             self._start_decoding(seq)
+        self._offer_blocks(chunks)  # before _finish_due frees a finished one's KV
         self._finish_due()
 
     def _track_peak(self) -> None:

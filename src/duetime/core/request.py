@@ -80,6 +80,9 @@ class Request:
     is only needed by the real engine; the simulator works from ``prompt_len``.
     ``prompt_text`` is the prompt as the client sent it, for predictors that
     read text (the learned length predictor); optional, like the ids.
+    ``prefix_group`` and ``prefix_len`` say, without the ids, that the first
+    ``prefix_len`` tokens are those of every request in the same group (a system
+    prompt, a robot's instructions): what a simulated prefix cache can reuse.
     """
 
     rid: int
@@ -98,6 +101,8 @@ class Request:
         None  # per-request overrun strategy ("kill", "skip-next"); None = policy's
     )
     kv_eviction: str | float | None = None  # "off", "auto" or a fixed ratio; None = policy's
+    prefix_group: str | None = None
+    prefix_len: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -106,6 +111,14 @@ class Request:
             raise ValueError(f"request {self.rid}: max_tokens must be >= 1, got {self.max_tokens}")
         if not math.isfinite(self.arrival) or self.arrival < 0:
             raise ValueError(f"request {self.rid}: arrival must be finite and >= 0")
+        if self.prefix_group is None:
+            if self.prefix_len:
+                raise ValueError(f"request {self.rid}: prefix_len without a prefix_group")
+        elif not 1 <= self.prefix_len <= self.prompt_len:
+            raise ValueError(
+                f"request {self.rid}: prefix_len must be in 1..prompt_len={self.prompt_len}, "
+                f"got {self.prefix_len}"
+            )
 
     @property
     def time_budget(self) -> float | None:

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +26,7 @@ import torch
 from duetime.core.cost import LinearStepCost
 from duetime.core.executor import ExecutorCore, ExecutorError
 from duetime.core.policy import Policy
+from duetime.core.prefix_cache import block_key, id_keys
 from duetime.core.record import RequestRecord
 from duetime.core.request import Job
 from duetime.core.sequence import Seq
@@ -38,7 +39,6 @@ from duetime.engine.eviction import (
 )
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.logprobs import LogprobLog
-from duetime.engine.prefix_cache import ROOT_KEY, PrefixCache, block_key
 from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
 
@@ -155,15 +155,15 @@ class EngineExecutor(ExecutorCore):
             max_batch_tokens=max_batch_tokens,
             predictor=predictor,
             offload_suspended=offload_suspended,
+            prefix_cache_tokens=prefix_cache_tokens,
+            # SnapKV scores the prompt's keys by its last queries: a hit leaves them
+            prefix_compute_tail=snapkv_window if eviction == "snapkv" else 1,
         )
         self.model = model
         self.kv = model.new_kv_cache()
-        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         if self.prefix_cache is not None:
+            # a block that began in an earlier step is still held when it is offered
             self.kv.keep_extra = self.prefix_cache.block_size - 1
-        # rid → (its whole blocks offered to the prefix cache, the last one's key); only
-        # while its KV is every position's own (an evicted sequence's is not: it leaves)
-        self._chains: dict[int, tuple[int, bytes]] = {}
         self.eviction = eviction
         self.snapkv_window = snapkv_window
         self.cost = cost
@@ -209,54 +209,33 @@ class EngineExecutor(ExecutorCore):
         super().admit_arrival(job)
         self.tokens[job.request.rid] = list(ids)
 
-    def _hit_limit(self, n: int) -> int:
-        """How many of a prefill's ``n`` tokens a prefix-cache hit may cover: all but the
-        last (its logits give the next token), and under SnapKV all but the last
-        ``snapkv_window``, whose queries SnapKV scores the prompt's keys by."""
-        return n - (self.snapkv_window if self.eviction == "snapkv" else 1)
-
     def cached_prefix_len(self, ids: Sequence[int]) -> int:
         """Prompt tokens of ``ids`` the prefix cache would supply if admitted now (0
         without a cache): for estimates, such as the server's admission control."""
-        if self.prefix_cache is None:
+        cache = self.prefix_cache
+        if cache is None:
             return 0
-        return self.prefix_cache.peek(ids, self._hit_limit(len(ids)))
+        return cache.peek(id_keys(ids, len(ids) - self.prefix_compute_tail, cache.block_size))
 
-    def _on_admit(self, seq: Seq) -> int:
+    def _on_admit(self, seq: Seq, prefix: list[Any]) -> int:
         slot = self.slots[seq.rid] = self.kv.allocate(seq.prefill_target + 16)
-        cached = 0
-        if self.prefix_cache is not None:
-            keys, blocks = self.prefix_cache.match(
-                self.tokens[seq.rid], self._hit_limit(seq.prefill_target)
-            )
-            cached = self.kv.load_prefix(slot, blocks)
-            self._chains[seq.rid] = (len(keys), keys[-1] if keys else ROOT_KEY)
+        cached = self.kv.load_prefix(slot, prefix)
         if self.eviction == "snapkv":
             self.kv.watch(slot, self.snapkv_window)  # the prefill's last queries, for SnapKV
         return cached
 
-    def _cache_blocks(self, rid: int, end: int) -> None:
-        """Offer the prefix cache every whole block of ``rid`` up to position ``end``,
-        just computed (prompt and answer alike: a conversation's next turn begins with
-        both). A block that began in an earlier step is still held, since sliding
-        layers keep ``block_size - 1`` entries more than their window."""
-        chain = self._chains.get(rid)
-        cache = self.prefix_cache
-        if chain is None or cache is None:
-            return
-        size = cache.block_size
-        done, parent = chain
-        while (done + 1) * size <= end:
-            start = done * size
-            key = block_key(parent, self.tokens[rid][start : start + size])
-            if key not in cache:
-                kv = self.kv.read_positions(self.slots[rid], start, start + size)
-                cache.insert(key, parent, kv)
-            parent, done = key, done + 1
-        self._chains[rid] = (done, parent)
+    def _block_key(self, seq: Seq, k: int, parent: Hashable) -> Hashable:
+        """Every token is known here (prompt and answer): a block's key hashes them."""
+        assert isinstance(parent, bytes)
+        size = self.prefix_cache.block_size if self.prefix_cache else 1
+        return block_key(parent, self.tokens[seq.rid][k * size : (k + 1) * size])
+
+    def _block_payload(self, seq: Seq, start: int, end: int) -> torch.Tensor:
+        """The block's K/V, all layers. One that began in an earlier step is still held,
+        since sliding layers keep ``block_size - 1`` entries more than their window."""
+        return self.kv.read_positions(self.slots[seq.rid], start, end)
 
     def _on_drop_kv(self, seq: Seq) -> None:
-        self._chains.pop(seq.rid, None)
         slot = self.slots.pop(seq.rid, None)
         if slot is not None:
             self.kv.free(slot)
@@ -297,7 +276,6 @@ class EngineExecutor(ExecutorCore):
         return self._spool
 
     def _on_evict(self, seq: Seq, n_tokens: int, alpha: float) -> None:
-        self._chains.pop(seq.rid, None)  # its later blocks would not be a full prefill's
         if seq.rid in self._spooled:  # swapped out: bring it back, evict, spool it again
             self._on_swap_in(seq)
             self._evict_slot(self.slots[seq.rid], n_tokens)
@@ -340,11 +318,6 @@ class EngineExecutor(ExecutorCore):
         logits = self.model.step(model_chunks, kv)
         next_ids = torch.argmax(logits, dim=-1).tolist()
         dt = self._clock() - t0
-        if self._chains:  # before _after_step, which may free a finished one's KV
-            for seq, n in chunks:
-                self._cache_blocks(seq.rid, seq.prefilled + n)
-            for seq in decoders:  # its last token's KV went in this step
-                self._cache_blocks(seq.rid, len(self.tokens[seq.rid]))
         produced: list[tuple[int, int]] = []
         replay, samplers, logprob_logs = self._replay, self.samplers, self.logprob_logs
         for row, ((seq, sampled), tok) in enumerate(zip(owners, next_ids, strict=True)):
@@ -521,7 +494,6 @@ class EngineExecutor(ExecutorCore):
         super().forget(rid)
         self.tokens.pop(rid, None)
         self._replay.pop(rid, None)
-        self._chains.pop(rid, None)
         self.stop_tokens.pop(rid, None)
         self.segmenters.pop(rid, None)
         self.samplers.pop(rid, None)

@@ -38,13 +38,19 @@ class SimConfig:
     max_batch_tokens: int = 8192
     max_time: float = math.inf  # stop the clock here (unfinished requests stay unfinished)
     offload_suspended: bool = False  # page suspended KV out under pressure (TimelyLLM §4.1)
+    # Automatic prefix caching (core/prefix_cache.py), its own budget in tokens; 0: off.
+    prefix_cache_tokens: int = 0
+    # Prompt tokens a hit leaves to compute: 1 (vLLM), or 32 to model the engine under SnapKV.
+    prefix_compute_tail: int = 1
 
     def check(self) -> None:
         """Refuse limits no engine has (a negative KV capacity rejects every request)."""
-        for name in ("kv_capacity", "max_num_seqs", "max_batch_tokens"):
+        for name in ("kv_capacity", "max_num_seqs", "max_batch_tokens", "prefix_compute_tail"):
             value = getattr(self, name)
             if not value >= 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not self.prefix_cache_tokens >= 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
 
 
 @dataclass(slots=True)
@@ -84,6 +90,8 @@ class Simulator(ExecutorCore):
             max_batch_tokens=self.cfg.max_batch_tokens,
             predictor=predictor,
             offload_suspended=self.cfg.offload_suspended,
+            prefix_cache_tokens=self.cfg.prefix_cache_tokens,
+            prefix_compute_tail=self.cfg.prefix_compute_tail,
         )
         self.cost = cost
         self._pending_evict_s = 0.0  # eviction work the next step pays (cost.eviction_time)
@@ -149,6 +157,7 @@ class Simulator(ExecutorCore):
         self.engine_steps += k
         self.tokens_generated += k * d
         self._track_peak()
+        self._offer_blocks([])  # the blocks the run completed, before finishers leave
         self._finish_due()
 
     # --- main loop ---------------------------------------------------------------

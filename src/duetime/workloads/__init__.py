@@ -9,7 +9,7 @@
 """
 
 from duetime.workloads.arrivals import AllAtOnce, ArrivalProcess, Gamma, Poisson, TraceArrivals
-from duetime.workloads.builder import Deadlines, build_jobs
+from duetime.workloads.builder import Deadlines, SharedPrefix, build_jobs
 from duetime.workloads.lrtrace import WORKLOADS as LRTRACE_WORKLOADS
 from duetime.workloads.lrtrace import LRTraceSettings, lrtrace_jobs
 from duetime.workloads.sharegpt import (
@@ -44,6 +44,7 @@ __all__ = [
     "ShareGPTPrompt",
     "ShareGPTSource",
     "ShareGPTStats",
+    "SharedPrefix",
     "SyntheticSource",
     "TraceArrivals",
     "TraceError",

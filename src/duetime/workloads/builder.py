@@ -7,11 +7,15 @@ what a client expecting a first token within ``ttft_s`` and one token every
 usual "SLO scale x reference latency" setup, always attainable for a fast
 enough server), or its public ``max_tokens`` when a deadline must not hint at
 the true length.
+
+A shared prefix (:class:`SharedPrefix`), when asked for, puts one of a few
+system prompts in front of every prompt: the workload automatic prefix caching
+is for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -19,7 +23,13 @@ import numpy as np
 from duetime.core.request import MAX_TIME_S, Job, Request
 from duetime.workloads.arrivals import ArrivalProcess, Poisson
 from duetime.workloads.sharegpt import read_pairs
-from duetime.workloads.sources import LengthCaps, LengthSource, ShareGPTSource, sampling_rng
+from duetime.workloads.sources import (
+    LengthCaps,
+    LengthSource,
+    ShareGPTSource,
+    SyntheticSource,
+    sampling_rng,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +51,38 @@ class Deadlines:
         return self.slo_scale * (self.ttft_s + self.tpot_s * tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """Every prompt begins with one of ``groups`` prefixes of ``tokens`` tokens (a system
+    prompt), drawn uniformly per request: ``<bos>``, then the prefix's own tokens, then
+    the sampled prompt without its ``<bos>``. A prompt is ``tokens - 1`` tokens longer
+    than sampled; the caps bound the sampled part so that the whole still fits them.
+    Requests name their prefix (``Request.prefix_group``, ``prefix_len = tokens``), so a
+    simulator needs no ids to know what they share."""
+
+    tokens: int
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tokens < 2:
+            raise ValueError(
+                f"a shared prefix needs >= 2 tokens (<bos> and one), got {self.tokens}"
+            )
+        if self.groups < 1:
+            raise ValueError(f"a shared prefix needs >= 1 group, got {self.groups}")
+
+    def caps_for_rest(self, caps: LengthCaps) -> LengthCaps:
+        """Caps on the sampled part, so that the prompt with its prefix fits ``caps``."""
+        extra = self.tokens - 1
+
+        def less(cap: int | None) -> int | None:
+            return None if cap is None else cap - extra
+
+        return replace(
+            caps, max_prompt_len=less(caps.max_prompt_len), max_total_len=less(caps.max_total_len)
+        )
+
+
 def build_jobs(
     n: int,
     *,
@@ -52,6 +94,7 @@ def build_jobs(
     deadlines: Deadlines | None = None,
     with_prompt_ids: bool = False,
     with_prompt_text: bool = False,
+    shared_prefix: SharedPrefix | None = None,
 ) -> list[Job]:
     """``n`` jobs with rids ``0..n-1`` in arrival order.
 
@@ -60,14 +103,17 @@ def build_jobs(
     each request's ``max_tokens``). ``with_prompt_ids`` fills
     ``Request.prompt_token_ids`` for the real engine; ``prompt_len`` is then
     the length of those ids. ``with_prompt_text`` fills ``Request.prompt_text``
-    (ShareGPT only) for predictors that read text. The same ``seed`` gives the
-    same jobs.
+    (ShareGPT only) for predictors that read text. ``shared_prefix`` puts a
+    system prompt in front of each prompt (its text is not in ``prompt_text``). The
+    same ``seed`` gives the same jobs.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     source = source if source is not None else ShareGPTSource.default()
     arrivals = arrivals if arrivals is not None else Poisson(rate=1.0)
     caps = (caps or LengthCaps()).limit_output(max_tokens)
+    if shared_prefix is not None:
+        caps = shared_prefix.caps_for_rest(caps)
     sample = source.sample(n, sampling_rng(seed), caps)
     times = np.sort(np.asarray(arrivals.times(n, np.random.default_rng([seed, 1])), dtype=float))
     if times.shape != (n,):
@@ -82,6 +128,11 @@ def build_jobs(
         if with_prompt_ids
         else None
     )
+    groups: np.ndarray | None = None
+    if shared_prefix is not None:
+        groups = np.random.default_rng([seed, 3]).integers(shared_prefix.groups, size=n)
+        if ids is not None:
+            ids = _with_prefixes(ids, groups, shared_prefix, np.random.default_rng([seed, 4]))
     texts: list[str] | None = None
     if with_prompt_text:
         if not isinstance(source, ShareGPTSource) or sample.rows is None:
@@ -94,14 +145,35 @@ def build_jobs(
         deadline = None
         if deadlines is not None:
             deadline = arrival + deadlines.budget(output_len, max_tokens)
+        prompt_len = len(ids[rid]) if ids is not None else int(sample.prompt_len[rid])
+        group, prefix_len = None, 0
+        if shared_prefix is not None and groups is not None:
+            group, prefix_len = f"shared-{groups[rid]}", shared_prefix.tokens
+            if ids is None:
+                prompt_len += shared_prefix.tokens - 1
         request = Request(
             rid=rid,
             arrival=arrival,
-            prompt_len=len(ids[rid]) if ids is not None else int(sample.prompt_len[rid]),
+            prompt_len=prompt_len,
             max_tokens=max_tokens,
             deadline=deadline,
             prompt_token_ids=ids[rid] if ids is not None else None,
             prompt_text=texts[rid] if texts is not None else None,
+            prefix_group=group,
+            prefix_len=prefix_len,
         )
         jobs.append(Job(request=request, output_len=output_len))
     return jobs
+
+
+def _with_prefixes(
+    ids: list[tuple[int, ...]], groups: np.ndarray, prefix: SharedPrefix, rng: np.random.Generator
+) -> list[tuple[int, ...]]:
+    """Each prompt's ids with its group's prefix in front: the prompt's own ``<bos>``
+    first, then the prefix's tokens (ordinary Gemma ids, as the synthetic source draws),
+    then the rest of the prompt."""
+    lo, hi = SyntheticSource().vocab
+    bodies = [
+        tuple(rng.integers(lo, hi, size=prefix.tokens - 1).tolist()) for _ in range(prefix.groups)
+    ]
+    return [(p[0], *bodies[g], *p[1:]) for p, g in zip(ids, groups.tolist(), strict=True)]

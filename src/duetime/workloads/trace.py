@@ -3,8 +3,10 @@
 A line holds ``rid``, ``arrival`` (seconds), ``prompt_len``, ``output_len`` and
 optionally ``max_tokens`` (default 4096), ``deadline`` (absolute seconds),
 ``priority``, ``klass``, ``tuf`` ``{ert, beta, alpha}``, ``segments``,
-``segment_gaps``, ``segment_gap_estimates``, ``overrun`` (``"kill"`` or ``"skip-next"``) and
-``kv_eviction`` (``"off"``, ``"auto"`` or a ratio in [0, 1)) -- the fields of
+``segment_gaps``, ``segment_gap_estimates``, ``overrun`` (``"kill"`` or ``"skip-next"``),
+``kv_eviction`` (``"off"``, ``"auto"`` or a ratio in [0, 1)), and ``prefix_group`` with
+``prefix_len`` (the first ``prefix_len`` prompt tokens are the group's shared prefix,
+what a simulated prefix cache reuses) -- the fields of
 :class:`~duetime.core.request.Job`. Types are
 strict (``"5"`` or ``5.0`` is not a token count; ``5`` is a valid arrival time),
 unknown fields are errors (a typo must not silently fall back to a default), and
@@ -68,6 +70,8 @@ class _JobLine(_Strict):
     segment_gap_estimates: list[Annotated[float, Field(ge=0, le=MAX_TIME_S)]] = []
     overrun: Literal["kill", "skip-next"] | None = None
     kv_eviction: Any = None  # checked below: one message for a union (not one per branch)
+    prefix_group: str | None = Field(default=None, min_length=1)
+    prefix_len: int | None = Field(default=None, ge=1)
 
     @field_validator("kv_eviction")
     @classmethod
@@ -146,6 +150,15 @@ def _cross_check(line: _JobLine) -> tuple[str, str] | None:
             f"needs one entry per segment gap ({len(line.segment_gaps)}), "
             f"got {len(line.segment_gap_estimates)}"
         )
+    if (line.prefix_group is None) != (line.prefix_len is None):
+        given, missing = (
+            ("prefix_group", "prefix_len")
+            if line.prefix_len is None
+            else ("prefix_len", "prefix_group")
+        )
+        return given, f"given without {missing}"
+    if line.prefix_len is not None and line.prefix_len > line.prompt_len:
+        return "prefix_len", f"must be <= prompt_len ({line.prompt_len}), got {line.prefix_len}"
     return None
 
 
@@ -163,6 +176,8 @@ def _to_job(line: _JobLine, where: str) -> Job:
             klass=line.klass,
             overrun=line.overrun,
             kv_eviction=line.kv_eviction,
+            prefix_group=line.prefix_group,
+            prefix_len=line.prefix_len or 0,
         )
         return Job(
             request,
@@ -331,6 +346,9 @@ def job_to_dict(job: Job) -> dict[str, Any]:
     if r.kv_eviction is not None:
         eviction = r.kv_eviction
         line["kv_eviction"] = eviction if isinstance(eviction, str) else _float(eviction)
+    if r.prefix_group is not None:
+        line["prefix_group"] = r.prefix_group
+        line["prefix_len"] = _int(r.prefix_len)
     return line
 
 
