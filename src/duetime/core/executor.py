@@ -217,7 +217,7 @@ class ExecutorCore:
         end = self._kv_positions(seq)
         while (done + 1) * size <= end:
             key = self._block_key(seq, done, parent)
-            if key not in cache:
+            if key not in cache:  # (reading a block's KV costs a copy: only when new)
                 start = done * size
                 cache.insert(key, parent, self._block_payload(seq, start, start + size))
             parent, done = key, done + 1

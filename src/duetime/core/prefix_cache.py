@@ -153,17 +153,22 @@ class PrefixCache(Generic[P]):
         """Keep block ``key`` (child of ``parent``, ``ROOT_KEY`` for a first block). False
         when it is there already, when the budget holds no block, or when its parent is
         gone (the block could never be matched)."""
-        if self.capacity_blocks == 0 or key in self._blocks:
+        blocks = self._blocks
+        if key in blocks or not self.capacity_blocks:
             return False
         if parent != ROOT_KEY:
-            up = self._blocks.get(parent)
+            up = blocks.get(parent)
             if up is None:
                 return False
             up.children += 1
-        block = self._blocks[key] = _Block(payload, parent, 0)
-        self._touch(key, block)
+        self._tick += 1
+        blocks[key] = _Block(payload, parent, self._tick)
+        heapq.heappush(self._leaves, (self._tick, key))
         self.stored_blocks += 1
-        self._shrink()
+        if len(blocks) > self.capacity_blocks:
+            self._shrink()
+        elif len(self._leaves) > 2 * len(blocks) + 64:
+            self._compact()
         return True
 
     def clear(self) -> None:
@@ -176,9 +181,14 @@ class PrefixCache(Generic[P]):
         block.used = self._tick
         if block.children == 0:
             heapq.heappush(self._leaves, (self._tick, key))
-            if len(self._leaves) > 2 * len(self._blocks) + 64:  # mostly stale: rebuild
-                self._leaves = [(b.used, k) for k, b in self._blocks.items() if b.children == 0]
-                heapq.heapify(self._leaves)
+            if len(self._leaves) > 2 * len(self._blocks) + 64:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heap of leaves from the blocks when it is mostly stale entries
+        (a cache that is never full pops none: its heap would grow with every use)."""
+        self._leaves = [(b.used, k) for k, b in self._blocks.items() if b.children == 0]
+        heapq.heapify(self._leaves)
 
     def _shrink(self) -> None:
         """Drop least recently used leaves until the budget holds."""
