@@ -339,7 +339,7 @@ def test_metrics_count_every_response_by_route_and_status(
         (json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode(), 400, "context"),
         (json.dumps({"model": MODEL, "prompt": [1, 2, 99999]}).encode(), 400, "token ids"),
         (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "empty"),
-        (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "n"),
+        (json.dumps({"model": MODEL, "prompt": "x", "n": 17}).encode(), 400, "n"),
         (json.dumps({"model": MODEL, "prompt": "x", "deadline_ms": -1}).encode(), 400, "deadline"),
         (
             json.dumps({"model": MODEL, "prompt": "x", "kv_eviction": 1.5}).encode(),

@@ -238,7 +238,7 @@ def _malformed(draw: Any, chat: bool, base: dict[str, Any]) -> tuple[bytes, int]
         (json.dumps({**base, "max_tokens": "3"}).encode(), 400),
         (json.dumps({**base, "max_tokens": 0}).encode(), 400),
         (json.dumps({**base, "max_tokens": 10**9}).encode(), 400),
-        (json.dumps({**base, "n": 2}).encode(), 400),
+        (json.dumps({**base, "n": 0}).encode(), 400),
         (json.dumps({**base, "model": "gpt-4"}).encode(), 404),
         (json.dumps({**base, "stream": "yes"}).encode(), 400),
         (json.dumps({**base, "deadline_ms": -1}).encode(), 400),

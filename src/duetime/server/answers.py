@@ -1,9 +1,10 @@
 """The HTTP shapes of one answer: OpenAI's JSON body, or its server-sent events.
 
-:func:`whole_answer` collects a :class:`~duetime.server.relay.Relay` into one
-completion body (answering 499 where the client leaves first);
-:func:`sse_answer` streams it as chunks, a finish chunk with duetime's timing,
-an optional usage chunk and ``[DONE]``.
+:func:`whole_answer` collects the :class:`~duetime.server.relay.Relay` of each
+choice (``n`` of them, one sequence each) into one completion body (answering
+499 where the client leaves first); :func:`sse_answer` streams them as chunks,
+interleaved as their tokens come, each choice's finish chunk with duetime's
+timing, an optional usage chunk and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +39,11 @@ class Meta:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-async def whole_answer(relay: Relay, meta: Meta, request: Request, timeout: float) -> Response:
+async def whole_answer(
+    relays: Sequence[Relay], meta: Meta, request: Request, timeout: float
+) -> Response:
     """The answer as one JSON body; 499 where the client left, 500 where the engine failed."""
-    waiter = asyncio.ensure_future(_collect(relay, timeout))
+    waiter = asyncio.ensure_future(asyncio.gather(*(_collect(r, timeout) for r in relays)))
     # Where the client left, the answer is dropped unread, and the cancelled task may still
     # end with an error (wait_for can turn the cancel into its timeout, hence a 504):
     # retrieve it, or asyncio logs "Task exception was never retrieved" with a traceback.
@@ -50,19 +53,25 @@ async def whole_answer(relay: Relay, meta: Meta, request: Request, timeout: floa
             done, _ = await asyncio.wait({waiter}, timeout=0.25)
             if not done and await request.is_disconnected():
                 waiter.cancel()
-                relay.abort()
+                _abort(relays)
                 return Response(status_code=499)
-        text = waiter.result()
+        texts = waiter.result()
     except BaseException:
         waiter.cancel()
-        relay.abort()
+        _abort(relays)  # one choice failed (a timeout): the others are not wanted either
         raise
-    outcome = relay.outcome
-    assert outcome is not None
-    if outcome.finish_reason == "error":
-        raise ApiError(500, f"the engine failed: {outcome.error}", type="server_error")
-    body = _final_body(relay, meta, text)
-    return JSONResponse(body)
+    for relay in relays:
+        outcome = relay.outcome
+        assert outcome is not None
+        if outcome.finish_reason == "error":
+            raise ApiError(500, f"the engine failed: {outcome.error}", type="server_error")
+    return JSONResponse(_final_body(relays, meta, texts))
+
+
+def _abort(relays: Sequence[Relay]) -> None:
+    """Free every choice's sequence (harmless for one already finished)."""
+    for relay in relays:
+        relay.abort()
 
 
 def _logprobs(relay: Relay, meta: Meta) -> dict[str, Any] | None:
@@ -83,27 +92,35 @@ async def _collect(relay: Relay, timeout: float) -> str:
     return "".join([d async for d in relay.deltas(timeout)])
 
 
-def _usage(relay: Relay, meta: Meta) -> dict[str, Any]:
-    cached = relay.outcome.cached_tokens if relay.outcome is not None else None
+def _usage(relays: Sequence[Relay], meta: Meta) -> dict[str, Any]:
+    """OpenAI's usage: the prompt once, every choice's completion tokens. Cached: the most
+    any choice's sequence found (each one looks the prompt up when it is admitted)."""
+    cached = max((r.outcome.cached_tokens or 0 for r in relays if r.outcome), default=0)
+    completion = sum(r.completion_tokens for r in relays)
     return {
         "prompt_tokens": meta.prompt_tokens,
-        "completion_tokens": relay.completion_tokens,
-        "total_tokens": meta.prompt_tokens + relay.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached or 0},
+        "completion_tokens": completion,
+        "total_tokens": meta.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
-def _final_body(relay: Relay, meta: Meta, text: str) -> dict[str, Any]:
-    reason = relay.finish_reason()
-    if meta.chat:
-        choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
-        obj = "chat.completion"
-    else:
-        choice, obj = {"text": (meta.echo or "") + text}, "text_completion"
-    choice["logprobs"] = _logprobs(relay, meta)
-    body = _envelope(meta, obj, {**choice, "finish_reason": reason})
-    body["usage"] = _usage(relay, meta)
-    body["duetime"] = relay.timing().model_dump()
+def _final_body(relays: Sequence[Relay], meta: Meta, texts: Sequence[str]) -> dict[str, Any]:
+    obj = "chat.completion" if meta.chat else "text_completion"
+    choices = []
+    for i, (relay, text) in enumerate(zip(relays, texts, strict=True)):
+        if meta.chat:
+            choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"text": (meta.echo or "") + text}
+        choice["logprobs"] = _logprobs(relay, meta)
+        choice["finish_reason"] = relay.finish_reason()
+        if len(relays) > 1:  # each choice is a sequence of its own, with its own times
+            choice["duetime"] = relay.timing().model_dump()
+        choices.append(_choice(i, choice))
+    body = _envelope(meta, obj, choices)
+    body["usage"] = _usage(relays, meta)
+    body["duetime"] = relays[0].timing().model_dump()
     return body
 
 
@@ -112,6 +129,7 @@ def _chunk(
     delta: str | None,
     reason: str | None,
     *,
+    index: int = 0,
     first: bool = False,
     logprobs: dict[str, Any] | None = None,
 ) -> dict:
@@ -122,19 +140,23 @@ def _chunk(
             d["role"] = "assistant"
         if delta is not None:
             d["content"] = delta
-        return _envelope(meta, "chat.completion.chunk", {"delta": d, **end})
-    return _envelope(meta, "text_completion", {"text": delta or "", **end})
+        return _envelope(meta, "chat.completion.chunk", [_choice(index, {"delta": d, **end})])
+    return _envelope(meta, "text_completion", [_choice(index, {"text": delta or "", **end})])
 
 
-def _envelope(meta: Meta, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's response frame around one choice."""
+def _choice(index: int, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"index": index, "logprobs": None, **fields}
+
+
+def _envelope(meta: Meta, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's response frame around its choices."""
     prefix = "chatcmpl-" if meta.chat else "cmpl-"
     return {
         "id": prefix + meta.id,
         "object": obj,
         "created": meta.created,
         "model": meta.model,
-        "choices": [{"index": 0, "logprobs": None, **choice}],
+        "choices": choices,
     }
 
 
@@ -143,42 +165,89 @@ def _sse_line(obj: dict[str, Any]) -> bytes:
 
 
 async def sse_answer(
-    relay: Relay, meta: Meta, include_usage: bool, request: Request, timeout: float
+    relays: Sequence[Relay], meta: Meta, include_usage: bool, request: Request, timeout: float
 ) -> AsyncIterator[bytes]:
-    """The answer as server-sent events; a client gone mid-stream aborts its sequence."""
+    """The answer as server-sent events, each choice's chunks as its tokens come; a client
+    gone mid-stream aborts every choice's sequence."""
     finished = False
     try:
-        if meta.chat:
-            yield _sse_line(_chunk(meta, "", None, first=True))
-        elif meta.echo:
-            yield _sse_line(_chunk(meta, meta.echo, None))
-        async for delta in relay.deltas(timeout):
-            yield _sse_line(_chunk(meta, delta, None, logprobs=_logprobs(relay, meta)))
-        outcome = relay.outcome
-        assert outcome is not None
-        if outcome.finish_reason == "error":
-            err = {"message": f"the engine failed: {outcome.error}", "type": "server_error"}
-            yield _sse_line({"error": err})
-        else:
+        for i in range(len(relays)):
+            if meta.chat:
+                yield _sse_line(_chunk(meta, "", None, index=i, first=True))
+            elif meta.echo:
+                yield _sse_line(_chunk(meta, meta.echo, None, index=i))
+        failed = False
+        async for i, delta, logprobs in _merged(relays, meta, timeout):
+            relay = relays[i]
+            if delta is not None:
+                yield _sse_line(_chunk(meta, delta, None, index=i, logprobs=logprobs))
+                continue
+            outcome = relay.outcome
+            assert outcome is not None
+            if outcome.finish_reason == "error":
+                err = {"message": f"the engine failed: {outcome.error}", "type": "server_error"}
+                yield _sse_line({"error": err})
+                failed = True  # the other choices are aborted below: the answer is void
+                break
             last = _chunk(
-                meta,
-                None if meta.chat else "",
-                relay.finish_reason(),
-                logprobs=_logprobs(relay, meta),
+                meta, None if meta.chat else "", relay.finish_reason(), index=i, logprobs=logprobs
             )
             last["duetime"] = relay.timing().model_dump()
             yield _sse_line(last)
-            if include_usage:
-                usage = _chunk(meta, None, None)
-                usage["choices"] = []
-                usage["usage"] = _usage(relay, meta)
-                yield _sse_line(usage)
+        if include_usage and not failed:
+            usage = _chunk(meta, None, None)
+            usage["choices"] = []
+            usage["usage"] = _usage(relays, meta)
+            yield _sse_line(usage)
         yield b"data: [DONE]\n\n"
-        finished = True
+        finished = not failed
     except ApiError as e:
         yield _sse_line({"error": {"message": e.message, "type": e.type}})
         yield b"data: [DONE]\n\n"
     finally:
         if not finished:
-            relay.abort()  # the client went away (or timed out): free the sequence now
+            _abort(relays)  # the client went away, a choice failed or timed out: free them all
         del request
+
+
+#: (choice, its text delta or None at its end, the log-probabilities of that delta's tokens)
+_Event = tuple[int, str | None, dict[str, Any] | None]
+
+
+async def _events(index: int, relay: Relay, meta: Meta, timeout: float) -> AsyncIterator[_Event]:
+    """One choice's deltas with the log-probabilities of their tokens (taken as each delta
+    is, so that a chunk carries its own tokens), then its end."""
+    async for delta in relay.deltas(timeout):
+        yield index, delta, _logprobs(relay, meta)
+    yield index, None, _logprobs(relay, meta)
+
+
+async def _merged(relays: Sequence[Relay], meta: Meta, timeout: float) -> AsyncIterator[_Event]:
+    """Every choice's events in the order they come (a task per choice when there are
+    several); the first error (a timeout) is raised to the reader."""
+    if len(relays) == 1:
+        async for event in _events(0, relays[0], meta, timeout):
+            yield event
+        return
+    queue: asyncio.Queue[_Event | Exception] = asyncio.Queue()
+
+    async def pump(i: int, relay: Relay) -> None:
+        try:
+            async for event in _events(i, relay, meta, timeout):
+                await queue.put(event)
+        except Exception as e:  # handed to the reader, which raises it
+            await queue.put(e)
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(relays)]
+    try:
+        left = len(relays)
+        while left:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item[1] is None:
+                left -= 1
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -12,6 +12,7 @@ memory is freed by the engine on its next round).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -251,30 +252,57 @@ async def _serve(
     job = Job(req, output_len=max_tokens)
     req.predicted = await _predicted(state, job)
     tokens = req.predicted.point if req.predicted is not None else float(max_tokens)
-    verdict = state.admission.judge(
-        engine.stats,
-        engine.stats.waiting + engine.inbox_size,
-        prompt_len=len(ids),
-        tokens=tokens,
-        budget_s=budget,
-        allows_eviction=body.allows_eviction(),
-        cached_tokens=engine.cached_prefix_len(ids),
-    )
-    if not verdict.accept:
-        state.metrics.rejected.labels(verdict.why).inc()
-        raise ApiError(
-            429,
-            verdict.reason,
-            type="rate_limit_error",
-            code={"queue": "queue_full", "deadline": "deadline_unreachable"}[verdict.why],
-            headers={"Retry-After": str(verdict.retry_after_s)},
+    cached = engine.cached_prefix_len(ids)
+    for i in range(body.n):  # each choice is a sequence: judged behind the ones before it
+        verdict = state.admission.judge(
+            engine.stats,
+            engine.stats.waiting + engine.inbox_size + i,
+            prompt_len=len(ids),
+            tokens=tokens,
+            budget_s=budget,
+            allows_eviction=body.allows_eviction(),
+            cached_tokens=cached,
         )
+        if not verdict.accept:
+            state.metrics.rejected.labels(verdict.why).inc()
+            raise ApiError(
+                429,
+                verdict.reason if body.n == 1 else f"choice {i + 1} of {body.n}: {verdict.reason}",
+                type="rate_limit_error",
+                code={"queue": "queue_full", "deadline": "deadline_unreachable"}[verdict.why],
+                headers={"Retry-After": str(verdict.retry_after_s)},
+            )
     if await request.is_disconnected():
         # Gone while its prompt was tokenized and judged: nothing reaches the engine (a
         # prefill nobody reads), where the answer's own watch would abort it only later.
         # It took a request id, so /metrics counts it once, as the client's abort.
         state.metrics.requests.labels("abort").inc()
         return Response(status_code=499)
+    relays = [_submit(state, body, job, 0)]
+    for i in range(1, body.n):  # the same request under its own id and seed
+        copy = Job(dataclasses.replace(req, rid=engine.next_rid()), output_len=max_tokens)
+        relays.append(_submit(state, body, copy, i))
+    meta = Meta(
+        model=cfg.model_name,
+        chat=chat,
+        prompt_tokens=len(ids),
+        echo=_echo(state, body, ids, text),
+    )
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            sse_answer(relays, meta, include_usage, request, cfg.request_timeout_s),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return await whole_answer(relays, meta, request, cfg.request_timeout_s)
+
+
+def _submit(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest, job: Job, choice: int
+) -> Relay:
+    """Hand one choice's sequence to the engine; the relay that turns its tokens into text."""
+    engine = state.engine
     stream = Stream(asyncio.get_running_loop(), state.metrics.observe)
     segmenter = None
     if body.segment is not None:
@@ -290,27 +318,12 @@ async def _serve(
         min_tokens=body.min_tokens,
         stop_token_ids=body.stop_token_ids or (),
         segmenter=segmenter,
-        sampling=body.sampling(),
+        sampling=body.sampling(choice),
         logprobs=logprobs,
     )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    relay = Relay(
-        engine, req.rid, stream, stops, Detokenizer(state.codec), body.min_tokens, logprobs
-    )
-    meta = Meta(
-        model=cfg.model_name,
-        chat=chat,
-        prompt_tokens=len(ids),
-        echo=_echo(state, body, ids, text),
-    )
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            sse_answer(relay, meta, include_usage, request, cfg.request_timeout_s),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    return await whole_answer(relay, meta, request, cfg.request_timeout_s)
+    detok = Detokenizer(state.codec)
+    return Relay(engine, job.request.rid, stream, stops, detok, body.min_tokens, logprobs)
 
 
 def _echo(

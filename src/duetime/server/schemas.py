@@ -11,11 +11,12 @@ to 0, not OpenAI's 1, so the same request gets the same answer (every benchmark
 in duetime compares policies on identical outputs). ``temperature`` > 0 samples,
 cut by ``top_p`` and vLLM's ``top_k`` and ``min_p``, reproducibly with a
 ``seed``; the presence, frequency and (vLLM's) repetition penalties apply
-greedy or not. Fields that would change the response's shape (``best_of`` > 1,
-``n`` > 1, ``logprobs`` with ``echo``) or that a client relies on for what the
-text is (``response_format`` other than text, ``logit_bias``, ``suffix``, tools
-the model may call) are refused rather than silently dropped: an answer that
-ignored them would look right and be wrong.
+greedy or not. ``n`` > 1 runs that many sequences of the prompt (choice ``i``
+samples with ``seed + i``; greedy choices are the same answer). Fields that would
+change the response's shape (``best_of`` > 1, ``logprobs`` with ``echo``) or
+that a client relies on for what the text is (``response_format`` other than
+text, ``logit_bias``, ``suffix``, tools the model may call) are refused rather
+than silently dropped: an answer that ignored them would look right and be wrong.
 
 Types are strict (``"max_tokens": "3"`` or ``true`` is a 400, not 3 or 1), and
 text must be valid Unicode: JSON's ``\ud800`` escapes can smuggle a lone
@@ -42,6 +43,8 @@ from duetime.core.sampling import MAX_PENALTY, SamplingParams
 MAX_MS = 1e9
 #: Upper bound on max_tokens accepted at all (the context length is checked later).
 MAX_TOKENS_LIMIT = 1 << 20
+#: Upper bound on n, the choices (sequences) one request may ask for.
+MAX_CHOICES = 16
 
 
 def _unicode(text: str) -> str:
@@ -173,7 +176,13 @@ class _Common(TimeFields):
         description="vLLM's extension: logits of tokens in the prompt or answer are divided by "
         "it (multiplied when negative); 1 changes nothing.",
     )
-    n: Literal[1] = Field(1, description="Only one choice per request.")
+    n: int = Field(
+        1,
+        ge=1,
+        le=MAX_CHOICES,
+        description=f"Choices to generate (1 to {MAX_CHOICES}), each a sequence of its own: "
+        "choice i samples with seed + i.",
+    )
     stop: Text | list[Annotated[Text, Field(min_length=1, max_length=256)]] | None = Field(
         None, description="Up to 4 stop strings; the answer ends before the first one."
     )
@@ -189,14 +198,18 @@ class _Common(TimeFields):
     )
     logit_bias: dict[str, Any] | None = Field(None, description="Not supported: null or {}.")
 
-    def sampling(self) -> SamplingParams:
-        """How the engine picks this answer's tokens (greedy at temperature 0)."""
+    def sampling(self, choice: int = 0) -> SamplingParams:
+        """How the engine picks choice ``choice``'s tokens (greedy at temperature 0); its
+        seed is ``seed + choice``, kept in the 64 bits a generator takes."""
+        seed = self.seed
+        if seed is not None and choice:
+            seed = (seed + choice) % (1 << 64)
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
             min_p=self.min_p,
-            seed=self.seed,
+            seed=seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
