@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,18 +23,6 @@ def _state(**overrides: object) -> ServerState:
     options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096, **overrides)  # type: ignore[arg-type]
     model, codec, name = load_served_model(options)
     return build_state(options, model, codec, name)
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[str, ServerState]]:
-    state = _state()
-    with serve_in_thread(create_app(state)) as url:
-        yield url, state
-
-
-@pytest.fixture(scope="module")
-def client(served: tuple[str, ServerState]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
 
 
 def _idle(state: ServerState, timeout: float = 10.0) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -13,18 +12,6 @@ import pytest
 from duetime.server.app import ServerState, create_app
 from duetime.server.threaded import serve_in_thread
 from tests.test_server import MODEL, _idle, _state
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[str, ServerState]]:
-    state = _state()
-    with serve_in_thread(create_app(state)) as url:
-        yield url, state
-
-
-@pytest.fixture(scope="module")
-def client(served: tuple[str, ServerState]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
 
 
 def _one(client: openai.OpenAI, seed: int) -> str:
