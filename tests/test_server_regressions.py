@@ -254,7 +254,7 @@ def test_an_answer_that_fails_as_its_client_leaves_logs_nothing() -> None:
         )
         relay = _CancelledAsTimeout()
         meta = Meta(model=MODEL, chat=False, prompt_tokens=1, echo=None)
-        response = await whole_answer(relay, meta, _Gone(), 10.0)  # type: ignore[arg-type]
+        response = await whole_answer([relay], meta, _Gone(), 10.0)  # type: ignore[arg-type]
         assert response.status_code == 499
         assert relay.aborted
         await asyncio.sleep(0.05)  # the cancelled task ends (with its 504)
