@@ -18,8 +18,8 @@ class RequestRecord:
     has one fewer ready time than done times and segment ``k``'s waiting time
     is ``segment_done[k] − segment_ready[k − 1]``. ``finish`` is None when the
     request was cancelled. ``cached_prompt_tokens``: prompt tokens whose KV a
-    prefix cache supplied at the request's last admission (always 0 in the
-    simulator; None until it is admitted).
+    prefix cache supplied at the request's last admission (0 without one; None
+    until it is admitted).
     """
 
     request: Request

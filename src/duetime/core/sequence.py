@@ -47,8 +47,8 @@ class Seq:
     Invariant while it holds KV and has produced its first token:
     ``kv_tokens == prompt_len + generated - 1 - kv_evicted`` (the newest token
     is produced but not yet fed back). During prefill ``prefilled`` counts the
-    tokens of ``prefill_target`` already computed, or copied from the engine's
-    prefix cache at admission (so it need not start at 0).
+    tokens of ``prefill_target`` already computed, or found in the prefix
+    cache at admission (so it need not start at 0).
     """
 
     __slots__ = (

@@ -110,7 +110,7 @@ class EngineExecutor(ExecutorCore):
     and falls back to StreamingLLM (counted in ``counters["snapkv_fallbacks"]``).
 
     ``prefix_cache_tokens`` > 0 keeps the KV of that many prompt tokens, in blocks,
-    for later prompts that begin the same way (:mod:`~duetime.engine.prefix_cache`):
+    for later prompts that begin the same way (:mod:`~duetime.core.prefix_cache`):
     a request admitted with a cached beginning copies its KV and prefills the rest
     (``prefill_cached_tokens`` counts them). Its own budget, off the policy's books.
     A hit leaves the last token to compute (its logits give the first answer token),
