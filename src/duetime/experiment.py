@@ -18,7 +18,7 @@ from duetime.core.cost import LinearStepCost
 from duetime.core.policy import Policy
 from duetime.core.record import RequestRecord
 from duetime.core.request import Job
-from duetime.metrics import SLO, summarize
+from duetime.metrics import SLO, cached_prompt_pct, summarize
 from duetime.policies import make_policy
 from duetime.predict.oracle import JobPredictor, make_job_predictor
 from duetime.sim import SimConfig, SimResult, Simulator
@@ -162,11 +162,11 @@ RUN_FIGURES = (
 def prompt_cached_pct(records: list[RequestRecord]) -> float | None:
     """Percent of the prompt tokens of admitted requests whose KV a prefix cache supplied
     (at each one's last admission); None when none was admitted."""
-    admitted = [r for r in records if r.cached_prompt_tokens is not None]
-    total = sum(r.request.prompt_len for r in admitted)
-    if not total:
-        return None
-    return 100.0 * sum(r.cached_prompt_tokens or 0 for r in admitted) / total
+    return cached_prompt_pct(
+        (r.request.prompt_len, r.cached_prompt_tokens)
+        for r in records
+        if r.cached_prompt_tokens is not None
+    )
 
 
 def row_figures() -> list[str]:

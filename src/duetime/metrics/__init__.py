@@ -10,13 +10,14 @@ plots sweeps (:func:`plot_sweep`). Definitions and sources: docs/metrics.md.
 from duetime.metrics.output import to_jsonable, write_json
 from duetime.metrics.plot import plot_sweep
 from duetime.metrics.slo import SLO
-from duetime.metrics.summary import Summary, summarize, summarize_by_class
+from duetime.metrics.summary import Summary, cached_prompt_pct, summarize, summarize_by_class
 from duetime.metrics.table import DEFAULT_KEYS, render_table
 
 __all__ = [
     "DEFAULT_KEYS",
     "SLO",
     "Summary",
+    "cached_prompt_pct",
     "plot_sweep",
     "render_table",
     "summarize",

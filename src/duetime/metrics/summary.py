@@ -70,6 +70,17 @@ def summarize(
     return out
 
 
+def cached_prompt_pct(pairs: Iterable[tuple[int, int]]) -> float | None:
+    """Percent of prompt tokens whose KV a prefix cache supplied, over ``(prompt tokens,
+    cached tokens)`` pairs (one per answer that reports both); None for no prompt tokens.
+    One definition for a simulated or engine run's records and a load run's usage."""
+    prompt = cached = 0
+    for p, c in pairs:
+        prompt += p
+        cached += c
+    return 100.0 * cached / prompt if prompt else None
+
+
 def summarize_by_class(
     records: Iterable[RequestRecord], *, slo: SLO | None = None, span: Span | None = None
 ) -> dict[str, Summary]:

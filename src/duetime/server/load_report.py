@@ -20,7 +20,7 @@ import numpy as np
 
 from duetime.core.record import RequestRecord
 from duetime.core.request import Request
-from duetime.metrics import summarize
+from duetime.metrics import cached_prompt_pct, summarize
 from duetime.server.loadgen import LoadRun, Outcome
 
 Row = dict[str, Any]
@@ -145,13 +145,11 @@ def _row(
 def _prompt_cached_pct(outcomes: Sequence[Outcome]) -> float | None:
     """% of the prompt tokens a server's prefix cache supplied, over the answers whose
     usage said both (OpenAI's ``prompt_tokens_details.cached_tokens``; any server)."""
-    usage = [
+    return cached_prompt_pct(
         (o.prompt_tokens, o.cached_tokens)
         for o in outcomes
         if o.prompt_tokens is not None and o.cached_tokens is not None
-    ]
-    total = sum(p for p, _ in usage)
-    return 100.0 * sum(c for _, c in usage) / total if total else None
+    )
 
 
 def _server_reports(outcomes: Sequence[Outcome]) -> Row:
