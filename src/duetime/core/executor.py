@@ -123,25 +123,23 @@ class ExecutorCore:
         """
         return len(prefix) * self.prefix_cache.block_size if self.prefix_cache else 0
 
-    def _block_key(self, seq: Seq, k: int, parent: Hashable) -> Hashable:
-        """The prefix-cache key of block ``k`` of ``seq``'s tokens (prompt, then answer),
-        after the blocks keyed ``parent``.
+    def _block_key(self, seq: Seq, start: int, end: int, parent: Hashable) -> Hashable:
+        """The prefix-cache key of the block of positions ``[start, end)`` of ``seq``'s
+        tokens (prompt, then answer), after the blocks keyed ``parent``.
 
         What the core knows of a sequence's tokens: its prompt ids when the request
         carries them, else the shared prefix it names (``prefix_group``, the first
         ``prefix_len`` tokens); any other block is the request's own, which only its
         own recomputation can reuse. The engine, which has every token, hashes them.
         """
-        size = self.prefix_cache.block_size if self.prefix_cache else 1
         req = seq.req
         ids = req.prompt_token_ids
-        end = (k + 1) * size
         if ids is not None:
             if end <= len(ids) and isinstance(parent, bytes):
-                return block_key(parent, ids[end - size : end])
+                return block_key(parent, ids[start:end])
         elif req.prefix_group is not None and end <= req.prefix_len:
-            return ("prefix", req.prefix_group, k)
-        return ("own", seq.rid, k)
+            return ("prefix", req.prefix_group, start)
+        return ("own", seq.rid, start)
 
     def _block_payload(self, seq: Seq, start: int, end: int) -> Any:
         """What the prefix cache keeps of positions ``[start, end)`` of ``seq`` (the
@@ -170,9 +168,12 @@ class ExecutorCore:
     def _block_keys(self, seq: Seq, n_blocks: int) -> Iterator[Hashable]:
         """Keys of ``seq``'s first ``n_blocks`` blocks, one at a time (a lookup stops at
         its first miss)."""
+        if self.prefix_cache is None:
+            return
+        size = self.prefix_cache.block_size
         parent: Hashable = ROOT_KEY
-        for k in range(n_blocks):
-            parent = self._block_key(seq, k, parent)
+        for start in range(0, n_blocks * size, size):
+            parent = self._block_key(seq, start, start + size, parent)
             yield parent
 
     def _prefix_hit(self, seq: Seq) -> list[Any]:
@@ -216,9 +217,9 @@ class ExecutorCore:
         done, parent = chain
         end = self._kv_positions(seq)
         while (done + 1) * size <= end:
-            key = self._block_key(seq, done, parent)
+            start = done * size
+            key = self._block_key(seq, start, start + size, parent)
             if key not in cache:  # (reading a block's KV costs a copy: only when new)
-                start = done * size
                 cache.insert(key, parent, self._block_payload(seq, start, start + size))
             parent, done = key, done + 1
         self._chains[seq.rid] = (done, parent)

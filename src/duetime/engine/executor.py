@@ -224,11 +224,10 @@ class EngineExecutor(ExecutorCore):
             self.kv.watch(slot, self.snapkv_window)  # the prefill's last queries, for SnapKV
         return cached
 
-    def _block_key(self, seq: Seq, k: int, parent: Hashable) -> Hashable:
+    def _block_key(self, seq: Seq, start: int, end: int, parent: Hashable) -> Hashable:
         """Every token is known here (prompt and answer): a block's key hashes them."""
         assert isinstance(parent, bytes)
-        size = self.prefix_cache.block_size if self.prefix_cache else 1
-        return block_key(parent, self.tokens[seq.rid][k * size : (k + 1) * size])
+        return block_key(parent, self.tokens[seq.rid][start:end])
 
     def _block_payload(self, seq: Seq, start: int, end: int) -> torch.Tensor:
         """The block's K/V, all layers. One that began in an earlier step is still held,
