@@ -66,12 +66,11 @@ def test_streamed_choices_add_up_to_the_whole_ones(
         path, body = "/v1/completions", {"prompt": "Once upon", "logprobs": 1}
     body = {"model": MODEL, **body, **sampling}
     whole = httpx.post(url + path, json=body, timeout=30).json()
-    events: list[dict[str, Any]] = []
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", url + path, json=stream, timeout=30) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    events = [json.loads(line[6:]) for line in lines[:-1]]
+    events: list[dict[str, Any]] = [json.loads(line[6:]) for line in lines[:-1]]
     texts = dict.fromkeys(range(3), "")
     finals: dict[int, dict[str, Any]] = {}
     tokens: dict[int, list[str]] = {i: [] for i in range(3)}
@@ -115,7 +114,7 @@ def test_a_client_gone_mid_stream_frees_every_choice(served: tuple[str, ServerSt
     _idle(state)
 
 
-def test_too_many_choices_are_refused_and_admission_judges_each(tmp_path: Any) -> None:
+def test_too_many_choices_are_refused_and_admission_judges_each() -> None:
     """n counts against the queue: a server with room for two more sequences refuses
     n = 3 outright (429, nothing queued) and serves n = 2."""
     state = _state(max_waiting=2)
