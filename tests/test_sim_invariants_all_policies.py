@@ -4,7 +4,9 @@
 runs each policy of the registry (with its own default predictor and a few of
 its options drawn at random) over requests that carry every optional field a
 client can set: deadlines, priorities, time-utility functions, max_tokens,
-segments, overrun strategies and KV-eviction ratios. What must hold for any
+segments, overrun strategies, KV-eviction ratios and shared prompt beginnings
+(with and without a prefix cache, whose hits the policies charge no step
+budget for: the executor refuses a step over it). What must hold for any
 policy: the run ends, every request ends exactly once, memory stays within
 capacity, nobody gets more tokens than asked for, times are ordered, and the
 same seed gives the same run. ``DUETIME_FUZZ_EXAMPLES=500`` searches deeper
@@ -60,6 +62,9 @@ POLICY_OPTIONS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
 def _job(draw: Any, rid: int, t: float) -> Job:
     prompt = draw(st.integers(1, 150))
     output = draw(st.integers(1, 90))
+    # a third begin with one of two shared system prompts (the prefix cache's hits)
+    group = draw(st.sampled_from([None, None, None, "a", "b"])) if prompt > 1 else None
+    prefix = draw(st.integers(2, prompt)) if group else 0
     deadline = t + draw(st.floats(0.05, 5.0)) if draw(st.booleans()) else None
     tuf = TimeUtility(ert=draw(st.floats(0.05, 3.0))) if draw(st.booleans()) else None
     request = Request(
@@ -72,6 +77,8 @@ def _job(draw: Any, rid: int, t: float) -> Job:
         tuf=tuf,
         overrun=draw(st.sampled_from([None, "kill", "skip-next"])),
         kv_eviction=draw(st.sampled_from([None, "off", "auto", 0.25])),
+        prefix_group=group,
+        prefix_len=prefix,
     )
     segments, gaps = maybe_two_segments(draw, output, st.floats(0.0, 0.3))
     return Job(request, output, segments, gaps)
@@ -99,6 +106,7 @@ def scenarios(draw: Any, policy: str) -> tuple[list[Job], SimConfig, dict[str, A
         max_num_seqs=draw(st.integers(1, 12)),
         max_batch_tokens=draw(st.sampled_from([16, 64, 4096])),
         offload_suspended=draw(st.booleans()),
+        prefix_cache_tokens=draw(st.sampled_from([0, 0, 64, 4096])),
     )
     options = draw(POLICY_OPTIONS.get(policy, st.just({})))
     return jobs, cfg, options, draw(st.integers(0, 10_000))

@@ -111,6 +111,9 @@ class ExecutorCore:
         self._chains: dict[int, tuple[int, Hashable]] = {}
         # (decode step, order, epoch, seq): when a decoder completes its next block
         self._block_due: list[tuple[int, int, int, Seq]] = []
+        # rid → its prefix hit, looked up for this scheduling point's policy (the cache
+        # does not change between the policy's call and the decision's admissions)
+        self._hit_memo: dict[int, int] = {}
 
     # --- hooks for executors with real memory (no-ops here) --------------------
     def _on_admit(self, seq: Seq, prefix: list[Any]) -> int:
@@ -176,15 +179,31 @@ class ExecutorCore:
             parent = self._block_key(seq, start, start + size, parent)
             yield parent
 
+    def _hit_limit(self, seq: Seq) -> int:
+        """The most of ``seq``'s prefill a hit may cover: all but the last
+        ``prefix_compute_tail`` tokens (the last one's logits give the next token; the
+        engine under SnapKV needs its query window's too)."""
+        return max(0, seq.prefill_target - self.prefix_compute_tail)
+
+    def _lookup_hit(self, seq: Seq) -> int:
+        """What :meth:`_prefix_hit` would find for ``seq`` now, in tokens, without
+        counting or marking anything (the snapshot's ``prefix_hit``); 0 unless waiting."""
+        cache = self.prefix_cache
+        if cache is None or seq.status is not SeqStatus.WAITING:
+            return 0
+        hit = self._hit_memo.get(seq.rid)
+        if hit is None:
+            n_blocks = self._hit_limit(seq) // cache.block_size
+            hit = self._hit_memo[seq.rid] = cache.peek(self._block_keys(seq, n_blocks))
+        return hit
+
     def _prefix_hit(self, seq: Seq) -> list[Any]:
         """Look the prefill of a sequence about to be admitted up in the prefix cache:
-        the payloads of the cached blocks it begins with. A hit leaves the last
-        ``prefix_compute_tail`` tokens to compute (the last one's logits give the next
-        token; the engine under SnapKV needs its query window's too)."""
+        the payloads of the cached blocks it begins with (at most :meth:`_hit_limit`)."""
         cache = self.prefix_cache
         if cache is None:
             return []
-        limit = max(0, seq.prefill_target - self.prefix_compute_tail)
+        limit = self._hit_limit(seq)
         keys, payloads = cache.match(self._block_keys(seq, limit // cache.block_size), limit)
         self._chains[seq.rid] = (len(keys), keys[-1] if keys else ROOT_KEY)
         return payloads
@@ -245,6 +264,7 @@ class ExecutorCore:
 
     # --- policy interface ------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
+        self._hit_memo.clear()  # the cache may have changed since the last call
         return EngineSnapshot(
             now=self.now,
             waiting=self.waiting,  # type: ignore[arg-type]
@@ -257,6 +277,7 @@ class ExecutorCore:
             max_batch_tokens=self.max_batch_tokens,
             num_decoding=self._n_dec,
             cost=self.step_cost_model(),
+            prefix_lookup=None if self.prefix_cache is None else self._lookup_hit,
         )
 
     def step_cost_model(self) -> CostModel | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,11 @@ class EngineSnapshot:
     both executors. ``max_num_seqs`` and ``max_batch_tokens`` are the engine's
     limits on sequences per step and tokens per step; ``num_decoding`` is how many
     RUNNING sequences have finished prefill and will decode in the next step.
+
+    With automatic prefix caching, admitting a waiting sequence may find the
+    KV of its prompt's beginning cached: :meth:`prefix_hit` says how much, so
+    a policy charges the step's token budget only for what the prefill will
+    compute (KV memory is still the whole prompt's: a hit is a copy).
     """
 
     now: float
@@ -40,3 +45,14 @@ class EngineSnapshot:
     max_batch_tokens: int
     num_decoding: int = 0
     cost: CostModel | None = None
+    prefix_lookup: Callable[[Seq], int] | None = None
+
+    def prefix_hit(self, seq: Seq) -> int:
+        """Prompt tokens whose KV the prefix cache supplies if waiting ``seq`` is
+        admitted at this scheduling point (exactly what the executor then finds);
+        0 without a prefix cache and for a sequence that is not waiting.
+
+        Its prefill then computes ``seq.prefill_target - prefix_hit(seq)`` tokens.
+        """
+        lookup = self.prefix_lookup
+        return 0 if lookup is None else lookup(seq)

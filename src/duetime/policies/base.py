@@ -46,9 +46,12 @@ class QueuePolicy:
 
     def may_chunk(self, seq: Seq, snap: EngineSnapshot) -> bool:
         """Whether ``seq``'s prefill may run in pieces: always with chunked prefill,
-        and without it when the whole prefill is longer than a step's token budget,
-        since then no step could ever take it in one go (it would wait forever)."""
-        return self.chunked_prefill or seq.prefill_target > snap.max_batch_tokens
+        and without it when the prefill computes more tokens than a step's token
+        budget (less any prefix-cache hit), since then no step could ever take it in
+        one go (it would wait forever)."""
+        if self.chunked_prefill:
+            return True
+        return seq.prefill_target - snap.prefix_hit(seq) > snap.max_batch_tokens
 
     # --- the three choices --------------------------------------------------
     def forget(self, rid: int) -> None:
@@ -105,11 +108,13 @@ class QueuePolicy:
                 dec.cancel.append(seq.rid)
                 continue
             # Admit only when the whole prompt fits (plus one token to decode),
-            # so an admitted prefill never stalls for memory halfway.
+            # so an admitted prefill never stalls for memory halfway. The step's
+            # budget pays only for what it computes: a prefix-cache hit is copied.
             fits = need + 1 + self.admit_headroom <= free
             if fits and self.admissible(seq, snap):
-                n = min(need, budget)
-                if n < need and not self.may_chunk(seq, snap):
+                work = need - snap.prefix_hit(seq)
+                n = min(work, budget)
+                if n < work and not self.may_chunk(seq, snap):
                     fits = False
                 else:
                     dec.prefill.append((seq.rid, n))

@@ -148,8 +148,10 @@ class DeferredPrefill(QueuePolicy):
                 # give up on it, as QueuePolicy does, or it blocks the queue for good.
                 dec.cancel.append(seq.rid)
                 continue
-            # Whole prompts, unless one is longer than any step takes (may_chunk).
-            step = min(need, budget) if self.may_chunk(seq, snap) else need
+            # Whole prompts (less a prefix-cache hit), unless one is longer than any
+            # step takes (may_chunk).
+            work = need - snap.prefix_hit(seq)
+            step = min(work, budget) if self.may_chunk(seq, snap) else work
             if n >= cap:
                 return n, "full"
             if need + 1 > free:

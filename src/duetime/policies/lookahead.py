@@ -191,9 +191,11 @@ class LookaheadPolicy(QueuePolicy):
             allowed = min(mem.allowance(r), free)
             room = min(allowed, budget)
             alone = n_seqs == 0 and not dec.prefill  # nothing else could ever make room
-            # The whole prompt in one step, unless chunked prefill is on or it is longer
-            # than any step takes; memory is reserved for all of it either way.
-            step = min(need, budget) if self.may_chunk(seq, snap) else need
+            # The whole prompt in one step (less a prefix-cache hit), unless chunked
+            # prefill is on or it is longer than any step takes; memory is reserved
+            # for all of it either way.
+            work = need - snap.prefix_hit(seq)
+            step = min(work, budget) if self.may_chunk(seq, snap) else work
             fits = need <= allowed or (alone and need <= free)
             if fits and 1 <= step <= budget:
                 dec.prefill.append((seq.rid, step))

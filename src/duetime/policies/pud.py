@@ -94,17 +94,18 @@ class _StepWork:
         attn = sum(n * (by_rid[rid].prefilled + n) for rid, n in chunks)
         return _StepWork(tokens, float(attn), decoders, decoders + len(chunks))
 
-    def plus(self, seq: Seq, budget: int) -> _StepWork:
-        """This step with ``seq`` resumed (it decodes now) or prefilled (it decodes after)."""
+    def plus(self, seq: Seq, budget: int, hit: int = 0) -> _StepWork:
+        """This step with ``seq`` resumed (it decodes now) or prefilled (it decodes after;
+        ``hit`` of its prompt tokens found in the prefix cache, so not computed)."""
         if seq.status is SeqStatus.SUSPENDED:
             return replace(
                 self, decoders_now=self.decoders_now + 1, decoders_after=self.decoders_after + 1
             )
-        n = max(min(seq.prefill_target, budget), 0)
+        n = max(min(seq.prefill_target - hit, budget), 0)
         return replace(
             self,
             prefill_tokens=self.prefill_tokens + n,
-            prefill_attn=self.prefill_attn + n * (seq.prefilled + n),
+            prefill_attn=self.prefill_attn + n * (seq.prefilled + hit + n),
             decoders_after=self.decoders_after + 1,
         )
 
@@ -211,7 +212,16 @@ class TimelyLLM(QueuePolicy):
         for _, _, s in cands:
             if n_seqs >= snap.max_num_seqs:
                 break
-            with_s = step_work.plus(s, budget)  # the step if ``s`` goes in
+            guarded = guard is not None and decoders > 0
+            # The step if ``s`` goes in. A waiting one's prefix hit is looked up only
+            # when the guard weighs it or it fits: a lookup for every queued request
+            # in every step would cost more than the step under a long queue.
+            hit = 0
+            if s.status is SeqStatus.WAITING and (
+                guarded or (s.prefill_target + 1 <= free and budget > 0)
+            ):
+                hit = snap.prefix_hit(s)
+            with_s = step_work.plus(s, budget, hit)
             if guard is not None and decoders > 0:
                 due_left, remaining = guard
                 if (
@@ -241,7 +251,7 @@ class TimelyLLM(QueuePolicy):
                     continue
                 if need + 1 > free or budget <= 0:
                     continue
-                n = min(need, budget)
+                n = min(need - hit, budget)
                 step_work = with_s
                 dec.prefill.append((s.rid, n))
                 self._seg_start[s.rid] = s.generated
