@@ -16,8 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from duetime.core.request import Job, Request
 from duetime.engine import GGUFFile, SeqChunk, greedy_generate, load_model
+from duetime.engine.executor import EngineExecutor
+from duetime.engine.logprobs import LogprobLog
 from duetime.engine.weights import default_gguf_path
+from duetime.policies import make_policy
 
 PROMPT = ["<bos>", "The", "▁capital", "▁of", "▁France", "▁is"]
 
@@ -77,6 +81,17 @@ def test_real_gemma3_matches_transformers() -> None:
     kv = model.new_kv_cache()
     got = model.step([SeqChunk(kv.allocate(), ids, 0)], kv, all_logits=True)
     torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
+
+    # the prompt's log-probabilities (echo + logprobs), scored in 4-token chunks
+    log = LogprobLog(top_n=1, prompt=True)
+    ex = EngineExecutor(make_policy("fcfs"), model, max_batch_tokens=4)
+    ex.logprob_logs[0] = log
+    ex.run([Job(Request(rid=0, arrival=0.0, prompt_len=len(ids), prompt_token_ids=tuple(ids)), 1)])
+    want = torch.log_softmax(ref, dim=-1)
+    scored = [e.logprob for e in log.prompt_entries or []]
+    assert scored == pytest.approx(
+        [float(want[i, ids[i + 1]]) for i in range(len(ids) - 1)], abs=1e-3
+    )
 
     ours = greedy_generate(model, [ids], 6)[0]
     with torch.no_grad():

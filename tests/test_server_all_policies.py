@@ -211,6 +211,8 @@ def _specs(seed: int, codec: CharCodec, max_context: int, n: int) -> list[Spec]:
             body = {"model": MODEL, "prompt": prompt}
             if rng.random() < 0.1:
                 body["echo"] = True
+                if rng.random() < 0.5:  # score the prompt too
+                    body["logprobs"] = rng.choice([0, 2])
         room = max_context - len(ids)
         long = rng.random() < 0.2
         mt = rng.randint(room // 2, room) if long else rng.randint(1, 20)
@@ -339,6 +341,16 @@ def _check(spec: Spec, res: Result, ref: Reference) -> list[str]:
     if res.usage is not None and res.usage["prompt_tokens"] != len(spec.ids):
         bad.append(f"usage {res.usage} for a prompt of {len(spec.ids)} tokens")
     text = res.text
+    lp = choice.get("logprobs")
+    scored = spec.body.get("echo") and lp is not None and not spec.body.get("stream")
+    if scored:  # a whole answer's scored prompt (a stream's last chunk has its own tokens)
+        p = len(spec.ids)
+        if lp["token_logprobs"][0] is not None or len(lp["tokens"]) < p:
+            bad.append(f"scored prompt of {p} tokens: {lp['token_logprobs'][:3]}...")
+        elif n and None in lp["token_logprobs"][1:]:  # its prefill ran: every score is in
+            bad.append("a prompt position without a score after the prefill")
+        if "".join(lp["tokens"]) != text:
+            bad.append(f"scored tokens {lp['tokens']!r} do not make up {text!r}")
     if spec.body.get("echo"):
         echo = CharCodec().decode(spec.ids[1:])
         if not text.startswith(echo):

@@ -313,10 +313,17 @@ class EngineExecutor(ExecutorCore):
             model_chunks.append(SeqChunk(slot, self.tokens[seq.rid][-1:], kv.seq_len(slot)))
             owners.append((seq, True))
             kv_attended += kv.num_tokens(slot)
+        scored = self._prompt_scoring(chunks)
         t0 = self._clock()
-        logits = self.model.step(model_chunks, kv)
+        if scored:
+            hidden, batch = self.model.hidden_states(model_chunks, kv)
+            logits = self.model.logits(hidden[batch.last_rows])
+        else:
+            logits = self.model.step(model_chunks, kv)
         next_ids = torch.argmax(logits, dim=-1).tolist()
-        dt = self._clock() - t0
+        dt = self._clock() - t0  # the step's own time: scoring the prompt is the client's extra
+        for seq, row, positions in scored:
+            self._score_prompt(seq, hidden[row : row + len(positions)], positions)
         produced: list[tuple[int, int]] = []
         replay, samplers, logprob_logs = self._replay, self.samplers, self.logprob_logs
         for row, ((seq, sampled), tok) in enumerate(zip(owners, next_ids, strict=True)):
@@ -348,6 +355,47 @@ class EngineExecutor(ExecutorCore):
         self.last_step = (dt, sum(n for _, n in chunks), len(decoders), kv_attended)
         self._log_step(chunks, len(decoders), kv_attended, dt)
         return dt
+
+    def _prompt_scoring(self, chunks: list[tuple[Seq, int]]) -> list[tuple[Seq, int, range]]:
+        """Prefill chunks whose rows score prompt tokens a log wants (``echo`` with
+        ``logprobs``): each with the step row of its first such position and the positions."""
+        logs = self.logprob_logs
+        if not logs:
+            return []
+        out = []
+        row = 0
+        for seq, n in chunks:
+            log = logs.get(seq.rid)
+            if log is not None:
+                start = seq.prefilled
+                positions = log.prompt_positions(start, start + n, seq.req.prompt_len)
+                if positions:
+                    out.append((seq, row + positions.start - start, positions))
+            row += n
+        return out
+
+    #: Rows of prompt logits computed at once (a row is the vocabulary: 1 MiB on Gemma).
+    PROMPT_SCORE_ROWS = 64
+
+    def _score_prompt(self, seq: Seq, hidden: torch.Tensor, positions: range) -> None:
+        """Log how likely each prompt token was, from the hidden states of the positions
+        before them, a few rows of logits at a time."""
+        log = self.logprob_logs[seq.rid]
+        ids = self.tokens[seq.rid]
+        piece = self.PROMPT_SCORE_ROWS
+        for a in range(0, len(positions), piece):
+            b = min(a + piece, len(positions))
+            first = positions.start + a
+            tokens = ids[first + 1 : first + 1 + b - a]
+            log.record_prompt(first, self.model.logits(hidden[a:b]), tokens)
+
+    def _hit_limit(self, seq: Seq) -> int:
+        """No prefix-cache hit for a prompt whose log-probabilities are wanted: every
+        position's logits must be computed."""
+        log = self.logprob_logs.get(seq.rid)
+        if log is not None and not log.prompt_done(seq.req.prompt_len):
+            return 0
+        return super()._hit_limit(seq)
 
     def _check_segments(self, produced: list[tuple[int, int]]) -> None:
         """Suspend every request whose stop checker saw a segment end in its new token."""

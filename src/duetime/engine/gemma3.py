@@ -206,6 +206,20 @@ class Gemma3:
         Returns ``[len(chunks), vocab]`` (each chunk's last token), or with
         ``all_logits`` ``[total_tokens, vocab]`` in chunk order.
         """
+        hidden, batch = self.hidden_states(chunks, kv)
+        return self.logits(hidden if all_logits else hidden[batch.last_rows])
+
+    @torch.no_grad()
+    def hidden_states(
+        self, chunks: Sequence[SeqChunk], kv: KVCache
+    ) -> tuple[torch.Tensor, StepBatch]:
+        """Run one varlen step (as :meth:`step`) and return every token's last hidden
+        state, ``[total_tokens, hidden]`` in chunk order, with the flattened batch.
+
+        For callers that want logits of more rows than each chunk's last (a prompt's
+        log-probabilities): :meth:`logits` turns any rows of it into logits, in as
+        many pieces as memory likes (a row of logits is the vocabulary, 1 MiB in fp32).
+        """
         assert kv.dtype == self.compute_dtype, "KV cache dtype differs from the model's"
         batch = StepBatch.build(chunks)
         for c in batch.chunks:
@@ -246,9 +260,13 @@ class Gemma3:
             kv.advance(c.slot, len(c))
         for win, a, b in watched:
             win.advance(b - a, win.end_pos + b - a)
-        if not all_logits:
-            x = x[batch.last_rows]
-        x = _rms_norm(x, self.final_norm, cfg.rms_norm_eps)
+        return x, batch
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of rows of :meth:`hidden_states` (final norm, output layer, soft cap)."""
+        cfg = self.config
+        x = _rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
         logits = self.lm_head(x.to(self.lm_head.dtype)).float()
         if cfg.final_logit_softcapping is not None:
             cap = cfg.final_logit_softcapping

@@ -34,13 +34,54 @@ class TokenLogprob:
 
 
 class LogprobLog:
-    """One request's log-probabilities, one entry per answer position."""
+    """One request's log-probabilities, one entry per answer position; with ``prompt``
+    also one per prompt token after the first (``/v1/completions`` with ``echo``: how
+    likely the model found the prompt, what evaluation harnesses score answers by).
 
-    def __init__(self, top_n: int) -> None:
+    ``prompt_entries[i]`` is prompt token ``i + 1``, scored by the logits of position
+    ``i``: the engine fills them during the prefill (every row of it, so such a
+    request takes no prefix-cache hit), before the first answer token is published.
+    """
+
+    def __init__(self, top_n: int, *, prompt: bool = False) -> None:
         if not 0 <= top_n <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_n must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}")
         self.top_n = top_n
         self.entries: list[TokenLogprob] = []
+        self.prompt_entries: list[TokenLogprob] | None = [] if prompt else None
+
+    def prompt_positions(self, start: int, end: int, prompt_len: int) -> range:
+        """Positions in ``[start, end)`` whose logits score a prompt token not logged yet
+        (none unless asked; a recomputed prefill finds them logged)."""
+        if self.prompt_entries is None:
+            return range(0)
+        return range(max(start, len(self.prompt_entries)), min(end, prompt_len - 1))
+
+    def prompt_done(self, prompt_len: int) -> bool:
+        """Whether every prompt token this log wants is logged (True if none is asked)."""
+        return self.prompt_entries is None or len(self.prompt_entries) >= prompt_len - 1
+
+    def record_prompt(self, first: int, logits: torch.Tensor, tokens: list[int]) -> None:
+        """Rows of logits for positions ``first, first + 1, ...`` scored ``tokens`` (the
+        prompt tokens that follow each position)."""
+        entries = self.prompt_entries
+        if entries is None or first != len(entries) or len(tokens) != len(logits):
+            raise ValueError(
+                f"prompt rows from position {first} ({len(logits)} rows, {len(tokens)} "
+                f"tokens) do not continue {None if entries is None else len(entries)} entries"
+            )
+        # (a whole log-softmax: torch.logsumexp is 3.5x slower on these rows, measured)
+        lsm = torch.log_softmax(logits.detach().float(), dim=-1)
+        chosen = lsm.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1).tolist()
+        if self.top_n:
+            vals, ids = torch.topk(lsm, self.top_n, dim=-1)
+            pairs = zip(ids.tolist(), vals.tolist(), strict=True)
+            tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
+        else:
+            tops = [()] * len(tokens)
+        entries.extend(
+            TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, chosen, tops, strict=True)
+        )
 
     def record(self, position: int, logits: torch.Tensor, token: int) -> None:
         """Answer position ``position`` got ``token`` from this row of logits."""

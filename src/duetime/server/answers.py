@@ -21,7 +21,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from duetime.server.errors import ApiError
-from duetime.server.logprob_format import chat_logprobs, completion_logprobs
+from duetime.server.logprob_format import (
+    chat_logprobs,
+    completion_logprobs,
+    joined,
+    prompt_logprobs,
+)
 from duetime.server.relay import Relay
 
 __all__ = ["Meta", "sse_answer", "whole_answer"]
@@ -35,6 +40,8 @@ class Meta:
     chat: bool
     prompt_tokens: int
     echo: str | None
+    #: The prompt's ids where its tokens are scored (``echo`` with ``logprobs``).
+    prompt_ids: list[int] | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -79,8 +86,17 @@ def _logprobs(relay: Relay, meta: Meta) -> dict[str, Any] | None:
     if relay.logprobs is None:
         return None
     tokens = relay.take_logprobs()
-    fmt = chat_logprobs if meta.chat else completion_logprobs
-    return fmt(tokens, relay.detok.codec)
+    if meta.chat:
+        return chat_logprobs(tokens, relay.detok.codec)
+    return completion_logprobs(tokens, relay.detok.codec, shift=len(meta.echo or ""))
+
+
+def _scored_prompt(relay: Relay, meta: Meta) -> dict[str, Any] | None:
+    """The echoed prompt's ``logprobs`` (None where its tokens are not scored)."""
+    if meta.prompt_ids is None or relay.logprobs is None:
+        return None
+    entries = relay.logprobs.prompt_entries or []
+    return prompt_logprobs(meta.prompt_ids, entries, relay.detok.codec)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -113,7 +129,11 @@ def _final_body(relays: Sequence[Relay], meta: Meta, texts: Sequence[str]) -> di
             choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
         else:
             choice = {"text": (meta.echo or "") + text}
-        choice["logprobs"] = _logprobs(relay, meta)
+        logprobs = _logprobs(relay, meta)
+        prompt = _scored_prompt(relay, meta)
+        if prompt is not None and logprobs is not None:
+            logprobs = joined(prompt, logprobs)
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = relay.finish_reason()
         if len(relays) > 1:  # each choice is a sequence of its own, with its own times
             choice["duetime"] = relay.timing().model_dump()
@@ -174,7 +194,7 @@ async def sse_answer(
         for i in range(len(relays)):
             if meta.chat:
                 yield _sse_line(_chunk(meta, "", None, index=i, first=True))
-            elif meta.echo:
+            elif meta.echo and meta.prompt_ids is None:
                 yield _sse_line(_chunk(meta, meta.echo, None, index=i))
         failed = False
         async for i, delta, logprobs in _merged(relays, meta, timeout):
@@ -217,8 +237,14 @@ _Event = tuple[int, str | None, dict[str, Any] | None]
 async def _events(index: int, relay: Relay, meta: Meta, timeout: float) -> AsyncIterator[_Event]:
     """One choice's deltas with the log-probabilities of their tokens (taken as each delta
     is, so that a chunk carries its own tokens), then its end."""
+    echo = meta.prompt_ids is not None  # the echo waits for its scores: the prefill's
     async for delta in relay.deltas(timeout):
+        if echo:
+            yield index, meta.echo, _scored_prompt(relay, meta)
+            echo = False
         yield index, delta, _logprobs(relay, meta)
+    if echo:
+        yield index, meta.echo, _scored_prompt(relay, meta)
     yield index, None, _logprobs(relay, meta)
 
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -153,12 +153,12 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        if isinstance(body.prompt, list):
-            ids = [int(i) for i in body.prompt]
+        if isinstance(body.prompt, str):
+            text: str | None = body.prompt
+            ids = await _encode(state.codec, body.prompt)
+        else:  # ids (a list of one id list was unwrapped by the schema)
+            ids = [int(i) for i in cast(list[int], body.prompt)]
             text = None
-        else:
-            text = body.prompt
-            ids = await _encode(state.codec, text)
         return await _serve(state, request, body, ids, text, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
@@ -287,6 +287,7 @@ async def _serve(
         chat=chat,
         prompt_tokens=len(ids),
         echo=_echo(state, body, ids, text),
+        prompt_ids=ids if isinstance(body, CompletionRequest) and body.scores_prompt() else None,
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -310,7 +311,8 @@ def _submit(
 
         segmenter = TextSegmenter(make_rule(body.segment), state.codec.decode)
     top_n = body.logprob_top_n()
-    logprobs = None if top_n is None else LogprobLog(top_n)
+    scores_prompt = isinstance(body, CompletionRequest) and body.scores_prompt()
+    logprobs = None if top_n is None else LogprobLog(top_n, prompt=scores_prompt)
     engine.submit(
         job,
         stream,
@@ -332,10 +334,11 @@ def _echo(
     ids: list[int],
     text: str | None,
 ) -> str | None:
-    """The prompt a completion with ``echo`` repeats: its text, or its ids decoded."""
+    """The prompt a completion with ``echo`` repeats: its text, or its ids decoded (also
+    where its tokens are scored, so that their strings make up the echo exactly)."""
     if not isinstance(body, CompletionRequest) or not body.echo:
         return None
-    return text if text is not None else state.codec.decode(ids)
+    return text if text is not None and not body.scores_prompt() else state.codec.decode(ids)
 
 
 async def _predicted(state: ServerState, job: Job) -> LengthPrediction | None:

@@ -12,8 +12,10 @@ in duetime compares policies on identical outputs). ``temperature`` > 0 samples,
 cut by ``top_p`` and vLLM's ``top_k`` and ``min_p``, reproducibly with a
 ``seed``; the presence, frequency and (vLLM's) repetition penalties apply
 greedy or not. ``n`` > 1 runs that many sequences of the prompt (choice ``i``
-samples with ``seed + i``; greedy choices are the same answer). Fields that would
-change the response's shape (``best_of`` > 1, ``logprobs`` with ``echo``) or
+samples with ``seed + i``; greedy choices are the same answer). ``logprobs``
+with ``echo`` scores the prompt too (its first token has none), as
+evaluation harnesses ask. Fields that would
+change the response's shape (``best_of`` > 1) or
 that a client relies on for what the text is (``response_format`` other than
 text, ``logit_bias``, ``suffix``, tools the model may call) are refused rather
 than silently dropped: an answer that ignored them would look right and be wrong.
@@ -246,8 +248,14 @@ class _Common(TimeFields):
 class CompletionRequest(_Common):
     """``POST /v1/completions``."""
 
-    prompt: Text | list[Annotated[int, Field(ge=0)]] | list[Text] = Field(
-        description="Text, or a list of token ids; a list of strings must hold exactly one."
+    prompt: (
+        Text
+        | list[Annotated[int, Field(ge=0)]]
+        | list[Text]
+        | list[list[Annotated[int, Field(ge=0)]]]
+    ) = Field(
+        description="Text, or a list of token ids; a list of strings or of id lists must "
+        "hold exactly one."
     )
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     echo: bool = False
@@ -257,14 +265,14 @@ class CompletionRequest(_Common):
         ge=0,
         le=5,
         description="Log-probability of each answer token and of its N likeliest alternatives "
-        "(0 to 5); not with echo (no prompt log-probabilities).",
+        "(0 to 5); with echo, of each prompt token after the first too.",
     )
     best_of: int | None = Field(None, description="Only 1 (or null).")
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], str):
+        if isinstance(v, list) and v and isinstance(v[0], str | list):
             if len(v) != 1:
                 raise ValueError("only one prompt per request (n = 1 batching is the server's job)")
             v = v[0]
@@ -279,19 +287,13 @@ class CompletionRequest(_Common):
             raise ValueError("suffix is not supported (no text insertion): leave it null")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_prompt_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and info.data.get("echo"):
-            raise ValueError(
-                "logprobs with echo would need the prompt's log-probabilities, which are not "
-                "computed: drop one of them"
-            )
-        return v
-
     def logprob_top_n(self) -> int | None:
         """Alternatives listed per answer token; None where no log-probabilities were asked."""
         return self.logprobs
+
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's tokens are scored too (``echo`` with ``logprobs``)."""
+        return self.echo and self.logprobs is not None
 
     @field_validator("best_of")
     @classmethod
