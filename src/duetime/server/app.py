@@ -252,7 +252,8 @@ async def _serve(
     job = Job(req, output_len=max_tokens)
     req.predicted = await _predicted(state, job)
     tokens = req.predicted.point if req.predicted is not None else float(max_tokens)
-    cached = engine.cached_prefix_len(ids)
+    scored = isinstance(body, CompletionRequest) and body.scores_prompt()
+    cached = 0 if scored else engine.cached_prefix_len(ids)  # a scored prefill takes no hit
     for i in range(body.n):  # each choice is a sequence: judged behind the ones before it
         verdict = state.admission.judge(
             engine.stats,
@@ -287,7 +288,7 @@ async def _serve(
         chat=chat,
         prompt_tokens=len(ids),
         echo=_echo(state, body, ids, text),
-        prompt_ids=ids if isinstance(body, CompletionRequest) and body.scores_prompt() else None,
+        prompt_ids=ids if scored else None,
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
