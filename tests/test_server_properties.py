@@ -6,10 +6,12 @@ character per token, or one UTF-8 byte per token so that characters span
 tokens), the server's request timeout and queue limit, and a mix of clients
 sent at once: completions and chat completions, streamed or not (with or
 without ``include_usage``), text or token-id prompts, ``echo``, stop strings
-(often taken from the model's own answer so that they hit), ``max_tokens``
+and ``stop_token_ids`` (often taken from the model's own answer so that they
+hit), ``max_tokens``
 from 1 to more than the context leaves, deadlines, priorities, TUFs, overrun,
 KV eviction, ``ignore_eos``, ``min_tokens``, segments and classes, sampling
-fields (temperature, top-p/k, min-p, seed, a penalty) and log-probabilities;
+fields (temperature, top-p/k, min-p, seed, a penalty) and log-probabilities
+(with ``echo``, of the prompt too);
 some bodies are malformed in one of many ways. Clients hang up before the
 first byte, while queued, in the middle of a stream, or give up on a
 client-side timeout.
@@ -26,7 +28,8 @@ model, never the real Gemma. What must hold:
   "length" at ``max_tokens``), so a streamed answer equals the non-streamed one
   for the same prompt; one the policy cut short ("abort") is a prefix of it;
   ``usage`` and the ``duetime`` object agree with the text, and so do the
-  tokens of ``logprobs`` (one per token, their strings making up the text);
+  tokens of ``logprobs`` (one per token, their strings making up the text; a
+  scored prompt's make up the echo, the first without a score);
 * afterwards no handler runs, the engine holds no request, the KV cache no
   slot and no token, and ``/metrics`` agrees with what the clients saw: finish
   reasons, 429s by cause, tokens generated, gauges at zero, and every request
@@ -158,6 +161,7 @@ class Seen:
     headers: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)  # the tokens' strings in logprobs
+    scores: list[float | None] = field(default_factory=list)  # completions' token_logprobs
 
     @property
     def answered(self) -> bool:
@@ -303,7 +307,7 @@ def _call(draw: Any, i: int, eng: Engine) -> Call:
             ids = tuple(codec.encode(text))
         if draw(st.integers(0, 7)) == 0:
             fields["echo"] = True
-    if "echo" not in fields and draw(st.integers(0, 3)) == 0:  # log-probabilities
+    if draw(st.integers(0, 3)) == 0:  # log-probabilities (with echo: the prompt's too)
         if chat:
             fields["logprobs"] = True
             if draw(st.booleans()):
@@ -417,6 +421,11 @@ def _extensions(draw: Any, ids: Sequence[int], max_tokens: int, eng: Engine) -> 
                 stops.append(stop)
         if stops:
             out["stop"] = stops[0] if len(stops) == 1 and draw(st.booleans()) else stops
+    if draw(st.integers(0, 5)) == 0 and all(t < VOCAB for t in ids) and ids:
+        # often a token of the model's own answer, so that it ends there
+        answer = _greedy(tuple(ids), 24)
+        pool = st.sampled_from(answer) if answer and draw(st.booleans()) else st.integers(3, 255)
+        out["stop_token_ids"] = draw(st.lists(pool, min_size=1, max_size=3))
     if draw(st.integers(0, 5)) == 0:  # sampling fields, often ones that leave it greedy
         out["temperature"] = draw(st.sampled_from([0.0, 0.7, 1.3]))
         for key, values in (
@@ -561,12 +570,19 @@ def _whole(c: Call, status: int, content: bytes, headers: httpx.Headers) -> Seen
     choice = data["choices"][0]
     seen.text = choice["message"]["content"] if c.chat else choice["text"]
     seen.pieces = _pieces(c, choice)
+    seen.scores = _scores(c, choice)
     seen.usage = data.get("usage")
     if data["object"] != ("chat.completion" if c.chat else "text_completion"):
         seen.problems.append(f"object {data['object']!r}")
     if c.chat and choice["message"]["role"] != "assistant":
         seen.problems.append(f"role {choice['message']['role']!r}")
     return seen
+
+
+def _scores(c: Call, choice: dict[str, Any]) -> list[float | None]:
+    """A completion choice's ``token_logprobs`` (none for chat or where not asked)."""
+    lp = choice.get("logprobs")
+    return [] if not lp or c.chat else list(lp["token_logprobs"])
 
 
 def _pieces(c: Call, choice: dict[str, Any]) -> list[str]:
@@ -627,6 +643,7 @@ async def _events(c: Call, r: httpx.Response) -> Seen:
         else:
             seen.text += choice["text"]
         seen.pieces += _pieces(c, choice)
+        seen.scores += _scores(c, choice)
         if choice["finish_reason"] is not None:
             finals.append(obj)
     if len(ids) > 1:
@@ -689,11 +706,13 @@ def _reference(eng: Engine, c: Call) -> tuple[str, str, int]:
     gen = _greedy(c.ids, c.max_tokens)
     reason = "length"
     min_tokens = c.fields.get("min_tokens", 0)
+    ends = set(c.fields.get("stop_token_ids") or ())  # kept in the answer, as vLLM does
     if not c.fields.get("ignore_eos"):
-        for k, tok in enumerate(gen):
-            if tok == codec.eos_id and k + 1 >= max(min_tokens, 1):
-                gen, reason = gen[: k + 1], "stop"
-                break
+        ends.add(codec.eos_id)
+    for k, tok in enumerate(gen):
+        if tok in ends and k + 1 >= max(min_tokens, 1):
+            gen, reason = gen[: k + 1], "stop"
+            break
     stop = c.fields.get("stop")
     stops = [stop] if isinstance(stop, str) else (stop or [])
     floor = len(_text_after(eng.codec, gen[:min_tokens], final=False))
@@ -780,14 +799,24 @@ def _check_answer(eng: Engine, c: Call, s: Seen) -> list[str]:
         ):
             bad.append(f"usage {s.usage}: cached_tokens not whole blocks of the prompt")
     text = s.text
+    pieces = s.pieces
     if c.fields.get("echo"):
         codec = _codec(eng.codec)
         prompt = c.fields["prompt"]
         echo = prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], str) else prompt
-        echo = echo if isinstance(echo, str) else codec.decode(c.ids)
+        if not isinstance(echo, str) or _asks_logprobs(c):  # a scored prompt: its ids decoded
+            echo = codec.decode(c.ids)
         if not text.startswith(echo):
             return [*bad, f"echo {echo!r} missing: {text!r}"]
         text = text[len(echo) :]
+        if _asks_logprobs(c):  # the prompt's tokens come first, the first without a score
+            scored, pieces = s.pieces[: len(c.ids)], s.pieces[len(c.ids) :]
+            if "".join(scored) != echo or len(scored) != len(c.ids):
+                bad.append(f"scored prompt {scored} does not make up the echo {echo!r}")
+            if not s.scores or s.scores[0] is not None:
+                bad.append(f"the prompt's first token has a score: {s.scores[:2]}")
+            elif n and None in s.scores[1 : len(c.ids)]:
+                bad.append("a prompt token without a score after the prefill")
     want_text, want_reason, want_n = _reference(eng, c)
     # Evicted KV or sampling (or a penalty) leave the greedy reference: shape checks only.
     unlike_ref = timing["kv_eviction_ratio"] > 0 or not _greedy_request(c)
@@ -808,10 +837,10 @@ def _check_answer(eng: Engine, c: Call, s: Seen) -> list[str]:
             f"{want_reason} ({want_n} tokens)"
         )
     if _asks_logprobs(c):  # one entry per token, whose strings make up the text
-        if "".join(s.pieces) != text:
-            bad.append(f"logprobs' tokens {s.pieces} do not make up the text {text!r}")
-        if len(s.pieces) > n or (not c.fields.get("stop") and len(s.pieces) != n):
-            bad.append(f"{len(s.pieces)} logprobs entries for {n} tokens")
+        if "".join(pieces) != text:
+            bad.append(f"logprobs' tokens {pieces} do not make up the text {text!r}")
+        if len(pieces) > n or (not c.fields.get("stop") and len(pieces) != n):
+            bad.append(f"{len(pieces)} logprobs entries for {n} tokens")
     elif s.pieces:
         bad.append("logprobs nobody asked for")
     if eng.codec == "char" and len(text) > n:  # one character per token (none for ids < 3)
