@@ -112,3 +112,44 @@ def test_a_wrong_count_of_predictions_is_an_error_not_a_misfiled_answer() -> Non
     assert "1 predictions for 2 requests" in str(got[1])
     with pytest.raises(ValueError, match="max_batch"):
         PredictBatcher(lambda jobs: [], pool, max_batch=0)
+
+
+def test_the_server_predicts_concurrent_requests_together_and_caps_them() -> None:
+    """Through HTTP: a predictor that takes batches gets them, and each answer's
+    ``predicted_tokens`` is its own prediction capped at its ``max_tokens``."""
+    import httpx
+
+    from duetime.server.app import create_app
+    from duetime.server.threaded import serve_in_thread
+    from tests.test_server import MODEL, _idle, _state
+
+    class Batched:
+        name = "batched"
+
+        def __init__(self) -> None:
+            self.sizes: list[int] = []
+
+        def predict_requests(self, requests: Sequence[Request]) -> list[LengthPrediction]:
+            self.sizes.append(len(requests))
+            time.sleep(0.2)  # long enough for the other requests to queue behind it
+            return [LengthPrediction.exact(float(r.prompt_len)) for r in requests]
+
+        def predict_job(self, job: Job) -> LengthPrediction:  # (the protocol's; unused)
+            raise AssertionError("one at a time")
+
+    state = _state()
+    state.predictor = fake = Batched()
+    bodies = [{"model": MODEL, "prompt": "x" * k, "max_tokens": 6} for k in range(1, 13)]
+    with serve_in_thread(create_app(state)) as url:
+
+        def post(body: dict[str, object]) -> dict[str, object]:
+            return httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+
+        with ThreadPoolExecutor(len(bodies)) as clients:
+            answers = list(clients.map(post, bodies))
+        _idle(state)
+    prompt_lens = [len(state.codec.encode(str(b["prompt"]))) for b in bodies]
+    got = [a["duetime"]["predicted_tokens"] for a in answers]  # type: ignore[index]
+    assert got == [min(6.0, n) for n in prompt_lens]
+    assert sum(fake.sizes) == len(bodies)
+    assert max(fake.sizes) > 1
