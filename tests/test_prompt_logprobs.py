@@ -186,11 +186,3 @@ def test_a_plain_prompt_after_a_scored_one_still_hits_the_cache(served: tuple[st
     ).json()
     assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     _idle(state)
-
-
-def test_two_prompts_in_one_request_are_refused(served: tuple[str, Any]) -> None:
-    url, _ = served
-    body = {"model": MODEL, "prompt": [[5, 6], [7]], "max_tokens": 1}
-    r = httpx.post(url + "/v1/completions", json=body)
-    assert r.status_code == 400
-    assert "one prompt per request" in r.json()["error"]["message"]

@@ -267,7 +267,8 @@ def _malformed(draw: Any, chat: bool, base: dict[str, Any]) -> tuple[bytes, int]
         cases += [
             (json.dumps({**base, "prompt": ""}).encode(), 400),
             (json.dumps({**base, "prompt": 5}).encode(), 400),
-            (json.dumps({**base, "prompt": ["a", "b"]}).encode(), 400),
+            (json.dumps({**base, "prompt": ["a", ""]}).encode(), 400),
+            (json.dumps({**base, "prompt": ["a", [5]]}).encode(), 400),
             (json.dumps({**base, "prompt": [2, -1]}).encode(), 400),
             (json.dumps({**base, "prompt": [2, 10**6]}).encode(), 400),
             (json.dumps({**base, "echo": 1}).encode(), 400),

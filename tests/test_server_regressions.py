@@ -253,7 +253,7 @@ def test_an_answer_that_fails_as_its_client_leaves_logs_nothing() -> None:
             lambda _loop, context: errors.append(context["message"])
         )
         relay = _CancelledAsTimeout()
-        meta = Meta(model=MODEL, chat=False, prompt_tokens=1, echo=None)
+        meta = Meta(model=MODEL, chat=False, prompt_tokens=1)
         response = await whole_answer([relay], meta, _Gone(), 10.0)  # type: ignore[arg-type]
         assert response.status_code == 499
         assert relay.aborted

@@ -38,10 +38,7 @@ class Meta:
 
     model: str
     chat: bool
-    prompt_tokens: int
-    echo: str | None
-    #: The prompt's ids where its tokens are scored (``echo`` with ``logprobs``).
-    prompt_ids: list[int] | None = None
+    prompt_tokens: int  # every prompt's
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -88,15 +85,15 @@ def _logprobs(relay: Relay, meta: Meta) -> dict[str, Any] | None:
     tokens = relay.take_logprobs()
     if meta.chat:
         return chat_logprobs(tokens, relay.detok.codec)
-    return completion_logprobs(tokens, relay.detok.codec, shift=len(meta.echo or ""))
+    return completion_logprobs(tokens, relay.detok.codec, shift=len(relay.echo or ""))
 
 
-def _scored_prompt(relay: Relay, meta: Meta) -> dict[str, Any] | None:
+def _scored_prompt(relay: Relay) -> dict[str, Any] | None:
     """The echoed prompt's ``logprobs`` (None where its tokens are not scored)."""
-    if meta.prompt_ids is None or relay.logprobs is None:
+    if relay.scored_ids is None or relay.logprobs is None:
         return None
     entries = relay.logprobs.prompt_entries or []
-    return prompt_logprobs(meta.prompt_ids, entries, relay.detok.codec)
+    return prompt_logprobs(relay.scored_ids, entries, relay.detok.codec)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -109,9 +106,15 @@ async def _collect(relay: Relay, timeout: float) -> str:
 
 
 def _usage(relays: Sequence[Relay], meta: Meta) -> dict[str, Any]:
-    """OpenAI's usage: the prompt once, every choice's completion tokens. Cached: the most
-    any choice's sequence found (each one looks the prompt up when it is admitted)."""
-    cached = max((r.outcome.cached_tokens or 0 for r in relays if r.outcome), default=0)
+    """OpenAI's usage: each prompt once, every choice's completion tokens. Cached: per
+    prompt, the most any of its choices' sequences found (each one looks the prompt up
+    when it is admitted)."""
+    most: dict[int, int] = {}
+    for r in relays:
+        if r.outcome:
+            k = r.prompt_index
+            most[k] = max(most.get(k, 0), r.outcome.cached_tokens or 0)
+    cached = sum(most.values())
     completion = sum(r.completion_tokens for r in relays)
     return {
         "prompt_tokens": meta.prompt_tokens,
@@ -128,9 +131,9 @@ def _final_body(relays: Sequence[Relay], meta: Meta, texts: Sequence[str]) -> di
         if meta.chat:
             choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
         else:
-            choice = {"text": (meta.echo or "") + text}
+            choice = {"text": (relay.echo or "") + text}
         logprobs = _logprobs(relay, meta)
-        prompt = _scored_prompt(relay, meta)
+        prompt = _scored_prompt(relay)
         if prompt is not None and logprobs is not None:
             logprobs = joined(prompt, logprobs)
         choice["logprobs"] = logprobs
@@ -191,11 +194,11 @@ async def sse_answer(
     gone mid-stream aborts every choice's sequence."""
     finished = False
     try:
-        for i in range(len(relays)):
+        for i, relay in enumerate(relays):
             if meta.chat:
                 yield _sse_line(_chunk(meta, "", None, index=i, first=True))
-            elif meta.echo and meta.prompt_ids is None:
-                yield _sse_line(_chunk(meta, meta.echo, None, index=i))
+            elif relay.echo and relay.scored_ids is None:
+                yield _sse_line(_chunk(meta, relay.echo, None, index=i))
         failed = False
         async for i, delta, logprobs in _merged(relays, meta, timeout):
             relay = relays[i]
@@ -237,14 +240,14 @@ _Event = tuple[int, str | None, dict[str, Any] | None]
 async def _events(index: int, relay: Relay, meta: Meta, timeout: float) -> AsyncIterator[_Event]:
     """One choice's deltas with the log-probabilities of their tokens (taken as each delta
     is, so that a chunk carries its own tokens), then its end."""
-    echo = meta.prompt_ids is not None  # the echo waits for its scores: the prefill's
+    echo = relay.scored_ids is not None  # the echo waits for its scores: the prefill's
     async for delta in relay.deltas(timeout):
         if echo:
-            yield index, meta.echo, _scored_prompt(relay, meta)
+            yield index, relay.echo, _scored_prompt(relay)
             echo = False
         yield index, delta, _logprobs(relay, meta)
     if echo:
-        yield index, meta.echo, _scored_prompt(relay, meta)
+        yield index, relay.echo, _scored_prompt(relay)
     yield index, None, _logprobs(relay, meta)
 
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -169,13 +169,13 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        if isinstance(body.prompt, str):
-            text: str | None = body.prompt
-            ids = await _encode(state.codec, body.prompt)
-        else:  # ids (a list of one id list was unwrapped by the schema)
-            ids = [int(i) for i in cast(list[int], body.prompt)]
-            text = None
-        return await _serve(state, request, body, ids, text, body.max_tokens, chat=False)
+        prompts: list[tuple[list[int], str | None]] = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append((await _encode(state.codec, p), p))
+            else:
+                prompts.append(([int(i) for i in p], None))
+        return await _serve(state, request, body, prompts, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -185,7 +185,7 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
         if limit is None:  # as vLLM: never more than the context has left
             room = state.config.max_context - len(ids)
             limit = max(1, min(state.config.default_chat_max_tokens, room))
-        return await _serve(state, request, body, ids, text, limit, chat=True)
+        return await _serve(state, request, body, [(ids, text)], limit, chat=True)
 
     return app
 
@@ -206,12 +206,14 @@ async def _serve(
     state: ServerState,
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
-    ids: list[int],
-    text: str | None,
+    prompts: list[tuple[list[int], str | None]],
     max_tokens: int,
     *,
     chat: bool,
 ) -> Response:
+    """Validate, judge and submit every choice of every prompt (ids, and text where it
+    came as text); the answer, whole or streamed. Nothing is submitted unless every
+    choice is admitted."""
     cfg = state.config
     if body.model != cfg.model_name:
         raise ApiError(
@@ -221,24 +223,8 @@ async def _serve(
             param="model",
             code="model_not_found",
         )
-    if any(i >= cfg.vocab_size for i in ids):
-        raise ApiError(400, f"prompt token ids must be < {cfg.vocab_size}", param="prompt")
-    if len(ids) >= cfg.max_context:
-        raise ApiError(
-            400,
-            f"the prompt ({len(ids)} tokens) leaves no room in the context length "
-            f"{cfg.max_context}",
-            param="prompt",
-            code="context_length_exceeded",
-        )
-    if len(ids) + max_tokens > cfg.max_context:
-        raise ApiError(
-            400,
-            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
-            f"length {cfg.max_context}",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    for k, (ids, _) in enumerate(prompts):
+        _check_prompt(cfg, ids, max_tokens, f"prompt {k}: " if len(prompts) > 1 else "")
     if body.min_tokens > max_tokens:
         raise ApiError(400, "min_tokens must be <= max_tokens", param="min_tokens")
     if any(i >= cfg.vocab_size for i in body.stop_token_ids or ()):
@@ -250,62 +236,75 @@ async def _serve(
     tuf = None
     if body.tuf is not None:
         tuf = TimeUtility(ert=body.tuf.ert_ms / 1000.0, beta=body.tuf.beta, alpha=body.tuf.alpha)
-    req = EngineRequest(
-        rid=engine.next_rid(),
-        arrival=now,
-        prompt_len=len(ids),
-        max_tokens=max_tokens,
-        deadline=None if budget is None else now + budget,
-        priority=body.priority,
-        tuf=tuf,
-        klass=body.klass,
-        prompt_token_ids=tuple(ids),
-        ignore_eos=body.ignore_eos,
-        prompt_text=text,
-        overrun=None if body.overrun is None else body.overrun.replace("_", "-"),
-        kv_eviction=body.kv_eviction,
-    )
-    job = Job(req, output_len=max_tokens)
-    req.predicted = await _predicted(state, job)
-    tokens = req.predicted.point if req.predicted is not None else float(max_tokens)
-    scored = isinstance(body, CompletionRequest) and body.scores_prompt()
-    cached = 0 if scored else engine.cached_prefix_len(ids)  # a scored prefill takes no hit
-    for i in range(body.n):  # each choice is a sequence: judged behind the ones before it
-        verdict = state.admission.judge(
-            engine.stats,
-            engine.stats.waiting + engine.inbox_size + i,
+    jobs = []
+    for ids, text in prompts:
+        req = EngineRequest(
+            rid=engine.next_rid(),
+            arrival=now,
             prompt_len=len(ids),
-            tokens=tokens,
-            budget_s=budget,
-            allows_eviction=body.allows_eviction(),
-            cached_tokens=cached,
+            max_tokens=max_tokens,
+            deadline=None if budget is None else now + budget,
+            priority=body.priority,
+            tuf=tuf,
+            klass=body.klass,
+            prompt_token_ids=tuple(ids),
+            ignore_eos=body.ignore_eos,
+            prompt_text=text,
+            overrun=None if body.overrun is None else body.overrun.replace("_", "-"),
+            kv_eviction=body.kv_eviction,
         )
-        if not verdict.accept:
-            state.metrics.rejected.labels(verdict.why).inc()
-            raise ApiError(
-                429,
-                verdict.reason if body.n == 1 else f"choice {i + 1} of {body.n}: {verdict.reason}",
-                type="rate_limit_error",
-                code={"queue": "queue_full", "deadline": "deadline_unreachable"}[verdict.why],
-                headers={"Retry-After": str(verdict.retry_after_s)},
+        jobs.append(Job(req, output_len=max_tokens))
+    # (together: the predictor's batcher takes a request's prompts as one batch)
+    predicted = await asyncio.gather(*(_predicted(state, job) for job in jobs))
+    scored = isinstance(body, CompletionRequest) and body.scores_prompt()
+    ahead = 0  # each choice is a sequence: judged behind the ones before it
+    for k, (job, pred) in enumerate(zip(jobs, predicted, strict=True)):
+        req = job.request
+        req.predicted = pred
+        tokens = pred.point if pred is not None else float(max_tokens)
+        # a scored prefill takes no hit
+        cached = 0 if scored else engine.cached_prefix_len(list(req.prompt_token_ids or ()))
+        for i in range(body.n):
+            verdict = state.admission.judge(
+                engine.stats,
+                engine.stats.waiting + engine.inbox_size + ahead,
+                prompt_len=req.prompt_len,
+                tokens=tokens,
+                budget_s=budget,
+                allows_eviction=body.allows_eviction(),
+                cached_tokens=cached,
             )
+            ahead += 1
+            if not verdict.accept:
+                state.metrics.rejected.labels(verdict.why).inc()
+                which = f"prompt {k + 1} of {len(jobs)}, " if len(jobs) > 1 else ""
+                if body.n > 1:
+                    which += f"choice {i + 1} of {body.n}, "
+                raise ApiError(
+                    429,
+                    f"{which[:-2]}: {verdict.reason}" if which else verdict.reason,
+                    type="rate_limit_error",
+                    code={"queue": "queue_full", "deadline": "deadline_unreachable"}[verdict.why],
+                    headers={"Retry-After": str(verdict.retry_after_s)},
+                )
     if await request.is_disconnected():
         # Gone while its prompt was tokenized and judged: nothing reaches the engine (a
         # prefill nobody reads), where the answer's own watch would abort it only later.
         # It took a request id, so /metrics counts it once, as the client's abort.
         state.metrics.requests.labels("abort").inc()
         return Response(status_code=499)
-    relays = [_submit(state, body, job, 0)]
-    for i in range(1, body.n):  # the same request under its own id and seed
-        copy = Job(dataclasses.replace(req, rid=engine.next_rid()), output_len=max_tokens)
-        relays.append(_submit(state, body, copy, i))
-    meta = Meta(
-        model=cfg.model_name,
-        chat=chat,
-        prompt_tokens=len(ids),
-        echo=_echo(state, body, ids, text),
-        prompt_ids=ids if scored else None,
-    )
+    relays = []
+    for k, ((ids, text), job) in enumerate(zip(prompts, jobs, strict=True)):
+        shown = {
+            "prompt_index": k,
+            "echo": _echo(state, body, ids, text),
+            "scored_ids": ids if scored else None,
+        }
+        relays.append(_submit(state, body, job, 0, **shown))
+        for i in range(1, body.n):  # the same request under its own id and seed
+            req = dataclasses.replace(job.request, rid=engine.next_rid())
+            relays.append(_submit(state, body, Job(req, output_len=max_tokens), i, **shown))
+    meta = Meta(model=cfg.model_name, chat=chat, prompt_tokens=sum(len(ids) for ids, _ in prompts))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -316,10 +315,37 @@ async def _serve(
     return await whole_answer(relays, meta, request, cfg.request_timeout_s)
 
 
+def _check_prompt(cfg: ServerConfig, ids: list[int], max_tokens: int, which: str) -> None:
+    """A 400 for a prompt the model cannot take (``which`` names it among several)."""
+    if any(i >= cfg.vocab_size for i in ids):
+        raise ApiError(400, f"{which}prompt token ids must be < {cfg.vocab_size}", param="prompt")
+    if len(ids) >= cfg.max_context:
+        raise ApiError(
+            400,
+            f"{which}the prompt ({len(ids)} tokens) leaves no room in the context length "
+            f"{cfg.max_context}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if len(ids) + max_tokens > cfg.max_context:
+        raise ApiError(
+            400,
+            f"{which}prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"context length {cfg.max_context}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
 def _submit(
-    state: ServerState, body: CompletionRequest | ChatCompletionRequest, job: Job, choice: int
+    state: ServerState,
+    body: CompletionRequest | ChatCompletionRequest,
+    job: Job,
+    choice: int,
+    **shown: Any,
 ) -> Relay:
-    """Hand one choice's sequence to the engine; the relay that turns its tokens into text."""
+    """Hand one choice's sequence to the engine; the relay that turns its tokens into
+    text (``shown``: what of its prompt the answer shows, see :class:`Relay`)."""
     engine = state.engine
     stream = Stream(asyncio.get_running_loop(), state.metrics.observe)
     segmenter = None
@@ -342,7 +368,7 @@ def _submit(
     )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     detok = Detokenizer(state.codec)
-    return Relay(engine, job.request.rid, stream, stops, detok, body.min_tokens, logprobs)
+    return Relay(engine, job.request.rid, stream, stops, detok, body.min_tokens, logprobs, **shown)
 
 
 def _echo(

@@ -46,6 +46,10 @@ class Relay:
         detok: Detokenizer,
         min_tokens: int = 0,
         logprobs: LogprobLog | None = None,
+        *,
+        prompt_index: int = 0,
+        echo: str | None = None,
+        scored_ids: list[int] | None = None,
     ) -> None:
         self.engine = engine
         self.rid = rid
@@ -64,6 +68,12 @@ class Relay:
         self.logprobs = logprobs
         self._ends: list[int] = []  # with logprobs: the text's length after each token
         self._given = 0  # tokens whose log-probabilities the client has
+        #: Which of the request's prompts this choice answers (completions take several).
+        self.prompt_index = prompt_index
+        #: The prompt a completion with ``echo`` repeats before the answer (None: none).
+        self.echo = echo
+        #: The prompt's ids where its tokens are scored (``echo`` with ``logprobs``).
+        self.scored_ids = scored_ids
 
     async def deltas(self, timeout: float) -> AsyncIterator[str]:
         """Text deltas until the answer ends; sets ``outcome``."""

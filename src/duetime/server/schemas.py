@@ -27,7 +27,7 @@ surrogate into a Python string that no tokenizer can encode.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -47,6 +47,8 @@ MAX_MS = 1e9
 MAX_TOKENS_LIMIT = 1 << 20
 #: Upper bound on n, the choices (sequences) one request may ask for.
 MAX_CHOICES = 16
+#: Upper bound on the prompts of one completions request (each gets n choices).
+MAX_PROMPTS = 64
 
 
 def _unicode(text: str) -> str:
@@ -254,8 +256,8 @@ class CompletionRequest(_Common):
         | list[Text]
         | list[list[Annotated[int, Field(ge=0)]]]
     ) = Field(
-        description="Text, or a list of token ids; a list of strings or of id lists must "
-        "hold exactly one."
+        description=f"Text or a list of token ids; or up to {MAX_PROMPTS} of either, in a list "
+        "(each gets n choices, numbered prompt by prompt)."
     )
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     echo: bool = False
@@ -271,14 +273,24 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], str | list):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request (n = 1 batching is the server's job)")
-            v = v[0]
+    def _prompts(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], str | list):  # a list of prompts
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
+            for k, one in enumerate(v):
+                if not one:
+                    raise ValueError(f"prompt {k} must not be empty")
+            return v[0] if len(v) == 1 else v
         if not v:
             raise ValueError("prompt must not be empty")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: text, or token ids, one per entry."""
+        p = self.prompt
+        if isinstance(p, str) or not p or not isinstance(p[0], str | list):
+            return [cast(str | list[int], p)]
+        return list(cast(list[str | list[int]], p))
 
     @field_validator("suffix")
     @classmethod
