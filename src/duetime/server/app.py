@@ -290,7 +290,7 @@ async def _serve(
     if await request.is_disconnected():
         # Gone while its prompt was tokenized and judged: nothing reaches the engine (a
         # prefill nobody reads), where the answer's own watch would abort it only later.
-        # It took a request id, so /metrics counts it once, as the client's abort.
+        # It took request ids, so /metrics counts it once, as the client's abort.
         state.metrics.requests.labels("abort").inc()
         return Response(status_code=499)
     relays = []
