@@ -263,7 +263,7 @@ async def _serve(
         req.predicted = pred
         tokens = pred.point if pred is not None else float(max_tokens)
         # a scored prefill takes no hit
-        cached = 0 if scored else engine.cached_prefix_len(list(req.prompt_token_ids or ()))
+        cached = 0 if scored else engine.cached_prefix_len(req.prompt_token_ids or ())
         for i in range(body.n):
             verdict = state.admission.judge(
                 engine.stats,
@@ -277,12 +277,12 @@ async def _serve(
             ahead += 1
             if not verdict.accept:
                 state.metrics.rejected.labels(verdict.why).inc()
-                which = f"prompt {k + 1} of {len(jobs)}, " if len(jobs) > 1 else ""
+                which = [f"prompt {k + 1} of {len(jobs)}"] if len(jobs) > 1 else []
                 if body.n > 1:
-                    which += f"choice {i + 1} of {body.n}, "
+                    which.append(f"choice {i + 1} of {body.n}")
                 raise ApiError(
                     429,
-                    f"{which[:-2]}: {verdict.reason}" if which else verdict.reason,
+                    f"{', '.join(which)}: {verdict.reason}" if which else verdict.reason,
                     type="rate_limit_error",
                     code={"queue": "queue_full", "deadline": "deadline_unreachable"}[verdict.why],
                     headers={"Retry-After": str(verdict.retry_after_s)},
@@ -295,15 +295,14 @@ async def _serve(
         return Response(status_code=499)
     relays = []
     for k, ((ids, text), job) in enumerate(zip(prompts, jobs, strict=True)):
-        shown = {
-            "prompt_index": k,
-            "echo": _echo(state, body, ids, text),
-            "scored_ids": ids if scored else None,
-        }
-        relays.append(_submit(state, body, job, 0, **shown))
-        for i in range(1, body.n):  # the same request under its own id and seed
-            req = dataclasses.replace(job.request, rid=engine.next_rid())
-            relays.append(_submit(state, body, Job(req, output_len=max_tokens), i, **shown))
+        echo = _echo(state, body, ids, text)
+        scored_ids = ids if scored else None
+        for i in range(body.n):  # choice 0 is the job; the others, copies under their own ids
+            one = job
+            if i:
+                req = dataclasses.replace(job.request, rid=engine.next_rid())
+                one = Job(req, output_len=max_tokens)
+            relays.append(_submit(state, body, one, i, k, echo, scored_ids))
     meta = Meta(model=cfg.model_name, chat=chat, prompt_tokens=sum(len(ids) for ids, _ in prompts))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -342,10 +341,12 @@ def _submit(
     body: CompletionRequest | ChatCompletionRequest,
     job: Job,
     choice: int,
-    **shown: Any,
+    prompt_index: int,
+    echo: str | None,
+    scored_ids: list[int] | None,
 ) -> Relay:
     """Hand one choice's sequence to the engine; the relay that turns its tokens into
-    text (``shown``: what of its prompt the answer shows, see :class:`Relay`)."""
+    text, showing its prompt's ``echo`` and, with ``scored_ids``, the prompt's scores."""
     engine = state.engine
     stream = Stream(asyncio.get_running_loop(), state.metrics.observe)
     segmenter = None
@@ -354,8 +355,7 @@ def _submit(
 
         segmenter = TextSegmenter(make_rule(body.segment), state.codec.decode)
     top_n = body.logprob_top_n()
-    scores_prompt = isinstance(body, CompletionRequest) and body.scores_prompt()
-    logprobs = None if top_n is None else LogprobLog(top_n, prompt=scores_prompt)
+    logprobs = None if top_n is None else LogprobLog(top_n, prompt=scored_ids is not None)
     engine.submit(
         job,
         stream,
@@ -368,7 +368,18 @@ def _submit(
     )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     detok = Detokenizer(state.codec)
-    return Relay(engine, job.request.rid, stream, stops, detok, body.min_tokens, logprobs, **shown)
+    return Relay(
+        engine,
+        job.request.rid,
+        stream,
+        stops,
+        detok,
+        body.min_tokens,
+        logprobs,
+        prompt_index=prompt_index,
+        echo=echo,
+        scored_ids=scored_ids,
+    )
 
 
 def _echo(
