@@ -280,15 +280,15 @@ class CompletionRequest(_Common):
             for k, one in enumerate(v):
                 if not one:
                     raise ValueError(f"prompt {k} must not be empty")
-            return v[0] if len(v) == 1 else v
+            return v
         if not v:
             raise ValueError("prompt must not be empty")
         return v
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: text, or token ids, one per entry."""
-        p = self.prompt
-        if isinstance(p, str) or not p or not isinstance(p[0], str | list):
+        p = self.prompt  # (validated: not empty)
+        if isinstance(p, str) or not isinstance(p[0], str | list):
             return [cast(str | list[int], p)]
         return list(cast(list[str | list[int]], p))
 
