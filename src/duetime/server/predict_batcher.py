@@ -35,7 +35,6 @@ class PredictBatcher:
         self._pending: list[tuple[Job, asyncio.Future[LengthPrediction | None]]] = []
         self._draining = False
         self._task: asyncio.Task[None] | None = None  # held: an unreferenced task may vanish
-        self.batches = 0  # batches run (for tests and /metrics-minded callers)
 
     async def predict(self, job: Job) -> LengthPrediction | None:
         loop = asyncio.get_running_loop()
@@ -56,7 +55,6 @@ class PredictBatcher:
                 if not batch:
                     continue
                 jobs = [j for j, _ in batch]
-                self.batches += 1
                 try:
                     preds = await loop.run_in_executor(self.pool, self.predict_many, jobs)
                     if len(preds) != len(jobs):
