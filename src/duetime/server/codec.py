@@ -87,6 +87,16 @@ class Detokenizer:
         self.text = ""  # everything sent so far
         self._prefix = 0  # ids[:_prefix] are settled; their text is text[:_prefix_chars]
         self._prefix_chars = 0
+        #: Where each id added by :meth:`add_each` ends in ``text`` (its string is the
+        #: piece since the one before): what a token's log-probability entry shows.
+        self.ends: list[int] = []
+
+    def add_each(self, new_ids: Sequence[int]) -> None:
+        """Append ids one at a time, noting in :attr:`ends` where each one's text ends
+        (a token whose text is held back ends where the one before it did)."""
+        for tok in new_ids:
+            self.add([tok])
+            self.ends.append(len(self.text))
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append ids; return the new text that can be sent now (may be empty)."""
@@ -126,4 +136,6 @@ class Detokenizer:
         full = self.text[: self._prefix_chars] + self.codec.decode(self.ids[self._prefix :])
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
+        if self.ends:  # text held back at the end is the last token's
+            self.ends[-1] = len(self.text)
         return delta

@@ -81,14 +81,9 @@ def prompt_logprobs(
     OpenAI's and vLLM's answers; so has any the prefill did not reach (an answer that
     ended before its first token)."""
     detok = Detokenizer(codec)
-    ends = []
-    for tok in ids:
-        detok.add([tok])
-        ends.append(len(detok.text))
+    detok.add_each(ids)
     detok.flush()
-    if ends:  # text held back at the end is the last token's
-        ends[-1] = len(detok.text)
-    text = detok.text
+    text, ends = detok.text, detok.ends
     keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     out: dict[str, list[Any]] = {key: [] for key in keys}
     for i in range(len(ids)):

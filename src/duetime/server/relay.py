@@ -66,7 +66,6 @@ class Relay:
         self.floor: int | None = 0 if min_tokens <= 0 else None
         #: Where the engine puts the answer tokens' log-probabilities (None: not asked).
         self.logprobs = logprobs
-        self._ends: list[int] = []  # with logprobs: the text's length after each token
         self._given = 0  # tokens whose log-probabilities the client has
         #: Which of the request's prompts this choice answers (completions take several).
         self.prompt_index = prompt_index
@@ -92,8 +91,6 @@ class Relay:
                 ) from None
             if isinstance(item, Outcome):
                 self.detok.flush()
-                if self._ends:  # text held back at the end is the last token's
-                    self._ends[-1] = len(self.detok.text)
                 out = self._emit(final=True)
                 self.outcome = self._as_seen(item)
                 self.stream.counted(self.outcome)
@@ -106,9 +103,7 @@ class Relay:
             if self.logprobs is None:
                 self.detok.add(item)
             else:  # one at a time: where each token's text ends
-                for tok in item:
-                    self.detok.add([tok])
-                    self._ends.append(len(self.detok.text))
+                self.detok.add_each(item)
             if self.floor is None and self.completion_tokens >= self.min_tokens:
                 self.floor = len(self.detok.text)
             out = self._emit(final=False)
@@ -148,7 +143,7 @@ class Relay:
         holds back is its, and a streamed answer must split its text as a whole one."""
         if self.logprobs is None:
             return []
-        sent, ends, ended = len(self.sent), self._ends, self.outcome is not None
+        sent, ends, ended = len(self.sent), self.detok.ends, self.outcome is not None
         upto = min(len(ends) if ended else len(ends) - 1, len(self.logprobs.entries))
         out = []
         for i in range(self._given, upto):
