@@ -361,7 +361,7 @@ def test_metrics_count_every_response_by_route_and_status(
         # fields a client relies on for what the text is: refused, not ignored
         (
             json.dumps(
-                {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}
+                {"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}}
             ).encode(),
             400,
             "response_format",
@@ -461,9 +461,9 @@ def test_bad_input_is_a_4xx_with_an_error_object(
         (
             {
                 "messages": [{"role": "user", "content": "hi"}],
-                "response_format": {"type": "json_schema", "json_schema": {}},
+                "response_format": {"type": "json_schema"},
             },
-            "json_schema",
+            "needs a json_schema",
         ),
     ],
 )

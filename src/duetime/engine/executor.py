@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from duetime.engine.gemma3 import Gemma3
 from duetime.engine.logprobs import LogprobLog
 from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
+
+if TYPE_CHECKING:
+    from duetime.engine.grammar import TokenGrammar
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -94,7 +97,9 @@ class EngineExecutor(ExecutorCore):
     segments. ``samplers[rid]`` (a :class:`~duetime.engine.sampling.Sampler`)
     draws that request's tokens; every other request takes the arg-max.
     ``logprob_logs[rid]`` (a :class:`~duetime.engine.logprobs.LogprobLog`)
-    receives the log-probabilities of that request's tokens. With
+    receives the log-probabilities of that request's tokens. ``grammars[rid]`` (a
+    :class:`~duetime.engine.grammar.TokenGrammar`) masks that request's tokens to what
+    its grammar allows and ends its answer where the grammar is complete. With
     ``offload_suspended`` a suspended sequence's KV is spooled to disk when a
     step needs its room (see ``core/executor.py``). ``cost`` is the fitted
     profile handed to policies as ``snapshot.cost`` (None until `duetime
@@ -192,6 +197,8 @@ class EngineExecutor(ExecutorCore):
         self.samplers: dict[int, Sampler] = {}
         # Requests that asked for their tokens' log-probabilities: rid → where they go.
         self.logprob_logs: dict[int, LogprobLog] = {}
+        # Structured outputs: rid → the grammar its answer's tokens are masked to.
+        self.grammars: dict[int, TokenGrammar] = {}
 
     def step_cost_model(self) -> LinearStepCost | None:
         return self.cost
@@ -256,6 +263,9 @@ class EngineExecutor(ExecutorCore):
         seg = self.segmenters.get(seq.rid)
         if seg is not None:
             seg.reset()
+        grammar = self.grammars.get(seq.rid)
+        if grammar is not None:
+            grammar.reset()  # the replayed tokens take it through the answer again
 
     def _on_swap_out(self, seq: Seq) -> None:
         """Spool the sequence's KV to disk: on a CPU engine, KV memory *is* RAM."""
@@ -325,22 +335,29 @@ class EngineExecutor(ExecutorCore):
         for seq, row, positions in scored:
             self._score_prompt(seq, hidden[row : row + len(positions)], positions)
         produced: list[tuple[int, int]] = []
+        completed: list[int] = []  # answers whose grammar takes no more tokens
         replay, samplers, logprob_logs = self._replay, self.samplers, self.logprob_logs
+        grammars = self.grammars
         for row, ((seq, sampled), tok) in enumerate(zip(owners, next_ids, strict=True)):
             if sampled:
                 ids = self.tokens[seq.rid]
                 position = len(ids) - seq.req.prompt_len  # of this token in the answer
                 forced = self._replayed(seq, position) if replay and seq.rid in replay else None
+                grammar = grammars.get(seq.rid) if grammars else None
                 if forced is not None:
                     tok = forced  # no draw: the generator stays where the first run left it
-                elif samplers and seq.rid in samplers:
-                    tok = samplers[seq.rid].pick(logits[row], ids, seq.req.prompt_len)
+                elif grammar is not None or (samplers and seq.rid in samplers):
+                    tok = self._pick(seq, logits[row], grammar)
                 if logprob_logs and seq.rid in logprob_logs:
                     logprob_logs[seq.rid].record(position, logits[row], int(tok))
                 ids.append(int(tok))
                 produced.append((seq.rid, int(tok)))
+                if grammar is not None and (not grammar.accept(tok) or grammar.finished):
+                    completed.append(seq.rid)
         self.now = self._clock() - self._t0
         self._after_step(chunks)
+        for rid in completed:
+            self.finish_early(rid)
         if self.stop_tokens:
             for rid, tok in produced:
                 rule = self.stop_tokens.get(rid)
@@ -355,6 +372,16 @@ class EngineExecutor(ExecutorCore):
         self.last_step = (dt, sum(n for _, n in chunks), len(decoders), kv_attended)
         self._log_step(chunks, len(decoders), kv_attended, dt)
         return dt
+
+    def _pick(self, seq: Seq, logits: torch.Tensor, grammar: TokenGrammar | None) -> int:
+        """The token a request with a sampler or a grammar takes from its ``[vocab]`` row
+        of ``logits``: the sampler's draw (else the arg-max) among what the grammar allows."""
+        if grammar is not None:
+            logits = grammar.mask(logits)
+        sampler = self.samplers.get(seq.rid)
+        if sampler is None:
+            return int(torch.argmax(logits))
+        return sampler.pick(logits, self.tokens[seq.rid], seq.req.prompt_len)
 
     def _prompt_scoring(self, chunks: list[tuple[Seq, int]]) -> list[tuple[Seq, int, range]]:
         """Prefill chunks whose rows score prompt tokens a log wants (``echo`` with
@@ -545,6 +572,7 @@ class EngineExecutor(ExecutorCore):
         self.segmenters.pop(rid, None)
         self.samplers.pop(rid, None)
         self.logprob_logs.pop(rid, None)
+        self.grammars.pop(rid, None)
 
     def close(self) -> None:
         """Remove swapped-out KV files and close the telemetry file."""

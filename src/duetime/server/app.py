@@ -23,8 +23,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from duetime.core.grammar import GrammarSpec
 from duetime.core.request import Job, LengthPrediction, TimeUtility
 from duetime.core.request import Request as EngineRequest
+from duetime.engine.grammar import GrammarCompiler, GrammarError, TokenGrammar
 from duetime.engine.logprobs import LogprobLog
 from duetime.predict.oracle import JobPredictor
 from duetime.server.admission import Admission
@@ -85,11 +87,14 @@ class ServerState:
         init=False, default_factory=lambda: ThreadPoolExecutor(1, "duetime-predict")
     )
     predict_batcher: PredictBatcher = field(init=False)
+    #: Structured outputs' grammars over the codec's vocabulary (compiled ones are kept).
+    grammars: GrammarCompiler = field(init=False)
 
     def __post_init__(self) -> None:
         # Outcomes are counted by each request's Stream, as its client saw them.
         self.metrics = ServerMetrics(lambda: self.engine.stats)
         self.predict_batcher = PredictBatcher(self._predict_many, self.predict_pool)
+        self.grammars = GrammarCompiler(lambda: self.codec.guidance_tokenizer())
 
     def _predict_many(self, jobs: Sequence[Job]) -> list[LengthPrediction | None]:
         """Predictions for ``jobs`` (on the predictor's thread): one batch where the
@@ -225,6 +230,7 @@ async def _serve(
         )
     for k, (ids, _) in enumerate(prompts):
         _check_prompt(cfg, ids, max_tokens, f"prompt {k}: " if len(prompts) > 1 else "")
+    grammar = await _grammar(state, body.grammar())
     if body.min_tokens > max_tokens:
         raise ApiError(400, "min_tokens must be <= max_tokens", param="min_tokens")
     if any(i >= cfg.vocab_size for i in body.stop_token_ids or ()):
@@ -302,7 +308,8 @@ async def _serve(
             if i:
                 req = dataclasses.replace(job.request, rid=engine.next_rid())
                 one = Job(req, output_len=max_tokens)
-            relays.append(_submit(state, body, one, i, k, echo, scored_ids))
+            choice_grammar = None if grammar is None else grammar.copy()
+            relays.append(_submit(state, body, one, i, k, echo, scored_ids, choice_grammar))
     meta = Meta(model=cfg.model_name, chat=chat, prompt_tokens=sum(len(ids) for ids, _ in prompts))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -344,9 +351,11 @@ def _submit(
     prompt_index: int,
     echo: str | None,
     scored_ids: list[int] | None,
+    grammar: TokenGrammar | None,
 ) -> Relay:
-    """Hand one choice's sequence to the engine; the relay that turns its tokens into
-    text, showing its prompt's ``echo`` and, with ``scored_ids``, the prompt's scores."""
+    """Hand one choice's sequence to the engine (its tokens masked to ``grammar``, if
+    any); the relay that turns its tokens into text, showing its prompt's ``echo`` and,
+    with ``scored_ids``, the prompt's scores."""
     engine = state.engine
     stream = Stream(asyncio.get_running_loop(), state.metrics.observe)
     segmenter = None
@@ -365,6 +374,7 @@ def _submit(
         segmenter=segmenter,
         sampling=body.sampling(choice),
         logprobs=logprobs,
+        grammar=grammar,
     )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     detok = Detokenizer(state.codec)
@@ -393,6 +403,17 @@ def _echo(
     if not isinstance(body, CompletionRequest) or not body.echo:
         return None
     return text if text is not None and not body.scores_prompt() else state.codec.decode(ids)
+
+
+async def _grammar(state: ServerState, spec: GrammarSpec | None) -> TokenGrammar | None:
+    """The request's grammar at its start, compiled on a worker thread (the first one
+    builds the tokenizer's table: seconds); a 400 naming the field where it is invalid."""
+    if spec is None:
+        return None
+    try:
+        return await asyncio.to_thread(state.grammars.grammar, spec)
+    except GrammarError as err:
+        raise ApiError(400, str(err), param=err.field) from None
 
 
 async def _predicted(state: ServerState, job: Job) -> LengthPrediction | None:

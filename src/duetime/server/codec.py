@@ -12,7 +12,7 @@ is sent as U+FFFD, not held (with all text after it) until the answer ends.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["ByteCodec", "Codec", "Detokenizer", "GemmaCodec"]
 
@@ -29,6 +29,11 @@ class Codec(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of generated ids (special tokens dropped)."""
+        ...
+
+    def guidance_tokenizer(self) -> Any:
+        """llguidance's ``LLTokenizer`` over this vocabulary (structured outputs' masks;
+        built on first use: seconds for a large vocabulary)."""
         ...
 
 
@@ -50,6 +55,11 @@ class GemmaCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def guidance_tokenizer(self) -> Any:
+        import llguidance
+
+        return llguidance.LLTokenizer(self._tok.to_str(), eos_token=self.eos_id)
+
 
 class ByteCodec:
     """One token per UTF-8 byte, shifted past the special ids (0 pad, 1 eos, 2 bos).
@@ -70,6 +80,27 @@ class ByteCodec:
     def decode(self, ids: Sequence[int]) -> str:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
+
+    def guidance_tokenizer(self) -> Any:
+        import llguidance
+
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(self)))
+
+
+class _ByteVocab:
+    """The byte codec as llguidance's ``TokenizerWrapper`` wants a tokenizer: each id's
+    bytes, the special ids, and encoding without BOS."""
+
+    def __init__(self, codec: ByteCodec) -> None:
+        self.eos_token_id = codec.eos_id
+        self.bos_token_id = codec.bos_id
+        self.special_token_ids = list(range(codec.OFFSET))
+        names = [b"<pad>", b"<eos>", b"<bos>"]
+        self.tokens = names + [bytes([b]) for b in range(256)]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        return [b + ByteCodec.OFFSET for b in data]
 
 
 class Detokenizer:

@@ -29,6 +29,7 @@ from duetime.core.request import Job
 from duetime.core.sampling import SamplingParams
 from duetime.core.sequence import SeqStatus
 from duetime.engine.executor import EngineExecutor, StopRule
+from duetime.engine.grammar import TokenGrammar
 from duetime.engine.logprobs import LogprobLog
 from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
@@ -141,6 +142,19 @@ class EngineStats:
     alive: bool = False
 
 
+@dataclass(slots=True, frozen=True)
+class _Submission:
+    """A request on its way to the engine thread, with what decides its tokens."""
+
+    job: Job
+    stream: Stream
+    stop: StopRule | None
+    segmenter: TextSegmenter | None
+    sampler: Sampler | None
+    logprobs: LogprobLog | None
+    grammar: TokenGrammar | None
+
+
 @dataclass(slots=True)
 class _Live:
     job: Job
@@ -205,19 +219,22 @@ class EngineLoop:
         segmenter: TextSegmenter | None = None,
         sampling: SamplingParams | None = None,
         logprobs: LogprobLog | None = None,
+        grammar: TokenGrammar | None = None,
     ) -> None:
         """Queue a request; ``segmenter`` suspends it at each text segment end (TimelyLLM);
         ``sampling`` picks its tokens (None or plain greedy params: the batch's arg-max);
-        ``logprobs`` receives their log-probabilities (the caller reads it as tokens come).
+        ``logprobs`` receives their log-probabilities (the caller reads it as tokens come);
+        ``grammar`` allows only the tokens it takes (structured outputs).
         The answer ends at its end-of-sequence (with ``stop_on_eos``) or any of
-        ``stop_token_ids``, once it holds ``min_tokens`` tokens."""
+        ``stop_token_ids``, once it holds ``min_tokens`` tokens, or where ``grammar`` is
+        complete."""
         sampler = None if sampling is None or sampling.plain else Sampler(sampling)
         ids = set(stop_token_ids)
         eos = self.executor.eos_token_id
         if stop_on_eos and eos is not None:
             ids.add(eos)
         stop = StopRule(frozenset(ids), min_tokens) if ids else None
-        item = (job, stream, stop, segmenter, sampler, logprobs)
+        item = _Submission(job, stream, stop, segmenter, sampler, logprobs, grammar)
         with self._lock:
             self._inbox.append(("submit", item))
         self._wake.set()
@@ -311,22 +328,25 @@ class EngineLoop:
         done_before = ex.n_done
         for kind, payload in items:
             if kind == "submit":
-                job, stream, stop, segmenter, sampler, logprobs = payload
-                rid = job.request.rid
+                sub: _Submission = payload
+                rid = sub.job.request.rid
                 try:
-                    ex.admit_arrival(job)
+                    ex.admit_arrival(sub.job)
                 except Exception as e:  # one bad request must not stop the loop
-                    stream.put(self._outcome(job, "error", error=str(e)))  # counted by the stream
+                    # counted by the stream
+                    sub.stream.put(self._outcome(sub.job, "error", error=str(e)))
                     continue
-                self._live[rid] = _Live(job, stream)
-                if stop is not None:
-                    ex.stop_tokens[rid] = stop
-                if segmenter is not None:
-                    ex.segmenters[rid] = segmenter
-                if sampler is not None:
-                    ex.samplers[rid] = sampler
-                if logprobs is not None:
-                    ex.logprob_logs[rid] = logprobs
+                self._live[rid] = _Live(sub.job, sub.stream)
+                if sub.stop is not None:
+                    ex.stop_tokens[rid] = sub.stop
+                if sub.segmenter is not None:
+                    ex.segmenters[rid] = sub.segmenter
+                if sub.sampler is not None:
+                    ex.samplers[rid] = sub.sampler
+                if sub.logprobs is not None:
+                    ex.logprob_logs[rid] = sub.logprobs
+                if sub.grammar is not None:
+                    ex.grammars[rid] = sub.grammar
             elif ex.abort(payload):
                 self._finish(payload, "abort" if kind == "abort" else "stop")
         if ex.n_done != done_before:  # e.g. a prompt that can never fit was refused at admission
@@ -364,10 +384,14 @@ class EngineLoop:
                 self._finish(rid, "stop" if short or self._ended_on_stop_token(rid) else "length")
 
     def _ended_on_stop_token(self, rid: int) -> bool:
-        """Whether the answer's last token is one that ends it (EOS, a stop id). One that
-        is also the ``max_tokens``-th token leaves the answer no shorter than the limit,
-        but the model finished it: "stop", as vLLM and OpenAI say, not "length"."""
+        """Whether the answer's last token is one that ends it (EOS, a stop id, the last
+        its grammar takes). One that is also the ``max_tokens``-th token leaves the answer
+        no shorter than the limit, but the model finished it: "stop", as vLLM and OpenAI
+        say, not "length"."""
         ex = self.executor
+        grammar = ex.grammars.get(rid)
+        if grammar is not None and grammar.finished:
+            return True
         rule = ex.stop_tokens.get(rid)
         toks = ex.tokens.get(rid)
         n = ex.records[rid].output_tokens

@@ -97,6 +97,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     bounds = [e for e in group if not _is_type_error(e)]
     if bounds:
         where, message = path(bounds[0]), str(bounds[0].get("msg", "invalid"))
+        message = message.removeprefix("Value error, ")  # a validator's own words follow
     else:
         where = ".".join(target)
         msgs = list(dict.fromkeys(str(e.get("msg", "invalid")) for e in group))

@@ -36,8 +36,10 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
+from duetime.core.grammar import GrammarSpec
 from duetime.core.request import MAX_TUF_MAGNITUDE
 from duetime.core.sampling import MAX_PENALTY, SamplingParams
 
@@ -134,6 +136,80 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+#: Upper bound on a regular expression or grammar's text.
+MAX_GRAMMAR_CHARS = 1 << 16
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``: the answer is JSON under ``schema``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Text = Field("response", max_length=256)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="The JSON schema (absent: any JSON value)."
+    )
+    strict: bool | None = Field(
+        None, description="Accepted; the schema is always enforced, strict or not."
+    )
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON under a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one constraint on the answer."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | Text | None = Field(
+        None, alias="json", description="A JSON schema (an object, or its text)."
+    )
+    regex: Text | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=4096
+    )
+    grammar: Text | None = Field(
+        None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="Lark or GBNF."
+    )
+    json_object: bool | None = Field(None, description="true: any JSON object.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            names = ", ".join(g.rstrip("_") for g in given) or "none"
+            raise ValueError(
+                "give exactly one of json, regex, choice, grammar, json_object; got " + names
+            )
+        return self
+
+    def spec(self, field: str) -> GrammarSpec:
+        if self.json_ is not None:
+            return GrammarSpec.json_schema(self.json_, f"{field}.json")
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex, f"{field}.regex")
+        if self.choice is not None:
+            return GrammarSpec.choice(self.choice, f"{field}.choice")
+        if self.grammar is not None:
+            return GrammarSpec("grammar", self.grammar, f"{field}.grammar")
+        return GrammarSpec.json_schema({"type": "object"}, f"{field}.json_object")
+
+
 class _Common(TimeFields):
     model_config = ConfigDict(extra="ignore")
 
@@ -197,10 +273,55 @@ class _Common(TimeFields):
         "part of it), after min_tokens.",
     )
     user: str | None = None
-    response_format: dict[str, Any] | None = Field(
-        None, description='Only {"type": "text"}: answers are plain text (no JSON mode).'
+    response_format: ResponseFormat | None = Field(
+        None,
+        description="OpenAI's: json_object (any JSON object) or json_schema constrain the "
+        "answer's tokens to valid JSON (under the schema); text (the default) does not.",
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None,
+        description="vLLM's extension: the answer matches a JSON schema, a regex, one of a "
+        "list of strings or a Lark/GBNF grammar.",
+    )
+    guided_json: dict[str, Any] | Text | None = Field(
+        None, description="vLLM's older form of structured_outputs.json."
+    )
+    guided_regex: Text | None = Field(
+        None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="Older structured regex."
+    )
+    guided_choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=4096, description="Older structured_outputs.choice."
+    )
+    guided_grammar: Text | None = Field(
+        None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="Older grammar form."
     )
     logit_bias: dict[str, Any] | None = Field(None, description="Not supported: null or {}.")
+
+    def grammar(self) -> GrammarSpec | None:
+        """The constraint on the answer, if any (at most one may be given)."""
+        specs = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            specs.append(GrammarSpec.json_schema({"type": "object"}, "response_format"))
+        elif fmt is not None and fmt.json_schema is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.schema_
+            specs.append(
+                GrammarSpec.json_schema({} if schema is None else schema, "response_format")
+            )
+        if self.structured_outputs is not None:
+            specs.append(self.structured_outputs.spec("structured_outputs"))
+        if self.guided_json is not None:
+            specs.append(GrammarSpec.json_schema(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            specs.append(GrammarSpec("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            specs.append(GrammarSpec.choice(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            specs.append(GrammarSpec("grammar", self.guided_grammar, "guided_grammar"))
+        if len(specs) > 1:
+            names = ", ".join(s.field.split(".")[0] for s in specs)
+            raise ValueError(f"one constraint on the answer at a time, got {names}")
+        return specs[0] if specs else None
 
     def sampling(self, choice: int = 0) -> SamplingParams:
         """How the engine picks choice ``choice``'s tokens (greedy at temperature 0); its
@@ -219,15 +340,10 @@ class _Common(TimeFields):
             repetition_penalty=self.repetition_penalty,
         )
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError(
-                f"only type 'text' is supported, not {v.get('type')!r}: duetime does not "
-                "constrain decoding to JSON or a schema"
-            )
-        return v
+    @model_validator(mode="after")
+    def _one_grammar(self) -> Any:
+        self.grammar()  # raises where several constraints were given
+        return self
 
     @field_validator("logit_bias")
     @classmethod

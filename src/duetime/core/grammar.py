@@ -1,0 +1,42 @@
+"""What an answer must look like: plain data the API builds and the engine's grammar reads.
+
+A request may constrain its answer to a JSON schema (OpenAI's ``response_format``),
+a regular expression, one of a list of strings or a context-free grammar (vLLM's
+``structured_outputs``). It lives in ``core`` (no torch, no grammar library)
+because the API schemas build it and the gateway imports those schemas without
+the engine; :mod:`duetime.engine.grammar` compiles it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["GrammarKind", "GrammarSpec"]
+
+#: ``json_schema``: a JSON schema (``{"type": "object"}`` for any object); ``regex``: the
+#: whole answer matches it; ``choice``: the answer is one of a JSON list of strings;
+#: ``grammar``: Lark or GBNF (llama.cpp's) text.
+GrammarKind = Literal["json_schema", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """One constraint: its kind, its text, and the request field it came from (errors
+    name it)."""
+
+    kind: GrammarKind
+    text: str
+    field: str
+
+    @classmethod
+    def json_schema(cls, schema: object, field: str) -> GrammarSpec:
+        """A JSON schema given as parsed JSON (or already as its text)."""
+        # (keys in the client's order: the answer's properties come in the schema's order)
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        return cls("json_schema", text, field)
+
+    @classmethod
+    def choice(cls, options: list[str], field: str) -> GrammarSpec:
+        return cls("choice", json.dumps(options), field)

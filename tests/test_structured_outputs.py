@@ -1,0 +1,413 @@
+"""Structured outputs: answers masked to a grammar (JSON schema, regex, choice, Lark).
+
+On a tiny random-weight model with the byte codec (one token per byte), whose
+unconstrained answers are noise: so an answer that fits its grammar shows the
+mask at work. The engine tests compare against a reference that shares nothing
+with the executor: the model stepped alone, one token at a time, each masked by a
+fresh grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from duetime.core.grammar import GrammarSpec
+from duetime.core.request import Job, Request
+from duetime.core.sampling import SamplingParams
+from duetime.core.snapshot import EngineSnapshot
+from duetime.engine.batch import SeqChunk
+from duetime.engine.executor import EngineExecutor
+from duetime.engine.gemma3 import Gemma3
+from duetime.engine.grammar import GrammarCompiler, GrammarError
+from duetime.engine.sampling import Sampler
+from duetime.engine.testing import engine_from_hf, tiny_hf_model
+from duetime.policies import available_policies, make_policy
+from duetime.predict.oracle import make_job_predictor
+from duetime.server.app import create_app
+from duetime.server.build import ServeOptions, build_state, load_served_model
+from duetime.server.codec import ByteCodec
+from tests.factories import SIMPLE_COST
+
+CODEC = ByteCodec()
+CHOICES = ["hello", "help", "world"]
+DIGITS = r"[0-9]{3}-[a-c]{2,5}"
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "color"],
+    "additionalProperties": False,
+}
+LARK = 'start: "x" ("y" | "zz") ("y" | "zz")? "!"'
+SPECS = [
+    GrammarSpec.choice(CHOICES, "choice"),
+    GrammarSpec("regex", DIGITS, "regex"),
+    GrammarSpec.json_schema(SCHEMA, "schema"),
+    GrammarSpec("grammar", LARK, "lark"),
+]
+
+
+@pytest.fixture(scope="module")
+def model() -> Gemma3:
+    return engine_from_hf(tiny_hf_model(seed=1, vocab_size=ByteCodec.vocab_size))
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(CODEC.guidance_tokenizer)
+
+
+def _text(ids: list[int]) -> str:
+    return CODEC.decode(ids)
+
+
+def _fits(spec: GrammarSpec, text: str) -> bool:
+    """Whether ``text`` is a whole answer of ``spec``, checked without the grammar library."""
+    if spec.kind == "choice":
+        return text in CHOICES
+    if spec.kind == "regex":
+        return re.fullmatch(DIGITS, text) is not None
+    if spec.kind == "grammar":
+        return re.fullmatch(r"x(y|zz){1,2}!", text) is not None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (
+        set(value) == {"ok", "color"}
+        and isinstance(value["ok"], bool)
+        and value["color"] in SCHEMA["properties"]["color"]["enum"]  # type: ignore[index]
+    )
+
+
+def _reference(
+    model: Gemma3,
+    compiler: GrammarCompiler,
+    spec: GrammarSpec,
+    prompt: list[int],
+    n: int,
+    sampling: SamplingParams | None = None,
+) -> list[int]:
+    """The constrained answer of ``prompt`` made alone: one step a token, its logits
+    masked by a grammar that follows the answer, stopped where the grammar is complete."""
+    grammar = compiler.grammar(spec)
+    sampler = Sampler(sampling) if sampling is not None else None
+    kv = model.new_kv_cache()
+    slot = kv.allocate()
+    logits = model.step([SeqChunk(slot, prompt, 0)], kv)[0]
+    out: list[int] = []
+    while len(out) < n:
+        row = grammar.mask(logits)
+        tok = int(row.argmax()) if sampler is None else sampler.pick(row, prompt + out, len(prompt))
+        out.append(tok)
+        assert grammar.accept(tok)
+        if grammar.finished:
+            break
+        logits = model.step([SeqChunk(slot, [tok], len(prompt) + len(out) - 1)], kv)[0]
+    return out
+
+
+# --- the grammar alone ---------------------------------------------------------------
+
+
+def test_a_grammar_allows_only_its_next_tokens_and_ends_where_it_is_complete(
+    compiler: GrammarCompiler,
+) -> None:
+    g = compiler.grammar(GrammarSpec.choice(CHOICES, "choice"))
+    start = set(g.allowed().nonzero().flatten().tolist())
+    assert start == {ord("h") + 3, ord("w") + 3}
+    for byte in b"hel":
+        assert g.accept(byte + 3)
+    assert set(g.allowed().nonzero().flatten().tolist()) == {ord("l") + 3, ord("p") + 3}
+    row = g.mask(__import__("torch").zeros(ByteCodec.vocab_size))
+    assert row.isfinite().sum() == 2
+    assert g.accept(ord("p") + 3)
+    assert g.finished
+    assert not compiler.grammar(GrammarSpec.choice(CHOICES, "choice")).accept(ord("x") + 3)
+
+
+def test_reset_and_copy_give_independent_grammars(compiler: GrammarCompiler) -> None:
+    g = compiler.grammar(GrammarSpec("regex", "ab|ac", "regex"))
+    assert g.accept(ord("a") + 3)
+    twin = g.copy()
+    assert twin.accept(ord("b") + 3)
+    assert twin.finished
+    assert not g.finished
+    g.reset()
+    assert set(g.allowed().nonzero().flatten().tolist()) == {ord("a") + 3}
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        (GrammarSpec("regex", "(a", "structured_outputs.regex"), "unclosed group"),
+        (GrammarSpec.json_schema({"type": 5}, "response_format"), "type must be"),
+        (GrammarSpec("json_schema", "{not json", "guided_json"), "guided_json"),
+        (GrammarSpec("grammar", "start: undefined_rule", "structured_outputs.grammar"), ""),
+        (GrammarSpec("choice", "[]", "guided_choice"), ""),
+    ],
+)
+def test_a_bad_grammar_is_an_error_naming_its_field(
+    compiler: GrammarCompiler, spec: GrammarSpec, words: str
+) -> None:
+    with pytest.raises(GrammarError) as err:
+        compiler.grammar(spec)
+    assert err.value.field == spec.field
+    assert str(err.value).startswith(spec.field + ": ")
+    assert words in str(err.value)
+
+
+# --- in the engine -------------------------------------------------------------------
+
+
+def _jobs(n: int, max_tokens: int = 24) -> list[Job]:
+    jobs = []
+    for rid in range(n):
+        prompt = CODEC.encode(f"request {rid}: answer " + "abc"[rid % 3] * (rid % 5))
+        req = Request(
+            rid=rid,
+            arrival=0.0,
+            prompt_len=len(prompt),
+            prompt_token_ids=tuple(prompt),
+            max_tokens=max_tokens if rid % 4 else 3,
+        )
+        jobs.append(Job(req, output_len=req.max_tokens))
+    return jobs
+
+
+def _run(
+    model: Gemma3,
+    compiler: GrammarCompiler,
+    jobs: list[Job],
+    policy: Any,
+    sampling: dict[int, SamplingParams],
+    **kwargs: Any,
+) -> tuple[EngineExecutor, dict[int, list[int]], set[int]]:
+    evicted: set[int] = set()
+    schedule = policy.schedule
+
+    def recording(snap: EngineSnapshot) -> Any:
+        dec = schedule(snap)
+        evicted.update(rid for rid, alpha in dec.evict.items() if alpha > 0)
+        return dec
+
+    policy.schedule = recording
+    ex = EngineExecutor(
+        policy,
+        model,
+        predictor=make_job_predictor(getattr(policy, "default_predictor", None), seed=0),
+        cost=SIMPLE_COST,
+        **kwargs,
+    )
+    for j in jobs:
+        rid = j.request.rid
+        ex.grammars[rid] = compiler.grammar(SPECS[rid % len(SPECS)])
+        if rid in sampling:
+            ex.samplers[rid] = Sampler(sampling[rid])
+    res = ex.run(jobs, max_wall_s=60.0)
+    assert not ex.in_system
+    assert ex.kv_used == 0
+    assert not ex.kv.slots
+    return ex, res.outputs, evicted
+
+
+@pytest.mark.parametrize("policy", available_policies())
+def test_every_policy_serves_grammar_answers_equal_to_the_reference(
+    model: Gemma3, compiler: GrammarCompiler, policy: str
+) -> None:
+    """Under memory pressure (preemptions, suspensions, chunked prefills) every answer
+    is its request's constrained answer made alone: the grammar follows recomputes and
+    restarts. Each ends where its grammar is complete or at max_tokens."""
+    jobs = _jobs(10)
+    _, outputs, evicted = _run(
+        model,
+        compiler,
+        jobs,
+        make_policy(policy),
+        {},
+        kv_capacity=90,
+        max_num_seqs=4,
+        max_batch_tokens=32,
+    )
+    assert len(outputs) == len(jobs)
+    for j in jobs:
+        rid, prompt = j.request.rid, list(j.request.prompt_token_ids or ())
+        out = outputs[rid]
+        spec = SPECS[rid % len(SPECS)]
+        if rid not in evicted:
+            assert out == _reference(model, compiler, spec, prompt, j.request.max_tokens), rid
+        if len(out) < j.request.max_tokens:
+            assert _fits(spec, _text(out)), (rid, _text(out))
+
+
+def test_a_restart_replays_the_answer_through_its_grammar(
+    model: Gemma3, compiler: GrammarCompiler
+) -> None:
+    """Restart preemption voids the answer and replays it: the grammar is reset and
+    walked through the same tokens, so sampled answers equal an uninterrupted run's."""
+    jobs = _jobs(10)
+    rids = [j.request.rid for j in jobs]
+    sampling = {rid: SamplingParams(temperature=1.0, seed=7 + rid) for rid in rids}
+    _, roomy, _ = _run(model, compiler, jobs, make_policy("fcfs"), sampling)
+    tight_ex, tight, _ = _run(
+        model,
+        compiler,
+        jobs,
+        make_policy("fcfs", preempt_mode="restart"),
+        sampling,
+        kv_capacity=80,
+        max_batch_tokens=32,
+    )
+    assert tight_ex.counters.get("restarts", 0) > 0  # the point of the test
+    assert tight == roomy
+    for j in jobs:
+        rid = j.request.rid
+        spec = SPECS[rid % len(SPECS)]
+        prompt = list(j.request.prompt_token_ids or ())
+        assert roomy[rid] == _reference(
+            model, compiler, spec, prompt, j.request.max_tokens, sampling[rid]
+        )
+
+
+def test_without_a_grammar_the_tiny_model_answers_noise(model: Gemma3) -> None:
+    """The control: unconstrained answers fit none of the grammars."""
+    ex = EngineExecutor(make_policy("fcfs"), model, cost=SIMPLE_COST)
+    res = ex.run(_jobs(8, max_tokens=12), max_wall_s=60.0)
+    texts = [_text(out) for out in res.outputs.values()]
+    assert not any(_fits(spec, t) for spec in SPECS for t in texts)
+
+
+# --- over HTTP -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client() -> Any:
+    options = ServeOptions(model="tiny", predictor=None, seed=1)
+    m, codec, name = load_served_model(options)
+    with TestClient(create_app(build_state(options, m, codec, name))) as c:
+        yield c, name
+
+
+def _post(client: Any, path: str = "/v1/completions", **body: Any) -> Any:
+    c, name = client
+    if path.endswith("chat/completions"):
+        body.setdefault("messages", [{"role": "user", "content": "Colour?"}])
+    else:
+        body.setdefault("prompt", "Which colour? ")
+    return c.post(path, json={"model": name, "max_tokens": 40, **body})
+
+
+RESPONSE_SCHEMA = {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "spec"),
+    [
+        ({"response_format": RESPONSE_SCHEMA}, SPECS[2]),
+        ({"structured_outputs": {"json": SCHEMA}}, SPECS[2]),
+        ({"guided_json": json.dumps(SCHEMA)}, SPECS[2]),
+        ({"structured_outputs": {"regex": DIGITS}}, SPECS[1]),
+        ({"guided_regex": DIGITS}, SPECS[1]),
+        ({"structured_outputs": {"choice": CHOICES}}, SPECS[0]),
+        ({"guided_choice": CHOICES}, SPECS[0]),
+        ({"structured_outputs": {"grammar": LARK}}, SPECS[3]),
+        ({"guided_grammar": 'root ::= "x" ("y" | "zz") ("y" | "zz")? "!"'}, SPECS[3]),  # GBNF
+    ],
+)
+def test_each_request_form_constrains_the_answer(
+    client: Any, fields: dict[str, Any], spec: GrammarSpec
+) -> None:
+    r = _post(client, **fields)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert _fits(spec, choice["text"]), choice["text"]
+
+
+def test_json_object_mode_gives_a_json_object(client: Any) -> None:
+    # (this random model ends its object after "x"; after most prompts it writes an
+    # endless number, which JSON allows: "length")
+    r = _post(client, prompt="x", response_format={"type": "json_object"}, max_tokens=200)
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200, r.text
+    assert choice["finish_reason"] == "stop", r.text
+    assert isinstance(json.loads(choice["text"]), dict)
+    endless = _post(client, prompt="hello", response_format={"type": "json_object"}).json()
+    assert endless["choices"][0]["text"].startswith('{"": ')
+    plain = _post(client, response_format={"type": "text"}, max_tokens=12).json()
+    assert not plain["choices"][0]["text"].startswith("{")  # text: no constraint
+
+
+def test_streamed_sampled_several_choices_and_chat_each_fit(client: Any) -> None:
+    c, name = client
+    body = {
+        "model": name,
+        "prompt": "Which colour? ",
+        "max_tokens": 40,
+        "response_format": RESPONSE_SCHEMA,
+        "temperature": 1.5,
+        "seed": 11,
+        "n": 3,
+    }
+    whole = c.post("/v1/completions", json=body).json()
+    texts = [ch["text"] for ch in sorted(whole["choices"], key=lambda ch: ch["index"])]
+    assert all(_fits(SPECS[2], t) for t in texts), texts
+    assert len(set(texts)) > 1  # sampled: the choices differ
+    with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line[6:] not in ("", "[DONE]")]
+    streamed = ["", "", ""]
+    for ev in events:
+        for ch in ev["choices"]:
+            streamed[ch["index"]] += ch["text"]
+    assert streamed == texts  # same seeds, same answers
+    chat = _post(client, "/v1/chat/completions", structured_outputs={"choice": CHOICES}).json()
+    assert chat["choices"][0]["message"]["content"] in CHOICES
+
+
+def test_a_grammar_complete_at_max_tokens_is_a_stop_and_one_cut_short_a_length(
+    client: Any,
+) -> None:
+    done = _post(client, guided_choice=["ab"], max_tokens=2).json()["choices"][0]
+    assert (done["text"], done["finish_reason"]) == ("ab", "stop")
+    cut = _post(client, guided_choice=["ab"], max_tokens=1).json()["choices"][0]
+    assert (cut["text"], cut["finish_reason"]) == ("a", "length")
+    usage = _post(client, guided_choice=["abc"], max_tokens=30).json()["usage"]
+    assert usage["completion_tokens"] == 3  # ended with the grammar, no end-of-sequence step
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex", "unclosed group"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+            "response_format",
+            "type must be",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", ""),
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+            "exactly one",
+        ),
+        ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", ""),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, None, "one constraint"),
+        ({"guided_choice": []}, "guided_choice", ""),
+        ({"guided_json": "{not json"}, "guided_json", ""),
+    ],
+)
+def test_a_bad_constraint_is_a_400_naming_it(
+    client: Any, fields: dict[str, Any], param: str | None, words: str
+) -> None:
+    r = _post(client, **fields)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert words in err["message"], err
+    assert _post(client, max_tokens=2).status_code == 200  # the server goes on
