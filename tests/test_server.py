@@ -7,10 +7,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel
 
 from duetime.server.app import ServerState, create_app
 from duetime.server.build import ServeOptions, build_state, load_served_model
@@ -763,7 +765,30 @@ def test_real_gemma_answers_through_the_openai_client() -> None:
         ]
         assert sampled[0] == sampled[1]
         assert len({sampled[0], sampled[2], text}) > 1
+        # Structured outputs through the SDK's own helper: it sends the pydantic model as a
+        # strict json_schema response_format and parses the answer back into the model.
+        parsed = client.chat.completions.parse(
+            model=name,
+            messages=[{"role": "user", "content": "Pick up the cup now."}],
+            response_format=_RobotCommand,
+            max_tokens=40,
+        )
+        assert parsed.choices[0].finish_reason == "stop"
+        assert isinstance(parsed.choices[0].message.parsed, _RobotCommand)
+        capital = client.completions.create(
+            model=name,
+            prompt="The capital of France is",
+            max_tokens=5,
+            extra_body={"structured_outputs": {"choice": ["Paris", "London", "Berlin"]}},
+        )
+        assert capital.choices[0].text == "Paris"
         _idle(state)
+
+
+class _RobotCommand(BaseModel):
+    action: Literal["move", "grasp", "release", "stop"]
+    target: Literal["cup", "plate", "bottle"]
+    urgent: bool
 
 
 def test_retired_requests_leave_no_policy_state() -> None:

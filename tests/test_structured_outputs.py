@@ -400,6 +400,8 @@ def test_a_grammar_complete_at_max_tokens_is_a_stop_and_one_cut_short_a_length(
         ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, None, "one constraint"),
         ({"guided_choice": []}, "guided_choice", ""),
         ({"guided_json": "{not json"}, "guided_json", ""),
+        # a keyword the grammar cannot enforce: refused, not ignored
+        ({"guided_json": {"type": "string", "format": "weird"}}, "guided_json", "weird"),
     ],
 )
 def test_a_bad_constraint_is_a_400_naming_it(

@@ -14,11 +14,13 @@ cut by ``top_p`` and vLLM's ``top_k`` and ``min_p``, reproducibly with a
 greedy or not. ``n`` > 1 runs that many sequences of the prompt (choice ``i``
 samples with ``seed + i``; greedy choices are the same answer). ``logprobs``
 with ``echo`` scores the prompt too (its first token has none), as
-evaluation harnesses ask. Fields that would
+evaluation harnesses ask. ``response_format`` (OpenAI's JSON modes) or vLLM's
+``structured_outputs`` / ``guided_*`` hold the answer to a JSON schema, a regex,
+a choice of strings or a grammar (:meth:`_Common.grammar`). Fields that would
 change the response's shape (``best_of`` > 1) or
-that a client relies on for what the text is (``response_format`` other than
-text, ``logit_bias``, ``suffix``, tools the model may call) are refused rather
-than silently dropped: an answer that ignored them would look right and be wrong.
+that a client relies on for what the text is (``logit_bias``, ``suffix``, tools
+the model may call) are refused rather than silently dropped: an answer that
+ignored them would look right and be wrong.
 
 Types are strict (``"max_tokens": "3"`` or ``true`` is a 400, not 3 or 1), and
 text must be valid Unicode: JSON's ``\ud800`` escapes can smuggle a lone
