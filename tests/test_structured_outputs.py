@@ -413,3 +413,30 @@ def test_a_bad_constraint_is_a_400_naming_it(
     assert err["param"] == param, err
     assert words in err["message"], err
     assert _post(client, max_tokens=2).status_code == 200  # the server goes on
+
+
+def test_a_choice_bounds_the_predicted_length_and_admission_judges_by_it(
+    tmp_path: Any,
+) -> None:
+    """An answer from a choice can be no longer than its longest option (a token holds
+    a byte at least) plus the end-of-sequence: the prediction policies and admission
+    use is capped there. With 100 ms a decode step, 64 tokens cannot meet a 2 s
+    deadline; the same request held to "yes" / "no" (at most 4 tokens) can."""
+    profile = tmp_path / "decode-bound.json"
+    profile.write_text(
+        json.dumps({"name": "decode-bound", "coefficients": {"c0": 0.1, "a1": 1e-4}})
+    )
+    options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096, profile=profile)
+    m, codec, name = load_served_model(options)
+    with TestClient(create_app(build_state(options, m, codec, name))) as c:
+        body = {"model": name, "prompt": "ok?", "max_tokens": 64, "ignore_eos": True}
+        free = c.post("/v1/completions", json={**body, "deadline_ms": 2000})
+        assert free.status_code == 429, free.text
+        assert "64 predicted tokens" in free.json()["error"]["message"]
+        held = {**body, "deadline_ms": 2000, "guided_choice": ["yes", "no"]}
+        r = c.post("/v1/completions", json=held)
+        assert r.status_code == 200, r.text
+        assert r.json()["duetime"]["predicted_tokens"] == 4  # "yes" + end-of-sequence
+        assert r.json()["choices"][0]["text"] in ("yes", "no")
+        regex = c.post("/v1/completions", json={**held, "guided_choice": None, "guided_regex": "y"})
+        assert regex.status_code == 429  # a regex's length is not worked out: max_tokens

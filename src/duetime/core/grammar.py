@@ -40,3 +40,16 @@ class GrammarSpec:
     @classmethod
     def choice(cls, options: list[str], field: str) -> GrammarSpec:
         return cls("choice", json.dumps(options), field)
+
+    def max_answer_tokens(self) -> int | None:
+        """The most tokens an answer under this grammar can take, where that is known
+        (a choice); None where it is unbounded or not worked out (JSON, a regex, a
+        grammar). A token of a byte-fallback vocabulary holds at least one byte, and
+        the grammar allows at most the end-of-sequence after the longest option."""
+        if self.kind != "choice":
+            return None
+        try:
+            options = json.loads(self.text)
+            return max(len(str(o).encode("utf-8")) for o in options) + 1
+        except (ValueError, TypeError):  # not a list of strings: compiling it refuses it
+            return None

@@ -107,7 +107,7 @@ class ServerState:
             raw = many([j.request for j in jobs])
         else:
             raw = [predictor.predict_job(j) for j in jobs]
-        return [_capped(j.request, p) for j, p in zip(jobs, raw, strict=True)]
+        return [_capped(p, j.request.max_tokens) for j, p in zip(jobs, raw, strict=True)]
 
 
 def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
@@ -230,7 +230,11 @@ async def _serve(
         )
     for k, (ids, _) in enumerate(prompts):
         _check_prompt(cfg, ids, max_tokens, f"prompt {k}: " if len(prompts) > 1 else "")
-    grammar = await _grammar(state, body.grammar())
+    spec = body.grammar()
+    grammar = await _grammar(state, spec)
+    # no answer is longer than its grammar allows: predictions and admission use that
+    bound = None if spec is None else spec.max_answer_tokens()
+    longest = max_tokens if bound is None else min(max_tokens, bound)
     if body.min_tokens > max_tokens:
         raise ApiError(400, "min_tokens must be <= max_tokens", param="min_tokens")
     if any(i >= cfg.vocab_size for i in body.stop_token_ids or ()):
@@ -266,8 +270,8 @@ async def _serve(
     ahead = 0  # each choice is a sequence: judged behind the ones before it
     for k, (job, pred) in enumerate(zip(jobs, predicted, strict=True)):
         req = job.request
-        req.predicted = pred
-        tokens = pred.point if pred is not None else float(max_tokens)
+        req.predicted = pred = None if pred is None else _capped(pred, longest)
+        tokens = pred.point if pred is not None else float(longest)
         # a scored prefill takes no hit
         cached = 0 if scored else engine.cached_prefix_len(req.prompt_token_ids or ())
         for i in range(body.n):
@@ -425,9 +429,9 @@ async def _predicted(state: ServerState, job: Job) -> LengthPrediction | None:
     return await state.predict_batcher.predict(job)
 
 
-def _capped(req: EngineRequest, p: LengthPrediction) -> LengthPrediction:
-    """A prediction no longer than the request may answer."""
-    cap = float(req.max_tokens)
+def _capped(p: LengthPrediction, most: int) -> LengthPrediction:
+    """A prediction no longer than the ``most`` tokens the request may answer."""
+    cap = float(most)
     return LengthPrediction(
         point=min(p.point, cap), lo=min(p.lo, cap), hi=min(p.hi, cap), confidence=p.confidence
     )
