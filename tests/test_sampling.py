@@ -38,6 +38,9 @@ from duetime.policies import make_policy
         ({"frequency_penalty": math.nan}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"logit_bias": ((3, 100.5),)}, "logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ({"logit_bias": ((3, math.nan),)}, "logit_bias"),
     ],
 )
 def test_bad_params_are_refused_by_name(kwargs: dict[str, Any], needle: str) -> None:
@@ -55,6 +58,20 @@ def test_only_plain_greedy_params_go_without_a_sampler() -> None:
     Sampler(penalised)
     with pytest.raises(ValueError, match="no sampler"):
         Sampler(SamplingParams(top_p=0.5))
+    assert not SamplingParams(logit_bias=((3, -1.0),)).plain  # a sampler adds the bias
+
+
+def test_logit_bias_is_added_before_the_penalties_and_the_draw() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    assert Sampler(SamplingParams(logit_bias=((3, 3.5),))).pick(logits) == 3
+    assert Sampler(SamplingParams(logit_bias=((0, -100.0),))).pick(logits) == 1
+    # biased first: token 3 at 2.5 then loses 1.0 per occurrence in the answer
+    both = SamplingParams(logit_bias=((3, 3.5),), frequency_penalty=1.0)
+    assert Sampler(both).pick(logits, [3], prompt_len=0) == 0
+    banned = SamplingParams(temperature=1.0, seed=0, logit_bias=((0, -100.0), (1, -100.0)))
+    draws = Counter(Sampler(banned).pick(logits) for _ in range(200))
+    assert set(draws) <= {2, 3}  # e^-100: never drawn in 200
+    assert logits.tolist() == [2.0, 1.0, 0.5, -1.0]  # the caller's row is left alone
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from duetime.server.app import ServerState, create_app
 from duetime.server.build import ServeOptions, build_state, load_served_model
+from duetime.server.codec import ByteCodec
 from duetime.server.threaded import serve_in_thread
 
 MODEL = "duetime-tiny"
@@ -369,7 +370,7 @@ def test_metrics_count_every_response_by_route_and_status(
             "response_format",
         ),
         (
-            json.dumps({"model": MODEL, "prompt": "x", "logit_bias": {"5": 100}}).encode(),
+            json.dumps({"model": MODEL, "prompt": "x", "logit_bias": {"5": 1000}}).encode(),
             400,
             "logit_bias",
         ),
@@ -501,6 +502,33 @@ def test_fields_that_change_nothing_here_are_accepted(served: tuple[str, ServerS
     text = {"model": MODEL, "prompt": "ab", "max_tokens": 2, "suffix": None, "logit_bias": None}
     r = httpx.post(url + "/v1/completions", json=text, timeout=30)
     assert r.status_code == 200, r.text
+    _idle(state)
+
+
+def test_logit_bias_steers_the_answer(served: tuple[str, ServerState]) -> None:
+    """OpenAI's logit_bias: +100 on one token makes the random model say only it;
+    -100 on the greedy answer's first token makes it start with another."""
+    url, state = served
+    body = {"model": MODEL, "prompt": "ab", "max_tokens": 6, "ignore_eos": True}
+    z = ord("z") + ByteCodec.OFFSET
+    r = httpx.post(url + "/v1/completions", json={**body, "logit_bias": {str(z): 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "z" * 6
+    plain = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"]
+    first = str(plain.encode()[0] + ByteCodec.OFFSET)
+    banned = httpx.post(url + "/v1/completions", json={**body, "logit_bias": {first: -100}})
+    assert banned.json()["choices"][0]["text"][0] != plain[0]
+    for bad, words in [
+        ({"x": 1}, "token ids"),
+        ({"05": 1}, "token ids"),
+        ({"5": 100.5}, "[-100, 100]"),
+        ({"5": True}, "logit_bias"),
+        ({str(ByteCodec.vocab_size): 1}, "must be <"),
+    ]:
+        r = httpx.post(url + "/v1/completions", json={**body, "logit_bias": bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"].startswith("logit_bias"), r.text
+        assert words in r.json()["error"]["message"], r.text
     _idle(state)
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MAX_PENALTY", "SamplingParams"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_PENALTY", "SamplingParams"]
 
 #: OpenAI's range for presence and frequency penalties.
 MAX_PENALTY = 2.0
+#: OpenAI's range for a logit bias (-100 bans a token in effect, 100 all but forces it).
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +25,9 @@ class SamplingParams:
     ``temperature`` 0 (or ``top_k`` 1) takes the arg-max, whatever ``top_p``
     and ``min_p`` say. ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 keep every token;
     ``min_p`` drops those less likely than ``min_p`` times the likeliest. ``seed`` makes the
-    draws reproducible (None: a fresh random seed per request). The penalties
-    change the logits first, greedy or not, as vLLM applies them: each token of
+    draws reproducible (None: a fresh random seed per request). ``logit_bias``
+    (token id, bias) pairs are added to the logits first, greedy or not (OpenAI's
+    field). The penalties change the logits next, as vLLM applies them: each token of
     the prompt or the answer so far has a positive logit divided by
     ``repetition_penalty`` and a negative one multiplied by it; then each token
     of the answer so far loses ``presence_penalty`` once and
@@ -39,6 +42,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -53,6 +57,12 @@ class SamplingParams:
             v = getattr(self, name)
             if not (math.isfinite(v) and abs(v) <= MAX_PENALTY):
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias needs token ids >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {token}: {bias}"
+                )
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(
                 f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
@@ -73,4 +83,4 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """The arg-max of the logits as they are: the engine needs no sampler for it."""
-        return self.greedy and not self.penalised
+        return self.greedy and not self.penalised and not self.logit_bias

@@ -8,7 +8,7 @@ the batch (up to float rounding of the logits), and a restarted request
 replays the tokens it had without drawing (see ``EngineExecutor``), which
 leaves its generator where an uninterrupted run would have it.
 
-Order, as in vLLM: the penalties (repetition, then frequency and presence),
+Order, as in vLLM: the logit bias, the penalties (repetition, then frequency and presence),
 logits ÷ temperature, min-p, top-k, then the smallest set of tokens whose
 probability reaches top-p. The penalties read the request's tokens as the executor holds
 them, so a replayed or restarted answer is penalised exactly as the first run.
@@ -52,6 +52,10 @@ class Sampler:
         prompt and answer so far, its first ``prompt_len`` the prompt (the penalties')."""
         p = self.params
         x = logits.detach().float()
+        if p.logit_bias:
+            x = x.clone()
+            biased, biases = zip(*p.logit_bias, strict=True)
+            x[list(biased)] += torch.tensor(biases, dtype=x.dtype)
         if p.penalised:
             x = _penalise(x.clone(), tokens, prompt_len, p)
         if p.greedy:

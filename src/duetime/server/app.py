@@ -239,6 +239,8 @@ async def _serve(
         raise ApiError(400, "min_tokens must be <= max_tokens", param="min_tokens")
     if any(i >= cfg.vocab_size for i in body.stop_token_ids or ()):
         raise ApiError(400, f"stop_token_ids must be < {cfg.vocab_size}", param="stop_token_ids")
+    if any(i >= cfg.vocab_size for i, _ in body.token_biases()):
+        raise ApiError(400, f"logit_bias token ids must be < {cfg.vocab_size}", param="logit_bias")
 
     engine = state.engine
     now = engine.now()

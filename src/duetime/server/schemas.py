@@ -18,8 +18,8 @@ evaluation harnesses ask. ``response_format`` (OpenAI's JSON modes) or vLLM's
 ``structured_outputs`` / ``guided_*`` hold the answer to a JSON schema, a regex,
 a choice of strings or a grammar (:meth:`_Common.grammar`). Fields that would
 change the response's shape (``best_of`` > 1) or
-that a client relies on for what the text is (``logit_bias``, ``suffix``, tools
-the model may call) are refused rather than silently dropped: an answer that
+that a client relies on for what the text is (``suffix``, tools the model may
+call) are refused rather than silently dropped: an answer that
 ignored them would look right and be wrong.
 
 Types are strict (``"max_tokens": "3"`` or ``true`` is a 400, not 3 or 1), and
@@ -43,7 +43,7 @@ from pydantic import (
 
 from duetime.core.grammar import GrammarSpec
 from duetime.core.request import MAX_TUF_MAGNITUDE
-from duetime.core.sampling import MAX_PENALTY, SamplingParams
+from duetime.core.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
 
 #: Upper bound on any millisecond field: about 11.6 days, far past any sane deadline.
 MAX_MS = 1e9
@@ -297,7 +297,12 @@ class _Common(TimeFields):
     guided_grammar: Text | None = Field(
         None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="Older grammar form."
     )
-    logit_bias: dict[str, Any] | None = Field(None, description="Not supported: null or {}.")
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        max_length=1024,
+        description="Token id (as a string) -> a bias in [-100, 100] added to its logit "
+        "before sampling or the arg-max; -100 bans the token in effect.",
+    )
 
     def grammar(self) -> GrammarSpec | None:
         """The constraint on the answer, if any (at most one may be given)."""
@@ -340,6 +345,7 @@ class _Common(TimeFields):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            logit_bias=self.token_biases(),
         )
 
     @model_validator(mode="after")
@@ -347,12 +353,27 @@ class _Common(TimeFields):
         self.grammar()  # raises where several constraints were given
         return self
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_numbers(cls, v: Any) -> Any:
+        """Integers are biases too (strict mode would refuse ``{"5": 100}``)."""
+        if isinstance(v, dict):
+            return {k: float(b) if type(b) is int else b for k, b in v.items()}
+        return v
+
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v:
-            raise ValueError("logit_bias is not supported: send null or {}")
+    def _bias_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or key != str(int(key)):
+                raise ValueError(f"keys are token ids written as strings, not {key!r}")
+            if abs(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"token {key}: a bias must be in [-100, 100], not {bias:g}")
         return v
+
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs, ids ascending."""
+        return tuple(sorted((int(k), b) for k, b in (self.logit_bias or {}).items()))
 
     @field_validator("stop")
     @classmethod
