@@ -451,7 +451,14 @@ def test_bad_input_is_a_4xx_with_an_error_object(
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-            "tool calls are not supported",
+            "tools.0.function",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            "'auto' is not supported (no tool-call parser)",
         ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
@@ -459,7 +466,7 @@ def test_bad_input_is_a_4xx_with_an_error_object(
         ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
-            "send no functions",
+            "function calls are not supported",
         ),
         (
             {

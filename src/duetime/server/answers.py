@@ -28,6 +28,7 @@ from duetime.server.logprob_format import (
     prompt_logprobs,
 )
 from duetime.server.relay import Relay
+from duetime.server.tool_calls import ForcedTools
 
 __all__ = ["Meta", "sse_answer", "whole_answer"]
 
@@ -39,6 +40,8 @@ class Meta:
     model: str
     chat: bool
     prompt_tokens: int  # every prompt's
+    #: A forced tool call: each answer comes back as its calls, not as text.
+    tools: ForcedTools | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -128,8 +131,12 @@ def _final_body(relays: Sequence[Relay], meta: Meta, texts: Sequence[str]) -> di
     obj = "chat.completion" if meta.chat else "text_completion"
     choices = []
     for i, (relay, text) in enumerate(zip(relays, texts, strict=True)):
-        if meta.chat:
-            choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
+        calls = _calls(relay, meta, text)
+        if calls is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            choice: dict[str, Any] = {"message": message}
+        elif meta.chat:
+            choice = {"message": {"role": "assistant", "content": text}}
         else:
             choice = {"text": (relay.echo or "") + text}
         logprobs = _logprobs(relay, meta)
@@ -137,7 +144,7 @@ def _final_body(relays: Sequence[Relay], meta: Meta, texts: Sequence[str]) -> di
         if prompt is not None and logprobs is not None:
             logprobs = joined(prompt, logprobs)
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = relay.finish_reason()
+        choice["finish_reason"] = _finish_reason(relay, meta, calls)
         if len(relays) > 1:  # each choice is a sequence of its own, with its own times
             choice["duetime"] = relay.timing().model_dump()
         choices.append(_choice(i, choice))
@@ -145,6 +152,19 @@ def _final_body(relays: Sequence[Relay], meta: Meta, texts: Sequence[str]) -> di
     body["usage"] = _usage(relays, meta)
     body["duetime"] = relays[0].timing().model_dump()
     return body
+
+
+def _calls(relay: Relay, meta: Meta, text: str) -> list[dict[str, Any]] | None:
+    """The choice's tool calls, where a forced call's answer is whole; None otherwise."""
+    if meta.tools is None or relay.finish_reason() != "stop":
+        return None
+    return meta.tools.calls(text)
+
+
+def _finish_reason(relay: Relay, meta: Meta, calls: list[dict[str, Any]] | None) -> str:
+    if calls is not None and meta.tools is not None:
+        return meta.tools.finish_reason()
+    return relay.finish_reason()
 
 
 def _chunk(
@@ -165,6 +185,23 @@ def _chunk(
             d["content"] = delta
         return _envelope(meta, "chat.completion.chunk", [_choice(index, {"delta": d, **end})])
     return _envelope(meta, "text_completion", [_choice(index, {"text": delta or "", **end})])
+
+
+def _tool_chunk(
+    meta: Meta, calls: list[dict[str, Any]], index: int, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    """One chunk with a choice's whole tool calls (each with its ``index`` in the list)."""
+    delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+    fields = {"delta": delta, "finish_reason": None, "logprobs": logprobs}
+    return _envelope(meta, "chat.completion.chunk", [_choice(index, fields)])
+
+
+def _joined_chat_logprobs(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Chat log-probabilities of consecutive deltas as one (their ``content`` lists)."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    return {"content": [entry for p in present for entry in p.get("content") or []]}
 
 
 def _choice(index: int, fields: dict[str, Any]) -> dict[str, Any]:
@@ -200,10 +237,16 @@ async def sse_answer(
             elif relay.echo and relay.scored_ids is None:
                 yield _sse_line(_chunk(meta, relay.echo, None, index=i))
         failed = False
+        # a forced tool call is sent whole at the end: its text, and the log-probabilities
+        # of its tokens, wait for it
+        held: dict[int, list[tuple[str, dict[str, Any] | None]]] = {}
         async for i, delta, logprobs in _merged(relays, meta, timeout):
             relay = relays[i]
             if delta is not None:
-                yield _sse_line(_chunk(meta, delta, None, index=i, logprobs=logprobs))
+                if meta.tools is not None:
+                    held.setdefault(i, []).append((delta, logprobs))
+                else:
+                    yield _sse_line(_chunk(meta, delta, None, index=i, logprobs=logprobs))
                 continue
             outcome = relay.outcome
             assert outcome is not None
@@ -212,8 +255,23 @@ async def sse_answer(
                 yield _sse_line({"error": err})
                 failed = True  # the other choices are aborted below: the answer is void
                 break
+            calls = None
+            if meta.tools is not None:
+                pieces = [*held.pop(i, []), ("", logprobs)]
+                text = "".join(p for p, _ in pieces)
+                logprobs = _joined_chat_logprobs([lp for _, lp in pieces])
+                calls = _calls(relay, meta, text)
+                if calls is not None:
+                    yield _sse_line(_tool_chunk(meta, calls, i, logprobs))
+                else:
+                    yield _sse_line(_chunk(meta, text, None, index=i, logprobs=logprobs))
+                logprobs = None
             last = _chunk(
-                meta, None if meta.chat else "", relay.finish_reason(), index=i, logprobs=logprobs
+                meta,
+                None if meta.chat else "",
+                _finish_reason(relay, meta, calls),
+                index=i,
+                logprobs=logprobs,
             )
             last["duetime"] = relay.timing().model_dump()
             yield _sse_line(last)

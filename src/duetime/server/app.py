@@ -184,7 +184,8 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        text = render_chat(body.messages)
+        forced = body.forced_tools()
+        text = render_chat(body.messages, (body.tools or ()) if forced else ())
         ids = await _encode(state.codec, text)
         limit = body.token_limit()
         if limit is None:  # as vLLM: never more than the context has left
@@ -316,7 +317,12 @@ async def _serve(
                 one = Job(req, output_len=max_tokens)
             choice_grammar = None if grammar is None else grammar.copy()
             relays.append(_submit(state, body, one, i, k, echo, scored_ids, choice_grammar))
-    meta = Meta(model=cfg.model_name, chat=chat, prompt_tokens=sum(len(ids) for ids, _ in prompts))
+    meta = Meta(
+        model=cfg.model_name,
+        chat=chat,
+        prompt_tokens=sum(len(ids) for ids, _ in prompts),
+        tools=body.forced_tools() if isinstance(body, ChatCompletionRequest) else None,
+    )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(

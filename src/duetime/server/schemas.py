@@ -44,6 +44,7 @@ from pydantic import (
 from duetime.core.grammar import GrammarSpec
 from duetime.core.request import MAX_TUF_MAGNITUDE
 from duetime.core.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
+from duetime.server.tool_calls import ForcedTools
 
 #: Upper bound on any millisecond field: about 11.6 days, far past any sane deadline.
 MAX_MS = 1e9
@@ -459,16 +460,91 @@ class ContentPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    """A call an earlier assistant turn made (sent back in the conversation)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: Text = Field(min_length=1, max_length=64)
+    arguments: Text = Field(max_length=MAX_GRAMMAR_CHARS)
+
+
+class ToolCall(_Body):
+    model_config = ConfigDict(extra="ignore")
+
+    id: Text | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
+    tool_call_id: Text | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDef(_Body):
+    """OpenAI's ``tools[].function``: a function the answer may call."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: Text | None = Field(None, max_length=4096)
+    parameters: dict[str, Any] | None = Field(
+        None, description="JSON schema of the arguments (absent: no arguments)."
+    )
+    strict: bool | None = None
+
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else _NO_ARGUMENTS
+
+
+_NO_ARGUMENTS: dict[str, Any] = {
+    "type": "object",
+    "properties": {},
+    "additionalProperties": False,
+}
+
+
+class ToolDef(_Body):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=_FUNCTION_NAME)
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
@@ -486,27 +562,75 @@ class ChatCompletionRequest(_Common):
         le=20,
         description="With logprobs: also the N likeliest tokens at each position (0 to 20).",
     )
-    tools: list[Any] | None = Field(None, description="Only with tool_choice 'none'.")
+    tools: list[ToolDef] | None = Field(
+        None, max_length=128, description="Functions the answer may call."
+    )
     functions: list[Any] | None = Field(None, description="Only with function_call 'none'.")
-    tool_choice: str | dict[str, Any] | None = Field(
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None,
         validate_default=True,
-        description="'none' (or absent without tools): no tool-call parser.",
+        description="'required' (a call to one or more of the tools) or a named function: "
+        "the answer is the call, its arguments held to the function's schema. 'none' "
+        "ignores the tools. 'auto' (the default with tools) is refused: no tool-call parser.",
     )
     function_call: str | dict[str, Any] | None = Field(
         None, validate_default=True, description="'none' (or absent without functions)."
     )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: tool_choice 'required' makes exactly one call."
+    )
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_tool_calls(cls, v: str | dict[str, Any] | None, info: ValidationInfo) -> Any:
-        offers = "tools" if info.field_name == "tool_choice" else "functions"
-        if v == "none" or (v is None and not info.data.get(offers)):
+    def _forced_or_none(cls, v: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools")
+        if v in ("none", "required") or isinstance(v, NamedToolChoice):
+            if v != "none" and not tools:
+                raise ValueError("a forced tool call needs tools")
+            if isinstance(v, NamedToolChoice) and v.function.name not in {
+                t.function.name for t in tools or ()
+            }:
+                raise ValueError(f"no tool is named {v.function.name!r}")
+            return v
+        if v is None and not tools:
             return v
         raise ValueError(
-            f"tool calls are not supported (no tool-call parser): send no {offers}, or "
-            f"{info.field_name} 'none' to have them ignored"
+            "tool_choice 'auto' is not supported (no tool-call parser): use 'required' or "
+            "name a function to force a call, or 'none' to ignore the tools"
         )
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_calls(cls, v: str | dict[str, Any] | None, info: ValidationInfo) -> Any:
+        if v == "none" or (v is None and not info.data.get("functions")):
+            return v
+        raise ValueError(
+            "function calls are not supported (the deprecated form): send tools with "
+            "tool_choice 'required' or a named function, or function_call 'none'"
+        )
+
+    def forced_tools(self) -> ForcedTools | None:
+        """How the answer is a tool call, where ``tool_choice`` forces one."""
+        choice = self.tool_choice
+        if not self.tools or choice is None or choice in ("none", "auto"):
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return ForcedTools(choice.function.name)
+        return ForcedTools(None, parallel=self.parallel_tool_calls is not False)
+
+    def grammar(self) -> GrammarSpec | None:
+        """The answer's constraint: a forced tool call's (its arguments' schema, or for
+        'required' an array of calls) or, as for completions, the client's."""
+        other = super().grammar()
+        forced = self.forced_tools()
+        if forced is None:
+            return other
+        if other is not None:
+            raise ValueError(
+                f"one constraint on the answer at a time, got tool_choice and {other.field}"
+            )
+        tools = [(t.function.name, t.function.arguments_schema()) for t in self.tools or ()]
+        return GrammarSpec.json_schema(forced.schema(tools), "tool_choice")
 
     @field_validator("top_logprobs")
     @classmethod
