@@ -194,6 +194,7 @@ def test_streamed_logprobs_of_a_tool_call_cover_every_token(served: tuple[str, s
         ({"tools": TOOLS}, "tool_choice", "'auto' is not supported"),
         ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "'auto' is not supported"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [MOVE, MOVE], "tool_choice": "required"}, "tools", "move_arm is given twice"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}},
             "tool_choice",

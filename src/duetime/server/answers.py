@@ -187,21 +187,22 @@ def _chunk(
     return _envelope(meta, "text_completion", [_choice(index, {"text": delta or "", **end})])
 
 
-def _tool_chunk(
-    meta: Meta, calls: list[dict[str, Any]], index: int, logprobs: dict[str, Any] | None
-) -> dict[str, Any]:
-    """One chunk with a choice's whole tool calls (each with its ``index`` in the list)."""
+def _held_answer(
+    relay: Relay, meta: Meta, index: int, pieces: Sequence[tuple[str, dict[str, Any] | None]]
+) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
+    """A forced tool call's answer, sent whole once it is: (its calls, one chunk with them,
+    each with its ``index`` in the list), or where ``max_tokens`` cut it short (None, one
+    chunk with its text). ``pieces``: its deltas with their log-probabilities, which all
+    ride on that chunk."""
+    text = "".join(p for p, _ in pieces)
+    present = [lp for _, lp in pieces if lp is not None]
+    logprobs = {"content": [e for lp in present for e in lp.get("content") or []]}
+    calls = _calls(relay, meta, text)
+    if calls is None:
+        return None, _chunk(meta, text, None, index=index, logprobs=logprobs if present else None)
     delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-    fields = {"delta": delta, "finish_reason": None, "logprobs": logprobs}
-    return _envelope(meta, "chat.completion.chunk", [_choice(index, fields)])
-
-
-def _joined_chat_logprobs(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """Chat log-probabilities of consecutive deltas as one (their ``content`` lists)."""
-    present = [p for p in parts if p is not None]
-    if not present:
-        return None
-    return {"content": [entry for p in present for entry in p.get("content") or []]}
+    fields = {"delta": delta, "finish_reason": None, "logprobs": logprobs if present else None}
+    return calls, _envelope(meta, "chat.completion.chunk", [_choice(index, fields)])
 
 
 def _choice(index: int, fields: dict[str, Any]) -> dict[str, Any]:
@@ -257,15 +258,9 @@ async def sse_answer(
                 break
             calls = None
             if meta.tools is not None:
-                pieces = [*held.pop(i, []), ("", logprobs)]
-                text = "".join(p for p, _ in pieces)
-                logprobs = _joined_chat_logprobs([lp for _, lp in pieces])
-                calls = _calls(relay, meta, text)
-                if calls is not None:
-                    yield _sse_line(_tool_chunk(meta, calls, i, logprobs))
-                else:
-                    yield _sse_line(_chunk(meta, text, None, index=i, logprobs=logprobs))
-                logprobs = None
+                calls, whole = _held_answer(relay, meta, i, [*held.pop(i, []), ("", logprobs)])
+                yield _sse_line(whole)
+                logprobs = None  # they rode on that chunk
             last = _chunk(
                 meta,
                 None if meta.chat else "",

@@ -231,17 +231,17 @@ async def _serve(
         )
     for k, (ids, _) in enumerate(prompts):
         _check_prompt(cfg, ids, max_tokens, f"prompt {k}: " if len(prompts) > 1 else "")
-    spec = body.grammar()
-    grammar = await _grammar(state, spec)
-    # no answer is longer than its grammar allows: predictions and admission use that
-    bound = None if spec is None else spec.max_answer_tokens()
-    longest = max_tokens if bound is None else min(max_tokens, bound)
     if body.min_tokens > max_tokens:
         raise ApiError(400, "min_tokens must be <= max_tokens", param="min_tokens")
     if any(i >= cfg.vocab_size for i in body.stop_token_ids or ()):
         raise ApiError(400, f"stop_token_ids must be < {cfg.vocab_size}", param="stop_token_ids")
     if any(i >= cfg.vocab_size for i, _ in body.token_biases()):
         raise ApiError(400, f"logit_bias token ids must be < {cfg.vocab_size}", param="logit_bias")
+    spec = body.grammar()
+    grammar = await _grammar(state, spec)
+    # no answer is longer than its grammar allows: predictions and admission use that
+    bound = None if spec is None else spec.max_answer_tokens()
+    longest = max_tokens if bound is None else min(max_tokens, bound)
 
     engine = state.engine
     now = engine.now()

@@ -18,9 +18,11 @@ evaluation harnesses ask. ``response_format`` (OpenAI's JSON modes) or vLLM's
 ``structured_outputs`` / ``guided_*`` hold the answer to a JSON schema, a regex,
 a choice of strings or a grammar (:meth:`_Common.grammar`). Fields that would
 change the response's shape (``best_of`` > 1) or
-that a client relies on for what the text is (``suffix``, tools the model may
-call) are refused rather than silently dropped: an answer that
-ignored them would look right and be wrong.
+that a client relies on for what the text is (``suffix``, ``tool_choice``
+"auto", which needs a tool-call parser) are refused rather than silently
+dropped: an answer that ignored them would look right and be wrong. A forced
+tool call (``tool_choice`` "required" or a named function) needs no parser: the
+answer is the call, held to the tools' schemas (:mod:`duetime.server.tool_calls`).
 
 Types are strict (``"max_tokens": "3"`` or ``true`` is a 400, not 3 or 1), and
 text must be valid Unicode: JSON's ``\ud800`` escapes can smuggle a lone
@@ -579,6 +581,15 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = Field(
         None, description="false: tool_choice 'required' makes exactly one call."
     )
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [t.function.name for t in v or ()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tool names must differ; {', '.join(twice)} is given twice")
+        return v
 
     @field_validator("tool_choice")
     @classmethod
