@@ -148,3 +148,18 @@ def cli_refused(*args: str, names: str, value: str | None = None) -> str:
     if value is not None:
         assert value in output, output
     return output
+
+
+def record_evictions(policy: Any) -> set[int]:
+    """Wrap ``policy.schedule`` so that the returned set collects every request the
+    policy evicts KV from (ratio > 0): its answer may change, not its length."""
+    evicted: set[int] = set()
+    schedule = policy.schedule
+
+    def recording(snap: EngineSnapshot) -> Decision:
+        dec = schedule(snap)
+        evicted.update(rid for rid, alpha in dec.evict.items() if alpha > 0)
+        return dec
+
+    policy.schedule = recording
+    return evicted

@@ -26,16 +26,14 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from duetime.core.decision import Decision
 from duetime.core.request import Job, Request, TimeUtility
 from duetime.core.sequence import SeqStatus
-from duetime.core.snapshot import EngineSnapshot
 from duetime.engine.executor import StopRule
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies import available_policies, make_policy
 from duetime.predict.oracle import make_job_predictor
-from tests.factories import SIMPLE_COST, fresh_jobs
+from tests.factories import SIMPLE_COST, fresh_jobs, record_evictions
 from tests.test_engine_fuzz import CheckedEngine, _solo
 from tests.test_sim_invariants_all_policies import POLICY_OPTIONS, maybe_two_segments
 
@@ -100,15 +98,7 @@ def _serve(
 ) -> tuple[Any, CheckedEngine, set[int], set[int], dict[int, int]]:
     """One run: (result, executor, rids that lost KV, rids aborted, min tokens before EOS)."""
     pol = make_policy(policy, **sc["options"])
-    evicted: set[int] = set()
-    schedule = pol.schedule
-
-    def recording(snap: EngineSnapshot) -> Decision:
-        dec = schedule(snap)
-        evicted.update(rid for rid, alpha in dec.evict.items() if alpha > 0)
-        return dec
-
-    pol.schedule = recording  # type: ignore[method-assign]
+    evicted = record_evictions(pol)
     jobs = fresh_jobs(sc["jobs"])
     ex = CheckedEngine(
         pol,

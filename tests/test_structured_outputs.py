@@ -19,7 +19,6 @@ from fastapi.testclient import TestClient
 from duetime.core.grammar import GrammarSpec
 from duetime.core.request import Job, Request
 from duetime.core.sampling import SamplingParams
-from duetime.core.snapshot import EngineSnapshot
 from duetime.engine.batch import SeqChunk
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
@@ -31,7 +30,7 @@ from duetime.predict.oracle import make_job_predictor
 from duetime.server.app import create_app
 from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.codec import ByteCodec
-from tests.factories import SIMPLE_COST
+from tests.factories import SIMPLE_COST, record_evictions
 
 CODEC = ByteCodec()
 CHOICES = ["hello", "help", "world"]
@@ -187,15 +186,7 @@ def _run(
     sampling: dict[int, SamplingParams],
     **kwargs: Any,
 ) -> tuple[EngineExecutor, dict[int, list[int]], set[int]]:
-    evicted: set[int] = set()
-    schedule = policy.schedule
-
-    def recording(snap: EngineSnapshot) -> Any:
-        dec = schedule(snap)
-        evicted.update(rid for rid, alpha in dec.evict.items() if alpha > 0)
-        return dec
-
-    policy.schedule = recording
+    evicted = record_evictions(policy)
     ex = EngineExecutor(
         policy,
         model,

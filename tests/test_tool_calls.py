@@ -61,14 +61,20 @@ def _fits(name: str, arguments: str) -> bool:
     )
 
 
+NAMED = {"type": "function", "function": {"name": "move_arm"}}
+
+
+def _ask(client: openai.OpenAI, name: str, tool_choice: Any, **fields: Any) -> Any:
+    """A chat request for the move to the cup, the tools offered and ``tool_choice``."""
+    return client.chat.completions.create(
+        model=name, messages=ASK, tools=TOOLS, tool_choice=tool_choice, **fields
+    )  # type: ignore[call-overload]
+
+
 def test_a_named_function_is_called_with_arguments_that_fit_its_schema(
     client: openai.OpenAI, served: tuple[str, str]
 ) -> None:
-    named = {"type": "function", "function": {"name": "move_arm"}}
-    r = client.chat.completions.create(
-        model=served[1], messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60
-    )  # type: ignore[call-overload]
-    choice = r.choices[0]
+    choice = _ask(client, served[1], NAMED, max_tokens=60).choices[0]
     assert choice.finish_reason == "stop"  # as OpenAI answers a forced function
     assert choice.message.content is None
     calls = choice.message.tool_calls or []
@@ -79,16 +85,7 @@ def test_a_named_function_is_called_with_arguments_that_fit_its_schema(
     assert call.function.name == "move_arm"  # type: ignore[union-attr]
     assert _fits("move_arm", call.function.arguments)  # type: ignore[union-attr]
     # the same call streamed: one tool-call delta with the whole call, then the finish
-    chunks = list(
-        client.chat.completions.create(
-            model=served[1],
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice=named,
-            max_tokens=60,
-            stream=True,
-        )  # type: ignore[call-overload]
-    )
+    chunks = list(_ask(client, served[1], NAMED, max_tokens=60, stream=True))
     deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices]
     sent = [d for d in deltas if d]
     assert len(sent) == 1
@@ -102,15 +99,8 @@ def test_a_named_function_is_called_with_arguments_that_fit_its_schema(
 def test_required_makes_calls_to_the_tools_and_one_without_parallel_calls(
     client: openai.OpenAI, served: tuple[str, str]
 ) -> None:
-    r = client.chat.completions.create(
-        model=served[1],
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=80,
-    )  # type: ignore[call-overload]
-    choice = r.choices[0]
+    choice = _ask(client, served[1], "required", parallel_tool_calls=False, max_tokens=80)
+    choice = choice.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = choice.message.tool_calls or []
     assert len(calls) == 1
@@ -118,17 +108,16 @@ def test_required_makes_calls_to_the_tools_and_one_without_parallel_calls(
     assert fn.name in ("move_arm", "stop_arm")
     assert _fits(fn.name, fn.arguments)
     # the ids of several choices' calls differ, each a call of its own
-    r = client.chat.completions.create(
-        model=served[1],
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice="required",
+    r = _ask(
+        client,
+        served[1],
+        "required",
         parallel_tool_calls=False,
         max_tokens=80,
         n=2,
         temperature=1.0,
         seed=3,
-    )  # type: ignore[call-overload]
+    )
     ids = [c.message.tool_calls[0].id for c in r.choices]  # type: ignore[index]
     assert len(set(ids)) == 2
 
@@ -136,16 +125,8 @@ def test_required_makes_calls_to_the_tools_and_one_without_parallel_calls(
 def test_an_answer_cut_by_max_tokens_comes_back_as_text(
     client: openai.OpenAI, served: tuple[str, str]
 ) -> None:
-    named = {"type": "function", "function": {"name": "move_arm"}}
     for stream in (False, True):
-        r = client.chat.completions.create(
-            model=served[1],
-            messages=ASK,
-            tools=TOOLS,
-            tool_choice=named,
-            max_tokens=5,
-            stream=stream,
-        )  # type: ignore[call-overload]
+        r = _ask(client, served[1], NAMED, max_tokens=5, stream=stream)
         if stream:
             chunks = [c for c in r if c.choices]
             text = "".join(c.choices[0].delta.content or "" for c in chunks)
