@@ -122,6 +122,10 @@ def test_a_grammar_allows_only_its_next_tokens_and_ends_where_it_is_complete(
     for byte in b"hel":
         assert g.accept(byte + 3)
     assert set(g.allowed().nonzero().flatten().tolist()) == {ord("l") + 3, ord("p") + 3}
+    allowed = g.allowed()
+    assert [g.allows(t) for t in range(ByteCodec.vocab_size)] == allowed.tolist()
+    assert not g.allows(-1)
+    assert not g.allows(ByteCodec.vocab_size)
     row = g.mask(__import__("torch").zeros(ByteCodec.vocab_size))
     assert row.isfinite().sum() == 2
     assert g.accept(ord("p") + 3)
@@ -431,3 +435,32 @@ def test_a_choice_bounds_the_predicted_length_and_admission_judges_by_it(
         assert r.json()["choices"][0]["text"] in ("yes", "no")
         regex = c.post("/v1/completions", json={**held, "guided_choice": None, "guided_regex": "y"})
         assert regex.status_code == 429  # a regex's length is not worked out: max_tokens
+
+
+# --- `duetime bench grammar` ---------------------------------------------------------
+
+
+def test_bench_grammar_times_every_kind_beside_the_free_run(tmp_path: Any) -> None:
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    path = tmp_path / "grammar.json"
+    args = ["bench", "grammar", "--model", "tiny", "--requests", "2", "--new-tokens", "12"]
+    res = CliRunner().invoke(app, [*args, "--repeats", "1", "--threads", "1", "--json", str(path)])
+    assert res.exit_code == 0, res.output
+    fig = json.loads(path.read_text())
+    assert set(fig["runs"]) == {"none", "json_schema", "json_array", "regex", "lark"}
+    for kind, run in fig["runs"].items():
+        assert run["ms_per_token"] > 0
+        if kind != "none":
+            assert run["valid_pct"] == 100.0, kind  # every answer fits its grammar
+            assert run["compile_ms"] >= 0
+    assert fig["runs"]["none"]["overhead_pct"] == 0.0
+    assert "a grammar costs at most" in res.output
+
+
+def test_bench_grammar_refuses_an_unknown_kind() -> None:
+    from tests.factories import cli_refused
+
+    cli_refused("bench", "grammar", "--model", "tiny", "--kinds", "json,yaml", names="--kinds")

@@ -347,7 +347,7 @@ class EngineExecutor(ExecutorCore):
                 if forced is not None:
                     tok = forced  # no draw: the generator stays where the first run left it
                 elif grammar is not None or (samplers and seq.rid in samplers):
-                    tok = self._pick(seq, logits[row], grammar)
+                    tok = self._pick(seq, logits[row], grammar, tok)
                 if logprob_logs and seq.rid in logprob_logs:
                     logprob_logs[seq.rid].record(position, logits[row], int(tok))
                 ids.append(int(tok))
@@ -373,12 +373,15 @@ class EngineExecutor(ExecutorCore):
         self._log_step(chunks, len(decoders), kv_attended, dt)
         return dt
 
-    def _pick(self, seq: Seq, logits: torch.Tensor, grammar: TokenGrammar | None) -> int:
+    def _pick(self, seq: Seq, logits: torch.Tensor, grammar: TokenGrammar | None, best: int) -> int:
         """The token a request with a sampler or a grammar takes from its ``[vocab]`` row
-        of ``logits``: the sampler's draw (else the arg-max) among what the grammar allows."""
+        of ``logits`` (whose arg-max is ``best``): the sampler's draw (else the arg-max)
+        among what the grammar allows."""
+        sampler = self.samplers.get(seq.rid)
+        if sampler is None and grammar is not None and grammar.allows(best):
+            return best  # the best of all is allowed, so it is the best of the allowed
         if grammar is not None:
             logits = grammar.mask(logits)
-        sampler = self.samplers.get(seq.rid)
         if sampler is None:
             return int(torch.argmax(logits))
         return sampler.pick(logits, self.tokens[seq.rid], seq.req.prompt_len)

@@ -65,11 +65,23 @@ class TokenGrammar:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._bits: bytes | None = None  # the next token's bitmask, until a token comes
+
+    def _bitmask(self) -> bytes:
+        if self._bits is None:
+            self._bits = self._matcher.compute_bitmask()
+        return self._bits
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes ``token`` next (one bit of the mask: a greedy row
+        whose arg-max is allowed needs no masked copy of its logits)."""
+        bits = self._bitmask()
+        return 0 <= token < self.vocab_size and bool(bits[token >> 3] >> (token & 7) & 1)
 
     def allowed(self) -> torch.Tensor:
         """``[vocab_size]`` bool: the tokens the grammar takes next (the model's
         end-of-sequence where it is complete)."""
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        bits = np.frombuffer(self._bitmask(), dtype=np.uint8)
         return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size]).bool()
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -83,6 +95,7 @@ class TokenGrammar:
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False where the grammar does not take it (the
         grammar is then :attr:`finished` in an error state)."""
+        self._bits = None
         return bool(self._matcher.consume_token(int(token)))
 
     @property
@@ -98,6 +111,7 @@ class TokenGrammar:
 
     def reset(self) -> None:
         """Back to the answer's start (a restarted sequence generates it again)."""
+        self._bits = None
         self._matcher.reset()
 
     def copy(self) -> TokenGrammar:

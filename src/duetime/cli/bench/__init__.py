@@ -23,4 +23,5 @@ from duetime.cli.bench import (  # noqa: F401  (registers the commands)
     sensitivity,
     eviction,
     prefix_cache,
+    grammar,
 )

@@ -1,0 +1,85 @@
+"""`duetime bench grammar`: time a token with and without structured outputs, side by side."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from duetime.cli.bench.save import save_figures
+from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
+
+
+@bench_app.command("grammar")
+def bench_grammar(
+    model: Annotated[
+        str,
+        typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT prompts), 'tiny' (random) or a GGUF."),
+    ] = "gemma",
+    requests: Annotated[
+        int, typer.Option(min=1, max=64, help="Concurrent requests (one batch).")
+    ] = 4,
+    new_tokens: Annotated[int, typer.Option(min=1, max=512, help="Tokens per answer.")] = 64,
+    kinds: Annotated[
+        str, typer.Option(help="Comma-separated grammars: json_schema, json_array, regex, lark.")
+    ] = "json_schema,json_array,regex,lark",
+    repeats: Annotated[int, typer.Option(min=1, help="Interleaved repetitions (medians).")] = 3,
+    dtype: Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")] = "q8",
+    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 2,
+    seed: Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")] = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """Serve one batch of prompts unconstrained and under each grammar (JSON schema, JSON
+    array, regex, Lark), and compare the time a token takes; every constrained answer is
+    checked against its grammar."""
+    import random
+
+    import torch
+
+    from duetime.bench import grammar as bench
+    from duetime.bench.engine_fit import check_context, check_dtype, engine_context
+    from duetime.engine.grammar import GrammarCompiler
+    from duetime.metrics import render_table
+
+    with _user_errors():
+        check_dtype(dtype)
+        chosen = [k.strip() for k in kinds.split(",") if k.strip()]
+        unknown = [k for k in chosen if k not in bench.GRAMMARS]
+        if unknown or not chosen:
+            raise ValueError(
+                f"--kinds: unknown {', '.join(unknown) or '(none given)'}; "
+                f"choose from {', '.join(bench.GRAMMARS)}"
+            )
+        check_context(128 + new_tokens, engine_context(model), f"--new-tokens {new_tokens}")
+        torch.set_num_threads(threads)
+        if model == "tiny":
+            from duetime.engine.testing import engine_from_hf, tiny_hf_model
+            from duetime.server.codec import ByteCodec
+
+            codec = ByteCodec()
+            m = engine_from_hf(tiny_hf_model(seed=seed, vocab_size=codec.vocab_size), dtype)  # type: ignore[arg-type]
+            r = random.Random(seed)
+            prompts = [codec.encode(f"request {i} {r.random():.6f}") for i in range(requests)]
+            decode = codec.decode
+        else:
+            from duetime.bench.eviction import sharegpt_prompts
+            from duetime.engine.load import load_model
+            from duetime.server.codec import GemmaCodec
+
+            gemma = GemmaCodec()
+            m = load_model(None if model == "gemma" else model, dtype=dtype)  # type: ignore[arg-type]
+            prompts = sharegpt_prompts(requests, 16, 128, seed)
+            decode = gemma.decode
+            codec = gemma  # type: ignore[assignment]
+        compiler = GrammarCompiler(codec.guidance_tokenizer)
+        fig = bench.run(
+            m, compiler, decode, prompts, new_tokens=new_tokens, repeats=repeats, kinds=chosen
+        )
+        fig.update(model=model, dtype=dtype, threads=threads, seed=seed)
+    out.print(render_table(bench.table_columns(fig), keys=bench.TABLE_KEYS))
+    out.print(
+        f"{fig['requests']} requests x {fig['new_tokens']} tokens: a grammar costs at most "
+        f"{fig['worst_overhead_pct']:.1f} % more time a token; the tokenizer table took "
+        f"{fig['tokenizer_build_s']:.2f} s to build (once per process)"
+    )
+    save_figures(fig, json_path=json_path)
