@@ -98,16 +98,14 @@ class ServerState:
 
     def _predict_many(self, jobs: Sequence[Job]) -> list[LengthPrediction | None]:
         """Predictions for ``jobs`` (on the predictor's thread): one batch where the
-        predictor takes one, each capped at its request's ``max_tokens``."""
+        predictor takes one. The caller caps each at what its request may answer."""
         predictor = self.predictor
         if predictor is None:
             return [None] * len(jobs)
         many = getattr(predictor, "predict_requests", None)
         if many is not None:
-            raw = many([j.request for j in jobs])
-        else:
-            raw = [predictor.predict_job(j) for j in jobs]
-        return [_capped(p, j.request.max_tokens) for j, p in zip(jobs, raw, strict=True)]
+            return list(many([j.request for j in jobs]))
+        return [predictor.predict_job(j) for j in jobs]
 
 
 def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
