@@ -612,6 +612,8 @@ def test_fuzzed_bodies_never_crash_or_leak(served: tuple[str, ServerState]) -> N
 
     fuzz("/v1/completions")
     fuzz("/v1/chat/completions")
+    fuzz("/tokenize")
+    fuzz("/detokenize")
     _idle(state, timeout=30)
 
 

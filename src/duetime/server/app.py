@@ -1,7 +1,8 @@
 """`duetime serve`: the OpenAI-compatible, deadline-aware HTTP front of the engine.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not),
-``/v1/models``, ``/health``, ``/metrics`` (Prometheus). Each request becomes a
+``/v1/models``, ``/health``, ``/metrics`` (Prometheus), and vLLM's ``/tokenize`` /
+``/detokenize``. Each request becomes a
 :class:`~duetime.core.request.Job` on the engine thread; its deadline, priority
 and time-utility function are what the policy schedules by. Handlers only
 tokenize, judge admission and relay tokens, so the event loop never waits on
@@ -42,13 +43,23 @@ from duetime.server.relay import Relay
 from duetime.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
+    TokenizeRequest,
 )
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
 
 _ROUTES = frozenset(
-    ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"]
+    [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+    ]
 )
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 404, 413, 429, 500)
@@ -191,7 +202,43 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
             limit = max(1, min(state.config.default_chat_max_tokens, room))
         return await _serve(state, request, body, [(ids, text)], limit, chat=True)
 
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        _check_model(state.config, body.model)
+        if body.messages is not None:
+            ids = await _encode(state.codec, render_chat(body.messages, body.shown_tools()))
+        else:
+            ids = await _encode(state.codec, body.prompt or "")
+            if not body.add_special_tokens and ids and ids[0] == state.codec.bos_id:
+                ids = ids[1:]
+        strs = [state.codec.decode([i]) for i in ids] if body.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": state.config.max_context,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        _check_model(state.config, body.model)
+        if any(i >= state.config.vocab_size for i in body.tokens):
+            raise ApiError(400, f"tokens must be < {state.config.vocab_size}", param="tokens")
+        return {"prompt": state.codec.decode(body.tokens)}
+
     return app
+
+
+def _check_model(cfg: ServerConfig, model: str | None) -> None:
+    """A 404 where the request names another model (None: this one)."""
+    if model is not None and model != cfg.model_name:
+        raise ApiError(
+            404,
+            f"model {model!r} does not exist; this server serves {cfg.model_name!r}",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
 
 
 # --- one request ---------------------------------------------------------------------
@@ -219,14 +266,7 @@ async def _serve(
     came as text); the answer, whole or streamed. Nothing is submitted unless every
     choice is admitted."""
     cfg = state.config
-    if body.model != cfg.model_name:
-        raise ApiError(
-            404,
-            f"model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
-            type="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
+    _check_model(cfg, body.model)
     for k, (ids, _) in enumerate(prompts):
         _check_prompt(cfg, ids, max_tokens, f"prompt {k}: " if len(prompts) > 1 else "")
     if body.min_tokens > max_tokens:

@@ -661,6 +661,41 @@ class ChatCompletionRequest(_Common):
         return self.max_tokens
 
 
+class TokenizeRequest(_Body):
+    """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered as the chat
+    route renders them (so the count is the chat answer's ``usage.prompt_tokens``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, max_length=256)
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=4096)
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    add_special_tokens: bool = Field(True, description="The prompt's BOS (prompts only).")
+    return_token_strs: bool = Field(False, description="Also each token's text.")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give a prompt or messages, not both")
+        return self
+
+    def shown_tools(self) -> list[ToolDef]:
+        """The tools the chat prompt shows: those of a forced call, as the chat route."""
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        return list(self.tools or ()) if forced else []
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, max_length=256)
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1 << 20)
+
+
 class TimingInfo(BaseModel):
     """What duetime reports about one answer (top-level ``duetime`` field of a response)."""
 
