@@ -414,9 +414,11 @@ def test_a_choice_bounds_the_predicted_length_and_admission_judges_by_it(
     tmp_path: Any,
 ) -> None:
     """An answer from a choice can be no longer than its longest option (a token holds
-    a byte at least) plus the end-of-sequence: the prediction policies and admission
-    use is capped there. With 100 ms a decode step, 64 tokens cannot meet a 2 s
-    deadline; the same request held to "yes" / "no" (at most 4 tokens) can."""
+    a byte at least) plus the end-of-sequence, one under a bounded JSON schema no longer
+    than its longest text: the prediction policies and admission use is capped there.
+    With 100 ms a decode step, 64 tokens cannot meet a 2 s deadline; the same request
+    held to "yes" / "no" (at most 4 tokens) can, and one held to a small schema (32)
+    meets 4 s."""
     profile = tmp_path / "decode-bound.json"
     profile.write_text(
         json.dumps({"name": "decode-bound", "coefficients": {"c0": 0.1, "a1": 1e-4}})
@@ -428,13 +430,25 @@ def test_a_choice_bounds_the_predicted_length_and_admission_judges_by_it(
         free = c.post("/v1/completions", json={**body, "deadline_ms": 2000})
         assert free.status_code == 429, free.text
         assert "64 predicted tokens" in free.json()["error"]["message"]
+        # (before any answer: the server's step-time fit then still is the profile's)
         held = {**body, "deadline_ms": 2000, "guided_choice": ["yes", "no"]}
+        regex = c.post("/v1/completions", json={**held, "guided_choice": None, "guided_regex": "y"})
+        assert regex.status_code == 429  # a regex's length is not worked out: max_tokens
+        free_json = {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}
+        r = c.post(
+            "/v1/completions", json={**held, "guided_choice": None, "response_format": free_json}
+        )
+        assert r.status_code == 429  # any object: unbounded
         r = c.post("/v1/completions", json=held)
         assert r.status_code == 200, r.text
         assert r.json()["duetime"]["predicted_tokens"] == 4  # "yes" + end-of-sequence
         assert r.json()["choices"][0]["text"] in ("yes", "no")
-        regex = c.post("/v1/completions", json={**held, "guided_choice": None, "guided_regex": "y"})
-        assert regex.status_code == 429  # a regex's length is not worked out: max_tokens
+        # a JSON schema whose every part is bounded: its longest text ('{"ok": false,
+        # "color": "green"}', 31 bytes) + the end-of-sequence
+        schema = {**held, "guided_choice": None, "response_format": RESPONSE_SCHEMA}
+        r = c.post("/v1/completions", json={**schema, "deadline_ms": 4000})
+        assert r.status_code == 200, r.text
+        assert r.json()["duetime"]["predicted_tokens"] == 32
 
 
 # --- `duetime bench grammar` ---------------------------------------------------------

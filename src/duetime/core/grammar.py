@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+from duetime.core.json_bound import max_json_bytes
+
 __all__ = ["GrammarKind", "GrammarSpec"]
 
 #: ``json_schema``: a JSON schema (``{"type": "object"}`` for any object); ``regex``: the
@@ -43,13 +45,17 @@ class GrammarSpec:
 
     def max_answer_tokens(self) -> int | None:
         """The most tokens an answer under this grammar can take, where that is known
-        (a choice); None where it is unbounded or not worked out (JSON, a regex, a
-        grammar). A token of a byte-fallback vocabulary holds at least one byte, and
-        the grammar allows at most the end-of-sequence after the longest option."""
-        if self.kind != "choice":
-            return None
+        (a choice; a JSON schema whose every part is bounded, :mod:`.json_bound`); None
+        where it is unbounded or not worked out (a regex, a grammar). A token of a
+        byte-fallback vocabulary holds at least one byte, and the grammar allows at
+        most the end-of-sequence after the longest answer."""
         try:
-            options = json.loads(self.text)
-            return max(len(str(o).encode("utf-8")) for o in options) + 1
-        except (ValueError, TypeError):  # not a list of strings: compiling it refuses it
+            value = json.loads(self.text)
+        except ValueError:  # not JSON: compiling it refuses it
             return None
+        if self.kind == "choice" and isinstance(value, list) and value:
+            return max(len(str(o).encode("utf-8")) for o in value) + 1
+        if self.kind == "json_schema":
+            most = max_json_bytes(value)
+            return None if most is None else most + 1
+        return None
