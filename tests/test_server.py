@@ -819,6 +819,24 @@ def test_real_gemma_answers_through_the_openai_client() -> None:
             extra_body={"structured_outputs": {"choice": ["Paris", "London", "Berlin"]}},
         )
         assert capital.choices[0].text == "Paris"
+        # a forced tool call: the answer is the call, its arguments fit the tool's schema
+        move = {
+            "type": "function",
+            "function": {
+                "name": "move_arm",
+                "parameters": _RobotCommand.model_json_schema(),
+            },
+        }
+        called = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "Quickly move to the cup."}],
+            tools=[move],  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "move_arm"}},
+            max_tokens=40,
+        )
+        calls = called.choices[0].message.tool_calls or []
+        assert [c.function.name for c in calls] == ["move_arm"]  # type: ignore[union-attr]
+        _RobotCommand.model_validate_json(calls[0].function.arguments)  # type: ignore[union-attr]
         _idle(state)
 
 
