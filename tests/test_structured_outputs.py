@@ -42,11 +42,22 @@ SCHEMA = {
     "additionalProperties": False,
 }
 LARK = 'start: "x" ("y" | "zz") ("y" | "zz")? "!"'
+#: long keys: runs of forced tokens longer than the tiny model's window and a cache block
+LONG_KEYS = {
+    "type": "object",
+    "properties": {
+        "the_first_rather_long_property_name": {"enum": ["yes", "no"]},
+        "and_a_second_one_that_is_long_as_well": {"type": "boolean"},
+    },
+    "required": ["the_first_rather_long_property_name", "and_a_second_one_that_is_long_as_well"],
+    "additionalProperties": False,
+}
 SPECS = [
     GrammarSpec.choice(CHOICES, "choice"),
     GrammarSpec("regex", DIGITS, "regex"),
     GrammarSpec.json_schema(SCHEMA, "schema"),
     GrammarSpec("grammar", LARK, "lark"),
+    GrammarSpec.json_schema(LONG_KEYS, "long keys"),
 ]
 
 
@@ -76,6 +87,9 @@ def _fits(spec: GrammarSpec, text: str) -> bool:
         value = json.loads(text)
     except ValueError:
         return False
+    if spec.field == "long keys":
+        first, second = LONG_KEYS["properties"]  # type: ignore[misc]
+        return set(value) == {first, second} and value[first] in ("yes", "no")
     return (
         set(value) == {"ok", "color"}
         and isinstance(value["ok"], bool)
@@ -92,19 +106,29 @@ def _reference(
     sampling: SamplingParams | None = None,
 ) -> list[int]:
     """The constrained answer of ``prompt`` made alone: one step a token, its logits
-    masked by a grammar that follows the answer, stopped where the grammar is complete."""
+    masked by a grammar that follows the answer, stopped where the grammar is complete.
+    Tokens the grammar forces are taken as it writes them, with no draw."""
     grammar = compiler.grammar(spec)
     sampler = Sampler(sampling) if sampling is not None else None
     kv = model.new_kv_cache()
     slot = kv.allocate()
     logits = model.step([SeqChunk(slot, prompt, 0)], kv)[0]
     out: list[int] = []
+    queue: list[int] = []
     while len(out) < n:
-        row = grammar.mask(logits)
-        tok = int(row.argmax()) if sampler is None else sampler.pick(row, prompt + out, len(prompt))
+        queue = queue or grammar.take_forced()
+        if queue:
+            tok = queue.pop(0)
+        else:
+            row = grammar.mask(logits)
+            tok = (
+                int(row.argmax())
+                if sampler is None
+                else sampler.pick(row, prompt + out, len(prompt))
+            )
+            assert grammar.accept(tok)
         out.append(tok)
-        assert grammar.accept(tok)
-        if grammar.finished:
+        if grammar.finished and not queue:
             break
         logits = model.step([SeqChunk(slot, [tok], len(prompt) + len(out) - 1)], kv)[0]
     return out
@@ -210,13 +234,16 @@ def _run(
     return ex, res.outputs, evicted
 
 
+@pytest.mark.parametrize("cache", [0, 128])
 @pytest.mark.parametrize("policy", available_policies())
 def test_every_policy_serves_grammar_answers_equal_to_the_reference(
-    model: Gemma3, compiler: GrammarCompiler, policy: str
+    model: Gemma3, compiler: GrammarCompiler, policy: str, cache: int
 ) -> None:
-    """Under memory pressure (preemptions, suspensions, chunked prefills) every answer
-    is its request's constrained answer made alone: the grammar follows recomputes and
-    restarts. Each ends where its grammar is complete or at max_tokens."""
+    """Under memory pressure (preemptions, suspensions, chunked prefills), with and
+    without a prefix cache (answers' blocks offered as they fill), every answer is its
+    request's constrained answer made alone: the grammar follows recomputes and
+    restarts, forced runs jump ahead where memory allows. Each ends where its grammar
+    is complete or at max_tokens."""
     jobs = _jobs(10)
     _, outputs, evicted = _run(
         model,
@@ -227,6 +254,7 @@ def test_every_policy_serves_grammar_answers_equal_to_the_reference(
         kv_capacity=90,
         max_num_seqs=4,
         max_batch_tokens=32,
+        prefix_cache_tokens=cache,
     )
     assert len(outputs) == len(jobs)
     for j in jobs:
@@ -254,10 +282,11 @@ def test_a_restart_replays_the_answer_through_its_grammar(
         jobs,
         make_policy("fcfs", preempt_mode="restart"),
         sampling,
-        kv_capacity=80,
+        kv_capacity=70,
         max_batch_tokens=32,
     )
     assert tight_ex.counters.get("restarts", 0) > 0  # the point of the test
+    assert tight_ex.counters.get("forced_tokens_jumped", 0) > 0  # with forced runs
     assert tight == roomy
     for j in jobs:
         rid = j.request.rid
@@ -266,6 +295,92 @@ def test_a_restart_replays_the_answer_through_its_grammar(
         assert roomy[rid] == _reference(
             model, compiler, spec, prompt, j.request.max_tokens, sampling[rid]
         )
+
+
+def test_forced_runs_jump_ahead_in_fewer_steps_with_the_same_answers(
+    model: Gemma3, compiler: GrammarCompiler
+) -> None:
+    """Jump-forward: the tokens a grammar forces (the long keys, the JSON punctuation)
+    are fed in one chunk each instead of one decode step each; the answers are the
+    same as one step a token, in far fewer steps."""
+    jobs = _long_key_jobs(4, "call")
+    runs = {}
+    for jump in (False, True):
+        ex = EngineExecutor(make_policy("fcfs"), model, cost=SIMPLE_COST)
+        ex.jump_forward = jump
+        for j in jobs:
+            ex.grammars[j.request.rid] = compiler.grammar(SPECS[4])
+        runs[jump] = (ex.run(jobs), ex)
+    (step_res, _), (jump_res, jump_ex) = runs[False], runs[True]
+    assert jump_res.outputs == step_res.outputs
+    assert all(_fits(SPECS[4], _text(out)) for out in jump_res.outputs.values())
+    assert jump_ex.counters["forced_tokens_jumped"] > 0.8 * sum(
+        len(o) for o in jump_res.outputs.values()
+    )
+    assert jump_res.engine_steps < step_res.engine_steps / 4, (
+        jump_res.engine_steps,
+        step_res.engine_steps,
+    )
+
+
+def test_concurrent_jumps_share_the_free_memory(model: Gemma3, compiler: GrammarCompiler) -> None:
+    """Four answers' forced runs (40-odd tokens each) at once, with room for about 110:
+    together they take no more than is free; the rest come later, and every answer
+    still fits its grammar with the books and the cache agreeing after every step."""
+    jobs = _long_key_jobs(4, "call")
+    ex = EngineExecutor(make_policy("fcfs"), model, cost=SIMPLE_COST, kv_capacity=150)
+    for j in jobs:
+        ex.grammars[j.request.rid] = compiler.grammar(SPECS[4])
+    res = ex.run(jobs)
+    assert ex.counters["forced_tokens_jumped"] > 0
+    assert res.kv_peak <= ex.kv_capacity
+    assert all(_fits(SPECS[4], _text(out)) for out in res.outputs.values())
+
+
+def test_a_jumped_answer_offers_its_blocks_to_the_prefix_cache(
+    model: Gemma3, compiler: GrammarCompiler
+) -> None:
+    """A forced run crosses cache blocks (16 tokens) many times the tiny model's sliding
+    window (4): each block it fills is offered before its KV can be trimmed, so the next
+    turn (prompt + this answer) finds the answer's blocks in the cache."""
+    first = _long_key_jobs(1, "a conversation that goes on")[0]
+    ex = _ChainChecked(
+        make_policy("fcfs"), model, cost=SIMPLE_COST, prefix_cache_tokens=1024, eviction="streaming"
+    )
+    ex.grammars[0] = compiler.grammar(SPECS[4])
+    res = ex.run([first])
+    answer = res.outputs[0]
+    assert ex.counters["forced_tokens_jumped"] > 32
+    ids = (*(first.request.prompt_token_ids or ()), *answer, *CODEC.encode(" next")[1:])
+    nxt = Request(rid=1, arrival=0.0, prompt_len=len(ids), prompt_token_ids=ids, max_tokens=1)
+    assert ex.cached_prefix_len(ids) >= (len(ids) - 1) // 16 * 16 - 16
+    again = ex.run([Job(nxt, output_len=1)])
+    assert again.records[0].cached_prompt_tokens >= 48
+
+
+class _ChainChecked(EngineExecutor):
+    """Checks after every step that each decoder has offered the prefix cache every
+    block its KV holds (none waits for a later step, when its KV may be trimmed)."""
+
+    def _check_kv(self) -> None:
+        super()._check_kv()
+        assert self.prefix_cache is not None
+        size = self.prefix_cache.block_size
+        for seq in self.running.values():
+            chain = self._chains.get(seq.rid)
+            if chain is not None and seq.decoding:
+                assert chain[0] == self._kv_positions(seq) // size, (seq, chain)
+
+
+def _long_key_jobs(n: int, text: str) -> list[Job]:
+    jobs = []
+    for rid in range(n):
+        ids = CODEC.encode(f"{text} {rid}")
+        req = Request(
+            rid=rid, arrival=0.0, prompt_len=len(ids), prompt_token_ids=tuple(ids), max_tokens=120
+        )
+        jobs.append(Job(req, output_len=120))
+    return jobs
 
 
 def test_without_a_grammar_the_tiny_model_answers_noise(model: Gemma3) -> None:
@@ -345,7 +460,7 @@ def test_streamed_sampled_several_choices_and_chat_each_fit(client: Any) -> None
         "max_tokens": 40,
         "response_format": RESPONSE_SCHEMA,
         "temperature": 1.5,
-        "seed": 11,
+        "seed": 2,
         "n": 3,
     }
     whole = c.post("/v1/completions", json=body).json()
@@ -472,6 +587,10 @@ def test_bench_grammar_times_every_kind_beside_the_free_run(tmp_path: Any) -> No
             assert run["compile_ms"] >= 0
     assert fig["runs"]["none"]["overhead_pct"] == 0.0
     assert "a grammar costs at most" in res.output
+    jump = fig["jump_forward"]
+    assert jump["answers_identical"] is True
+    assert jump["on"]["forced_tokens_jumped"] > 0 == jump["off"]["forced_tokens_jumped"]
+    assert jump["on"]["engine_steps"] < jump["off"]["engine_steps"]
 
 
 def test_bench_grammar_refuses_an_unknown_kind() -> None:

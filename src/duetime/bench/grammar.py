@@ -11,6 +11,10 @@ to each row of logits. Every constrained answer is checked for fitting its
 grammar so far (``valid_pct``). The one-off costs are reported apart: building
 the tokenizer's table for llguidance (once per process) and compiling each
 grammar (once per distinct grammar; the server keeps them).
+
+:func:`run_jump` measures jump-forward apart: a robot command's JSON, whose keys
+and punctuation the grammar forces, with forced tokens fed one decode step each
+and in one chunk each, on the same requests (the answers must be the same).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from duetime.engine.executor import EngineExecutor
 from duetime.engine.grammar import GrammarCompiler
 from duetime.policies import make_policy
 
-__all__ = ["GRAMMARS", "TABLE_KEYS", "run", "table_columns"]
+__all__ = ["COMMAND", "GRAMMARS", "TABLE_KEYS", "run", "run_jump", "table_columns"]
 
 _STORY = {
     "type": "object",
@@ -157,6 +161,68 @@ def run(
         "tokenizer_build_s": build_s,
         "runs": runs,
         "worst_overhead_pct": max(runs[k]["overhead_pct"] for k in kinds) if kinds else 0.0,
+    }
+
+
+#: A robot's command as OpenAI's SDK sends a pydantic model (strict): most of its text is
+#: keys and punctuation the grammar forces, a few tokens are the model's choices.
+COMMAND = {
+    "type": "object",
+    "properties": {
+        "action": {"enum": ["move", "grasp", "release", "stop"]},
+        "target": {"enum": ["cup", "plate", "bottle", "door"]},
+        "speed": {"enum": ["slow", "normal", "fast"]},
+        "confirm_before_acting": {"type": "boolean"},
+    },
+    "required": ["action", "target", "speed", "confirm_before_acting"],
+    "additionalProperties": False,
+}
+
+
+def run_jump(
+    model: Any,
+    compiler: GrammarCompiler,
+    prompts: Sequence[Sequence[int]],
+    *,
+    repeats: int = 3,
+    schema: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The same requests under a command schema with jump-forward off and on (forced
+    tokens one decode step each, or fed in one chunk), interleaved: the same answers
+    (checked), in how many steps and how long. Figures JSON-ready."""
+    spec = GrammarSpec.json_schema(COMMAND if schema is None else schema, "bench")
+    warm_up(model)
+    walls: dict[bool, list[float]] = {False: [], True: []}
+    figs: dict[bool, dict[str, Any]] = {}
+    outputs: dict[bool, Any] = {}
+    for _ in range(repeats):
+        for jump in (False, True):
+            jobs = _jobs(prompts, 256)  # (the grammar ends each answer long before)
+            ex = EngineExecutor(
+                make_policy("fcfs"), model, max_num_seqs=len(jobs), check_accounting=False
+            )
+            ex.jump_forward = jump
+            for j in jobs:
+                ex.grammars[j.request.rid] = compiler.grammar(spec)
+            t = time.perf_counter()
+            res = ex.run(jobs)
+            walls[jump].append(time.perf_counter() - t)
+            outputs[jump] = res.outputs
+            figs[jump] = {
+                "engine_steps": res.engine_steps,
+                "tokens": sum(len(o) for o in res.outputs.values()),
+                "forced_tokens_jumped": ex.counters.get("forced_tokens_jumped", 0),
+            }
+    for jump in (False, True):
+        figs[jump]["wall_s"] = statistics.median(walls[jump])
+    off, on = figs[False], figs[True]
+    return {
+        "requests": len(prompts),
+        "off": off,
+        "on": on,
+        "answers_identical": outputs[False] == outputs[True],
+        "speedup": off["wall_s"] / on["wall_s"],
+        "steps_ratio": off["engine_steps"] / max(1, on["engine_steps"]),
     }
 
 

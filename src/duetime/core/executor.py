@@ -552,6 +552,53 @@ class ExecutorCore:
         self._cancel(seq)
         return True
 
+    def skip_room(self, seq: Seq) -> int:
+        """How many answer tokens decoding ``seq`` may gain at once (:meth:`skip_ahead`):
+        no more than its segment (or answer) has left, nor than KV memory has free."""
+        if seq.status is not SeqStatus.RUNNING or not seq.decoding:
+            return 0
+        return max(0, min(seq.segment_end - seq.generated, self.kv_capacity - self.kv_used))
+
+    def skip_ahead(self, rid: int, k: int) -> bool:
+        """Book ``k`` more tokens of decoding ``rid``'s answer that took no decode steps
+        (the engine fed tokens a grammar forced, in one chunk): its KV holds them but the
+        newest, as after any step. Within :meth:`skip_room` only; False (nothing done)
+        otherwise. A sequence that thereby reaches its segment's end or its answer's
+        stops there, as after a step."""
+        seq = self.seqs.get(rid)
+        if seq is None or k < 1 or k > self.skip_room(seq):
+            return False
+        self._stop_decoding(seq)
+        seq._set_generated(seq.generated + k)
+        self._start_decoding(seq)
+        self.tokens_generated += k
+        self._track_peak()
+        # the blocks it filled, now: a sliding layer trims its KV to one block past its
+        # window when it next grows, so a block offered a step later could be gone
+        self._offer_blocks([])
+        self._finish_due()
+        return True
+
+    def finish_with(self, rid: int, k: int) -> bool:
+        """Finish decoding ``rid`` now, with ``k`` more answer tokens that need no KV (the
+        last its grammar forced, or the last ``max_tokens`` allows): as
+        :meth:`finish_early` after ``k`` steps, without the steps. False (nothing done)
+        unless it is decoding and the tokens stay within its answer."""
+        seq = self.seqs.get(rid)
+        if seq is None or k < 0 or seq.status is not SeqStatus.RUNNING or not seq.decoding:
+            return False
+        rec = self.records[rid]
+        if seq.generated + k > min(rec.target_tokens, seq.segment_end):
+            return False
+        self._stop_decoding(seq)
+        seq._set_generated(seq.generated + k)
+        self.tokens_generated += k
+        rec.target_tokens = seq.generated
+        del self.running[rid]
+        rec.segment_done.append(self.now)
+        self._finish(seq)
+        return True
+
     def finish_early(self, rid: int) -> bool:
         """Finish ``rid`` now with the tokens it has (the model sampled end-of-sequence).
 

@@ -99,7 +99,9 @@ class EngineExecutor(ExecutorCore):
     ``logprob_logs[rid]`` (a :class:`~duetime.engine.logprobs.LogprobLog`)
     receives the log-probabilities of that request's tokens. ``grammars[rid]`` (a
     :class:`~duetime.engine.grammar.TokenGrammar`) masks that request's tokens to what
-    its grammar allows and ends its answer where the grammar is complete. With
+    its grammar allows and ends its answer where the grammar is complete; tokens the
+    grammar forces come without the model, fed in one chunk where memory allows
+    (``jump_forward``, on by default). With
     ``offload_suspended`` a suspended sequence's KV is spooled to disk when a
     step needs its room (see ``core/executor.py``). ``cost`` is the fitted
     profile handed to policies as ``snapshot.cost`` (None until `duetime
@@ -199,6 +201,10 @@ class EngineExecutor(ExecutorCore):
         self.logprob_logs: dict[int, LogprobLog] = {}
         # Structured outputs: rid → the grammar its answer's tokens are masked to.
         self.grammars: dict[int, TokenGrammar] = {}
+        # rid → tokens its grammar forces next (already past the grammar), not yet in the
+        # answer: they come before any other, and are fed in one chunk where room allows.
+        self._forced: dict[int, list[int]] = {}
+        self.jump_forward = True  # False: forced tokens one a step, as chosen ones
 
     def step_cost_model(self) -> LinearStepCost | None:
         return self.cost
@@ -266,6 +272,7 @@ class EngineExecutor(ExecutorCore):
         grammar = self.grammars.get(seq.rid)
         if grammar is not None:
             grammar.reset()  # the replayed tokens take it through the answer again
+            self._forced.pop(seq.rid, None)  # forced again once the replay is through
 
     def _on_swap_out(self, seq: Seq) -> None:
         """Spool the sequence's KV to disk: on a CPU engine, KV memory *is* RAM."""
@@ -344,20 +351,33 @@ class EngineExecutor(ExecutorCore):
                 position = len(ids) - seq.req.prompt_len  # of this token in the answer
                 forced = self._replayed(seq, position) if replay and seq.rid in replay else None
                 grammar = grammars.get(seq.rid) if grammars else None
+                queued = None
+                if forced is None and grammar is not None:
+                    queued = self._next_forced(seq.rid, grammar)
                 if forced is not None:
                     tok = forced  # no draw: the generator stays where the first run left it
+                elif queued is not None:
+                    tok = queued  # the grammar's only way on: no draw either
                 elif grammar is not None or (samplers and seq.rid in samplers):
                     tok = self._pick(seq, logits[row], grammar, tok)
                 if logprob_logs and seq.rid in logprob_logs:
                     logprob_logs[seq.rid].record(position, logits[row], int(tok))
                 ids.append(int(tok))
                 produced.append((seq.rid, int(tok)))
-                if grammar is not None and (not grammar.accept(tok) or grammar.finished):
-                    completed.append(seq.rid)
+                if grammar is not None and (queued is not None or grammar.accept(tok)):
+                    if grammar.finished and seq.rid not in self._forced:
+                        completed.append(seq.rid)
+                elif grammar is not None:
+                    completed.append(seq.rid)  # a replayed token it refused: broken
         self.now = self._clock() - self._t0
         self._after_step(chunks)
         for rid in completed:
             self.finish_early(rid)
+        fed = 0
+        if self._forced and self.jump_forward:
+            jumped, fed, jump_s = self._jump_forward()
+            produced += jumped
+            dt += jump_s
         if self.stop_tokens:
             for rid, tok in produced:
                 rule = self.stop_tokens.get(rid)
@@ -369,9 +389,82 @@ class EngineExecutor(ExecutorCore):
             self.on_tokens(produced)
         if self.check_accounting:
             self._check_kv()
-        self.last_step = (dt, sum(n for _, n in chunks), len(decoders), kv_attended)
+        self.last_step = (dt, sum(n for _, n in chunks) + fed, len(decoders), kv_attended)
         self._log_step(chunks, len(decoders), kv_attended, dt)
         return dt
+
+    def grammar_complete(self, rid: int) -> bool:
+        """Whether ``rid``'s answer is a whole sentence of its grammar (the grammar takes
+        no more, and no token it forced is still to come)."""
+        grammar = self.grammars.get(rid)
+        return grammar is not None and grammar.finished and rid not in self._forced
+
+    def _next_forced(self, rid: int, grammar: TokenGrammar) -> int | None:
+        """The next token ``rid``'s grammar forces (queued earlier, or forced from its
+        state now), or None where the next token is the model's to choose."""
+        queue = self._forced.get(rid)
+        if not queue:
+            queue = grammar.take_forced()
+            if not queue:
+                return None
+            self._forced[rid] = queue
+        tok = queue.pop(0)
+        if not queue:
+            del self._forced[rid]
+        return tok
+
+    def _jump_forward(self) -> tuple[list[tuple[int, int]], int, float]:
+        """Feed the tokens grammars force in one chunk a sequence, where memory allows
+        (structured outputs' jump-forward): their KV in one extra forward instead of
+        one decode step each; where they end the answer (the grammar's last, or
+        ``max_tokens``), no forward at all. Returns the tokens added to answers, the
+        tokens fed and the seconds it took. Not for a request whose tokens are logged
+        or segmented one by one, nor for forced tokens its stop rule ends on: those go
+        a step each."""
+        kv = self.kv
+        free = self.kv_capacity - self.kv_used
+        chunks: list[SeqChunk] = []
+        taken: list[tuple[int, list[int], bool]] = []
+        for rid, queue in self._forced.items():
+            seq = self.seqs[rid]
+            rule = self.stop_tokens.get(rid)
+            if rid in self.logprob_logs or rid in self.segmenters or rid in self._replay:
+                continue
+            if not seq.decoding or (rule is not None and any(t in rule.ids for t in queue)):
+                continue
+            left = min(self.records[rid].target_tokens, seq.segment_end) - seq.generated
+            last = self.grammars[rid].finished and len(queue) <= left  # the grammar's end
+            if last or len(queue) >= left:  # or max_tokens': the answer's last tokens
+                if left >= 1:
+                    taken.append((rid, queue[: min(left, len(queue))], True))
+                continue
+            k = min(len(queue), self.skip_room(seq), free)
+            if k < 1:
+                continue
+            free -= k
+            slot = self.slots[rid]  # its KV holds them all but the newest, as after steps
+            chunks.append(SeqChunk(slot, [self.tokens[rid][-1], *queue[: k - 1]], kv.seq_len(slot)))
+            taken.append((rid, queue[:k], False))
+        t0 = self._clock()
+        if chunks:
+            self.model.hidden_states(chunks, kv)
+        jump_s = self._clock() - t0
+        self.now = self._clock() - self._t0
+        produced: list[tuple[int, int]] = []
+        for rid, take, ends in taken:
+            self.tokens[rid].extend(take)
+            queue = self._forced[rid]
+            del queue[: len(take)]
+            if not queue:
+                del self._forced[rid]
+            booked = self.finish_with(rid, len(take)) if ends else self.skip_ahead(rid, len(take))
+            if not booked:
+                raise ExecutorError(f"request {rid}: {len(take)} forced tokens did not fit")
+            produced += [(rid, t) for t in take]
+            self.counters["forced_tokens_jumped"] = self.counters.get(
+                "forced_tokens_jumped", 0
+            ) + len(take)
+        return produced, sum(len(c) for c in chunks), jump_s
 
     def _pick(self, seq: Seq, logits: torch.Tensor, grammar: TokenGrammar | None, best: int) -> int:
         """The token a request with a sampler or a grammar takes from its ``[vocab]`` row
@@ -576,6 +669,7 @@ class EngineExecutor(ExecutorCore):
         self.samplers.pop(rid, None)
         self.logprob_logs.pop(rid, None)
         self.grammars.pop(rid, None)
+        self._forced.pop(rid, None)
 
     def close(self) -> None:
         """Remove swapped-out KV files and close the telemetry file."""

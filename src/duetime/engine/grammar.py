@@ -98,6 +98,17 @@ class TokenGrammar:
         self._bits = None
         return bool(self._matcher.consume_token(int(token)))
 
+    def take_forced(self) -> list[int]:
+        """The tokens the grammar forces from here (its only way on, as the tokenizer
+        writes it: ``{"action": "`` after a JSON object opens), advanced past; [] where
+        the next token is a choice."""
+        forced: list[int] = []
+        for token in self._matcher.compute_ff_tokens():
+            if not self.accept(token):
+                break
+            forced.append(int(token))
+        return forced
+
     @property
     def finished(self) -> bool:
         """Whether the grammar takes no more tokens (complete, or broken by a token it

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -355,11 +356,15 @@ class EngineLoop:
     def _publish_tokens(self, produced: list[tuple[int, int]]) -> None:
         ex = self.executor
         batches: dict[int, list[int]] = {}
+        # a step can add several tokens to one answer (a grammar's forced run): the i-th
+        # of its k tokens here is the answer's len - k + i-th
+        left = Counter(rid for rid, _ in produced)
         for rid, tok in produced:
             live = self._live.get(rid)
             if live is None:
                 continue
-            position = len(ex.tokens[rid]) - live.job.request.prompt_len
+            left[rid] -= 1
+            position = len(ex.tokens[rid]) - live.job.request.prompt_len - left[rid]
             if position <= live.emitted:
                 continue  # re-generated after a restart: the client has it already
             live.emitted = position
@@ -389,8 +394,7 @@ class EngineLoop:
         no shorter than the limit, but the model finished it: "stop", as vLLM and OpenAI
         say, not "length"."""
         ex = self.executor
-        grammar = ex.grammars.get(rid)
-        if grammar is not None and grammar.finished:
+        if ex.grammar_complete(rid):
             return True
         rule = ex.stop_tokens.get(rid)
         toks = ex.tokens.get(rid)

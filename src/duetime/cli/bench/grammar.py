@@ -75,11 +75,20 @@ def bench_grammar(
         fig = bench.run(
             m, compiler, decode, prompts, new_tokens=new_tokens, repeats=repeats, kinds=chosen
         )
+        fig["jump_forward"] = bench.run_jump(m, compiler, prompts, repeats=repeats)
         fig.update(model=model, dtype=dtype, threads=threads, seed=seed)
     out.print(render_table(bench.table_columns(fig), keys=bench.TABLE_KEYS))
     out.print(
         f"{fig['requests']} requests x {fig['new_tokens']} tokens: a grammar costs at most "
         f"{fig['worst_overhead_pct']:.1f} % more time a token; the tokenizer table took "
         f"{fig['tokenizer_build_s']:.2f} s to build (once per process)"
+    )
+    jf = fig["jump_forward"]
+    out.print(
+        f"jump-forward, a robot command's JSON: {jf['on']['forced_tokens_jumped']} of "
+        f"{jf['on']['tokens']} tokens fed in chunks; {jf['off']['engine_steps']} -> "
+        f"{jf['on']['engine_steps']} steps, {jf['off']['wall_s']:.3f} -> "
+        f"{jf['on']['wall_s']:.3f} s ({jf['speedup']:.2f}x); answers identical "
+        f"{jf['answers_identical']}"
     )
     save_figures(fig, json_path=json_path)
