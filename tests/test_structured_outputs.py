@@ -323,6 +323,25 @@ def test_forced_runs_jump_ahead_in_fewer_steps_with_the_same_answers(
     )
 
 
+def test_a_stop_token_ends_the_answer_before_a_forced_run(
+    model: Gemma3, compiler: GrammarCompiler
+) -> None:
+    """The model picks "a" or "b", then the grammar forces "xyz": where the client's stop
+    ids hold "a" and "b", the answer ends at the one picked (jumped or not)."""
+    from duetime.engine.executor import StopRule
+
+    a, b = ord("a") + ByteCodec.OFFSET, ord("b") + ByteCodec.OFFSET
+    for jump in (True, False):
+        jobs = _long_key_jobs(3, "stop")
+        ex = EngineExecutor(make_policy("fcfs"), model, cost=SIMPLE_COST)
+        ex.jump_forward = jump
+        for j in jobs:
+            ex.grammars[j.request.rid] = compiler.grammar(GrammarSpec("regex", "(a|b)xyz", "r"))
+            ex.stop_tokens[j.request.rid] = StopRule(frozenset({a, b}))
+        res = ex.run(jobs)
+        assert all(out in ([a], [b]) for out in res.outputs.values()), (jump, res.outputs)
+
+
 def test_concurrent_jumps_share_the_free_memory(model: Gemma3, compiler: GrammarCompiler) -> None:
     """Four answers' forced runs (40-odd tokens each) at once, with room for about 110:
     together they take no more than is free; the rest come later, and every answer

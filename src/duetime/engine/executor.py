@@ -365,6 +365,8 @@ class EngineExecutor(ExecutorCore):
                 ids.append(int(tok))
                 produced.append((seq.rid, int(tok)))
                 if grammar is not None and (queued is not None or grammar.accept(tok)):
+                    if queued is None and not (replay and seq.rid in replay):
+                        self._force_next(seq.rid, grammar)  # so the whole run can jump
                     if grammar.finished and seq.rid not in self._forced:
                         completed.append(seq.rid)
                 elif grammar is not None:
@@ -373,16 +375,16 @@ class EngineExecutor(ExecutorCore):
         self._after_step(chunks)
         for rid in completed:
             self.finish_early(rid)
-        fed = 0
-        if self._forced and self.jump_forward:
-            jumped, fed, jump_s = self._jump_forward()
-            produced += jumped
-            dt += jump_s
         if self.stop_tokens:
             for rid, tok in produced:
                 rule = self.stop_tokens.get(rid)
                 if rule is not None and rule.ends(tok, self.seqs[rid].generated):
                     self.finish_early(rid)
+        fed = 0
+        if self._forced and self.jump_forward:  # after the stop rules: no run past a stop
+            jumped, fed, jump_s = self._jump_forward()
+            produced += jumped
+            dt += jump_s
         if self.segmenters:
             self._check_segments(produced)
         if self.on_tokens is not None and produced:
@@ -399,15 +401,21 @@ class EngineExecutor(ExecutorCore):
         grammar = self.grammars.get(rid)
         return grammar is not None and grammar.finished and rid not in self._forced
 
+    def _force_next(self, rid: int, grammar: TokenGrammar) -> None:
+        """Queue the tokens ``rid``'s grammar forces from where it is (none queued yet)."""
+        if rid not in self._forced and not grammar.finished:
+            forced = grammar.take_forced()
+            if forced:
+                self._forced[rid] = forced
+
     def _next_forced(self, rid: int, grammar: TokenGrammar) -> int | None:
-        """The next token ``rid``'s grammar forces (queued earlier, or forced from its
-        state now), or None where the next token is the model's to choose."""
+        """The next token ``rid``'s grammar forces (queued after the token before, or
+        forced from its state now: an answer's first), or None where the next token is
+        the model's to choose."""
+        self._force_next(rid, grammar)
         queue = self._forced.get(rid)
         if not queue:
-            queue = grammar.take_forced()
-            if not queue:
-                return None
-            self._forced[rid] = queue
+            return None
         tok = queue.pop(0)
         if not queue:
             del self._forced[rid]
