@@ -13,8 +13,9 @@ the tokenizer's table for llguidance (once per process) and compiling each
 grammar (once per distinct grammar; the server keeps them).
 
 :func:`run_jump` measures jump-forward apart: a robot command's JSON, whose keys
-and punctuation the grammar forces, with forced tokens fed one decode step each
-and in one chunk each, on the same requests (the answers must be the same).
+and punctuation the grammar forces, with forced tokens one decode step each and
+riding along in one chunk each, on the same requests (the answers must be the
+same).
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def run_jump(
     schema: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The same requests under a command schema with jump-forward off and on (forced
-    tokens one decode step each, or fed in one chunk), interleaved: the same answers
+    tokens one decode step each, or riding along in one chunk), interleaved: the same answers
     (checked), in how many steps and how long. Figures JSON-ready."""
     spec = GrammarSpec.json_schema(COMMAND if schema is None else schema, "bench")
     warm_up(model)

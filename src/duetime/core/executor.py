@@ -559,12 +559,13 @@ class ExecutorCore:
             return 0
         return max(0, min(seq.segment_end - seq.generated, self.kv_capacity - self.kv_used))
 
-    def skip_ahead(self, rid: int, k: int) -> bool:
-        """Book ``k`` more tokens of decoding ``rid``'s answer that took no decode steps
-        (the engine fed tokens a grammar forced, in one chunk): its KV holds them but the
-        newest, as after any step. Within :meth:`skip_room` only; False (nothing done)
-        otherwise. A sequence that thereby reaches its segment's end or its answer's
-        stops there, as after a step."""
+    def skip_ahead(self, rid: int, k: int, *, offer: bool = True) -> bool:
+        """Book ``k`` more tokens of decoding ``rid``'s answer that take no decode steps
+        (tokens a grammar forced, fed in one chunk): its KV holds them but the newest,
+        as after any step (``offer=False``: once the step under way has fed them, and
+        the blocks they fill are offered after it). Within :meth:`skip_room` only;
+        False (nothing done) otherwise. A sequence that thereby reaches its segment's
+        end or its answer's stops there, as after a step."""
         seq = self.seqs.get(rid)
         if seq is None or k < 1 or k > self.skip_room(seq):
             return False
@@ -573,9 +574,10 @@ class ExecutorCore:
         self._start_decoding(seq)
         self.tokens_generated += k
         self._track_peak()
-        # the blocks it filled, now: a sliding layer trims its KV to one block past its
-        # window when it next grows, so a block offered a step later could be gone
-        self._offer_blocks([])
+        if offer:
+            # the blocks it filled, now: a sliding layer trims its KV to one block past its
+            # window when it next grows, so a block offered a step later could be gone
+            self._offer_blocks([])
         self._finish_due()
         return True
 

@@ -100,8 +100,8 @@ class EngineExecutor(ExecutorCore):
     receives the log-probabilities of that request's tokens. ``grammars[rid]`` (a
     :class:`~duetime.engine.grammar.TokenGrammar`) masks that request's tokens to what
     its grammar allows and ends its answer where the grammar is complete; tokens the
-    grammar forces come without the model, fed in one chunk where memory allows
-    (``jump_forward``, on by default). With
+    grammar forces come without the model and ride along in the next step as one
+    chunk where memory allows (``jump_forward``, on by default). With
     ``offload_suspended`` a suspended sequence's KV is spooled to disk when a
     step needs its room (see ``core/executor.py``). ``cost`` is the fitted
     profile handed to policies as ``snapshot.cost`` (None until `duetime
@@ -202,7 +202,7 @@ class EngineExecutor(ExecutorCore):
         # Structured outputs: rid → the grammar its answer's tokens are masked to.
         self.grammars: dict[int, TokenGrammar] = {}
         # rid → tokens its grammar forces next (already past the grammar), not yet in the
-        # answer: they come before any other, and are fed in one chunk where room allows.
+        # answer: they come before any other, and ride along in one chunk where room allows.
         self._forced: dict[int, list[int]] = {}
         self.jump_forward = True  # False: forced tokens one a step, as chosen ones
 
@@ -324,10 +324,12 @@ class EngineExecutor(ExecutorCore):
         if kv.watching:  # a first decode ends the time SnapKV's window is needed
             for seq in decoders:
                 kv.unwatch(self.slots[seq.rid])
+        riding = self._ride_forced(decoders, sum(n for _, n in chunks)) if self._forced else {}
         kv_attended = 0
         for seq in decoders:
             slot = self.slots[seq.rid]
-            model_chunks.append(SeqChunk(slot, self.tokens[seq.rid][-1:], kv.seq_len(slot)))
+            fed = self.tokens[seq.rid][-1 - len(riding.get(seq.rid, ())) :]
+            model_chunks.append(SeqChunk(slot, fed, kv.seq_len(slot)))
             owners.append((seq, True))
             kv_attended += kv.num_tokens(slot)
         scored = self._prompt_scoring(chunks)
@@ -347,6 +349,7 @@ class EngineExecutor(ExecutorCore):
         grammars = self.grammars
         for row, ((seq, sampled), tok) in enumerate(zip(owners, next_ids, strict=True)):
             if sampled:
+                produced += [(seq.rid, t) for t in riding.get(seq.rid, ())]
                 ids = self.tokens[seq.rid]
                 position = len(ids) - seq.req.prompt_len  # of this token in the answer
                 forced = self._replayed(seq, position) if replay and seq.rid in replay else None
@@ -380,18 +383,16 @@ class EngineExecutor(ExecutorCore):
                 rule = self.stop_tokens.get(rid)
                 if rule is not None and rule.ends(tok, self.seqs[rid].generated):
                     self.finish_early(rid)
-        fed = 0
         if self._forced and self.jump_forward:  # after the stop rules: no run past a stop
-            jumped, fed, jump_s = self._jump_forward()
-            produced += jumped
-            dt += jump_s
+            produced += self._finish_forced_ends()
         if self.segmenters:
             self._check_segments(produced)
         if self.on_tokens is not None and produced:
             self.on_tokens(produced)
         if self.check_accounting:
             self._check_kv()
-        self.last_step = (dt, sum(n for _, n in chunks) + fed, len(decoders), kv_attended)
+        rode = sum(len(r) for r in riding.values())
+        self.last_step = (dt, sum(n for _, n in chunks) + rode, len(decoders), kv_attended)
         self._log_step(chunks, len(decoders), kv_attended, dt)
         return dt
 
@@ -421,58 +422,71 @@ class EngineExecutor(ExecutorCore):
             del self._forced[rid]
         return tok
 
-    def _jump_forward(self) -> tuple[list[tuple[int, int]], int, float]:
-        """Feed the tokens grammars force in one chunk a sequence, where memory allows
-        (structured outputs' jump-forward): their KV in one extra forward instead of
-        one decode step each; where they end the answer (the grammar's last, or
-        ``max_tokens``), no forward at all. Returns the tokens added to answers, the
-        tokens fed and the seconds it took. Not for a request whose tokens are logged
-        or segmented one by one, nor for forced tokens its stop rule ends on: those go
-        a step each."""
-        kv = self.kv
-        free = self.kv_capacity - self.kv_used
-        chunks: list[SeqChunk] = []
-        taken: list[tuple[int, list[int], bool]] = []
-        for rid, queue in self._forced.items():
+    def _jumpable(self, rid: int, queue: list[int]) -> bool:
+        """Whether ``rid``'s forced run may skip steps: not where its tokens are logged or
+        segmented one by one, replayed, or where its stop rule ends on one of them."""
+        if rid in self.logprob_logs or rid in self.segmenters or rid in self._replay:
+            return False
+        rule = self.stop_tokens.get(rid)
+        return rule is None or not any(t in rule.ids for t in queue)
+
+    def _finish_forced_ends(self) -> list[tuple[int, int]]:
+        """Answers whose forced run is their end (the grammar's last tokens, or the last
+        ``max_tokens`` allows) take it now, with no step: the tokens added."""
+        produced: list[tuple[int, int]] = []
+        for rid, queue in list(self._forced.items()):
             seq = self.seqs[rid]
-            rule = self.stop_tokens.get(rid)
-            if rid in self.logprob_logs or rid in self.segmenters or rid in self._replay:
-                continue
-            if not seq.decoding or (rule is not None and any(t in rule.ids for t in queue)):
+            if not seq.decoding or not self._jumpable(rid, queue):
                 continue
             left = min(self.records[rid].target_tokens, seq.segment_end) - seq.generated
-            last = self.grammars[rid].finished and len(queue) <= left  # the grammar's end
-            if last or len(queue) >= left:  # or max_tokens': the answer's last tokens
-                if left >= 1:
-                    taken.append((rid, queue[: min(left, len(queue))], True))
+            last = self.grammars[rid].finished and len(queue) <= left
+            if not (last or len(queue) >= left) or left < 1:
                 continue
-            k = min(len(queue), self.skip_room(seq), free)
-            if k < 1:
-                continue
-            free -= k
-            slot = self.slots[rid]  # its KV holds them all but the newest, as after steps
-            chunks.append(SeqChunk(slot, [self.tokens[rid][-1], *queue[: k - 1]], kv.seq_len(slot)))
-            taken.append((rid, queue[:k], False))
-        t0 = self._clock()
-        if chunks:
-            self.model.hidden_states(chunks, kv)
-        jump_s = self._clock() - t0
-        self.now = self._clock() - self._t0
-        produced: list[tuple[int, int]] = []
-        for rid, take, ends in taken:
+            take = queue[:left]
             self.tokens[rid].extend(take)
-            queue = self._forced[rid]
             del queue[: len(take)]
             if not queue:
                 del self._forced[rid]
-            booked = self.finish_with(rid, len(take)) if ends else self.skip_ahead(rid, len(take))
-            if not booked:
-                raise ExecutorError(f"request {rid}: {len(take)} forced tokens did not fit")
+            if not self.finish_with(rid, len(take)):
+                raise ExecutorError(f"request {rid}: its last {len(take)} tokens did not fit")
             produced += [(rid, t) for t in take]
-            self.counters["forced_tokens_jumped"] = self.counters.get(
-                "forced_tokens_jumped", 0
-            ) + len(take)
-        return produced, sum(len(c) for c in chunks), jump_s
+            self._count_jumped(len(take))
+        return produced
+
+    def _ride_forced(self, decoders: list[Seq], prefill_tokens: int) -> dict[int, list[int]]:
+        """Forced runs that ride along in this step (structured outputs' jump-forward):
+        each decoder with one feeds its newest token and the run as one chunk, and the
+        step's logits for it follow the run. Booked now, within the KV memory and the
+        step's token budget the policy left; the rest ride later. Returns the tokens
+        each decoder gained."""
+        if not self.jump_forward:
+            return {}
+        free = self.kv_capacity - self.kv_used - prefill_tokens - len(decoders)
+        budget = self.max_batch_tokens - prefill_tokens - len(decoders)
+        riding: dict[int, list[int]] = {}
+        for seq in decoders:
+            queue = self._forced.get(seq.rid)
+            if not queue or not self._jumpable(seq.rid, queue):
+                continue
+            left = min(self.records[seq.rid].target_tokens, seq.segment_end) - seq.generated
+            k = min(len(queue), free, budget, left - 1)  # the step's own token still to come
+            if k < 1:
+                continue
+            take = queue[:k]
+            if not self.skip_ahead(seq.rid, k, offer=False):  # its KV: after this step
+                raise ExecutorError(f"request {seq.rid}: {k} forced tokens did not fit")
+            self.tokens[seq.rid].extend(take)
+            del queue[:k]
+            if not queue:
+                del self._forced[seq.rid]
+            free -= k
+            budget -= k
+            riding[seq.rid] = take
+            self._count_jumped(k)
+        return riding
+
+    def _count_jumped(self, n: int) -> None:
+        self.counters["forced_tokens_jumped"] = self.counters.get("forced_tokens_jumped", 0) + n
 
     def _pick(self, seq: Seq, logits: torch.Tensor, grammar: TokenGrammar | None, best: int) -> int:
         """The token a request with a sampler or a grammar takes from its ``[vocab]`` row
