@@ -559,13 +559,13 @@ class ExecutorCore:
             return 0
         return max(0, min(seq.segment_end - seq.generated, self.kv_capacity - self.kv_used))
 
-    def skip_ahead(self, rid: int, k: int, *, offer: bool = True) -> bool:
+    def skip_ahead(self, rid: int, k: int) -> bool:
         """Book ``k`` more tokens of decoding ``rid``'s answer that take no decode steps
-        (tokens a grammar forced, fed in one chunk): its KV holds them but the newest,
-        as after any step (``offer=False``: once the step under way has fed them, and
-        the blocks they fill are offered after it). Within :meth:`skip_room` only;
-        False (nothing done) otherwise. A sequence that thereby reaches its segment's
-        end or its answer's stops there, as after a step."""
+        (tokens a grammar forced, fed with its newest token as one chunk by the step
+        under way): its KV holds them but the newest once that step has run, and the
+        blocks they fill are offered after it, as a decode step's. Within
+        :meth:`skip_room` only; False (nothing done) otherwise. A sequence that
+        thereby reaches its segment's end or its answer's stops there."""
         seq = self.seqs.get(rid)
         if seq is None or k < 1 or k > self.skip_room(seq):
             return False
@@ -574,10 +574,6 @@ class ExecutorCore:
         self._start_decoding(seq)
         self.tokens_generated += k
         self._track_peak()
-        if offer:
-            # the blocks it filled, now: a sliding layer trims its KV to one block past its
-            # window when it next grows, so a block offered a step later could be gone
-            self._offer_blocks([])
         self._finish_due()
         return True
 

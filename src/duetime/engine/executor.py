@@ -473,7 +473,7 @@ class EngineExecutor(ExecutorCore):
             if k < 1:
                 continue
             take = queue[:k]
-            if not self.skip_ahead(seq.rid, k, offer=False):  # its KV: after this step
+            if not self.skip_ahead(seq.rid, k):  # (its KV: once this step has run)
                 raise ExecutorError(f"request {seq.rid}: {k} forced tokens did not fit")
             self.tokens[seq.rid].extend(take)
             del queue[:k]
