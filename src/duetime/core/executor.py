@@ -552,22 +552,22 @@ class ExecutorCore:
         self._cancel(seq)
         return True
 
-    def skip_room(self, seq: Seq) -> int:
-        """How many answer tokens decoding ``seq`` may gain at once (:meth:`skip_ahead`):
-        no more than its segment (or answer) has left, nor than KV memory has free."""
-        if seq.status is not SeqStatus.RUNNING or not seq.decoding:
-            return 0
-        return max(0, min(seq.segment_end - seq.generated, self.kv_capacity - self.kv_used))
+    def tokens_left(self, seq: Seq) -> int:
+        """Answer tokens ``seq`` may still gain before it stops (its segment's end, or
+        its answer's)."""
+        return min(self.records[seq.rid].target_tokens, seq.segment_end) - seq.generated
 
     def skip_ahead(self, rid: int, k: int) -> bool:
         """Book ``k`` more tokens of decoding ``rid``'s answer that take no decode steps
         (tokens a grammar forced, fed with its newest token as one chunk by the step
         under way): its KV holds them but the newest once that step has run, and the
-        blocks they fill are offered after it, as a decode step's. Within
-        :meth:`skip_room` only; False (nothing done) otherwise. A sequence that
-        thereby reaches its segment's end or its answer's stops there."""
+        blocks they fill are offered after it, as a decode step's. Only within
+        :meth:`tokens_left` and the free KV memory; False (nothing done) otherwise. A
+        sequence that thereby reaches its segment's end or its answer's stops there."""
         seq = self.seqs.get(rid)
-        if seq is None or k < 1 or k > self.skip_room(seq):
+        if seq is None or k < 1 or seq.status is not SeqStatus.RUNNING or not seq.decoding:
+            return False
+        if k > min(self.tokens_left(seq), self.kv_capacity - self.kv_used):
             return False
         self._stop_decoding(seq)
         seq._set_generated(seq.generated + k)
@@ -585,9 +585,9 @@ class ExecutorCore:
         seq = self.seqs.get(rid)
         if seq is None or k < 0 or seq.status is not SeqStatus.RUNNING or not seq.decoding:
             return False
-        rec = self.records[rid]
-        if seq.generated + k > min(rec.target_tokens, seq.segment_end):
+        if k > self.tokens_left(seq):
             return False
+        rec = self.records[rid]
         self._stop_decoding(seq)
         seq._set_generated(seq.generated + k)
         self.tokens_generated += k

@@ -324,7 +324,9 @@ class EngineExecutor(ExecutorCore):
         if kv.watching:  # a first decode ends the time SnapKV's window is needed
             for seq in decoders:
                 kv.unwatch(self.slots[seq.rid])
-        riding = self._ride_forced(decoders, sum(n for _, n in chunks)) if self._forced else {}
+        riding: dict[int, list[int]] = {}
+        if self._forced and self.jump_forward:
+            riding = self._ride_forced(decoders, sum(n for _, n in chunks))
         kv_attended = 0
         for seq in decoders:
             slot = self.slots[seq.rid]
@@ -438,7 +440,7 @@ class EngineExecutor(ExecutorCore):
             seq = self.seqs[rid]
             if not seq.decoding or not self._jumpable(rid, queue):
                 continue
-            left = min(self.records[rid].target_tokens, seq.segment_end) - seq.generated
+            left = self.tokens_left(seq)
             last = self.grammars[rid].finished and len(queue) <= left
             if not (last or len(queue) >= left) or left < 1:
                 continue
@@ -459,8 +461,6 @@ class EngineExecutor(ExecutorCore):
         step's logits for it follow the run. Booked now, within the KV memory and the
         step's token budget the policy left; the rest ride later. Returns the tokens
         each decoder gained."""
-        if not self.jump_forward:
-            return {}
         free = self.kv_capacity - self.kv_used - prefill_tokens - len(decoders)
         budget = self.max_batch_tokens - prefill_tokens - len(decoders)
         riding: dict[int, list[int]] = {}
@@ -468,8 +468,8 @@ class EngineExecutor(ExecutorCore):
             queue = self._forced.get(seq.rid)
             if not queue or not self._jumpable(seq.rid, queue):
                 continue
-            left = min(self.records[seq.rid].target_tokens, seq.segment_end) - seq.generated
-            k = min(len(queue), free, budget, left - 1)  # the step's own token still to come
+            # (the step's own token still to come)
+            k = min(len(queue), free, budget, self.tokens_left(seq) - 1)
             if k < 1:
                 continue
             take = queue[:k]
