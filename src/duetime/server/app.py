@@ -193,8 +193,7 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        forced = body.forced_tools()
-        text = render_chat(body.messages, (body.tools or ()) if forced else ())
+        text = render_chat(body.messages, body.shown_tools())
         ids = await _encode(state.codec, text)
         limit = body.token_limit()
         if limit is None:  # as vLLM: never more than the context has left

@@ -623,11 +623,15 @@ class ChatCompletionRequest(_Common):
     def forced_tools(self) -> ForcedTools | None:
         """How the answer is a tool call, where ``tool_choice`` forces one."""
         choice = self.tool_choice
-        if not self.tools or choice is None or choice in ("none", "auto"):
+        if not _forces_call(self.tools, choice):
             return None
         if isinstance(choice, NamedToolChoice):
             return ForcedTools(choice.function.name)
         return ForcedTools(None, parallel=self.parallel_tool_calls is not False)
+
+    def shown_tools(self) -> list[ToolDef]:
+        """The tools the prompt shows the model (those of a forced call)."""
+        return _shown_tools(self.tools, self.tool_choice)
 
     def grammar(self) -> GrammarSpec | None:
         """The answer's constraint: a forced tool call's (its arguments' schema, or for
@@ -683,8 +687,18 @@ class TokenizeRequest(_Body):
 
     def shown_tools(self) -> list[ToolDef]:
         """The tools the chat prompt shows: those of a forced call, as the chat route."""
-        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
-        return list(self.tools or ()) if forced else []
+        return _shown_tools(self.tools, self.tool_choice)
+
+
+def _forces_call(tools: list[ToolDef] | None, choice: Any) -> bool:
+    """Whether ``tool_choice`` makes the answer a call to one of ``tools``."""
+    return bool(tools) and (choice == "required" or isinstance(choice, NamedToolChoice))
+
+
+def _shown_tools(tools: list[ToolDef] | None, choice: Any) -> list[ToolDef]:
+    """The tools a chat prompt shows the model: all of them where the answer must call
+    one, none otherwise (with "none" they are ignored)."""
+    return list(tools or ()) if _forces_call(tools, choice) else []
 
 
 class DetokenizeRequest(_Body):
