@@ -14,10 +14,10 @@ from duetime.server.threaded import serve_in_thread
 from tests.test_server import MODEL, _idle, _state
 
 
-def _one(client: openai.OpenAI, seed: int) -> str:
+def _one(client: openai.OpenAI, seed: int, prompt: str = "Once upon") -> str:
     resp = client.completions.create(
         model=MODEL,
-        prompt="Once upon",
+        prompt=prompt,
         max_tokens=12,
         extra_body={"ignore_eos": True, "temperature": 1.0, "seed": seed},
     )
@@ -44,6 +44,30 @@ def test_choice_i_is_the_answer_seed_plus_i_gives(
     body = resp.to_dict()
     assert all(c["duetime"]["completion_tokens"] == 12 for c in body["choices"])  # type: ignore[index]
     assert body["duetime"] == body["choices"][0]["duetime"]  # type: ignore[index]
+    _idle(served[1])
+
+
+def test_the_choices_of_a_long_prompt_compute_it_once(
+    client: openai.OpenAI, served: tuple[str, ServerState]
+) -> None:
+    """Handed to the engine in one round and admitted in one step, the copies borrow
+    the first choice's prompt rows (all but their last token's): each choice is still
+    the answer its own seed gives alone."""
+    prompt = "The robot arm moves slowly towards the red cup on the table and then"
+    ex = served[1].engine.executor
+    before = ex.prefill_shared_tokens
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,  # as _one's
+        n=3,
+        extra_body={"ignore_eos": True, "temperature": 1.0, "seed": 40},
+    )
+    assert resp.usage is not None
+    assert ex.prefill_shared_tokens - before == 2 * (resp.usage.prompt_tokens - 1)
+    texts = [c.text for c in resp.choices]
+    assert texts == [_one(client, 40 + i, prompt) for i in range(3)]
+    assert len(set(texts)) > 1
     _idle(served[1])
 
 

@@ -107,7 +107,7 @@ def test_a_restarted_request_that_ends_early_counts_the_tokens_its_client_has() 
     ex.start_clock()
     req = Request(rid=1, arrival=0.0, prompt_len=3, max_tokens=8, prompt_token_ids=(2, 70, 71))
     stream = _Inbox()
-    loop.submit(Job(req, output_len=8), stream, stop_on_eos=False)  # type: ignore[arg-type]
+    loop.submit(loop.submission(Job(req, output_len=8), stream, stop_on_eos=False))  # type: ignore[arg-type]
     loop._drain_inbox()
     while not stream.items:
         assert ex.tick() is None or ex.in_system

@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 from duetime.core.decision import Decision
 from duetime.core.policy import Policy, PolicyError
-from duetime.core.prefix_cache import ROOT_KEY, PrefixCache, block_key
+from duetime.core.prefix_cache import (
+    DEFAULT_BLOCK_SIZE,
+    ROOT_KEY,
+    PrefixCache,
+    block_key,
+    common_prefix_len,
+)
 from duetime.core.record import RequestRecord
 from duetime.core.request import Job
 from duetime.core.sequence import DecodeClock, Seq, SeqStatus
@@ -63,6 +69,7 @@ class ExecutorCore:
         offload_suspended: bool = False,
         prefix_cache_tokens: int = 0,
         prefix_compute_tail: int = 1,
+        share_prefills: bool = True,
     ) -> None:
         if prefix_compute_tail < 1:
             raise ValueError(f"prefix_compute_tail must be >= 1, got {prefix_compute_tail}")
@@ -100,6 +107,12 @@ class ExecutorCore:
         self.tokens_generated = 0  # every output token produced
         self.prefill_tokens = 0  # every prompt (or recomputed) token run through prefill
         self.prefill_cached_tokens = 0  # prefill tokens whose KV a prefix cache supplied
+        # Prefills of one step that start alike compute their common tokens once
+        # (:meth:`_share_prefills`): rid → (the chunk it borrows from, rows borrowed),
+        # for the step being run; the rows count in prefill_shared_tokens.
+        self.share_prefills = share_prefills
+        self.borrowed: dict[int, tuple[int, int]] = {}
+        self.prefill_shared_tokens = 0
         # Automatic prefix caching (core/prefix_cache.py): the books are kept here, for
         # both executors; what a block holds is the executor's (_block_payload).
         self.prefix_cache: PrefixCache[Any] | None = (
@@ -525,7 +538,61 @@ class ExecutorCore:
                 raise PolicyError(f"policy {name!r}: prefill of request {rid} in {seq!r}")
             n = seq.prefill_remaining if n <= 0 else min(n, seq.prefill_remaining)
             chunks.append((seq, n))
+        self._share_prefills(chunks)
         return chunks
+
+    # --- prefills shared within a step -------------------------------------------
+    def _share_prefills(self, chunks: list[tuple[Seq, int]]) -> None:
+        """Let a chunk borrow the rows an earlier chunk of the same step computes.
+
+        ``n > 1`` choices of one prompt, or a burst of requests behind one system
+        prompt, are admitted together: the prefix cache cannot help (their blocks
+        exist only after the step), so each would compute the same tokens. A chunk
+        that starts where an earlier one does, after the same tokens, and goes on
+        with the same tokens, takes those rows' keys and values from it and computes
+        only the rest (at least its last token, whose logits it needs): its
+        prefill still advances by its whole chunk, so policies see nothing but a
+        cheaper step. Only rows of at least a block's worth
+        (``DEFAULT_BLOCK_SIZE``) are borrowed, from a chunk that computes its own.
+        """
+        self.borrowed = {}
+        if not self.share_prefills or len(chunks) < 2:
+            return
+        leaders: list[tuple[Seq, int]] = []
+        for seq, n in chunks:
+            best, rows = None, 0
+            if n > DEFAULT_BLOCK_SIZE and self._may_borrow(seq):
+                start = seq.prefilled
+                for lead, m in leaders:
+                    if lead.prefilled == start:
+                        end = start + min(m, n - 1)
+                        common = self._common_prompt(lead, seq, end) - start
+                        if common >= DEFAULT_BLOCK_SIZE and common > rows:
+                            best, rows = lead, common
+            if best is None:
+                leaders.append((seq, n))
+            else:
+                self.borrowed[seq.rid] = (best.rid, rows)
+                self.prefill_shared_tokens += rows
+
+    def _may_borrow(self, seq: Seq) -> bool:
+        """Whether ``seq``'s prefill may take rows another chunk computes (the engine
+        says no where it needs every row's own output)."""
+        return True
+
+    @staticmethod
+    def _common_prompt(a: Seq, b: Seq, end: int) -> int:
+        """How many first tokens the prompts of ``a`` and ``b`` agree on, at most
+        ``end``: their ids where both requests carry them, else the shared prefix
+        they both name (``prefix_group``); 0 where nothing says they agree."""
+        ra, rb = a.req, b.req
+        end = min(end, ra.prompt_len, rb.prompt_len)
+        ia, ib = ra.prompt_token_ids, rb.prompt_token_ids
+        if ia is not None and ib is not None:
+            return common_prefix_len(ia, ib, end)
+        if ra.prefix_group is not None and ra.prefix_group == rb.prefix_group:
+            return min(end, ra.prefix_len, rb.prefix_len)
+        return 0
 
     def _cancel(self, seq: Seq) -> None:
         """Cancel a live sequence: its KV memory is freed at once."""
@@ -762,7 +829,8 @@ class ExecutorCore:
             self.clock.steps += 1
             self.tokens_generated += self._n_dec
         p_tokens = sum(n for _, n in chunks)
-        self.prefill_tokens += p_tokens
+        self.prefill_tokens += p_tokens - sum(rows for _, rows in self.borrowed.values())
+        self.borrowed = {}
         self._static_kv += p_tokens
         self._track_peak()
         for seq, n in chunks:

@@ -37,6 +37,7 @@ __all__ = [
     "PrefixCache",
     "block_key",
     "chain_keys",
+    "common_prefix_len",
     "id_keys",
 ]
 
@@ -66,6 +67,28 @@ def id_keys(ids: Sequence[int], limit: int, block_size: int) -> Iterator[bytes]:
 def chain_keys(ids: Sequence[int], n_blocks: int, block_size: int) -> list[bytes]:
     """Keys of the first ``n_blocks`` blocks of ``ids``."""
     return list(id_keys(ids, n_blocks * block_size, block_size))
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int], end: int) -> int:
+    """How many first ids ``a`` and ``b`` agree on, at most ``end``.
+
+    A binary search over slice comparisons (each a C loop), so two prompts that
+    agree for thousands of tokens cost a dozen comparisons, not a Python loop."""
+    end = min(end, len(a), len(b))
+    if end <= 0 or a[0] != b[0]:
+        return 0
+    if type(a) is not type(b):  # a tuple never equals a list: compare like with like
+        a, b = tuple(a[:end]), tuple(b[:end])
+    if a[:end] == b[:end]:
+        return end
+    lo, hi = 1, end  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(slots=True)

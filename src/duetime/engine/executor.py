@@ -123,6 +123,11 @@ class EngineExecutor(ExecutorCore):
     A hit leaves the last token to compute (its logits give the first answer token),
     and under SnapKV the last ``snapkv_window``, whose queries SnapKV scores keys by.
 
+    ``share_prefills`` (default on): prefill chunks of one step that start with the
+    same tokens (``n`` > 1 choices, a burst behind one system prompt) compute them
+    once; the others copy those rows' keys and values from the first
+    (``ExecutorCore._share_prefills``; ``prefill_shared_tokens`` counts them).
+
     ``skip_idle`` is for benchmarks that replay a trace: when nothing can run
     until the next arrival or ready time, the run's clock jumps there instead
     of sleeping (:attr:`idle_skipped_s` adds up the jumps). Every step is still
@@ -148,6 +153,7 @@ class EngineExecutor(ExecutorCore):
         snapkv_window: int = DEFAULT_WINDOW,
         skip_idle: bool = False,
         prefix_cache_tokens: int = 0,
+        share_prefills: bool = True,
     ) -> None:
         if eviction not in EVICTION_METHODS:
             raise ValueError(
@@ -165,6 +171,7 @@ class EngineExecutor(ExecutorCore):
             prefix_cache_tokens=prefix_cache_tokens,
             # SnapKV scores the prompt's keys by its last queries: a hit leaves them
             prefix_compute_tail=snapkv_window if eviction == "snapkv" else 1,
+            share_prefills=share_prefills,
         )
         self.model = model
         self.kv = model.new_kv_cache()
@@ -315,11 +322,24 @@ class EngineExecutor(ExecutorCore):
         kv = self.kv
         model_chunks: list[SeqChunk] = []
         owners: list[tuple[Seq, bool]] = []  # (seq, produces a sampled token)
+        borrowed = self.borrowed
+        index: dict[int, int] = {}  # rid → its chunk's place in the step (a leader's)
+        computed = attn = 0  # prefill rows the model runs, and their attention n·(past + n)
         for seq, n in chunks:
             slot = self.slots[seq.rid]
-            ids = self.tokens[seq.rid][seq.prefilled : seq.prefilled + n]
-            model_chunks.append(SeqChunk(slot, ids, kv.seq_len(slot)))
-            owners.append((seq, seq.prefilled + n >= seq.prefill_target))
+            start = seq.prefilled
+            end = start + n
+            if borrowed and seq.rid in borrowed:
+                leader, rows = borrowed[seq.rid]
+                ids = self.tokens[seq.rid][start + rows : end]
+                chunk = SeqChunk(slot, ids, kv.seq_len(slot), shared=rows, leader=index[leader])
+            else:
+                index[seq.rid] = len(model_chunks)
+                chunk = SeqChunk(slot, self.tokens[seq.rid][start:end], kv.seq_len(slot))
+            model_chunks.append(chunk)
+            owners.append((seq, end >= seq.prefill_target))
+            computed += len(chunk)
+            attn += len(chunk) * end
         decoders = [s for s in self.running.values() if s.decoding]
         if kv.watching:  # a first decode ends the time SnapKV's window is needed
             for seq in decoders:
@@ -394,8 +414,8 @@ class EngineExecutor(ExecutorCore):
         if self.check_accounting:
             self._check_kv()
         rode = sum(len(r) for r in riding.values())
-        self.last_step = (dt, sum(n for _, n in chunks) + rode, len(decoders), kv_attended)
-        self._log_step(chunks, len(decoders), kv_attended, dt)
+        self.last_step = (dt, computed + rode, len(decoders), kv_attended)
+        self._log_step(computed, attn, len(decoders), kv_attended, dt)
         return dt
 
     def grammar_complete(self, rid: int) -> bool:
@@ -509,14 +529,15 @@ class EngineExecutor(ExecutorCore):
             return []
         out = []
         row = 0
+        borrowed = self.borrowed
         for seq, n in chunks:
             log = logs.get(seq.rid)
-            if log is not None:
+            if log is not None:  # (a scoring chunk borrows no rows: _may_borrow)
                 start = seq.prefilled
                 positions = log.prompt_positions(start, start + n, seq.req.prompt_len)
                 if positions:
                     out.append((seq, row + positions.start - start, positions))
-            row += n
+            row += n - borrowed[seq.rid][1] if seq.rid in borrowed else n
         return out
 
     #: Rows of prompt logits computed at once (a row is the vocabulary: 1 MiB on Gemma).
@@ -542,6 +563,12 @@ class EngineExecutor(ExecutorCore):
             return 0
         return super()._hit_limit(seq)
 
+    def _may_borrow(self, seq: Seq) -> bool:
+        """Not a prompt whose log-probabilities are wanted: each of its rows' own hidden
+        state is read (as it takes no prefix-cache hit)."""
+        log = self.logprob_logs.get(seq.rid)
+        return log is None or log.prompt_done(seq.req.prompt_len)
+
     def _check_segments(self, produced: list[tuple[int, int]]) -> None:
         """Suspend every request whose stop checker saw a segment end in its new token."""
         for rid, tok in produced:
@@ -560,7 +587,7 @@ class EngineExecutor(ExecutorCore):
                 f"{self.kv_device}"
             )
 
-    def _log_step(self, chunks: list[tuple[Seq, int]], n_dec: int, kv: int, dt: float) -> None:
+    def _log_step(self, computed: int, attn: int, n_dec: int, kv: int, dt: float) -> None:
         if self._telemetry_path is None:
             return
         if self._telemetry is None:
@@ -569,8 +596,8 @@ class EngineExecutor(ExecutorCore):
         row = {
             "t_s": round(self.now, 6),
             "step_s": round(dt, 6),
-            "prefill_tokens": sum(n for _, n in chunks),
-            "prefill_attn": sum(n * s.prefilled for s, n in chunks),  # n·(past + n)
+            "prefill_tokens": computed,  # less rows borrowed from another chunk
+            "prefill_attn": attn,
             "decode_seqs": n_dec,
             "kv_tokens_attended": kv,
             "kv_used_tokens": self.kv_used,

@@ -247,8 +247,8 @@ class Gemma3:
             v = qkv[:, n_qk * cfg.head_dim :].view(t, cfg.num_kv_heads, cfg.head_dim)
             new_kv = torch.stack((qk[:, cfg.num_heads :], v), dim=1).to(kv.dtype)
             q = qk[:, : cfg.num_heads]
-            for win, a, b in watched:
-                win.capture(i, q[a:b])
+            for win, rows, _ in watched:
+                win.capture(i, q[rows])
             attn = self._attention(batch, kv, i, q, new_kv, masks, sliding)
             h = layer.o(attn.to(layer.o.dtype)).to(x.dtype)
             x = x + _rms_norm(h, layer.post_attn, cfg.rms_norm_eps)
@@ -257,9 +257,9 @@ class Gemma3:
             h = layer.down(F.gelu(gate, approximate="tanh") * up).to(x.dtype)
             x = x + _rms_norm(h, layer.post_ffw, cfg.rms_norm_eps)
         for c in batch.chunks:
-            kv.advance(c.slot, len(c))
-        for win, a, b in watched:
-            win.advance(b - a, win.end_pos + b - a)
+            kv.advance(c.slot, c.shared + len(c))
+        for win, _, n in watched:
+            win.advance(n, win.end_pos + n)
         return x, batch
 
     @torch.no_grad()
@@ -291,14 +291,20 @@ class Gemma3:
         outs: list[torch.Tensor] = []
         decode_rows: list[int] = []
         decode_views = []
-        for c, a, b in zip(batch.chunks, batch.offsets, batch.offsets[1:], strict=False):
-            kv.store(c.slot, layer, new_kv[a:b])
+        offsets = batch.offsets
+        for c, a, b in zip(batch.chunks, offsets, offsets[1:], strict=False):
+            if c.shared:  # the leader's rows first, then its own
+                lead = offsets[c.leader]
+                kv.store(c.slot, layer, torch.cat((new_kv[lead : lead + c.shared], new_kv[a:b])))
+            else:
+                kv.store(c.slot, layer, new_kv[a:b])
             view = kv.view(c.slot, layer, b - a)
             if b - a == 1 and not view.needs_mask:
                 decode_rows.append(a)
                 decode_views.append(view)
                 continue
-            mask = masks.mask(view, c.start_pos, b - a, sliding) if view.needs_mask else None
+            q_start = c.start_pos + c.shared
+            mask = masks.mask(view, q_start, b - a, sliding) if view.needs_mask else None
             outs.append(attend(q[a:b], view, mask, self.scale))
         # the decode kernel serves even one decode; SDPA's batched call pays from two on
         few = len(decode_views) < (1 if self.decode_kernel else 2)
@@ -330,15 +336,28 @@ class Gemma3:
         return emb.cos().to(self.compute_dtype), emb.sin().to(self.compute_dtype)
 
 
-def _watched_rows(batch: StepBatch, kv: KVCache) -> list[tuple[ObsWindow, int, int]]:
-    """(observation window, first row, end row) of every watched chunk in the step."""
-    rows = []
-    for c, a, b in zip(batch.chunks, batch.offsets, batch.offsets[1:], strict=False):
+def _watched_rows(
+    batch: StepBatch, kv: KVCache
+) -> list[tuple[ObsWindow, slice | torch.Tensor, int]]:
+    """(observation window, the step's rows of the queries it captures, positions the
+    chunk covers) of every watched chunk in the step. A chunk that borrows rows takes
+    the leader's queries for them (same tokens, same positions, same past): as many
+    of the newest as the window still needs besides its own."""
+    out: list[tuple[ObsWindow, slice | torch.Tensor, int]] = []
+    offsets = batch.offsets
+    for c, a, b in zip(batch.chunks, offsets, offsets[1:], strict=False):
         win = kv.obs_window(c.slot)
-        if win is not None:
-            assert win.end_pos == c.start_pos, "observation window out of step with the cache"
-            rows.append((win, a, b))
-    return rows
+        if win is None:
+            continue
+        assert win.end_pos == c.start_pos, "observation window out of step with the cache"
+        if not c.shared:
+            out.append((win, slice(a, b), b - a))
+            continue
+        lead_end = offsets[c.leader] + c.shared
+        k = min(c.shared, max(0, win.size - (b - a)))
+        rows = torch.cat((torch.arange(lead_end - k, lead_end), torch.arange(a, b)))
+        out.append((win, rows, c.shared + b - a))
+    return out
 
 
 def _rms_norm(x: torch.Tensor, one_plus_w: torch.Tensor, eps: float) -> torch.Tensor:

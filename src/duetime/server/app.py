@@ -34,7 +34,7 @@ from duetime.server.admission import Admission
 from duetime.server.answers import Meta, sse_answer, whole_answer
 from duetime.server.chat_template import render_chat
 from duetime.server.codec import Codec, Detokenizer
-from duetime.server.engine_loop import EngineLoop, Stream
+from duetime.server.engine_loop import EngineLoop, Stream, Submission
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
 from duetime.server.metrics import ResponseCounter, ServerMetrics
 from duetime.server.paths import StripTrailingSlash
@@ -343,7 +343,7 @@ async def _serve(
         # It took request ids, so /metrics counts it once, as the client's abort.
         state.metrics.requests.labels("abort").inc()
         return Response(status_code=499)
-    relays = []
+    relays, submissions = [], []
     for k, ((ids, text), job) in enumerate(zip(prompts, jobs, strict=True)):
         echo = _echo(state, body, ids, text)
         scored_ids = ids if scored else None
@@ -353,7 +353,10 @@ async def _serve(
                 req = dataclasses.replace(job.request, rid=engine.next_rid())
                 one = Job(req, output_len=max_tokens)
             choice_grammar = None if grammar is None else grammar.copy()
-            relays.append(_submit(state, body, one, i, k, echo, scored_ids, choice_grammar))
+            relay, submission = _choice(state, body, one, i, k, echo, scored_ids, choice_grammar)
+            relays.append(relay)
+            submissions.append(submission)
+    engine.submit(*submissions)  # in one round: the choices' shared prompt is computed once
     meta = Meta(
         model=cfg.model_name,
         chat=chat,
@@ -392,7 +395,7 @@ def _check_prompt(cfg: ServerConfig, ids: list[int], max_tokens: int, which: str
         )
 
 
-def _submit(
+def _choice(
     state: ServerState,
     body: CompletionRequest | ChatCompletionRequest,
     job: Job,
@@ -401,9 +404,9 @@ def _submit(
     echo: str | None,
     scored_ids: list[int] | None,
     grammar: TokenGrammar | None,
-) -> Relay:
-    """Hand one choice's sequence to the engine (its tokens masked to ``grammar``, if
-    any); the relay that turns its tokens into text, showing its prompt's ``echo`` and,
+) -> tuple[Relay, Submission]:
+    """One choice's sequence for the engine (its tokens masked to ``grammar``, if any),
+    and the relay that turns its tokens into text, showing its prompt's ``echo`` and,
     with ``scored_ids``, the prompt's scores."""
     engine = state.engine
     stream = Stream(asyncio.get_running_loop(), state.metrics.observe)
@@ -414,7 +417,7 @@ def _submit(
         segmenter = TextSegmenter(make_rule(body.segment), state.codec.decode)
     top_n = body.logprob_top_n()
     logprobs = None if top_n is None else LogprobLog(top_n, prompt=scored_ids is not None)
-    engine.submit(
+    submission = engine.submission(
         job,
         stream,
         stop_on_eos=not body.ignore_eos,
@@ -427,7 +430,7 @@ def _submit(
     )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     detok = Detokenizer(state.codec)
-    return Relay(
+    relay = Relay(
         engine,
         job.request.rid,
         stream,
@@ -439,6 +442,7 @@ def _submit(
         echo=echo,
         scored_ids=scored_ids,
     )
+    return relay, submission
 
 
 def _echo(

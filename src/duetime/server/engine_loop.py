@@ -36,7 +36,7 @@ from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
 from duetime.server.step_timer import StepTimer
 
-__all__ = ["EngineLoop", "EngineStats", "Outcome", "Stream"]
+__all__ = ["EngineLoop", "EngineStats", "Outcome", "Stream", "Submission"]
 
 log = logging.getLogger("duetime.server")
 
@@ -144,7 +144,7 @@ class EngineStats:
 
 
 @dataclass(slots=True, frozen=True)
-class _Submission:
+class Submission:
     """A request on its way to the engine thread, with what decides its tokens."""
 
     job: Job
@@ -209,7 +209,7 @@ class EngineLoop:
         """Seconds on the engine clock (request arrival and deadline times use it)."""
         return self.executor.clock_now()
 
-    def submit(
+    def submission(
         self,
         job: Job,
         stream: Stream,
@@ -221,23 +221,29 @@ class EngineLoop:
         sampling: SamplingParams | None = None,
         logprobs: LogprobLog | None = None,
         grammar: TokenGrammar | None = None,
-    ) -> None:
-        """Queue a request; ``segmenter`` suspends it at each text segment end (TimelyLLM);
-        ``sampling`` picks its tokens (None or plain greedy params: the batch's arg-max);
-        ``logprobs`` receives their log-probabilities (the caller reads it as tokens come);
-        ``grammar`` allows only the tokens it takes (structured outputs).
-        The answer ends at its end-of-sequence (with ``stop_on_eos``) or any of
-        ``stop_token_ids``, once it holds ``min_tokens`` tokens, or where ``grammar`` is
-        complete."""
+    ) -> Submission:
+        """A request ready for :meth:`submit`; ``segmenter`` suspends it at each text
+        segment end (TimelyLLM); ``sampling`` picks its tokens (None or plain greedy
+        params: the batch's arg-max); ``logprobs`` receives their log-probabilities (the
+        caller reads it as tokens come); ``grammar`` allows only the tokens it takes
+        (structured outputs). The answer ends at its end-of-sequence (with
+        ``stop_on_eos``) or any of ``stop_token_ids``, once it holds ``min_tokens``
+        tokens, or where ``grammar`` is complete."""
         sampler = None if sampling is None or sampling.plain else Sampler(sampling)
         ids = set(stop_token_ids)
         eos = self.executor.eos_token_id
         if stop_on_eos and eos is not None:
             ids.add(eos)
         stop = StopRule(frozenset(ids), min_tokens) if ids else None
-        item = _Submission(job, stream, stop, segmenter, sampler, logprobs, grammar)
+        return Submission(job, stream, stop, segmenter, sampler, logprobs, grammar)
+
+    def submit(self, *items: Submission) -> None:
+        """Queue requests. Those given in one call reach the engine in the same round,
+        so a policy can admit them in one step: ``n`` > 1 choices of a prompt then
+        compute it once (the executor's shared prefills), where one handed over a round
+        later would compute it again."""
         with self._lock:
-            self._inbox.append(("submit", item))
+            self._inbox.extend(("submit", item) for item in items)
         self._wake.set()
 
     def abort(self, rid: int) -> None:
@@ -329,7 +335,7 @@ class EngineLoop:
         done_before = ex.n_done
         for kind, payload in items:
             if kind == "submit":
-                sub: _Submission = payload
+                sub: Submission = payload
                 rid = sub.job.request.rid
                 try:
                     ex.admit_arrival(sub.job)

@@ -42,6 +42,8 @@ class SimConfig:
     prefix_cache_tokens: int = 0
     # Prompt tokens a hit leaves to compute: 1 (vLLM), or 32 to model the engine under SnapKV.
     prefix_compute_tail: int = 1
+    # Prefills of one step that start with the same tokens compute them once (as the engine).
+    share_prefills: bool = True
 
     def check(self) -> None:
         """Refuse limits no engine has (a negative KV capacity rejects every request)."""
@@ -92,6 +94,7 @@ class Simulator(ExecutorCore):
             offload_suspended=self.cfg.offload_suspended,
             prefix_cache_tokens=self.cfg.prefix_cache_tokens,
             prefix_compute_tail=self.cfg.prefix_compute_tail,
+            share_prefills=self.cfg.share_prefills,
         )
         self.cost = cost
         self._pending_evict_s = 0.0  # eviction work the next step pays (cost.eviction_time)
@@ -119,9 +122,13 @@ class Simulator(ExecutorCore):
         """One step with prefill chunks (and every decoder taking one token)."""
         p_tokens = 0
         attn = 0.0
+        borrowed = self.borrowed
         for seq, n in chunks:
+            end = seq.prefilled + n
+            if borrowed and seq.rid in borrowed:
+                n -= borrowed[seq.rid][1]  # rows another chunk computes
             p_tokens += n
-            attn += n * (seq.prefilled + n)
+            attn += n * end
         swap = self._pending_swap
         self._pending_swap = 0
         self._advance(self.cost.step_time(p_tokens, attn, self._n_dec, self._dec_kv(), swap))

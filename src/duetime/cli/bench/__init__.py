@@ -23,5 +23,6 @@ from duetime.cli.bench import (  # noqa: F401  (registers the commands)
     sensitivity,
     eviction,
     prefix_cache,
+    shared_prefill,
     grammar,
 )

@@ -1,0 +1,98 @@
+"""`duetime bench shared-prefill`: TTFT of bursts that start alike, shared prefills off / on."""
+
+from __future__ import annotations
+
+import random
+from typing import Annotated
+
+import typer
+
+from duetime.cli.bench.save import save_figures
+from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
+
+
+@bench_app.command("shared-prefill")
+def bench_shared_prefill(
+    model: Annotated[
+        str,
+        typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT text), 'tiny' (random) or a GGUF."),
+    ] = "gemma",
+    copies: Annotated[
+        int, typer.Option(min=2, max=64, help="Copies of one prompt (n > 1 choices).")
+    ] = 4,
+    prompt_len: Annotated[int, typer.Option(min=17, help="Their prompt, tokens.")] = 512,
+    requests: Annotated[
+        int, typer.Option(min=2, max=64, help="Requests behind one system prompt.")
+    ] = 8,
+    system_len: Annotated[int, typer.Option(min=16, help="The system prompt, tokens.")] = 512,
+    question_len: Annotated[
+        int, typer.Option(min=1, help="Longest question after it, tokens.")
+    ] = 64,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")] = 16,
+    repeats: Annotated[int, typer.Option(min=1, help="Interleaved repetitions (medians).")] = 3,
+    dtype: Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")] = "q8",
+    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 2,
+    seed: Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")] = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """Serve two bursts a prefix cache cannot help (copies of one prompt; requests behind
+    one system prompt, all arriving together) with shared prefills off and on, and
+    compare their time to first token, the prefill computed and the answers."""
+    import torch
+
+    from duetime.bench import shared_prefill as bench
+    from duetime.bench.engine_fit import check_context, check_dtype, engine_context
+    from duetime.metrics import render_table
+
+    with _user_errors():
+        check_dtype(dtype)
+        context = engine_context(model)
+        check_context(prompt_len + new_tokens, context, f"--prompt-len {prompt_len} + --new-tokens")
+        check_context(
+            system_len + question_len + new_tokens,
+            context,
+            f"--system-len {system_len} + --question-len {question_len} + "
+            f"--new-tokens {new_tokens}",
+        )
+        torch.set_num_threads(threads)
+        if model == "tiny":
+            from duetime.engine.testing import engine_from_hf, tiny_hf_model
+
+            m = engine_from_hf(tiny_hf_model(seed=seed), dtype)  # type: ignore[arg-type]
+            r = random.Random(seed)
+            vocab = m.config.vocab_size
+            prompt = [r.randrange(vocab) for _ in range(prompt_len)]
+            system = [r.randrange(vocab) for _ in range(system_len)]
+            questions = [
+                [r.randrange(vocab) for _ in range(r.randint(1, question_len))]
+                for _ in range(requests)
+            ]
+        else:
+            from duetime.bench.eviction import sharegpt_prompts
+            from duetime.engine.load import load_model
+
+            m = load_model(None if model == "gemma" else model, dtype=dtype)  # type: ignore[arg-type]
+            # long ShareGPT prompts as the copied and the system one, short ones after it
+            prompt, system = (
+                p[:n]
+                for p, n in zip(
+                    sharegpt_prompts(2, max(prompt_len, system_len), 8 * 1024, seed),
+                    (prompt_len, system_len),
+                    strict=True,
+                )
+            )
+            questions = [q[1:] for q in sharegpt_prompts(requests, 2, question_len + 1, seed)]
+        fig = bench.run(
+            m, prompt, copies, system, questions, new_tokens=new_tokens, repeats=repeats
+        )
+        fig.update(model=model, dtype=dtype, threads=threads, seed=seed)
+    out.print(render_table(bench.table_columns(fig), keys=bench.TABLE_KEYS))
+    for burst, what in (("choices", f"{copies} copies"), ("system", f"{requests} requests")):
+        b = fig[burst]
+        out.print(
+            f"{burst} ({what}): TTFT p50 {b['ttft_p50_speedup']:.2f}x, max "
+            f"{b['ttft_max_speedup']:.2f}x, mean e2e {b['e2e_speedup']:.2f}x faster with "
+            f"shared prefills; {b['prefill_saved_pct']:.1f} % less prefill computed; "
+            f"answers identical {b['answers_identical']}/{b['requests']}"
+        )
+    save_figures(fig, json_path=json_path)
