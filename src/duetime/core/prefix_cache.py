@@ -72,17 +72,23 @@ def chain_keys(ids: Sequence[int], n_blocks: int, block_size: int) -> list[bytes
 def common_prefix_len(a: Sequence[int], b: Sequence[int], end: int) -> int:
     """How many first ids ``a`` and ``b`` agree on, at most ``end``.
 
-    A binary search over slice comparisons (each a C loop), so two prompts that
-    agree for thousands of tokens cost a dozen comparisons, not a Python loop."""
+    Slices of growing length (16, 32, 64, ...) are compared until one differs, then
+    a binary search inside it: each comparison is a C loop, and the work grows with
+    the common part, so prompts that differ early (most of a burst) cost one look."""
     end = min(end, len(a), len(b))
-    if end <= 0 or a[0] != b[0]:
+    if end <= 0:
         return 0
     if type(a) is not type(b):  # a tuple never equals a list: compare like with like
         a, b = tuple(a[:end]), tuple(b[:end])
-    if a[:end] == b[:end]:
-        return end
-    lo, hi = 1, end  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
+    lo, step = 0, 16
+    while True:  # a[:lo] == b[:lo]
+        hi = min(lo + step, end)
+        if a[lo:hi] != b[lo:hi]:
+            break
+        if hi == end:
+            return end
+        lo, step = hi, 2 * step
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:
             lo = mid
