@@ -217,6 +217,29 @@ def scenarios(draw: Any) -> dict[str, Any]:
     }
 
 
+@st.composite
+def bursts(draw: Any) -> dict[str, Any]:
+    """A chaos scenario whose requests arrive together and start alike (copies of one
+    prompt, as ``n`` > 1 choices; prompts behind one beginning), with room to admit
+    several in one step: their prefills share rows, then the chaos begins."""
+    sc = draw(scenarios())
+    first = tuple(draw(st.lists(st.integers(0, 255), min_size=17, max_size=50)))
+    jobs = []
+    for i in range(draw(st.integers(2, 8))):
+        tail = tuple(draw(st.lists(st.integers(0, 255), max_size=20)))
+        prompt = first if draw(st.booleans()) else first[: draw(st.integers(16, len(first)))] + tail
+        o = draw(st.integers(1, 12))
+        jobs.append(_job(i, prompt, o, max_tokens=64))
+    sc.update(
+        jobs=jobs,
+        text_segments=False,
+        kv_capacity=draw(st.sampled_from([200, 400, 10_000])),
+        max_num_seqs=draw(st.sampled_from([4, 8])),
+        max_batch_tokens=draw(st.sampled_from([40, 96, 2048])),
+    )
+    return sc
+
+
 @settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
@@ -224,6 +247,23 @@ def scenarios(draw: Any) -> dict[str, Any]:
 def test_engine_under_chaos_frees_everything_and_keeps_greedy_answers(
     model: Gemma3, sc: dict[str, Any]
 ) -> None:
+    _chaos(model, sc)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+@given(bursts())
+def test_shared_prefills_under_chaos_keep_the_books_and_the_answers(
+    model: Gemma3, sc: dict[str, Any]
+) -> None:
+    _chaos(model, sc)
+
+
+def _chaos(model: Gemma3, sc: dict[str, Any]) -> None:
+    """Run ``sc`` under :class:`EngineChaos` (the KV checked against the books after
+    every step) and check that everything is freed and every answer not evicted is
+    the request's answer alone."""
     jobs: list[Job] = sc["jobs"]
     policy = EngineChaos(sc["seed"], sc["mode"], sc["p"])
     ex = CheckedEngine(

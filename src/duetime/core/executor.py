@@ -558,22 +558,38 @@ class ExecutorCore:
         self.borrowed = {}
         if not self.share_prefills or len(chunks) < 2:
             return
-        leaders: list[tuple[Seq, int]] = []
+        # Chunks that can share begin alike where they start: bucketing them by that
+        # first block keeps a step of k unrelated chunks at k lookups, not k² comparisons.
+        leaders: dict[Hashable, list[tuple[Seq, int]]] = {}
         for seq, n in chunks:
+            key = self._share_key(seq) if n > DEFAULT_BLOCK_SIZE else None
+            if key is None:
+                continue
             best, rows = None, 0
-            if n > DEFAULT_BLOCK_SIZE and self._may_borrow(seq):
+            if self._may_borrow(seq):
                 start = seq.prefilled
-                for lead, m in leaders:
-                    if lead.prefilled == start:
-                        end = start + min(m, n - 1)
-                        common = self._common_prompt(lead, seq, end) - start
-                        if common >= DEFAULT_BLOCK_SIZE and common > rows:
-                            best, rows = lead, common
+                for lead, m in leaders.get(key, ()):
+                    common = self._common_prompt(lead, seq, start + min(m, n - 1)) - start
+                    if common >= DEFAULT_BLOCK_SIZE and common > rows:
+                        best, rows = lead, common
             if best is None:
-                leaders.append((seq, n))
+                leaders.setdefault(key, []).append((seq, n))
             else:
                 self.borrowed[seq.rid] = (best.rid, rows)
                 self.prefill_shared_tokens += rows
+
+    @staticmethod
+    def _share_key(seq: Seq) -> Hashable | None:
+        """Where ``seq``'s prefill stands and the block of prompt it goes on with (its
+        ids, or the shared prefix it names); None where no block of prompt is left."""
+        req, start = seq.req, seq.prefilled
+        end = start + DEFAULT_BLOCK_SIZE
+        ids = req.prompt_token_ids
+        if ids is not None:
+            return (start, tuple(ids[start:end])) if end <= len(ids) else None
+        if req.prefix_group is not None and end <= req.prefix_len:
+            return (start, "group", req.prefix_group)
+        return None
 
     def _may_borrow(self, seq: Seq) -> bool:
         """Whether ``seq``'s prefill may take rows another chunk computes (the engine
