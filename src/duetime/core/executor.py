@@ -555,8 +555,9 @@ class ExecutorCore:
         cheaper step. Only rows of at least a block's worth
         (``DEFAULT_BLOCK_SIZE``) are borrowed, from a chunk that computes its own.
         """
-        self.borrowed = {}
-        if not self.share_prefills or len(chunks) < 2:
+        if self.borrowed:
+            self.borrowed = {}
+        if len(chunks) < 2 or not self.share_prefills:
             return
         # Chunks that can share begin alike where they start: bucketing them by that
         # first block keeps a step of k unrelated chunks at k lookups, not k² comparisons.
@@ -845,8 +846,10 @@ class ExecutorCore:
             self.clock.steps += 1
             self.tokens_generated += self._n_dec
         p_tokens = sum(n for _, n in chunks)
-        self.prefill_tokens += p_tokens - sum(rows for _, rows in self.borrowed.values())
-        self.borrowed = {}
+        self.prefill_tokens += p_tokens
+        if self.borrowed:  # rows a chunk copied from another were not computed
+            self.prefill_tokens -= sum(rows for _, rows in self.borrowed.values())
+            self.borrowed = {}
         self._static_kv += p_tokens
         self._track_peak()
         for seq, n in chunks:
