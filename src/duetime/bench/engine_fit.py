@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
-from duetime.core.request import Job
+from duetime.core.request import Job, Request
 from duetime.engine.gemma3 import DTYPES
 from duetime.predict.ete import StepSample, cost_mape_pct, step_kind
 
@@ -100,6 +100,23 @@ def load_bench_model(spec: str, dtype: str = "fp32") -> Any:
     if spec == "gemma":
         return load_model(dtype=dtype, progress=False)  # type: ignore[arg-type]
     return load_model(spec, dtype=dtype, progress=False)  # type: ignore[arg-type]
+
+
+def burst_jobs(prompts: Sequence[Sequence[int]], new_tokens: int) -> list[Job]:
+    """One job a prompt, all arriving at once, each answering ``new_tokens`` tokens
+    (EOS ignored, so every run of a side-by-side bench does the same work)."""
+    jobs = []
+    for i, ids in enumerate(prompts):
+        req = Request(
+            rid=i,
+            arrival=0.0,
+            prompt_len=len(ids),
+            prompt_token_ids=tuple(ids),
+            max_tokens=new_tokens,
+            ignore_eos=True,
+        )
+        jobs.append(Job(req, new_tokens))
+    return jobs
 
 
 def _id_range(vocab: int) -> tuple[int, int]:

@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from duetime.bench.engine_fit import warm_up
+from duetime.bench.engine_fit import burst_jobs, warm_up
 from duetime.core.grammar import GrammarSpec
-from duetime.core.request import Job, Request
+from duetime.core.request import Job
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.grammar import GrammarCompiler
 from duetime.policies import make_policy
@@ -67,21 +67,6 @@ GRAMMARS: dict[str, tuple[GrammarSpec, Callable[[str], bool]]] = {
         lambda t: re.fullmatch("(go |stop |turn left |wait )*[a-z ]*", t) is not None,
     ),
 }
-
-
-def _jobs(prompts: Sequence[Sequence[int]], new_tokens: int) -> list[Job]:
-    jobs = []
-    for i, ids in enumerate(prompts):
-        req = Request(
-            rid=i,
-            arrival=0.0,
-            prompt_len=len(ids),
-            prompt_token_ids=tuple(ids),
-            max_tokens=new_tokens,
-            ignore_eos=True,
-        )
-        jobs.append(Job(req, new_tokens))
-    return jobs
 
 
 def _serve(
@@ -136,7 +121,7 @@ def run(
     for _ in range(repeats):
         for label in labels:  # interleaved: a noisy neighbour hits every label alike
             spec = None if label == "none" else GRAMMARS[label][0]
-            res, wall = _serve(model, _jobs(prompts, new_tokens), compiler, spec)
+            res, wall = _serve(model, burst_jobs(prompts, new_tokens), compiler, spec)
             made = sum(len(out) for out in res.outputs.values())
             if made != tokens:
                 raise RuntimeError(f"{label}: {made} tokens made, {tokens} expected")
@@ -198,7 +183,7 @@ def run_jump(
     outputs: dict[bool, Any] = {}
     for _ in range(repeats):
         for jump in (False, True):
-            jobs = _jobs(prompts, 256)  # (the grammar ends each answer long before)
+            jobs = burst_jobs(prompts, 256)  # (the grammar ends each answer long before)
             ex = EngineExecutor(
                 make_policy("fcfs"), model, max_num_seqs=len(jobs), check_accounting=False
             )

@@ -23,29 +23,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from duetime.bench.engine_fit import warm_up
-from duetime.core.request import Job, Request
+from duetime.bench.engine_fit import burst_jobs, warm_up
 from duetime.engine.executor import EngineExecutor
 from duetime.policies import make_policy
 
 __all__ = ["TABLE_KEYS", "run", "table_columns"]
 
 MODES = ("plain", "shared")
-
-
-def _jobs(prompts: Sequence[Sequence[int]], new_tokens: int) -> list[Job]:
-    jobs = []
-    for i, ids in enumerate(prompts):
-        req = Request(
-            rid=i,
-            arrival=0.0,
-            prompt_len=len(ids),
-            prompt_token_ids=tuple(ids),
-            max_tokens=new_tokens,
-            ignore_eos=True,
-        )
-        jobs.append(Job(req, new_tokens))
-    return jobs
 
 
 def _serve(
@@ -61,7 +45,7 @@ def _serve(
         share_prefills=share,
     )
     t = time.perf_counter()
-    res = ex.run(_jobs(prompts, new_tokens))
+    res = ex.run(burst_jobs(prompts, new_tokens))
     wall = time.perf_counter() - t
     ttfts = [r.ttft for r in res.records if r.ttft is not None]
     figs = {
