@@ -53,6 +53,15 @@ class QueuePolicy:
             return True
         return seq.prefill_target - snap.prefix_hit(seq) > snap.max_batch_tokens
 
+    def first_chunk(self, seq: Seq, snap: EngineSnapshot, need: int, budget: int) -> int:
+        """Tokens the first prefill chunk of waiting ``seq`` (a prefill of ``need``
+        tokens) runs in a step with ``budget`` tokens left: what it computes (less any
+        prefix-cache hit, which is copied), cut to the budget where it may run in
+        pieces (:meth:`may_chunk`), else all of it (over ``budget``: not this step).
+        Memory is reserved for the whole ``need`` either way."""
+        work = need - snap.prefix_hit(seq)
+        return min(work, budget) if self.may_chunk(seq, snap) else work
+
     # --- the three choices --------------------------------------------------
     def forget(self, rid: int) -> None:
         """Drop any state kept for request ``rid`` (it is finished and gone).
@@ -112,9 +121,8 @@ class QueuePolicy:
             # budget pays only for what it computes: a prefix-cache hit is copied.
             fits = need + 1 + self.admit_headroom <= free
             if fits and self.admissible(seq, snap):
-                work = need - snap.prefix_hit(seq)
-                n = min(work, budget)
-                if n < work and not self.may_chunk(seq, snap):
+                n = self.first_chunk(seq, snap, need, budget)
+                if n > budget:
                     fits = False
                 else:
                     dec.prefill.append((seq.rid, n))

@@ -150,8 +150,7 @@ class DeferredPrefill(QueuePolicy):
                 continue
             # Whole prompts (less a prefix-cache hit), unless one is longer than any
             # step takes (may_chunk).
-            work = need - snap.prefix_hit(seq)
-            step = min(work, budget) if self.may_chunk(seq, snap) else work
+            step = self.first_chunk(seq, snap, need, budget)
             if n >= cap:
                 return n, "full"
             if need + 1 > free:

@@ -194,8 +194,7 @@ class LookaheadPolicy(QueuePolicy):
             # The whole prompt in one step (less a prefix-cache hit), unless chunked
             # prefill is on or it is longer than any step takes; memory is reserved
             # for all of it either way.
-            work = need - snap.prefix_hit(seq)
-            step = min(work, budget) if self.may_chunk(seq, snap) else work
+            step = self.first_chunk(seq, snap, need, budget)
             fits = need <= allowed or (alone and need <= free)
             if fits and 1 <= step <= budget:
                 dec.prefill.append((seq.rid, step))
