@@ -592,6 +592,12 @@ class ExecutorCore:
             return (start, "group", req.prefix_group)
         return None
 
+    def computed_rows(self, seq: Seq, n: int) -> int:
+        """Rows the step's prefill chunk of ``n`` tokens of ``seq`` computes: all but
+        those it borrows from another chunk."""
+        lent = self.borrowed.get(seq.rid)
+        return n if lent is None else n - lent[1]
+
     def _may_borrow(self, seq: Seq) -> bool:
         """Whether ``seq``'s prefill may take rows another chunk computes (the engine
         says no where it needs every row's own output)."""

@@ -464,15 +464,10 @@ class EngineExecutor(ExecutorCore):
             last = self.grammars[rid].finished and len(queue) <= left
             if not (last or len(queue) >= left) or left < 1:
                 continue
-            take = queue[:left]
-            self.tokens[rid].extend(take)
-            del queue[: len(take)]
-            if not queue:
-                del self._forced[rid]
-            if not self.finish_with(rid, len(take)):
-                raise ExecutorError(f"request {rid}: its last {len(take)} tokens did not fit")
-            produced += [(rid, t) for t in take]
-            self._count_jumped(len(take))
+            k = min(len(queue), left)
+            if not self.finish_with(rid, k):
+                raise ExecutorError(f"request {rid}: its last {k} tokens did not fit")
+            produced += [(rid, t) for t in self._take_forced(rid, queue, k)]
         return produced
 
     def _ride_forced(self, decoders: list[Seq], prefill_tokens: int) -> dict[int, list[int]]:
@@ -492,21 +487,23 @@ class EngineExecutor(ExecutorCore):
             k = min(len(queue), free, budget, self.tokens_left(seq) - 1)
             if k < 1:
                 continue
-            take = queue[:k]
             if not self.skip_ahead(seq.rid, k):  # (its KV: once this step has run)
                 raise ExecutorError(f"request {seq.rid}: {k} forced tokens did not fit")
-            self.tokens[seq.rid].extend(take)
-            del queue[:k]
-            if not queue:
-                del self._forced[seq.rid]
+            riding[seq.rid] = self._take_forced(seq.rid, queue, k)
             free -= k
             budget -= k
-            riding[seq.rid] = take
-            self._count_jumped(k)
         return riding
 
-    def _count_jumped(self, n: int) -> None:
-        self.counters["forced_tokens_jumped"] = self.counters.get("forced_tokens_jumped", 0) + n
+    def _take_forced(self, rid: int, queue: list[int], k: int) -> list[int]:
+        """Move the first ``k`` of ``rid``'s forced ``queue`` into its answer (the core
+        has booked them): the tokens moved."""
+        take = queue[:k]
+        self.tokens[rid].extend(take)
+        del queue[:k]
+        if not queue:
+            del self._forced[rid]
+        self.counters["forced_tokens_jumped"] = self.counters.get("forced_tokens_jumped", 0) + k
+        return take
 
     def _pick(self, seq: Seq, logits: torch.Tensor, grammar: TokenGrammar | None, best: int) -> int:
         """The token a request with a sampler or a grammar takes from its ``[vocab]`` row
@@ -529,7 +526,6 @@ class EngineExecutor(ExecutorCore):
             return []
         out = []
         row = 0
-        borrowed = self.borrowed
         for seq, n in chunks:
             log = logs.get(seq.rid)
             if log is not None:  # (a scoring chunk borrows no rows: _may_borrow)
@@ -537,7 +533,7 @@ class EngineExecutor(ExecutorCore):
                 positions = log.prompt_positions(start, start + n, seq.req.prompt_len)
                 if positions:
                     out.append((seq, row + positions.start - start, positions))
-            row += n - borrowed[seq.rid][1] if seq.rid in borrowed else n
+            row += self.computed_rows(seq, n)
         return out
 
     #: Rows of prompt logits computed at once (a row is the vocabulary: 1 MiB on Gemma).
@@ -555,19 +551,18 @@ class EngineExecutor(ExecutorCore):
             tokens = ids[first + 1 : first + 1 + b - a]
             log.record_prompt(first, self.model.logits(hidden[a:b]), tokens)
 
-    def _hit_limit(self, seq: Seq) -> int:
-        """No prefix-cache hit for a prompt whose log-probabilities are wanted: every
-        position's logits must be computed."""
+    def _scores_prompt(self, seq: Seq) -> bool:
+        """Whether ``seq``'s prefill still scores prompt tokens a log wants: then every
+        position's own hidden state is read, so none may be copied, from the prefix
+        cache (:meth:`_hit_limit`) or from another chunk (:meth:`_may_borrow`)."""
         log = self.logprob_logs.get(seq.rid)
-        if log is not None and not log.prompt_done(seq.req.prompt_len):
-            return 0
-        return super()._hit_limit(seq)
+        return log is not None and not log.prompt_done(seq.req.prompt_len)
+
+    def _hit_limit(self, seq: Seq) -> int:
+        return 0 if self._scores_prompt(seq) else super()._hit_limit(seq)
 
     def _may_borrow(self, seq: Seq) -> bool:
-        """Not a prompt whose log-probabilities are wanted: each of its rows' own hidden
-        state is read (as it takes no prefix-cache hit)."""
-        log = self.logprob_logs.get(seq.rid)
-        return log is None or log.prompt_done(seq.req.prompt_len)
+        return not self._scores_prompt(seq)
 
     def _check_segments(self, produced: list[tuple[int, int]]) -> None:
         """Suspend every request whose stop checker saw a segment end in its new token."""

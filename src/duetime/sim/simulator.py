@@ -122,13 +122,10 @@ class Simulator(ExecutorCore):
         """One step with prefill chunks (and every decoder taking one token)."""
         p_tokens = 0
         attn = 0.0
-        borrowed = self.borrowed
         for seq, n in chunks:
-            end = seq.prefilled + n
-            if borrowed and seq.rid in borrowed:
-                n -= borrowed[seq.rid][1]  # rows another chunk computes
-            p_tokens += n
-            attn += n * end
+            rows = self.computed_rows(seq, n)
+            p_tokens += rows
+            attn += rows * (seq.prefilled + n)
         swap = self._pending_swap
         self._pending_swap = 0
         self._advance(self.cost.step_time(p_tokens, attn, self._n_dec, self._dec_kv(), swap))
