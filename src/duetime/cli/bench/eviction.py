@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from duetime.cli.bench.options import DtypeOpt, PromptSeedOpt, ThreadsOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
 
@@ -34,9 +35,9 @@ def bench_eviction(
     window: Annotated[int, typer.Option(min=1, help="SnapKV observation window w.")] = 32,
     chunk: Annotated[int, typer.Option(min=1, help="Prefill chunk, tokens.")] = 512,
     repeats: Annotated[int, typer.Option(min=1, help="Prefill timing repetitions.")] = 5,
-    dtype: Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")] = "fp32",
-    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 2,
-    seed: Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")] = 0,
+    dtype: DtypeOpt = "fp32",
+    threads: ThreadsOpt = 2,
+    seed: PromptSeedOpt = 0,
     json_path: JsonOpt = None,
 ) -> None:
     """Prefill overhead of SnapKV's observation window, eviction time, and how close the

@@ -6,16 +6,14 @@ from typing import Annotated
 
 import typer
 
+from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, PromptSeedOpt, RepeatsOpt, ThreadsOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("grammar")
 def bench_grammar(
-    model: Annotated[
-        str,
-        typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT prompts), 'tiny' (random) or a GGUF."),
-    ] = "gemma",
+    model: BenchModelOpt = "gemma",
     requests: Annotated[
         int, typer.Option(min=1, max=64, help="Concurrent requests (one batch).")
     ] = 4,
@@ -23,10 +21,10 @@ def bench_grammar(
     kinds: Annotated[
         str, typer.Option(help="Comma-separated grammars: json_schema, json_array, regex, lark.")
     ] = "json_schema,json_array,regex,lark",
-    repeats: Annotated[int, typer.Option(min=1, help="Interleaved repetitions (medians).")] = 3,
-    dtype: Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")] = "q8",
-    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 2,
-    seed: Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")] = 0,
+    repeats: RepeatsOpt = 3,
+    dtype: DtypeOpt = "q8",
+    threads: ThreadsOpt = 2,
+    seed: PromptSeedOpt = 0,
     json_path: JsonOpt = None,
 ) -> None:
     """Serve one batch of prompts unconstrained and under each grammar (JSON schema, JSON

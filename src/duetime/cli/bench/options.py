@@ -17,6 +17,17 @@ from duetime.cli.common import _fail
 SeedOpt = Annotated[int, typer.Option(min=0)]
 WorkersOpt = Annotated[int, typer.Option(min=1, help="Parallel workers.")]
 
+# The commands that always run the engine on a model (`prefix-cache`, `shared-prefill`,
+# `grammar`, `eviction`); each picks its own default dtype.
+BenchModelOpt = Annotated[
+    str,
+    typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT prompts), 'tiny' (random) or a GGUF."),
+]
+DtypeOpt = Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")]
+ThreadsOpt = Annotated[int, typer.Option(min=1, help="torch threads.")]
+PromptSeedOpt = Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")]
+RepeatsOpt = Annotated[int, typer.Option(min=1, help="Interleaved repetitions (medians).")]
+
 # The real-engine options of the commands whose `--engine` loads any engine model
 # (`amin`, `deferred-prefill`); unset means "the engine mode's default".
 EngineModelOpt = Annotated[

@@ -7,16 +7,14 @@ from typing import Annotated
 
 import typer
 
+from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, PromptSeedOpt, ThreadsOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("prefix-cache")
 def bench_prefix_cache(
-    model: Annotated[
-        str,
-        typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT text), 'tiny' (random) or a GGUF."),
-    ] = "gemma",
+    model: BenchModelOpt = "gemma",
     requests: Annotated[
         int, typer.Option(min=2, max=200, help="Requests sharing the prompt (the 1st fills).")
     ] = 8,
@@ -26,9 +24,9 @@ def bench_prefix_cache(
     ] = 64,
     new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")] = 16,
     cache_tokens: Annotated[int, typer.Option(min=16, help="Prefix cache budget, tokens.")] = 4096,
-    dtype: Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")] = "q8",
-    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 2,
-    seed: Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")] = 0,
+    dtype: DtypeOpt = "q8",
+    threads: ThreadsOpt = 2,
+    seed: PromptSeedOpt = 0,
     json_path: JsonOpt = None,
 ) -> None:
     """Serve requests that share a long prompt one at a time, without and with the

@@ -7,16 +7,14 @@ from typing import Annotated
 
 import typer
 
+from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, PromptSeedOpt, RepeatsOpt, ThreadsOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("shared-prefill")
 def bench_shared_prefill(
-    model: Annotated[
-        str,
-        typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT text), 'tiny' (random) or a GGUF."),
-    ] = "gemma",
+    model: BenchModelOpt = "gemma",
     copies: Annotated[
         int, typer.Option(min=2, max=64, help="Copies of one prompt (n > 1 choices).")
     ] = 4,
@@ -29,10 +27,10 @@ def bench_shared_prefill(
         int, typer.Option(min=1, help="Longest question after it, tokens.")
     ] = 64,
     new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")] = 16,
-    repeats: Annotated[int, typer.Option(min=1, help="Interleaved repetitions (medians).")] = 3,
-    dtype: Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")] = "q8",
-    threads: Annotated[int, typer.Option(min=1, help="torch threads.")] = 2,
-    seed: Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")] = 0,
+    repeats: RepeatsOpt = 3,
+    dtype: DtypeOpt = "q8",
+    threads: ThreadsOpt = 2,
+    seed: PromptSeedOpt = 0,
     json_path: JsonOpt = None,
 ) -> None:
     """Serve two bursts a prefix cache cannot help (copies of one prompt; requests behind
