@@ -563,7 +563,7 @@ def test_a_choice_bounds_the_predicted_length_and_admission_judges_by_it(
         body = {"model": name, "prompt": "ok?", "max_tokens": 64, "ignore_eos": True}
         free = c.post("/v1/completions", json={**body, "deadline_ms": 2000})
         assert free.status_code == 429, free.text
-        assert "64 predicted tokens" in free.json()["error"]["message"]
+        assert "64 tokens assumed for this answer" in free.json()["error"]["message"]
         # (before any answer: the server's step-time fit then still is the profile's)
         held = {**body, "deadline_ms": 2000, "guided_choice": ["yes", "no"]}
         regex = c.post("/v1/completions", json={**held, "guided_choice": None, "guided_regex": "y"})

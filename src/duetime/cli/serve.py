@@ -50,6 +50,14 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Largest running batch.")] = 32,
     max_batch_tokens: Annotated[int, typer.Option(min=16, help="Tokens per step.")] = 2048,
     max_waiting: Annotated[int, typer.Option(min=1, help="Queue limit before 429.")] = 256,
+    admission: Annotated[
+        str,
+        typer.Option(
+            help="How a deadline is judged before a request is accepted: forecast (the "
+            "engine's state played forward in the simulator under the served policy) or "
+            "estimate (an optimistic formula; docs/server.md)."
+        ),
+    ] = "forecast",
     prefix_cache: Annotated[
         int,
         typer.Option(
@@ -119,6 +127,7 @@ def serve(
             max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
             max_waiting=max_waiting,
+            admission=admission,
             prefix_cache_tokens=prefix_cache,
             predictor=None if predictor == "none" else predictor,
             profile=profile,

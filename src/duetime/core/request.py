@@ -103,6 +103,9 @@ class Request:
     kv_eviction: str | float | None = None  # "off", "auto" or a fixed ratio; None = policy's
     prefix_group: str | None = None
     prefix_len: int = 0
+    #: When a forecast of the server's state (``sim/forecast.py``) had the answer done,
+    #: absolute; None where none was made. Set at admission, reported to the client.
+    forecast_finish: float | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:

@@ -1,31 +1,56 @@
 """Admission control: refuse early what cannot be served in time.
 
 A request is refused with 429 (and ``Retry-After``) when the queue is full, or
-when even an optimistic estimate of its finish time misses its deadline:
+when its answer is predicted to miss its deadline. Two predictions are offered:
 
-    t̂_finish = now + T_prefill(queued prompt tokens) + T_prefill(prompt − cached)
-               + N̂ · t_step(running + 1 decoders, KV in use + prompt)
+* **forecast** (the default): the engine's state, as its loop last imaged it,
+  is played forward in the simulator under a fresh instance of the served
+  policy and the step-cost model fitted online (``sim/forecast.py``), with the
+  request (every choice of it) and those accepted but not yet on the engine
+  arriving now. Each answer is taken to be as long as the length predictor says
+  (``max_tokens`` with ``ignore_eos``; a running answer past its prediction, the
+  top of its interval). The forecast sees what a formula misses: a full batch
+  to wait for, the batch growing as the queue drains, where the policy puts the
+  request, prefix-cache hits among the queued prompts. Each accepted choice
+  carries its forecast finish (``Request.forecast_finish``), reported to the
+  client as ``predicted_e2e_ms``.
+* **estimate**: the optimistic formula
 
-with ``N̂`` the predicted answer length (exactly ``max_tokens`` when the
-client asked for ``ignore_eos``), ``cached`` the prompt tokens the prefix
-cache holds now (their prefill is a copy), and step times from
-:class:`StepTimer`. The
-estimate ignores whatever a policy may put ahead of the request later, so it
-errs towards accepting: a request it refuses had no chance under FCFS order.
-A request that allows KV eviction (``kv_eviction`` not ``off``) is accepted
-anyway, flagged as degraded: the policy (TimeBill) may trade quality for time.
-Until the timer has a model, deadlines are not judged at all.
+      t̂_finish = now + T_prefill(queued prompt tokens) + T_prefill(prompt − cached)
+                 + N̂ · t_step(running + 1 decoders, KV in use + prompt)
+
+  which ignores whatever a policy may put ahead of the request and the batch it
+  waits for, so it errs towards accepting. It stands in where no forecast can be
+  made (no engine image yet), and is what ``--admission estimate`` asks for.
+
+``cached`` is the prompt tokens the prefix cache holds now (their prefill is a
+copy). A request that allows KV eviction (``kv_eviction`` not ``off``) is
+accepted anyway, flagged as degraded: the policy (TimeBill) may trade quality
+for time. Until the step timer has a model, deadlines are not judged at all.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import replace as dataclass_replace
 
+from duetime.core.image import EngineImage, LiveSeq
+from duetime.core.policy import Policy
+from duetime.core.request import Job, Request
 from duetime.server.engine_loop import EngineStats
+from duetime.server.recent_load import RecentLoad
 from duetime.server.step_timer import StepTimer
+from duetime.sim.forecast import forecast
 
-__all__ = ["Admission", "Verdict"]
+__all__ = ["ADMISSION_MODES", "Admission", "Verdict", "assumed_answer"]
+
+ADMISSION_MODES = ("forecast", "estimate")
+
+log = logging.getLogger("duetime.server")
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,14 +61,42 @@ class Verdict:
     retry_after_s: int = 0
     predicted_finish_s: float | None = None  # seconds from now
     degraded: bool = False
+    which: int = 0  # the request judged that a refusal is about (index into those judged)
+
+
+def assumed_answer(req: Request, generated: int = 0) -> int:
+    """Answer tokens a forecast takes ``req`` to have, ``generated`` of them made: its
+    predicted length (``max_tokens`` without one), or the top of the predicted interval
+    once the answer has passed the point; at least one more than it has."""
+    cap = req.max_tokens
+    p = req.predicted
+    if p is None:
+        return cap
+    n = p.point if generated < p.point else p.hi
+    return int(min(cap, max(generated + 1, math.ceil(n))))
 
 
 class Admission:
-    def __init__(self, timer: StepTimer, *, max_waiting: int = 256) -> None:
+    def __init__(
+        self,
+        timer: StepTimer,
+        *,
+        max_waiting: int = 256,
+        policy: Callable[[], Policy] | None = None,
+    ) -> None:
+        """``policy`` makes a fresh instance of the served policy: with it, deadlines are
+        judged by a forecast; without it, by the optimistic estimate."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.timer = timer
         self.max_waiting = max_waiting
+        self.policy = policy
+        self.recent = RecentLoad()  # what was accepted lately: the load a forecast expects
+        self.forecast_walls: deque[float] = deque(maxlen=4096)  # seconds each forecast took
+
+    @property
+    def mode(self) -> str:
+        return "estimate" if self.policy is None else "forecast"
 
     def estimate(
         self, stats: EngineStats, prompt_len: int, tokens: float, cached_tokens: int = 0
@@ -66,16 +119,11 @@ class Admission:
         allows_eviction: bool,
         cached_tokens: int = 0,
     ) -> Verdict:
-        """``queued``: requests waiting in the engine plus those not yet handed to it;
-        ``cached_tokens``: of the prompt, those the prefix cache holds."""
+        """One request by the optimistic estimate. ``queued``: requests waiting in the
+        engine plus those not yet handed to it; ``cached_tokens``: of the prompt, those
+        the prefix cache holds."""
         if queued >= self.max_waiting:
-            drain = self.timer.prefill_time(stats.waiting_prefill_tokens)
-            return Verdict(
-                False,
-                f"the queue is full ({queued} requests waiting, limit {self.max_waiting})",
-                why="queue",
-                retry_after_s=max(1, math.ceil(drain)),
-            )
+            return self._queue_full(stats, queued)
         eta = self.estimate(stats, prompt_len, tokens, cached_tokens)
         if budget_s is None or eta is None or eta <= budget_s:
             return Verdict(True, predicted_finish_s=eta)
@@ -92,3 +140,150 @@ class Admission:
             retry_after_s=max(1, math.ceil(eta - budget_s)),
             predicted_finish_s=eta,
         )
+
+    def admit(
+        self,
+        jobs: Sequence[Job],
+        *,
+        stats: EngineStats,
+        queued: int,
+        budget_s: float | None,
+        allows_eviction: bool,
+        cached: Mapping[int, int],
+        image: EngineImage | None = None,
+        pending: Sequence[Job] = (),
+    ) -> Verdict:
+        """Judge the sequences of one HTTP request together (every choice of every
+        prompt; they arrive now and share the deadline ``budget_s``): accepted only if
+        all are. ``queued`` counts the requests ahead of them; ``cached[rid]`` the
+        prompt tokens of each the prefix cache holds; ``image`` and ``pending`` (accepted,
+        not yet on the engine) are what a forecast plays forward."""
+        for i in range(len(jobs)):
+            if queued + i >= self.max_waiting:
+                return dataclass_replace(self._queue_full(stats, queued + i), which=i)
+        verdict = self._judge_all(
+            jobs, stats, queued, budget_s, allows_eviction, cached, image, pending
+        )
+        if verdict.accept:
+            for job in jobs:
+                self.recent.note(job, assumed_answer(job.request))
+        return verdict
+
+    def _judge_all(
+        self,
+        jobs: Sequence[Job],
+        stats: EngineStats,
+        queued: int,
+        budget_s: float | None,
+        allows_eviction: bool,
+        cached: Mapping[int, int],
+        image: EngineImage | None,
+        pending: Sequence[Job],
+    ) -> Verdict:
+        if (
+            self.policy is not None
+            and image is not None
+            and budget_s is not None
+            and self.timer.ready
+            and jobs
+        ):
+            try:
+                return self._by_forecast(jobs, image, pending, cached, budget_s, allows_eviction)
+            except Exception:  # a forecast must never cost a request: estimate instead
+                log.exception("admission forecast failed; judging by the estimate")
+        verdict = Verdict(True)
+        for i, job in enumerate(jobs):
+            req = job.request
+            tokens = req.predicted.point if req.predicted is not None else float(req.max_tokens)
+            one = self.judge(
+                stats,
+                queued + i,
+                prompt_len=req.prompt_len,
+                tokens=tokens,
+                budget_s=budget_s,
+                allows_eviction=allows_eviction,
+                cached_tokens=cached.get(req.rid, 0),
+            )
+            if not one.accept:
+                return dataclass_replace(one, which=i)
+            if one.degraded:
+                verdict = one
+        return verdict
+
+    def _by_forecast(
+        self,
+        jobs: Sequence[Job],
+        image: EngineImage,
+        pending: Sequence[Job],
+        cached: Mapping[int, int],
+        budget_s: float,
+        allows_eviction: bool,
+    ) -> Verdict:
+        cost = self.timer.as_cost()
+        assert self.policy is not None
+        if cost is None:
+            return Verdict(True)
+        now = jobs[0].request.arrival
+        deadline = now + budget_s
+        horizon = deadline + budget_s  # far enough to say by how much it misses
+        known = {live.request.rid for live in image.seqs}
+        arrivals = [
+            Job(j.request, output_len=assumed_answer(j.request))
+            for j in (*pending, *jobs)
+            if j.request.rid not in known  # (a job being handed over may be in both)
+        ]
+        ahead = len(image.seqs) + len(arrivals) - len(jobs)
+        future = self.recent.future(now, horizon)
+        fc = forecast(
+            image,
+            self.policy(),
+            cost,
+            job_of=_assumed_live,
+            arrivals=[*arrivals, *future],
+            cached=cached,
+            horizon=horizon,
+            watch=[j.request.rid for j in jobs],
+        )
+        self.forecast_walls.append(fc.wall_s)
+        ends = [fc.finish.get(j.request.rid) for j in jobs]
+        for job, end in zip(jobs, ends, strict=True):
+            job.request.forecast_finish = end
+        late = [i for i, end in enumerate(ends) if end is None or end > deadline]
+        if not late:
+            done = max(e for e in ends if e is not None)
+            return Verdict(True, predicted_finish_s=done - now)
+        if allows_eviction:
+            return Verdict(True, "accepted with KV eviction allowed", degraded=True)
+        i = late[0]
+        end = ends[i]
+        req = jobs[i].request
+        if end is None:
+            when = f"not within {2 * budget_s * 1000:.0f} ms"
+            retry = math.ceil(budget_s)
+        else:
+            when = f"in {(end - now) * 1000:.0f} ms > {budget_s * 1000:.0f} ms"
+            retry = math.ceil(end - deadline)
+        more = f", {len(future)} more like the recent ones arriving" if future else ""
+        return Verdict(
+            False,
+            f"the deadline cannot be met: a forecast of the engine ({ahead} other requests "
+            f"on it or accepted{more}; {assumed_answer(req)} tokens assumed for this answer) "
+            f"has it finish {when}",
+            why="deadline",
+            retry_after_s=max(1, retry),
+            predicted_finish_s=None if end is None else end - now,
+            which=i,
+        )
+
+    def _queue_full(self, stats: EngineStats, queued: int) -> Verdict:
+        drain = self.timer.prefill_time(stats.waiting_prefill_tokens)
+        return Verdict(
+            False,
+            f"the queue is full ({queued} requests waiting, limit {self.max_waiting})",
+            why="queue",
+            retry_after_s=max(1, math.ceil(drain)),
+        )
+
+
+def _assumed_live(live: LiveSeq) -> Job:
+    return Job(live.request, output_len=assumed_answer(live.request, live.generated))

@@ -306,56 +306,58 @@ async def _serve(
         jobs.append(Job(req, output_len=max_tokens))
     # (together: the predictor's batcher takes a request's prompts as one batch)
     predicted = await asyncio.gather(*(_predicted(state, job) for job in jobs))
-    scored = isinstance(body, CompletionRequest) and body.scores_prompt()
-    ahead = 0  # each choice is a sequence: judged behind the ones before it
-    for k, (job, pred) in enumerate(zip(jobs, predicted, strict=True)):
-        req = job.request
-        req.predicted = pred = None if pred is None else _capped(pred, longest)
-        tokens = pred.point if pred is not None else float(longest)
-        # a scored prefill takes no hit
-        cached = 0 if scored else engine.cached_prefix_len(req.prompt_token_ids or ())
-        for i in range(body.n):
-            verdict = state.admission.judge(
-                engine.stats,
-                engine.stats.waiting + engine.inbox_size + ahead,
-                prompt_len=req.prompt_len,
-                tokens=tokens,
-                budget_s=budget,
-                allows_eviction=body.allows_eviction(),
-                cached_tokens=cached,
-            )
-            ahead += 1
-            if not verdict.accept:
-                state.metrics.rejected.labels(verdict.why).inc()
-                which = [f"prompt {k + 1} of {len(jobs)}"] if len(jobs) > 1 else []
-                if body.n > 1:
-                    which.append(f"choice {i + 1} of {body.n}")
-                raise ApiError(
-                    429,
-                    f"{', '.join(which)}: {verdict.reason}" if which else verdict.reason,
-                    type="rate_limit_error",
-                    code={"queue": "queue_full", "deadline": "deadline_unreachable"}[verdict.why],
-                    headers={"Retry-After": str(verdict.retry_after_s)},
-                )
     if await request.is_disconnected():
-        # Gone while its prompt was tokenized and judged: nothing reaches the engine (a
-        # prefill nobody reads), where the answer's own watch would abort it only later.
-        # It took request ids, so /metrics counts it once, as the client's abort.
+        # Gone while its prompt was tokenized and its length predicted: nothing reaches
+        # the engine (a prefill nobody reads), where the answer's own watch would abort
+        # it only later. It took request ids, so /metrics counts it once, as the abort.
+        # (From here to the hand-over nothing awaits: what admission judged is what the
+        # next request's admission finds queued.)
         state.metrics.requests.labels("abort").inc()
         return Response(status_code=499)
-    relays, submissions = [], []
-    for k, ((ids, text), job) in enumerate(zip(prompts, jobs, strict=True)):
-        echo = _echo(state, body, ids, text)
-        scored_ids = ids if scored else None
+    scored = isinstance(body, CompletionRequest) and body.scores_prompt()
+    choices: list[tuple[int, int, Job]] = []  # (prompt, choice, its sequence)
+    cached: dict[int, int] = {}
+    for k, (job, pred) in enumerate(zip(jobs, predicted, strict=True)):
+        job.request.predicted = None if pred is None else _capped(pred, longest)
+        # a scored prefill takes no hit
+        hit = 0 if scored else engine.cached_prefix_len(job.request.prompt_token_ids or ())
         for i in range(body.n):  # choice 0 is the job; the others, copies under their own ids
             one = job
             if i:
-                req = dataclasses.replace(job.request, rid=engine.next_rid())
-                one = Job(req, output_len=max_tokens)
-            choice_grammar = None if grammar is None else grammar.copy()
-            relay, submission = _choice(state, body, one, i, k, echo, scored_ids, choice_grammar)
-            relays.append(relay)
-            submissions.append(submission)
+                one = Job(dataclasses.replace(job.request, rid=engine.next_rid()), max_tokens)
+            choices.append((k, i, one))
+            cached[one.request.rid] = hit
+    verdict = state.admission.admit(
+        [one for _, _, one in choices],
+        stats=engine.stats,
+        queued=engine.stats.waiting + engine.inbox_size,
+        budget_s=budget,
+        allows_eviction=body.allows_eviction(),
+        cached=cached,
+        image=engine.image,
+        pending=engine.pending_jobs(),
+    )
+    if not verdict.accept:
+        state.metrics.rejected.labels(verdict.why).inc()
+        k, i, _ = choices[verdict.which]
+        which = [f"prompt {k + 1} of {len(jobs)}"] if len(jobs) > 1 else []
+        if body.n > 1:
+            which.append(f"choice {i + 1} of {body.n}")
+        raise ApiError(
+            429,
+            f"{', '.join(which)}: {verdict.reason}" if which else verdict.reason,
+            type="rate_limit_error",
+            code={"queue": "queue_full", "deadline": "deadline_unreachable"}[verdict.why],
+            headers={"Retry-After": str(verdict.retry_after_s)},
+        )
+    echoes = [_echo(state, body, ids, text) for ids, text in prompts]
+    relays, submissions = [], []
+    for k, i, one in choices:
+        scored_ids = prompts[k][0] if scored else None
+        choice_grammar = None if grammar is None else grammar.copy()
+        relay, submission = _choice(state, body, one, i, k, echoes[k], scored_ids, choice_grammar)
+        relays.append(relay)
+        submissions.append(submission)
     engine.submit(*submissions)  # in one round: the choices' shared prompt is computed once
     meta = Meta(
         model=cfg.model_name,

@@ -17,7 +17,7 @@ from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
 from duetime.policies.registry import make_policy
 from duetime.predict.oracle import JobPredictor, make_job_predictor
-from duetime.server.admission import Admission
+from duetime.server.admission import ADMISSION_MODES, Admission
 from duetime.server.codec import ByteCodec, Codec, GemmaCodec
 from duetime.server.engine_loop import EngineLoop
 from duetime.server.step_timer import StepTimer
@@ -36,6 +36,7 @@ class ServeOptions:
     max_num_seqs: int = 32
     max_batch_tokens: int = 2048
     max_waiting: int = 256
+    admission: str = "forecast"  # how deadlines are judged: forecast or estimate
     prefix_cache_tokens: int = 4096  # automatic prefix caching's budget; 0: off
     predictor: str | None = "auto"  # auto: the learned length predictor for real models
     profile: Path | None = None
@@ -69,6 +70,10 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
     timer = StepTimer(prior=cost)
     kwargs = dict(options.policy_kwargs or {})
     policy = make_policy(options.policy, **kwargs)  # fail now, not on the engine thread
+    if options.admission not in ADMISSION_MODES:
+        raise ValueError(
+            f"admission must be one of {', '.join(ADMISSION_MODES)}, not {options.admission!r}"
+        )
     if options.eviction not in EVICTION_METHODS:
         raise ValueError(
             f"eviction must be one of {', '.join(EVICTION_METHODS)}, not {options.eviction!r}"
@@ -111,7 +116,15 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         config=cfg,
         engine=engine,
         codec=codec,
-        admission=Admission(timer, max_waiting=options.max_waiting),
+        admission=Admission(
+            timer,
+            max_waiting=options.max_waiting,
+            policy=(
+                (lambda: make_policy(options.policy, **kwargs))
+                if options.admission == "forecast"
+                else None
+            ),
+        ),
         predictor=predictor,
     )
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from duetime.core.image import EngineImage
 from duetime.core.request import Job
 from duetime.core.sampling import SamplingParams
 from duetime.core.sequence import SeqStatus
@@ -56,6 +57,8 @@ class Outcome:
     output_tokens: int
     kv_evicted_ratio: float = 0.0
     predicted_tokens: float | None = None
+    #: When admission's forecast had the answer done (engine clock); None without one.
+    forecast_finish: float | None = None
     deadline: float | None = None
     preemptions: int = 0
     error: str | None = None
@@ -70,6 +73,10 @@ class Outcome:
     @property
     def e2e(self) -> float:
         return self.end - self.arrival
+
+    @property
+    def forecast_e2e(self) -> float | None:
+        return None if self.forecast_finish is None else self.forecast_finish - self.arrival
 
     @property
     def deadline_met(self) -> bool | None:
@@ -190,11 +197,14 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._draining: list[Job] = []  # taken from the inbox, not yet in the image
         self._live: dict[int, _Live] = {}
         self._rids = itertools.count(1)
         self._errors = 0
         self._beat = time.monotonic()  # when the engine thread last began a round
         self.stats = EngineStats(kv_capacity=self.executor.kv_capacity)
+        #: The requests on the engine after its last round (admission forecasts from it).
+        self.image: EngineImage | None = None
 
     # --- called from any thread ----------------------------------------------------
     def cached_prefix_len(self, ids: Sequence[int]) -> int:
@@ -262,6 +272,13 @@ class EngineLoop:
     def inbox_size(self) -> int:
         return len(self._inbox)
 
+    def pending_jobs(self) -> list[Job]:
+        """Requests submitted but not yet in :attr:`image` (a job being handed over may
+        be in both)."""
+        with self._lock:
+            jobs = [p.job for kind, p in self._inbox if kind == "submit"]
+            return self._draining + jobs
+
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("engine loop already started")
@@ -328,36 +345,47 @@ class EngineLoop:
     def _drain_inbox(self) -> None:
         with self._lock:
             items, self._inbox = self._inbox, []
+            self._draining = [p.job for kind, p in items if kind == "submit"]
         if not items:
             return
         ex = self.executor
         ex.now = ex.clock_now()
         done_before = ex.n_done
-        for kind, payload in items:
-            if kind == "submit":
-                sub: Submission = payload
-                rid = sub.job.request.rid
-                try:
-                    ex.admit_arrival(sub.job)
-                except Exception as e:  # one bad request must not stop the loop
-                    # counted by the stream
-                    sub.stream.put(self._outcome(sub.job, "error", error=str(e)))
-                    continue
-                self._live[rid] = _Live(sub.job, sub.stream)
-                if sub.stop is not None:
-                    ex.stop_tokens[rid] = sub.stop
-                if sub.segmenter is not None:
-                    ex.segmenters[rid] = sub.segmenter
-                if sub.sampler is not None:
-                    ex.samplers[rid] = sub.sampler
-                if sub.logprobs is not None:
-                    ex.logprob_logs[rid] = sub.logprobs
-                if sub.grammar is not None:
-                    ex.grammars[rid] = sub.grammar
-            elif ex.abort(payload):
+        try:
+            for kind, payload in items:
+                self._take(kind, payload)
+            if ex.n_done != done_before:  # a prompt that can never fit is refused at once
+                self._publish_ends()
+        finally:
+            self._refresh_stats()  # the image holds them now: off the hand-over list
+            with self._lock:
+                self._draining = []
+
+    def _take(self, kind: str, payload: Any) -> None:
+        """One inbox item onto the executor: a submission, or the end of a request."""
+        ex = self.executor
+        if kind != "submit":
+            if ex.abort(payload):
                 self._finish(payload, "abort" if kind == "abort" else "stop")
-        if ex.n_done != done_before:  # e.g. a prompt that can never fit was refused at admission
-            self._publish_ends()
+            return
+        sub: Submission = payload
+        rid = sub.job.request.rid
+        try:
+            ex.admit_arrival(sub.job)
+        except Exception as e:  # one bad request must not stop the loop
+            sub.stream.put(self._outcome(sub.job, "error", error=str(e)))  # counted by the stream
+            return
+        self._live[rid] = _Live(sub.job, sub.stream)
+        if sub.stop is not None:
+            ex.stop_tokens[rid] = sub.stop
+        if sub.segmenter is not None:
+            ex.segmenters[rid] = sub.segmenter
+        if sub.sampler is not None:
+            ex.samplers[rid] = sub.sampler
+        if sub.logprobs is not None:
+            ex.logprob_logs[rid] = sub.logprobs
+        if sub.grammar is not None:
+            ex.grammars[rid] = sub.grammar
 
     def _publish_tokens(self, produced: list[tuple[int, int]]) -> None:
         ex = self.executor
@@ -441,6 +469,7 @@ class EngineLoop:
             output_tokens=max(rec.output_tokens if rec else 0, sent),
             kv_evicted_ratio=rec.kv_evicted_ratio if rec else 0.0,
             predicted_tokens=pred.point if pred is not None else None,
+            forecast_finish=req.forecast_finish,
             deadline=req.deadline,
             preemptions=ex.seqs[req.rid].num_preemptions if req.rid in ex.seqs else 0,
             error=error,
@@ -483,3 +512,4 @@ class EngineLoop:
             engine_errors=self._errors,
             alive=True,
         )
+        self.image = ex.image(now=self.stats.now)

@@ -181,6 +181,7 @@ class Relay:
             deadline_met=o.deadline_met,
             kv_eviction_ratio=o.kv_evicted_ratio,
             predicted_tokens=o.predicted_tokens,
+            predicted_e2e_ms=None if o.forecast_e2e is None else round(o.forecast_e2e * 1000, 3),
             preemptions=o.preemptions,
             completion_tokens=self.completion_tokens,
         )

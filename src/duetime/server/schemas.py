@@ -718,6 +718,9 @@ class TimingInfo(BaseModel):
     deadline_met: bool | None
     kv_eviction_ratio: float
     predicted_tokens: float | None
+    #: When admission's forecast had the answer done, ms after arrival (requests with a
+    #: deadline, judged by forecast); compare with ``e2e_ms``.
+    predicted_e2e_ms: float | None = None
     preemptions: int = 0
     #: Tokens in the answer (also in a stream's last event, where usage may be absent):
     #: what a gateway's speed estimate divides by.

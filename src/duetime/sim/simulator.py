@@ -166,9 +166,13 @@ class Simulator(ExecutorCore):
 
     # --- main loop ---------------------------------------------------------------
     def run(
-        self, jobs: Iterable[Job], progress: Callable[[int, int], None] | None = None
+        self,
+        jobs: Iterable[Job],
+        progress: Callable[[int, int], None] | None = None,
+        until: Callable[[], bool] | None = None,
     ) -> SimResult:
-        """Simulate until every job finished or was cancelled (or ``max_time``)."""
+        """Simulate until every job finished or was cancelled (or ``max_time``, or
+        ``until()`` is true: it is asked whenever a request has ended)."""
         t0 = time.perf_counter()
         pending = sorted(jobs, key=lambda j: (j.request.arrival, j.request.rid))
         n_jobs = len(pending)
@@ -180,6 +184,7 @@ class Simulator(ExecutorCore):
         i = 0
         wake: float = math.inf
         done_seen = 0
+        ended = -1  # n_done when ``until`` was last asked
         idle_calls = 0
         max_time = self.cfg.max_time
         while True:
@@ -203,6 +208,9 @@ class Simulator(ExecutorCore):
                 continue
             if self.now >= max_time:
                 break
+            if until is not None and self.n_done != ended and until():
+                break
+            ended = self.n_done
 
             snap = self.snapshot()
             dec = self.policy.schedule(snap)

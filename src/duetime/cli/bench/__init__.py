@@ -20,6 +20,7 @@ from duetime.cli.bench import (  # noqa: F401  (registers the commands)
     timebill,
     ala,
     serve,
+    admission,
     sensitivity,
     eviction,
     prefix_cache,

@@ -1,0 +1,198 @@
+"""`duetime bench admission`: deadlines judged by forecast vs by the estimate, under overload.
+
+The same open-loop ShareGPT load (Poisson arrivals faster than the engine can
+serve, one deadline for all) is sent to `duetime serve` once per admission
+mode, each on a fresh engine over the same loaded model, modes interleaved
+within each repetition. Each request asks for at most its recorded answer's
+length (base Gemma 3 270M writes to that cap nearly always) and the server
+predicts it with its length predictor, as a deployment would.
+
+What a deadline-aware server owes its clients is that a request it accepts is
+answered in time: the figures are the deadline hit rate *of the accepted*
+requests, goodput (answers in time a second), how many were refused, and for
+the forecast how far its predicted end-to-end time (``predicted_e2e_ms``) was
+from the real one, and what a forecast cost the admission.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from duetime.server.admission import ADMISSION_MODES
+from duetime.server.app import create_app
+from duetime.server.build import ServeOptions, build_state, load_served_model
+from duetime.server.load_report import summarize_run
+from duetime.server.load_workload import LoadWorkload
+from duetime.server.loadgen import Bounds, Outcome, Target, run_load
+from duetime.server.threaded import serve_in_thread
+
+__all__ = ["AdmissionBenchConfig", "check_config", "run_admission_bench"]
+
+
+@dataclass(slots=True)
+class AdmissionBenchConfig:
+    model: str = "gemma"
+    dtype: str = "q8"
+    policy: str = "edf"
+    modes: Sequence[str] = ADMISSION_MODES
+    rate: float = 3.0
+    duration_s: float = 120.0
+    deadline_s: float = 20.0
+    max_tokens: int = 256
+    max_context: int = 2048  # longest prompt + answer, Gemma tokens (pairs past it left out)
+    repeats: int = 1
+    seed: int = 0
+    predictor: str | None = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)  # more ServeOptions (tests)
+
+
+def check_config(cfg: AdmissionBenchConfig) -> None:
+    """Refuse what would fail part-way, before the model loads."""
+    from duetime.bench.engine_fit import check_model_spec
+    from duetime.policies import make_policy
+
+    check_model_spec(cfg.model)
+    if not cfg.modes:
+        raise ValueError("--modes is empty: name forecast, estimate or both")
+    for mode in cfg.modes:
+        if mode not in ADMISSION_MODES:
+            raise ValueError(f"--modes: {mode!r} is not one of {', '.join(ADMISSION_MODES)}")
+    try:
+        make_policy(cfg.policy)
+    except ValueError as e:
+        raise ValueError(f"--policy: {e}") from None
+    for name in ("rate", "duration_s", "deadline_s"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+
+
+def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], mode: str) -> dict[str, Any]:
+    model, codec, name = loaded
+    options = ServeOptions(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        policy=cfg.policy,
+        predictor=cfg.predictor,
+        admission=mode,
+        **cfg.extra,
+    )
+    state = build_state(options, model, codec, name)
+    workload = LoadWorkload(
+        workload="sharegpt",
+        requests=100_000,
+        seed=cfg.seed,
+        max_tokens=cfg.max_tokens,
+        max_context=cfg.max_context,
+        deadlines={"*": cfg.deadline_s},
+    )
+    reqs = [r for r in workload.build(cfg.rate) if r.arrival < cfg.duration_s]
+    bounds = Bounds(
+        max_requests=len(reqs),
+        duration_s=cfg.duration_s,
+        drain_timeout_s=max(60.0, 4 * cfg.deadline_s),
+        request_timeout_s=600.0,
+        concurrency=1024,
+    )
+    with serve_in_thread(create_app(state)) as url:
+        run = run_load(reqs, Target(base=url, model=name), bounds)
+    row = summarize_run(run)
+    row.update(_accepted_figures(run.sent, row.get("span_s")))
+    walls = list(state.admission.forecast_walls)
+    row["forecasts"] = len(walls)
+    if walls:
+        ms = np.asarray(walls) * 1000
+        row["forecast_ms_p50"] = float(np.percentile(ms, 50))
+        row["forecast_ms_p99"] = float(np.percentile(ms, 99))
+    row["mode"] = mode
+    return row
+
+
+def _accepted_figures(sent: Sequence[Outcome], span_s: float | None) -> dict[str, Any]:
+    """Of the accepted requests: how many met the deadline, and the forecast's error."""
+    served = [o for o in sent if o.status == "ok" and o.server]
+    met = sum(1 for o in served if o.server and o.server.get("deadline_met"))
+    pairs = [
+        (o.server["predicted_e2e_ms"], o.server["e2e_ms"])
+        for o in served
+        if o.server and o.server.get("predicted_e2e_ms") and o.server.get("e2e_ms")
+    ]
+    out: dict[str, Any] = {
+        "accepted": len(served),
+        "met": met,
+        "hit_rate_of_accepted": met / len(served) if served else None,
+        "goodput_met_req_s": met / span_s if span_s else None,
+        "with_forecast": len(pairs),
+    }
+    if pairs:
+        ratio = [p / a for p, a in pairs]
+        out["forecast_over_actual_p10"] = float(np.percentile(ratio, 10))
+        out["forecast_over_actual_p50"] = statistics.median(ratio)
+        out["forecast_over_actual_p90"] = float(np.percentile(ratio, 90))
+        out["e2e_forecast_mape_pct"] = 100 * statistics.fmean(abs(p - a) / a for p, a in pairs)
+    return out
+
+
+def run_admission_bench(
+    cfg: AdmissionBenchConfig, progress: Callable[[int, int], None] | None = None
+) -> dict[str, Any]:
+    check_config(cfg)
+    loaded = load_served_model(ServeOptions(model=cfg.model, dtype=cfg.dtype))
+    runs: list[dict[str, Any]] = []
+    total = cfg.repeats * len(cfg.modes)
+    for rep in range(cfg.repeats):
+        for mode in cfg.modes:  # interleaved: a drift in the machine's speed hits both
+            row = _one_run(cfg, loaded, mode)
+            row["repeat"] = rep
+            runs.append(row)
+            if progress:
+                progress(len(runs), total)
+    summary = {mode: _median_row([r for r in runs if r["mode"] == mode]) for mode in cfg.modes}
+    ratios: dict[str, float] = {}
+    f, e = summary.get("forecast"), summary.get("estimate")
+    if f and e:
+        for key in ("goodput_met_req_s", "hit_rate_of_accepted"):
+            if f.get(key) and e.get(key):
+                ratios[f"{key}_forecast_vs_estimate"] = f[key] / e[key]
+    return {
+        "model": loaded[2],
+        "policy": cfg.policy,
+        "rate_req_s": cfg.rate,
+        "duration_s": cfg.duration_s,
+        "deadline_s": cfg.deadline_s,
+        "max_tokens": cfg.max_tokens,
+        "repeats": cfg.repeats,
+        "summary": summary,
+        "ratios": ratios,
+        "runs": runs,
+    }
+
+
+TABLE_KEYS = (
+    "sent",
+    "accepted",
+    "rejected",
+    "errors",
+    "met",
+    "hit_rate_of_accepted",
+    "goodput_met_req_s",
+    "e2e_p50_s",
+    "e2e_p90_s",
+    "forecast_over_actual_p50",
+    "e2e_forecast_mape_pct",
+    "forecast_ms_p50",
+    "forecast_ms_p99",
+)
+
+
+def _median_row(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the repetitions (those a run has)."""
+    out: dict[str, Any] = {}
+    for key in TABLE_KEYS:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        out[key] = statistics.median(values) if values else None
+    return out

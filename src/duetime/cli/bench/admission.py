@@ -1,0 +1,75 @@
+"""`duetime bench admission`: deadlines judged by forecast vs the estimate, under overload."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, RepeatsOpt, SeedOpt, ThreadsOpt
+from duetime.cli.bench.save import save_figures
+from duetime.cli.common import JsonOpt, _progress, _user_errors, bench_app, out
+
+
+@bench_app.command("admission")
+def bench_admission(
+    model: BenchModelOpt = "gemma",
+    dtype: DtypeOpt = "q8",
+    threads: ThreadsOpt = 2,
+    policy: Annotated[str, typer.Option(help="The served policy.")] = "edf",
+    modes: Annotated[
+        str, typer.Option(help="Admission modes to compare, comma-separated.")
+    ] = "forecast,estimate",
+    rate: Annotated[
+        float, typer.Option(min=0.001, help="Poisson arrivals, requests/s (Gemma q8 serves ~2).")
+    ] = 3.0,
+    duration: Annotated[float, typer.Option(min=1.0, help="Seconds of arrivals per run.")] = 120.0,
+    deadline: Annotated[
+        float, typer.Option(min=0.001, help="Every request's deadline, seconds after arrival.")
+    ] = 20.0,
+    max_tokens: Annotated[
+        int, typer.Option(min=1, help="Longest answer (ShareGPT pairs with longer are left out).")
+    ] = 256,
+    max_context: Annotated[
+        int, typer.Option(min=2, help="Longest prompt + answer, tokens (longer pairs left out).")
+    ] = 2048,
+    predictor: Annotated[
+        str, typer.Option(help="The server's length predictor: auto, learned[:path] or none.")
+    ] = "auto",
+    repeats: RepeatsOpt = 1,
+    seed: SeedOpt = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """Overload `duetime serve` with one ShareGPT load per admission mode (fresh engine,
+    modes interleaved) and compare deadline hits of the accepted requests, goodput, and
+    the forecast's error (docs/server.md, "Admission control")."""
+    import torch
+
+    from duetime.bench.admission import TABLE_KEYS, AdmissionBenchConfig, run_admission_bench
+    from duetime.metrics import render_table
+
+    with _user_errors():
+        torch.set_num_threads(threads)
+        cfg = AdmissionBenchConfig(
+            model=model,
+            dtype=dtype,
+            policy=policy,
+            modes=[m.strip() for m in modes.split(",") if m.strip()],
+            rate=rate,
+            duration_s=duration,
+            deadline_s=deadline,
+            max_tokens=max_tokens,
+            max_context=max_context,
+            repeats=repeats,
+            seed=seed,
+            predictor=None if predictor == "none" else predictor,
+        )
+        prog, cb = _progress(repeats * len(cfg.modes), "serving")
+        with prog:
+            fig = run_admission_bench(cfg, cb)
+        fig.update(dtype=dtype, threads=threads, seed=seed)
+    title = f"{fig['model']}, {policy}: {rate}/s for {duration:g} s, deadline {deadline:g} s"
+    out.print(render_table(list(fig["summary"].items()), keys=TABLE_KEYS, title=title))
+    for key, value in fig["ratios"].items():
+        out.print(f"{key}: {value:.2f}x")
+    save_figures(fig, json_path=json_path)

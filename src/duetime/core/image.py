@@ -1,0 +1,60 @@
+"""A still image of an executor's state, to fork a simulator from.
+
+Both executors keep their state in :class:`~duetime.core.executor.ExecutorCore`,
+so one image type serves both: the real engine takes one after each round (a
+tuple of plain rows, cheap enough to take every step), and a forecast replays
+it in the simulator under the same policy (``sim/forecast.py``) to predict when
+each request, and one that has just arrived, will finish. The image holds the
+requests themselves (read-only to both sides) and copies of every count the
+executor keeps per sequence; the KV it describes stays where it is.
+
+Not in the image: the prefix cache's contents (a fork starts with an empty
+cache, which it then fills as the engine would), a policy's private state (the
+fork runs a fresh instance of the same policy), and what a sequence's tokens
+are (the simulator needs only their number).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from duetime.core.request import Request
+from duetime.core.sequence import SeqStatus
+
+__all__ = ["EngineImage", "LiveSeq"]
+
+
+@dataclass(slots=True, frozen=True)
+class LiveSeq:
+    """One request in the system, as the executor holds it (see :class:`Seq`)."""
+
+    request: Request
+    status: SeqStatus
+    order: int
+    prefill_target: int
+    prefilled: int
+    generated: int
+    kv_evicted: int
+    kv_offloaded: bool
+    parked: bool  # suspended with its KV still on the device, off the policy's books
+    ready_at: float
+    segment_index: int
+    segment_end: int
+    first_token_time: float | None
+    num_preemptions: int
+
+
+@dataclass(slots=True, frozen=True)
+class EngineImage:
+    """Every request in the system at ``now``, in admission order, with the executor's
+    limits: enough to rebuild its books in a simulator."""
+
+    now: float
+    seqs: tuple[LiveSeq, ...]
+    kv_capacity: int
+    max_num_seqs: int
+    max_batch_tokens: int
+    prefix_cache_tokens: int
+    prefix_compute_tail: int
+    offload_suspended: bool
+    share_prefills: bool

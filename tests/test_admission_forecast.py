@@ -1,0 +1,273 @@
+"""Admission by forecast: the engine's image played forward under the served policy.
+
+The estimate a formula gives sees only the queue's prefill and the batch as it is;
+a forecast also sees the batch slot a request must wait for, the requests accepted
+but not yet on the engine, and the other choices of the same request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+from duetime.core.cost import LinearStepCost
+from duetime.core.image import EngineImage
+from duetime.core.request import Job, LengthPrediction, Request
+from duetime.policies.registry import make_policy
+from duetime.server.admission import Admission, assumed_answer
+from duetime.server.app import create_app
+from duetime.server.build import ServeOptions, build_state, load_served_model
+from duetime.server.engine_loop import EngineStats
+from duetime.server.recent_load import RecentLoad
+from duetime.server.step_timer import StepTimer
+from duetime.server.threaded import serve_in_thread
+from duetime.sim.simulator import SimConfig, Simulator
+
+STEP_S = 0.05  # every step 50 ms, whatever it holds
+COST = LinearStepCost.batch(c=STEP_S, a=0.0, b=0.0, d=0.0)
+
+
+def _busy_image(max_num_seqs: int = 1) -> tuple[EngineImage, EngineStats]:
+    """One request decoding, 90 of its 100 tokens to go (4.5 s), in a batch of one."""
+    sim = Simulator(make_policy("edf"), COST, SimConfig(max_num_seqs=max_num_seqs, max_time=0.5))
+    busy = Request(rid=1, arrival=0.0, prompt_len=16, max_tokens=100)
+    busy.predicted = LengthPrediction.exact(100)
+    sim.run([Job(busy, output_len=100)])
+    image = sim.image()
+    assert [s.generated for s in image.seqs] == [10]
+    stats = EngineStats(now=image.now, running=1, kv_used=25, kv_capacity=sim.kv_capacity)
+    return image, stats
+
+
+def _ask(rid: int, tokens: int, now: float) -> Job:
+    req = Request(rid=rid, arrival=now, prompt_len=8, max_tokens=tokens, deadline=now + 2.0)
+    req.predicted = LengthPrediction.exact(tokens)
+    return Job(req, output_len=tokens)
+
+
+def _admission(forecast: bool) -> Admission:
+    timer = StepTimer(prior=COST)
+    return Admission(timer, policy=(lambda: make_policy("edf")) if forecast else None)
+
+
+def test_a_request_that_must_wait_for_the_batch_is_refused_by_the_forecast_only() -> None:
+    """The estimate counts 5 steps of 50 ms and accepts; the forecast knows the one
+    slot is taken for 4.5 s more and refuses, saying when it would finish."""
+    image, stats = _busy_image()
+    args = {"stats": stats, "queued": 0, "budget_s": 3.0, "allows_eviction": False, "cached": {}}
+    job = _ask(2, 5, image.now)
+    assert _admission(False).admit([job], **args).accept  # type: ignore[arg-type]
+    verdict = _admission(True).admit([job], image=image, **args)  # type: ignore[arg-type]
+    assert not verdict.accept
+    assert verdict.why == "deadline"
+    assert "forecast of the engine (1 other requests on it" in verdict.reason
+    assert "5 tokens assumed" in verdict.reason
+    assert "more like" not in verdict.reason
+    finish = 0.05 * 90 + 0.05 * 5  # the slot frees after 90 steps, then its own 5
+    assert verdict.predicted_finish_s is not None
+    assert abs(verdict.predicted_finish_s - finish) < 0.06
+    assert verdict.retry_after_s == 2  # ceil(4.75 - 3)
+    # Past twice its budget the forecast stops looking: "not within"
+    short = _admission(True).admit([job], image=image, **{**args, "budget_s": 2.0})  # type: ignore[arg-type]
+    assert not short.accept
+    assert "not within 4000 ms" in short.reason
+    assert short.predicted_finish_s is None
+    assert short.retry_after_s == 2
+    # With a second slot it starts at once: accepted, its finish on the request.
+    image2, stats2 = _busy_image(max_num_seqs=2)
+    fine = _ask(3, 5, image2.now)
+    ok = _admission(True).admit([fine], image=image2, **{**args, "stats": stats2})  # type: ignore[arg-type]
+    assert ok.accept
+    assert ok.predicted_finish_s is not None
+    assert fine.request.forecast_finish == image2.now + ok.predicted_finish_s
+    assert abs(ok.predicted_finish_s - 5 * STEP_S) < 0.06  # (prefill + 4 decode steps)
+
+
+def test_the_forecast_counts_accepted_requests_not_yet_on_the_engine_and_every_choice() -> None:
+    """Two slots, one taken for 4.5 s: a 30-token request fits in the other (1.5 s)
+    alone, not behind one accepted a moment ago that the engine has not taken yet, nor
+    as two choices of one request. A refusal names the choice that misses."""
+    image, stats = _busy_image(max_num_seqs=2)
+    args = {"stats": stats, "queued": 0, "budget_s": 2.0, "allows_eviction": False, "cached": {}}
+    adm = _admission(True)
+    adm.recent.least = 10**9  # no load expected beyond what is named here
+    assert adm.admit([_ask(2, 30, image.now)], image=image, **args).accept  # type: ignore[arg-type]
+    before = _ask(3, 30, image.now)
+    late = adm.admit([_ask(4, 30, image.now)], image=image, pending=[before], **args)  # type: ignore[arg-type]
+    assert not late.accept
+    pair = [_ask(5, 30, image.now), _ask(6, 30, image.now)]
+    both = adm.admit(pair, image=image, **args)  # type: ignore[arg-type]
+    assert not both.accept
+    assert both.which == 1
+    # A job being handed over is in the image and in the pending list: counted once.
+    held = adm.admit(
+        [_ask(7, 30, image.now)],
+        image=image,
+        pending=[Job(image.seqs[0].request, output_len=100)],
+        **args,  # type: ignore[arg-type]
+    )
+    assert held.accept
+    # Allowing eviction accepts it, degraded; with no deadline nothing is forecast.
+    evict = adm.admit(pair, image=image, **{**args, "allows_eviction": True})  # type: ignore[arg-type]
+    assert evict.accept
+    assert evict.degraded
+    free = adm.admit(pair, image=image, **{**args, "budget_s": None})  # type: ignore[arg-type]
+    assert free.accept
+    assert free.predicted_finish_s is None
+
+
+def test_a_forecast_that_fails_falls_back_to_the_estimate() -> None:
+    image, stats = _busy_image()
+
+    def broken() -> object:
+        raise RuntimeError("no policy today")
+
+    adm = Admission(StepTimer(prior=COST), policy=broken)  # type: ignore[arg-type]
+    verdict = adm.admit(
+        [_ask(2, 5, image.now)],
+        stats=stats,
+        queued=0,
+        budget_s=2.0,
+        allows_eviction=False,
+        cached={},
+        image=image,
+    )
+    assert verdict.accept
+    assert "forecast" not in verdict.reason
+
+
+def test_assumed_answer_is_the_prediction_then_the_top_of_its_interval() -> None:
+    req = Request(rid=1, arrival=0.0, prompt_len=8, max_tokens=300, ignore_eos=False)
+    assert assumed_answer(req) == 300  # no prediction: as long as it may be
+    req.predicted = LengthPrediction(point=100.4, lo=20, hi=250)
+    assert assumed_answer(req) == 101
+    assert assumed_answer(req, generated=50) == 101
+    assert assumed_answer(req, generated=120) == 250  # past the point: the interval's top
+    assert assumed_answer(req, generated=260) == 261  # past both: one more
+    assert assumed_answer(req, generated=299) == 300  # never past max_tokens
+
+
+def test_the_server_reports_its_forecast_and_refuses_a_full_batch(tmp_path: Path) -> None:
+    """Through HTTP, one slot (``max_num_seqs`` 1) and a prior of 50 ms a step: an answer
+    with a deadline carries ``predicted_e2e_ms``; while a long answer holds the slot, a
+    short one with a tight deadline is refused with the forecast's reason."""
+    profile = tmp_path / "slow.json"
+    profile.write_text(json.dumps({"name": "slow", "coefficients": {"c0": STEP_S}}))
+    options = ServeOptions(
+        model="tiny", predictor=None, kv_capacity=4096, profile=profile, max_num_seqs=1
+    )
+    model, codec, name = load_served_model(options)
+    state = build_state(options, model, codec, name)
+    assert state.admission.mode == "forecast"
+    real_step = model.step
+
+    def slow_step(*args: object, **kwargs: object) -> object:
+        time.sleep(STEP_S)  # the tiny model as slow as the prior says (refits agree)
+        return real_step(*args, **kwargs)
+
+    model.step = slow_step  # type: ignore[method-assign]
+    with serve_in_thread(create_app(state)) as url:
+        body = {"model": name, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json={**body, "deadline_ms": 60_000}, timeout=30)
+        assert r.status_code == 200, r.text
+        info = r.json()["duetime"]
+        # 4 steps of the prior's 50 ms, from an idle engine
+        assert abs(info["predicted_e2e_ms"] - 4 * STEP_S * 1000) < 60, info
+        plain = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        assert plain["duetime"]["predicted_e2e_ms"] is None  # no deadline: none made
+        # Hold the slot with a 5 s answer; then 4 tokens within 1 s cannot be had.
+        long = {**body, "max_tokens": 100, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as held:
+            assert held.status_code == 200
+            refused = httpx.post(
+                url + "/v1/completions", json={**body, "deadline_ms": 1000}, timeout=30
+            )
+        assert refused.status_code == 429, refused.text
+        assert "forecast" in refused.json()["error"]["message"]
+
+
+def test_the_forecast_expects_more_requests_like_those_accepted_lately() -> None:
+    """Alone, a 30-token answer beside one other finishes in ~1.2 s. Once requests with
+    500-token prompts have been accepted 10 a second, the forecast has more arrive
+    at that rate, and their prefills hold its decoding up: refused."""
+    cost = LinearStepCost.batch(c=0.02, a=0.001, b=0.01, d=0.0)
+    sim = Simulator(make_policy("edf"), cost, SimConfig(max_num_seqs=8, max_time=2.5))
+    busy = Request(rid=1, arrival=0.0, prompt_len=16, max_tokens=400)
+    busy.predicted = LengthPrediction.exact(400)
+    sim.run([Job(busy, output_len=400)])
+    image = sim.image()
+    stats = EngineStats(now=image.now, running=1, kv_used=40, kv_capacity=sim.kv_capacity)
+    adm = Admission(StepTimer(prior=cost), policy=lambda: make_policy("edf"))
+    args = {"stats": stats, "queued": 0, "budget_s": 2.0, "allows_eviction": False, "cached": {}}
+    alone = adm.admit([_ask(2, 30, image.now)], image=image, **args)  # type: ignore[arg-type]
+    assert alone.accept
+    assert alone.predicted_finish_s is not None
+    assert alone.predicted_finish_s < 1.5
+    # (that acceptance is noted too: one of the recent requests)
+    for k in range(20):
+        t = image.now - 2.0 + 0.1 * k
+        seen = Request(rid=100 + k, arrival=t, prompt_len=500, max_tokens=30, deadline=t + 2.0)
+        adm.recent.note(Job(seen, output_len=30), 30)
+    rate = adm.recent.rate(image.now)
+    assert rate is not None
+    assert 9.0 < rate < 11.5
+    crowded = adm.admit([_ask(3, 30, image.now)], image=image, **args)  # type: ignore[arg-type]
+    assert not crowded.accept
+    assert "more like the recent ones arriving" in crowded.reason
+
+
+def test_recent_load_replays_the_newest_shapes_at_the_accepted_rate() -> None:
+    load = RecentLoad(window_s=10.0)
+    shapes = [(0.0, 100, 10), (1.0, 200, 20), (2.0, 300, 30)]
+    for i, (t, prompt, answer) in enumerate(shapes):
+        load.note(Job(Request(rid=i, arrival=t, prompt_len=prompt), output_len=answer), answer)
+    assert load.rate(2.0) is None  # fewer than 4: no guess
+    load.note(Job(Request(rid=3, arrival=3.0, prompt_len=400, deadline=5.0), 40), 40)
+    assert load.rate(4.0) == 1.0  # 4 in the 4 s since the first
+    future = load.future(4.0, 8.5)
+    assert [j.request.arrival for j in future] == [5.0, 6.0, 7.0, 8.0]
+    assert [j.request.prompt_len for j in future] == [400, 300, 200, 100]  # newest first
+    assert [j.output_len for j in future] == [40, 30, 20, 10]
+    assert [j.request.rid for j in future] == [-1, -2, -3, -4]
+    assert future[0].request.deadline == 7.0
+    assert future[1].request.deadline is None
+    assert future[0].request.predicted == LengthPrediction.exact(40)
+    assert load.rate(12.5) is None  # the window has let the first three go
+
+
+# --- `duetime bench admission` -------------------------------------------------------
+def test_bench_admission_serves_one_load_per_mode(tmp_path: Path) -> None:
+    """A short overload of the tiny model: both modes run the same requests, their
+    figures (units in the names) in the JSON, the forecast's error only for it."""
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    path = tmp_path / "admission.json"
+    args = ["bench", "admission", "--model", "tiny", "--rate", "20", "--duration", "2"]
+    args += ["--deadline", "0.5", "--max-tokens", "16", "--max-context", "150"]
+    args += ["--predictor", "none", "--threads", "1", "--json", str(path)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    fig = json.loads(path.read_text())
+    forecast, estimate = fig["summary"]["forecast"], fig["summary"]["estimate"]
+    assert forecast["sent"] == estimate["sent"] > 10
+    assert forecast["errors"] == 0 == estimate["errors"]
+    assert forecast["accepted"] + forecast["rejected"] == forecast["sent"]
+    assert forecast["forecast_ms_p50"] is not None
+    assert estimate["forecast_ms_p50"] is None
+    assert forecast["forecast_over_actual_p50"] is not None
+    assert estimate["forecast_over_actual_p50"] is None
+    assert 0 <= forecast["hit_rate_of_accepted"] <= 1
+    assert [r["mode"] for r in fig["runs"]] == ["forecast", "estimate"]
+    assert "goodput_met_req_s_forecast_vs_estimate" in fig["ratios"]
+    assert "hit_rate_of_accepted" in res.output
+
+
+def test_bench_admission_refuses_an_unknown_mode_before_loading() -> None:
+    from tests.factories import cli_refused
+
+    cli_refused("bench", "admission", "--model", "tiny", "--modes", "guess", names="--modes")
