@@ -142,6 +142,7 @@ def test_a_forecast_that_fails_falls_back_to_the_estimate() -> None:
 def test_assumed_answer_is_the_prediction_then_the_top_of_its_interval() -> None:
     req = Request(rid=1, arrival=0.0, prompt_len=8, max_tokens=300, ignore_eos=False)
     assert assumed_answer(req) == 300  # no prediction: as long as it may be
+    assert assumed_answer(req, most=4) == 4  # (a grammar's longest answer)
     req.predicted = LengthPrediction(point=100.4, lo=20, hi=250)
     assert assumed_answer(req) == 101
     assert assumed_answer(req, generated=50) == 101
@@ -271,3 +272,16 @@ def test_bench_admission_refuses_an_unknown_mode_before_loading() -> None:
     from tests.factories import cli_refused
 
     cli_refused("bench", "admission", "--model", "tiny", "--modes", "guess", names="--modes")
+
+
+def test_a_grammar_bound_stands_in_for_a_missing_prediction() -> None:
+    """No length predictor, ``max_tokens`` 64 but a grammar that ends within 4 tokens:
+    judged as 4 tokens by both modes (64 steps of 50 ms would miss 2 s)."""
+    image, stats = _busy_image(max_num_seqs=2)
+    args = {"stats": stats, "queued": 0, "budget_s": 2.0, "allows_eviction": False, "cached": {}}
+    for forecast in (True, False):
+        req = Request(rid=2, arrival=image.now, prompt_len=8, max_tokens=64, deadline=image.now + 2)
+        job = Job(req, output_len=64)
+        assert not _admission(forecast).admit([job], image=image, **args).accept  # type: ignore[arg-type]
+        bounded = _admission(forecast).admit([job], image=image, longest=4, **args)  # type: ignore[arg-type]
+        assert bounded.accept, forecast

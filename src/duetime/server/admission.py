@@ -64,11 +64,12 @@ class Verdict:
     which: int = 0  # the request judged that a refusal is about (index into those judged)
 
 
-def assumed_answer(req: Request, generated: int = 0) -> int:
+def assumed_answer(req: Request, generated: int = 0, most: int | None = None) -> int:
     """Answer tokens a forecast takes ``req`` to have, ``generated`` of them made: its
-    predicted length (``max_tokens`` without one), or the top of the predicted interval
-    once the answer has passed the point; at least one more than it has."""
-    cap = req.max_tokens
+    predicted length (without one, ``max_tokens`` or the ``most`` it can be), or the top
+    of the predicted interval once the answer has passed the point; at least one more
+    than it has."""
+    cap = req.max_tokens if most is None else max(1, min(req.max_tokens, most))
     p = req.predicted
     if p is None:
         return cap
@@ -152,24 +153,35 @@ class Admission:
         cached: Mapping[int, int],
         image: EngineImage | None = None,
         pending: Sequence[Job] = (),
+        longest: int | None = None,
     ) -> Verdict:
         """Judge the sequences of one HTTP request together (every choice of every
         prompt; they arrive now and share the deadline ``budget_s``): accepted only if
         all are. ``queued`` counts the requests ahead of them; ``cached[rid]`` the
         prompt tokens of each the prefix cache holds; ``image`` and ``pending`` (accepted,
-        not yet on the engine) are what a forecast plays forward."""
+        not yet on the engine) are what a forecast plays forward; ``longest`` bounds
+        their answers where a prediction does not (a grammar's longest text)."""
         for i in range(len(jobs)):
             if queued + i >= self.max_waiting:
                 return dataclass_replace(self._queue_full(stats, queued + i), which=i)
-        verdict = self._judge_all(
-            jobs, stats, queued, budget_s, allows_eviction, cached, image, pending
-        )
+        verdict = None
+        if self.policy is not None and image is not None and budget_s is not None and jobs:
+            try:
+                verdict = self._by_forecast(
+                    jobs, image, pending, cached, budget_s, allows_eviction, longest
+                )
+            except Exception:  # a forecast must never cost a request: estimate instead
+                log.exception("admission forecast failed; judging by the estimate")
+        if verdict is None:
+            verdict = self._by_estimate(
+                jobs, stats, queued, budget_s, allows_eviction, cached, longest
+            )
         if verdict.accept:
             for job in jobs:
-                self.recent.note(job, assumed_answer(job.request))
+                self.recent.note(job, assumed_answer(job.request, most=longest))
         return verdict
 
-    def _judge_all(
+    def _by_estimate(
         self,
         jobs: Sequence[Job],
         stats: EngineStats,
@@ -177,24 +189,15 @@ class Admission:
         budget_s: float | None,
         allows_eviction: bool,
         cached: Mapping[int, int],
-        image: EngineImage | None,
-        pending: Sequence[Job],
+        longest: int | None,
     ) -> Verdict:
-        if (
-            self.policy is not None
-            and image is not None
-            and budget_s is not None
-            and self.timer.ready
-            and jobs
-        ):
-            try:
-                return self._by_forecast(jobs, image, pending, cached, budget_s, allows_eviction)
-            except Exception:  # a forecast must never cost a request: estimate instead
-                log.exception("admission forecast failed; judging by the estimate")
+        """Each sequence by :meth:`judge`, behind the ones before it."""
         verdict = Verdict(True)
         for i, job in enumerate(jobs):
             req = job.request
-            tokens = req.predicted.point if req.predicted is not None else float(req.max_tokens)
+            tokens = float(req.max_tokens if longest is None else min(req.max_tokens, longest))
+            if req.predicted is not None:
+                tokens = req.predicted.point
             one = self.judge(
                 stats,
                 queued + i,
@@ -218,20 +221,23 @@ class Admission:
         cached: Mapping[int, int],
         budget_s: float,
         allows_eviction: bool,
-    ) -> Verdict:
+        longest: int | None,
+    ) -> Verdict | None:
+        """None where there is no step model to forecast with."""
         cost = self.timer.as_cost()
         assert self.policy is not None
         if cost is None:
-            return Verdict(True)
+            return None
         now = jobs[0].request.arrival
         deadline = now + budget_s
         horizon = deadline + budget_s  # far enough to say by how much it misses
         known = {live.request.rid for live in image.seqs}
         arrivals = [
             Job(j.request, output_len=assumed_answer(j.request))
-            for j in (*pending, *jobs)
+            for j in pending
             if j.request.rid not in known  # (a job being handed over may be in both)
         ]
+        arrivals += [Job(j.request, assumed_answer(j.request, most=longest)) for j in jobs]
         ahead = len(image.seqs) + len(arrivals) - len(jobs)
         future = self.recent.future(now, horizon)
         fc = forecast(
@@ -267,7 +273,8 @@ class Admission:
         return Verdict(
             False,
             f"the deadline cannot be met: a forecast of the engine ({ahead} other requests "
-            f"on it or accepted{more}; {assumed_answer(req)} tokens assumed for this answer) "
+            f"on it or accepted{more}; {assumed_answer(req, most=longest)} tokens assumed for "
+            "this answer) "
             f"has it finish {when}",
             why="deadline",
             retry_after_s=max(1, retry),

@@ -336,6 +336,7 @@ async def _serve(
         cached=cached,
         image=engine.image,
         pending=engine.pending_jobs(),
+        longest=longest,
     )
     if not verdict.accept:
         state.metrics.rejected.labels(verdict.why).inc()
