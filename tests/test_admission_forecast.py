@@ -236,6 +236,7 @@ def test_recent_load_replays_the_newest_shapes_at_the_accepted_rate() -> None:
     assert future[0].request.deadline == 7.0
     assert future[1].request.deadline is None
     assert future[0].request.predicted == LengthPrediction.exact(40)
+    assert len(load.future(4.0, 1e9, most=7)) == 7
     assert load.rate(12.5) is None  # the window has let the first three go
 
 

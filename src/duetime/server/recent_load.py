@@ -67,17 +67,17 @@ class RecentLoad:
         span = min(self.window_s, now - min(s.arrival for s in recent))
         return len(recent) / span if span > 0 else None
 
-    def future(self, now: float, until: float, first_rid: int = -1) -> list[Job]:
+    def future(self, now: float, until: float, first_rid: int = -1, most: int = 256) -> list[Job]:
         """Requests like the recent ones, arriving after ``now`` and before ``until``
-        at :meth:`rate`, with rids counting down from ``first_rid`` (negative: never a
-        real request's)."""
+        at :meth:`rate` (the first ``most``: a forecast's cost grows with them), with
+        rids counting down from ``first_rid`` (negative: never a real request's)."""
         rate = self.rate(now)
         if rate is None:
             return []
         shapes = self._recent(now)[::-1]  # newest first
         jobs = []
         k = 0
-        while (t := now + (k + 1) / rate) < until:
+        while (t := now + (k + 1) / rate) < until and k < most:
             s = shapes[k % len(shapes)]
             req = Request(
                 rid=first_rid - k,
