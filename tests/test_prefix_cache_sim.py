@@ -286,3 +286,61 @@ def test_a_keys_only_cache_holds_no_bytes() -> None:
     assert cache.insert(("prefix", "a", 0), b"", None)
     assert cache.nbytes == 0
     assert cache.num_tokens == B
+
+
+# Found by the property above (CI, session 23): the simulator offered a decoder's blocks
+# all at the end of a decode run, so with the cache full it kept another block than the
+# engine, which offers each in the step that completes it.
+_DECODE_BLOCKS_RUN = [  # (answer tokens, prompt ids as hex bytes)
+    (
+        23,
+        "a15ef6f15a1d830bb7ce09d6bbc004e7175c643c7decb0b580ec37bc9712dd2e"
+        "6aaeb94bae8d2f9fa29c5a284c9e521829cf1079b080e9d74a1c10fcab6a4243"
+        "d33656debe4c1ed79648e856e8",
+    ),
+    (
+        23,
+        "f58c95f0ce4b39c15bffad5c2dfb8bb820b6119cba",
+    ),
+    (
+        23,
+        "82b70eee7f1a5039bef07ec2347f066ed08f5dc7512447e3404300026b6e5455"
+        "94a065685d64c4980bb8d4544a8721a99a01ad219eb59cf88796ae5b05f280a6"
+        "8ced93b6b28cb0d1b3",
+    ),
+    (
+        16,
+        "82b70eee7f1a5039bef07ec2347f066ed08f5dc7512447e3404300026b6e5455"
+        "94a065685d64c4980bb8d4544a8721a99a01ad219eb59cbaab485565b9f49028"
+        "d557d79a8a0e6451e15c705c15f173541b4438a2",
+    ),
+    (
+        4,
+        "a15ef6f15a1d830bb7ce09d6bbc004e7175c643c7decb0b580ec37bc9712dd2e"
+        "6aaeb94bae8d2f9fa29c5a284c9e12d4eeb3c2246879bf00b3cf8e",
+    ),
+]
+
+
+def test_blocks_a_decode_run_completes_go_in_in_the_order_of_their_steps(model: Any) -> None:
+    jobs = []
+    for rid, (out, hexed) in enumerate(_DECODE_BLOCKS_RUN):
+        ids = tuple(bytes.fromhex(hexed))
+        jobs.append(
+            Job(Request(rid=rid, arrival=0.0, prompt_len=len(ids), prompt_token_ids=ids), out)
+        )
+    limits = {"kv_capacity": 150, "max_num_seqs": 3, "max_batch_tokens": 50}
+    engine = EngineExecutor(
+        make_policy("fcfs"),
+        model,
+        eviction="snapkv",
+        prefix_cache_tokens=96,
+        skip_idle=True,
+        **limits,
+    )
+    engine.run(fresh_jobs(jobs))
+    sim = _sim(jobs, 96, engine.prefix_compute_tail, **limits)
+    a, b = engine.prefix_cache, sim.prefix_cache
+    assert a is not None
+    assert b is not None
+    assert (a.stored_blocks, a.dropped_blocks) == (b.stored_blocks, b.dropped_blocks)

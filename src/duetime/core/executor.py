@@ -234,14 +234,20 @@ class ExecutorCore:
             if not seq.prefill_done:  # a finished prefill joined the decoders, below
                 self._offer_seq(seq)
         due, steps = self._block_due, self.clock.steps
+        size = self.prefix_cache.block_size
         while due and due[0][0] <= steps:
-            _, _, epoch, seq = heapq.heappop(due)
+            at, _, epoch, seq = heapq.heappop(due)
             if seq.decoding and seq._epoch == epoch:
-                self._offer_seq(seq)
+                # A run of several steps (the simulator's) completes a decoder's blocks a
+                # block's worth of steps apart: offer those done before the next decoder's
+                # is due, so that the blocks go in in the order a step at a time gives.
+                until = steps if not due else min(steps, due[0][0] - 1)
+                self._offer_seq(seq, most=1 + max(0, until - at) // size)
                 self._push_block_due(seq)
 
-    def _offer_seq(self, seq: Seq) -> None:
-        """Offer every whole block of ``seq`` its KV holds that it has not offered yet."""
+    def _offer_seq(self, seq: Seq, most: int | None = None) -> None:
+        """Offer every whole block (at most ``most``) of ``seq`` its KV holds that it has
+        not offered yet."""
         chain = self._chains.get(seq.rid)
         cache = self.prefix_cache
         if chain is None or cache is None:
@@ -249,6 +255,8 @@ class ExecutorCore:
         size = cache.block_size
         done, parent = chain
         end = self._kv_positions(seq)
+        if most is not None:
+            end = min(end, (done + most) * size)
         while (done + 1) * size <= end:
             start = done * size
             key = self._block_key(seq, start, start + size, parent)
