@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from duetime.cli.bench.model import load_prompted_model
 from duetime.cli.bench.options import DtypeOpt, PromptSeedOpt, ThreadsOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
@@ -62,19 +63,14 @@ def bench_eviction(
             f"--max-prompt {max_prompt} + --new-tokens {new_tokens}",
         )
         torch.set_num_threads(threads)
+        m = load_prompted_model(model, dtype, seed)
         if model == "tiny":
-            from duetime.engine.testing import engine_from_hf, tiny_hf_model
-
-            m = engine_from_hf(tiny_hf_model(seed=seed), dtype)  # type: ignore[arg-type]
             r = random.Random(seed)
             ids = [
                 [r.randrange(m.config.vocab_size) for _ in range(r.randint(min_prompt, max_prompt))]
                 for _ in range(prompts)
             ]
         else:
-            from duetime.engine.load import load_model
-
-            m = load_model(None if model == "gemma" else model, dtype=dtype)  # type: ignore[arg-type]
             ids = bench.sharegpt_prompts(prompts, min_prompt, max_prompt, seed)
         fig = bench.run(
             m, ids, alphas=ratios, new_tokens=new_tokens, window=window, chunk=chunk,

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from duetime.cli.bench.model import load_prompted_model
 from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, PromptSeedOpt, RepeatsOpt, ThreadsOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
@@ -51,21 +52,19 @@ def bench_grammar(
         check_context(128 + new_tokens, engine_context(model), f"--new-tokens {new_tokens}")
         torch.set_num_threads(threads)
         if model == "tiny":
-            from duetime.engine.testing import engine_from_hf, tiny_hf_model
             from duetime.server.codec import ByteCodec
 
             codec = ByteCodec()
-            m = engine_from_hf(tiny_hf_model(seed=seed, vocab_size=codec.vocab_size), dtype)  # type: ignore[arg-type]
+            m = load_prompted_model(model, dtype, seed, vocab_size=codec.vocab_size)
             r = random.Random(seed)
             prompts = [codec.encode(f"request {i} {r.random():.6f}") for i in range(requests)]
             decode = codec.decode
         else:
             from duetime.bench.eviction import sharegpt_prompts
-            from duetime.engine.load import load_model
             from duetime.server.codec import GemmaCodec
 
             gemma = GemmaCodec()
-            m = load_model(None if model == "gemma" else model, dtype=dtype)  # type: ignore[arg-type]
+            m = load_prompted_model(model, dtype, seed)
             prompts = sharegpt_prompts(requests, 16, 128, seed)
             decode = gemma.decode
             codec = gemma  # type: ignore[assignment]

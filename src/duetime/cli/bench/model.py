@@ -9,6 +9,7 @@ and load the same way.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,3 +62,32 @@ def step_cost_note(fit: Mapping[str, Any]) -> str:
     """``step costs: <source>[, fit MAPE x %]``: where a run's step-cost model came from."""
     fitted = f", fit MAPE {fit['fit_mape_pct']:.1f} %" if "fit_mape_pct" in fit else ""
     return f"step costs: {fit['source']}{fitted}"
+
+
+def load_prompted_model(spec: str, dtype: str, seed: int, vocab_size: int | None = None) -> Any:
+    """The model of the engine commands that make their own prompts (`prefix-cache`,
+    `shared-prefill`, `grammar`, `eviction`): ``tiny`` with random weights seeded by
+    ``seed`` (as their random prompts are; a vocabulary of ``vocab_size`` where given),
+    else ``gemma`` or a GGUF path, loaded with its progress bar. Unlike
+    :func:`load_engine`, torch's threads are the caller's to set."""
+    if spec == "tiny":
+        from duetime.engine.testing import engine_from_hf, tiny_hf_model
+
+        sizes = {} if vocab_size is None else {"vocab_size": vocab_size}
+        return engine_from_hf(tiny_hf_model(seed=seed, **sizes), dtype)  # type: ignore[arg-type]
+    from duetime.engine.load import load_model
+
+    return load_model(None if spec == "gemma" else spec, dtype=dtype)  # type: ignore[arg-type]
+
+
+def questions_after(
+    spec: str, vocab: int, n: int, longest: int, seed: int, rng: random.Random
+) -> list[list[int]]:
+    """``n`` short prompts that follow a shared beginning (`prefix-cache`,
+    `shared-prefill`): on ``tiny``, 1 to ``longest`` ids drawn from ``rng``; else
+    ShareGPT prompts of 2 to ``longest + 1`` tokens with their BOS dropped."""
+    if spec == "tiny":
+        return [[rng.randrange(vocab) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+    from duetime.bench.eviction import sharegpt_prompts
+
+    return [q[1:] for q in sharegpt_prompts(n, 2, longest + 1, seed)]

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from duetime.cli.bench.model import load_prompted_model, questions_after
 from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, PromptSeedOpt, ThreadsOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
@@ -50,25 +51,17 @@ def bench_prefix_cache(
                 f"--cache-tokens {cache_tokens} cannot hold the --system-len {system_len} prompt"
             )
         torch.set_num_threads(threads)
+        m = load_prompted_model(model, dtype, seed)
+        r = random.Random(seed)
+        vocab = m.config.vocab_size
         if model == "tiny":
-            from duetime.engine.testing import engine_from_hf, tiny_hf_model
-
-            m = engine_from_hf(tiny_hf_model(seed=seed), dtype)  # type: ignore[arg-type]
-            r = random.Random(seed)
-            vocab = m.config.vocab_size
             system = [r.randrange(vocab) for _ in range(system_len)]
-            questions = [
-                [r.randrange(vocab) for _ in range(r.randint(1, question_len))]
-                for _ in range(requests)
-            ]
         else:
             from duetime.bench.eviction import sharegpt_prompts
-            from duetime.engine.load import load_model
 
-            m = load_model(None if model == "gemma" else model, dtype=dtype)  # type: ignore[arg-type]
-            # a long ShareGPT prompt as the shared one, short ones (BOS dropped) after it
+            # a long ShareGPT prompt as the shared one, short ones after it
             system = sharegpt_prompts(1, system_len, 4 * system_len, seed)[0][:system_len]
-            questions = [q[1:] for q in sharegpt_prompts(requests, 2, question_len + 1, seed)]
+        questions = questions_after(model, vocab, requests, question_len, seed, r)
         fig = bench.run(m, system, questions, new_tokens=new_tokens, cache_tokens=cache_tokens)
         fig.update(model=model, dtype=dtype, threads=threads, seed=seed)
     out.print(render_table(bench.table_columns(fig), keys=bench.TABLE_KEYS))

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from duetime.cli.bench.model import load_prompted_model, questions_after
 from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, PromptSeedOpt, RepeatsOpt, ThreadsOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
@@ -53,23 +54,15 @@ def bench_shared_prefill(
             f"--new-tokens {new_tokens}",
         )
         torch.set_num_threads(threads)
+        m = load_prompted_model(model, dtype, seed)
+        r = random.Random(seed)
+        vocab = m.config.vocab_size
         if model == "tiny":
-            from duetime.engine.testing import engine_from_hf, tiny_hf_model
-
-            m = engine_from_hf(tiny_hf_model(seed=seed), dtype)  # type: ignore[arg-type]
-            r = random.Random(seed)
-            vocab = m.config.vocab_size
             prompt = [r.randrange(vocab) for _ in range(prompt_len)]
             system = [r.randrange(vocab) for _ in range(system_len)]
-            questions = [
-                [r.randrange(vocab) for _ in range(r.randint(1, question_len))]
-                for _ in range(requests)
-            ]
         else:
             from duetime.bench.eviction import sharegpt_prompts
-            from duetime.engine.load import load_model
 
-            m = load_model(None if model == "gemma" else model, dtype=dtype)  # type: ignore[arg-type]
             # long ShareGPT prompts as the copied and the system one, short ones after it
             prompt, system = (
                 p[:n]
@@ -79,7 +72,7 @@ def bench_shared_prefill(
                     strict=True,
                 )
             )
-            questions = [q[1:] for q in sharegpt_prompts(requests, 2, question_len + 1, seed)]
+        questions = questions_after(model, vocab, requests, question_len, seed, r)
         fig = bench.run(
             m, prompt, copies, system, questions, new_tokens=new_tokens, repeats=repeats
         )
