@@ -164,48 +164,35 @@ class Admission:
         for i in range(len(jobs)):
             if queued + i >= self.max_waiting:
                 return dataclass_replace(self._queue_full(stats, queued + i), which=i)
+        ask = _Ask(jobs, budget_s, allows_eviction, cached, longest)
         verdict = None
         if self.policy is not None and image is not None and budget_s is not None and jobs:
             try:
-                verdict = self._by_forecast(
-                    jobs, image, pending, cached, budget_s, allows_eviction, longest
-                )
+                verdict = self._by_forecast(ask, budget_s, image, pending)
             except Exception:  # a forecast must never cost a request: estimate instead
                 log.exception("admission forecast failed; judging by the estimate")
         if verdict is None:
-            verdict = self._by_estimate(
-                jobs, stats, queued, budget_s, allows_eviction, cached, longest
-            )
+            verdict = self._by_estimate(ask, stats, queued)
         if verdict.accept:
             for job in jobs:
-                self.recent.note(job, assumed_answer(job.request, most=longest))
+                self.recent.note(job, ask.answer(job))
         return verdict
 
-    def _by_estimate(
-        self,
-        jobs: Sequence[Job],
-        stats: EngineStats,
-        queued: int,
-        budget_s: float | None,
-        allows_eviction: bool,
-        cached: Mapping[int, int],
-        longest: int | None,
-    ) -> Verdict:
+    def _by_estimate(self, ask: _Ask, stats: EngineStats, queued: int) -> Verdict:
         """Each sequence by :meth:`judge`, behind the ones before it."""
         verdict = Verdict(True)
-        for i, job in enumerate(jobs):
+        for i, job in enumerate(ask.jobs):
             req = job.request
-            tokens = float(req.max_tokens if longest is None else min(req.max_tokens, longest))
-            if req.predicted is not None:
-                tokens = req.predicted.point
+            cap = req.max_tokens if ask.longest is None else min(req.max_tokens, ask.longest)
+            tokens = float(cap) if req.predicted is None else req.predicted.point
             one = self.judge(
                 stats,
                 queued + i,
                 prompt_len=req.prompt_len,
                 tokens=tokens,
-                budget_s=budget_s,
-                allows_eviction=allows_eviction,
-                cached_tokens=cached.get(req.rid, 0),
+                budget_s=ask.budget_s,
+                allows_eviction=ask.allows_eviction,
+                cached_tokens=ask.cached.get(req.rid, 0),
             )
             if not one.accept:
                 return dataclass_replace(one, which=i)
@@ -214,20 +201,15 @@ class Admission:
         return verdict
 
     def _by_forecast(
-        self,
-        jobs: Sequence[Job],
-        image: EngineImage,
-        pending: Sequence[Job],
-        cached: Mapping[int, int],
-        budget_s: float,
-        allows_eviction: bool,
-        longest: int | None,
+        self, ask: _Ask, budget_s: float, image: EngineImage, pending: Sequence[Job]
     ) -> Verdict | None:
-        """None where there is no step model to forecast with."""
+        """All sequences in one fork (``budget_s``: the ask's); None where there is no
+        step model to forecast with."""
         cost = self.timer.as_cost()
         assert self.policy is not None
         if cost is None:
             return None
+        jobs = ask.jobs
         now = jobs[0].request.arrival
         deadline = now + budget_s
         horizon = deadline + budget_s  # far enough to say by how much it misses
@@ -237,7 +219,7 @@ class Admission:
             for j in pending
             if j.request.rid not in known  # (a job being handed over may be in both)
         ]
-        arrivals += [Job(j.request, assumed_answer(j.request, most=longest)) for j in jobs]
+        arrivals += [Job(j.request, ask.answer(j)) for j in jobs]
         ahead = len(image.seqs) + len(arrivals) - len(jobs)
         future = self.recent.future(now, horizon)
         fc = forecast(
@@ -246,7 +228,7 @@ class Admission:
             cost,
             job_of=_assumed_live,
             arrivals=[*arrivals, *future],
-            cached=cached,
+            cached=ask.cached,
             horizon=horizon,
             watch=[j.request.rid for j in jobs],
         )
@@ -258,11 +240,10 @@ class Admission:
         if not late:
             done = max(e for e in ends if e is not None)
             return Verdict(True, predicted_finish_s=done - now)
-        if allows_eviction:
+        if ask.allows_eviction:
             return Verdict(True, "accepted with KV eviction allowed", degraded=True)
         i = late[0]
         end = ends[i]
-        req = jobs[i].request
         if end is None:
             when = f"not within {2 * budget_s * 1000:.0f} ms"
             retry = math.ceil(budget_s)
@@ -273,7 +254,7 @@ class Admission:
         return Verdict(
             False,
             f"the deadline cannot be met: a forecast of the engine ({ahead} other requests "
-            f"on it or accepted{more}; {assumed_answer(req, most=longest)} tokens assumed for "
+            f"on it or accepted{more}; {ask.answer(jobs[i])} tokens assumed for "
             "this answer) "
             f"has it finish {when}",
             why="deadline",
@@ -290,6 +271,22 @@ class Admission:
             why="queue",
             retry_after_s=max(1, math.ceil(drain)),
         )
+
+
+@dataclass(slots=True, frozen=True)
+class _Ask:
+    """The sequences of one HTTP request and what judging them takes (see
+    :meth:`Admission.admit`)."""
+
+    jobs: Sequence[Job]
+    budget_s: float | None
+    allows_eviction: bool
+    cached: Mapping[int, int]
+    longest: int | None
+
+    def answer(self, job: Job) -> int:
+        """Answer tokens a forecast takes one of them to have."""
+        return assumed_answer(job.request, most=self.longest)
 
 
 def _assumed_live(live: LiveSeq) -> Job:
