@@ -61,7 +61,9 @@ class RecentLoad:
 
     def rate(self, now: float) -> float | None:
         """Accepted requests a second over the window; None with too few to tell."""
-        recent = self._recent(now)
+        return self._rate(self._recent(now), now)
+
+    def _rate(self, recent: list[_Shape], now: float) -> float | None:
         if len(recent) < self.least:
             return None
         span = min(self.window_s, now - min(s.arrival for s in recent))
@@ -71,10 +73,11 @@ class RecentLoad:
         """Requests like the recent ones, arriving after ``now`` and before ``until``
         at :meth:`rate` (the first ``most``: a forecast's cost grows with them), with
         rids counting down from ``first_rid`` (negative: never a real request's)."""
-        rate = self.rate(now)
+        recent = self._recent(now)
+        rate = self._rate(recent, now)
         if rate is None:
             return []
-        shapes = self._recent(now)[::-1]  # newest first
+        shapes = recent[::-1]  # newest first
         jobs = []
         k = 0
         while (t := now + (k + 1) / rate) < until and k < most:
