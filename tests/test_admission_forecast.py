@@ -286,3 +286,15 @@ def test_a_grammar_bound_stands_in_for_a_missing_prediction() -> None:
         assert not _admission(forecast).admit([job], image=image, **args).accept  # type: ignore[arg-type]
         bounded = _admission(forecast).admit([job], image=image, longest=4, **args)  # type: ignore[arg-type]
         assert bounded.accept, forecast
+
+
+def test_only_a_forecasting_server_images_its_engine() -> None:
+    """The image costs a little every round: a server judging by the estimate keeps none."""
+    for mode in ("forecast", "estimate"):
+        options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096, admission=mode)
+        model, codec, name = load_served_model(options)
+        state = build_state(options, model, codec, name)
+        with serve_in_thread(create_app(state)) as url:
+            body = {"model": name, "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+            assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert (state.engine.image is not None) == (mode == "forecast"), mode

@@ -95,7 +95,8 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         ex.eos_token_id = codec.eos_id
         return ex
 
-    engine = EngineLoop(make_executor, timer=timer, fixed_cost=cost is not None)
+    forecasts = options.admission == "forecast"
+    engine = EngineLoop(make_executor, timer=timer, fixed_cost=cost is not None, images=forecasts)
     predictor = _predictor(options)
     if predictor is None and getattr(policy, "needs_prediction", False):
         raise ValueError(
@@ -119,11 +120,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         admission=Admission(
             timer,
             max_waiting=options.max_waiting,
-            policy=(
-                (lambda: make_policy(options.policy, **kwargs))
-                if options.admission == "forecast"
-                else None
-            ),
+            policy=(lambda: make_policy(options.policy, **kwargs)) if forecasts else None,
         ),
         predictor=predictor,
     )

@@ -184,14 +184,18 @@ class EngineLoop:
         timer: StepTimer | None = None,
         fixed_cost: bool = False,
         idle_wait_s: float = 0.5,
+        images: bool = True,
     ) -> None:
         """``fixed_cost``: the executor's cost model is a given profile; otherwise policies
-        are handed the timer's online fit as ``snapshot.cost`` as it improves."""
+        are handed the timer's online fit as ``snapshot.cost`` as it improves.
+        ``images``: keep :attr:`image` (admission by forecast reads it; it costs about
+        1.4 us a request each round)."""
         self._make_executor = make_executor
         self.executor = make_executor()
         self.timer = timer or StepTimer()
         self._idle_wait_s = idle_wait_s
         self._fixed_cost = fixed_cost
+        self._images = images
         self._inbox: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -512,4 +516,5 @@ class EngineLoop:
             engine_errors=self._errors,
             alive=True,
         )
-        self.image = ex.image(now=self.stats.now)
+        if self._images:
+            self.image = ex.image(now=self.stats.now)
