@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from duetime.core.cost import LinearStepCost
 from duetime.core.image import EngineImage
@@ -269,10 +270,44 @@ def test_bench_admission_serves_one_load_per_mode(tmp_path: Path) -> None:
     assert "hit_rate_of_accepted" in res.output
 
 
+def test_bench_admission_compares_served_lengths_with_the_predictors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every request asks for 16 tokens (``--fixed-max-tokens``), which the tiny model
+    nearly always writes, and the predictor says 2: the arm whose lengths the served
+    answers correct is nearer the truth than the one taking the predictor's word."""
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    class TwoTokens:
+        name = "two"
+
+        def predict_job(self, job: Job) -> LengthPrediction:
+            return LengthPrediction(point=2.0, lo=1.0, hi=3.0, confidence=0.9)
+
+    monkeypatch.setattr("duetime.server.build._predictor", lambda _options: TwoTokens())
+    path = tmp_path / "lengths.json"
+    args = ["bench", "admission", "--model", "tiny", "--rate", "20", "--duration", "2"]
+    args += ["--deadline", "5", "--max-tokens", "64", "--max-context", "150", "--modes"]
+    args += ["forecast", "--lengths", "served,predictor", "--fixed-max-tokens", "16"]
+    args += ["--threads", "1", "--json", str(path)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    fig = json.loads(path.read_text())
+    assert fig["fixed_max_tokens"] == 16
+    served, raw = fig["summary"]["forecast+served"], fig["summary"]["forecast+predictor"]
+    assert [r["arm"] for r in fig["runs"]] == ["forecast+served", "forecast+predictor"]
+    assert served["sent"] == raw["sent"] > 10
+    assert raw["length_mae_tokens"] > served["length_mae_tokens"]
+    assert "goodput_met_req_s_served_vs_predictor" in fig["ratios"]
+
+
 def test_bench_admission_refuses_an_unknown_mode_before_loading() -> None:
     from tests.factories import cli_refused
 
     cli_refused("bench", "admission", "--model", "tiny", "--modes", "guess", names="--modes")
+    cli_refused("bench", "admission", "--model", "tiny", "--lengths", "guess", names="--lengths")
 
 
 def test_a_grammar_bound_stands_in_for_a_missing_prediction() -> None:

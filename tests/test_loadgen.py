@@ -370,6 +370,24 @@ def test_workload_classes_deadlines_are_seeded() -> None:
         spec.build(10.0)
 
 
+def test_a_fixed_max_tokens_replaces_the_recorded_answer_length() -> None:
+    """By default each ShareGPT request asks for its recorded answer's length (which
+    tells the server how long it is); with ``fixed_max_tokens`` every one asks for
+    the same limit, and prompts leave it room in the context."""
+    plain = LoadWorkload(requests=50, max_tokens=256, max_context=600).build(5.0)
+    assert len({r.max_tokens for r in plain}) > 10
+    fixed = LoadWorkload(requests=50, max_tokens=256, max_context=600, fixed_max_tokens=400)
+    reqs = fixed.build(5.0)
+    assert len(reqs) == 50
+    assert {r.max_tokens for r in reqs} == {400}
+    assert max(r.prompt_len for r in reqs) <= 200
+    for bad, why in ((600, "--max-context"), (0, "--max-context")):
+        with pytest.raises(ValueError, match=why):
+            LoadWorkload(requests=5, max_context=600, fixed_max_tokens=bad).build(5.0)
+    with pytest.raises(ValueError, match="ShareGPT"):
+        LoadWorkload(workload="synthetic", requests=5, fixed_max_tokens=64).build(5.0)
+
+
 # --- the target check ------------------------------------------------------------------------
 
 

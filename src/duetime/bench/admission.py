@@ -4,8 +4,11 @@ The same open-loop ShareGPT load (Poisson arrivals faster than the engine can
 serve, one deadline for all) is sent to `duetime serve` once per admission
 mode, each on a fresh engine over the same loaded model, modes interleaved
 within each repetition. Each request asks for at most its recorded answer's
-length (base Gemma 3 270M writes to that cap nearly always) and the server
-predicts it with its length predictor, as a deployment would.
+length (base Gemma 3 270M writes to that cap nearly always), or with
+``fixed_max_tokens`` for one limit as a chat client does, and the server
+predicts it with its length predictor, as a deployment would: corrected by the
+served model's own answers (``lengths="served"``, the server's default) or as
+the predictor has it (``"predictor"``); both, and each mode runs twice.
 
 What a deadline-aware server owes its clients is that a request it accepts is
 answered in time: the figures are the deadline hit rate *of the accepted*
@@ -31,7 +34,10 @@ from duetime.server.load_workload import LoadWorkload
 from duetime.server.loadgen import Bounds, Outcome, Target, run_load
 from duetime.server.threaded import serve_in_thread
 
-__all__ = ["AdmissionBenchConfig", "check_config", "run_admission_bench"]
+__all__ = ["LENGTHS", "AdmissionBenchConfig", "arm_name", "check_config", "run_admission_bench"]
+
+#: How the server's predicted lengths are had: corrected by the served model's answers, or not.
+LENGTHS = ("served", "predictor")
 
 
 @dataclass(slots=True)
@@ -45,6 +51,8 @@ class AdmissionBenchConfig:
     deadline_s: float = 20.0
     max_tokens: int = 256
     max_context: int = 2048  # longest prompt + answer, Gemma tokens (pairs past it left out)
+    fixed_max_tokens: int | None = None  # every request's max_tokens (None: its answer's length)
+    lengths: Sequence[str] = ("served",)  # served: corrected by the model's answers; predictor
     repeats: int = 1
     seed: int = 0
     predictor: str | None = "auto"
@@ -62,6 +70,11 @@ def check_config(cfg: AdmissionBenchConfig) -> None:
     for mode in cfg.modes:
         if mode not in ADMISSION_MODES:
             raise ValueError(f"--modes: {mode!r} is not one of {', '.join(ADMISSION_MODES)}")
+    if not cfg.lengths:
+        raise ValueError("--lengths is empty: name served, predictor or both")
+    for lengths in cfg.lengths:
+        if lengths not in LENGTHS:
+            raise ValueError(f"--lengths: {lengths!r} is not one of {', '.join(LENGTHS)}")
     try:
         make_policy(cfg.policy)
     except ValueError as e:
@@ -71,7 +84,9 @@ def check_config(cfg: AdmissionBenchConfig) -> None:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
 
 
-def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], mode: str) -> dict[str, Any]:
+def _one_run(
+    cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], mode: str, lengths: str
+) -> dict[str, Any]:
     model, codec, name = loaded
     options = ServeOptions(
         model=cfg.model,
@@ -79,6 +94,7 @@ def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], mode: str)
         policy=cfg.policy,
         predictor=cfg.predictor,
         admission=mode,
+        length_window=ServeOptions().length_window if lengths == "served" else 0,
         **cfg.extra,
     )
     state = build_state(options, model, codec, name)
@@ -88,6 +104,7 @@ def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], mode: str)
         seed=cfg.seed,
         max_tokens=cfg.max_tokens,
         max_context=cfg.max_context,
+        fixed_max_tokens=cfg.fixed_max_tokens,
         deadlines={"*": cfg.deadline_s},
     )
     reqs = [r for r in workload.build(cfg.rate) if r.arrival < cfg.duration_s]
@@ -109,6 +126,7 @@ def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], mode: str)
         row["forecast_ms_p50"] = float(np.percentile(ms, 50))
         row["forecast_ms_p99"] = float(np.percentile(ms, 99))
     row["mode"] = mode
+    row["lengths"] = lengths
     return row
 
 
@@ -116,6 +134,11 @@ def _accepted_figures(sent: Sequence[Outcome], span_s: float | None) -> dict[str
     """Of the accepted requests: how many met the deadline, and the forecast's error."""
     served = [o for o in sent if o.status == "ok" and o.server]
     met = sum(1 for o in served if o.server and o.server.get("deadline_met"))
+    tokens = [
+        (o.server["predicted_tokens"], o.output_tokens)
+        for o in served
+        if o.server and o.server.get("predicted_tokens") is not None
+    ]
     pairs = [
         (o.server["predicted_e2e_ms"], o.server["e2e_ms"])
         for o in served
@@ -127,6 +150,9 @@ def _accepted_figures(sent: Sequence[Outcome], span_s: float | None) -> dict[str
         "hit_rate_of_accepted": met / len(served) if served else None,
         "goodput_met_req_s": met / span_s if span_s else None,
         "with_forecast": len(pairs),
+        "length_mae_tokens": statistics.fmean(abs(p - a) for p, a in tokens) if tokens else None,
+        "answer_tokens_mean": statistics.fmean(a for _, a in tokens) if tokens else None,
+        "predicted_tokens_mean": statistics.fmean(p for p, _ in tokens) if tokens else None,
     }
     if pairs:
         ratio = [p / a for p, a in pairs]
@@ -142,22 +168,28 @@ def run_admission_bench(
 ) -> dict[str, Any]:
     check_config(cfg)
     loaded = load_served_model(ServeOptions(model=cfg.model, dtype=cfg.dtype))
+    arms = [(mode, lengths) for mode in cfg.modes for lengths in cfg.lengths]
     runs: list[dict[str, Any]] = []
-    total = cfg.repeats * len(cfg.modes)
     for rep in range(cfg.repeats):
-        for mode in cfg.modes:  # interleaved: a drift in the machine's speed hits both
-            row = _one_run(cfg, loaded, mode)
+        for mode, lengths in arms:  # interleaved: a drift in the machine's speed hits all
+            row = _one_run(cfg, loaded, mode, lengths)
+            row["arm"] = arm_name(mode, lengths, cfg.lengths)
             row["repeat"] = rep
             runs.append(row)
             if progress:
-                progress(len(runs), total)
-    summary = {mode: _median_row([r for r in runs if r["mode"] == mode]) for mode in cfg.modes}
+                progress(len(runs), cfg.repeats * len(arms))
+    names = [arm_name(m, n, cfg.lengths) for m, n in arms]
+    summary = {a: _median_row([r for r in runs if r["arm"] == a]) for a in names}
     ratios: dict[str, float] = {}
-    f, e = summary.get("forecast"), summary.get("estimate")
-    if f and e:
-        for key in ("goodput_met_req_s", "hit_rate_of_accepted"):
-            if f.get(key) and e.get(key):
-                ratios[f"{key}_forecast_vs_estimate"] = f[key] / e[key]
+    for lengths in cfg.lengths:  # forecast vs estimate, on the same lengths
+        tail = "" if len(cfg.lengths) == 1 else f"_{lengths}"
+        _ratio(ratios, "forecast_vs_estimate" + tail, summary, lengths, cfg.lengths)
+    for mode in cfg.modes:  # served vs predictor lengths, in the same mode
+        tail = "" if len(cfg.modes) == 1 else f"_{mode}"
+        f = summary.get(arm_name(mode, "served", cfg.lengths))
+        p = summary.get(arm_name(mode, "predictor", cfg.lengths))
+        if f is not None and p is not None and f is not p:
+            _put_ratios(ratios, "served_vs_predictor" + tail, f, p)
     return {
         "model": loaded[2],
         "policy": cfg.policy,
@@ -165,11 +197,37 @@ def run_admission_bench(
         "duration_s": cfg.duration_s,
         "deadline_s": cfg.deadline_s,
         "max_tokens": cfg.max_tokens,
+        "fixed_max_tokens": cfg.fixed_max_tokens,
+        "lengths": list(cfg.lengths),
         "repeats": cfg.repeats,
         "summary": summary,
         "ratios": ratios,
         "runs": runs,
     }
+
+
+def arm_name(mode: str, lengths: str, all_lengths: Sequence[str]) -> str:
+    """``forecast``, or ``forecast+served`` where more than one kind of lengths runs."""
+    return mode if len(all_lengths) == 1 else f"{mode}+{lengths}"
+
+
+def _ratio(
+    ratios: dict[str, float],
+    name: str,
+    summary: dict[str, dict[str, Any]],
+    lengths: str,
+    all_lengths: Sequence[str],
+) -> None:
+    f = summary.get(arm_name("forecast", lengths, all_lengths))
+    e = summary.get(arm_name("estimate", lengths, all_lengths))
+    if f is not None and e is not None:
+        _put_ratios(ratios, name, f, e)
+
+
+def _put_ratios(ratios: dict[str, float], name: str, a: dict[str, Any], b: dict[str, Any]) -> None:
+    for key in ("goodput_met_req_s", "hit_rate_of_accepted"):
+        if a.get(key) and b.get(key):
+            ratios[f"{key}_{name}"] = a[key] / b[key]
 
 
 TABLE_KEYS = (
@@ -184,6 +242,7 @@ TABLE_KEYS = (
     "e2e_p90_s",
     "forecast_over_actual_p50",
     "e2e_forecast_mape_pct",
+    "length_mae_tokens",
     "forecast_ms_p50",
     "forecast_ms_p99",
 )

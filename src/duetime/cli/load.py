@@ -46,6 +46,15 @@ def load(
     ),
     max_tokens: Annotated[int, typer.Option(min=1, help="Longest output asked for.")] = 1024,
     max_context: Annotated[int, typer.Option(min=2, help="Longest prompt + output.")] = 2048,
+    fixed_max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Every ShareGPT request asks for at most this many tokens, as a chat client "
+            "does, not for its recorded answer's length (which tells the server how long "
+            "the answer is; vLLM's --sharegpt-output-len).",
+        ),
+    ] = None,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="Ask for exactly max_tokens (vLLM, duetime).")
     ] = False,
@@ -106,6 +115,7 @@ def load(
             output_len=lw.parse_range(output_len, "--output-len"),
             max_tokens=max_tokens,
             max_context=max_context,
+            fixed_max_tokens=fixed_max_tokens,
             class_mix=lw.parse_mix(class_mix),
             deadlines=lw.parse_deadlines(deadline or []),
             priorities=lw.parse_class_values(priority or [], "--priority", int),

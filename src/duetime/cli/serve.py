@@ -69,6 +69,14 @@ def serve(
     predictor: Annotated[
         str, typer.Option(help="Length predictor: auto, learned[:path] or none.")
     ] = "auto",
+    length_window: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="The predictor's lengths are corrected by the served model's newest this "
+            "many finished answers (docs/server.md; 0: off).",
+        ),
+    ] = 1000,
     profile: Annotated[
         Path | None, typer.Option(help="Fitted profile (`duetime profile`); default: fit online.")
     ] = None,
@@ -130,6 +138,7 @@ def serve(
             admission=admission,
             prefix_cache_tokens=prefix_cache,
             predictor=None if predictor == "none" else predictor,
+            length_window=length_window,
             profile=profile,
             telemetry=telemetry,
             eviction=eviction,

@@ -48,6 +48,15 @@ class LengthPrediction:
         """A degenerate interval: what an oracle knows."""
         return cls(point=n, lo=n, hi=n, confidence=1.0)
 
+    def capped(self, most: float) -> LengthPrediction:
+        """This prediction, no longer than the ``most`` tokens the request may answer."""
+        return LengthPrediction(
+            point=min(self.point, most),
+            lo=min(self.lo, most),
+            hi=min(self.hi, most),
+            confidence=self.confidence,
+        )
+
 
 @dataclass(slots=True, frozen=True)
 class TimeUtility:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -25,16 +25,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from duetime.core.grammar import GrammarSpec
+from duetime.core.image import EngineImage
 from duetime.core.request import Job, LengthPrediction, TimeUtility
 from duetime.core.request import Request as EngineRequest
 from duetime.engine.grammar import GrammarCompiler, GrammarError, TokenGrammar
 from duetime.engine.logprobs import LogprobLog
 from duetime.predict.oracle import JobPredictor
+from duetime.predict.served_lengths import ServedLengths
 from duetime.server.admission import Admission
 from duetime.server.answers import Meta, sse_answer, whole_answer
 from duetime.server.chat_template import render_chat
 from duetime.server.codec import Codec, Detokenizer
-from duetime.server.engine_loop import EngineLoop, Stream, Submission
+from duetime.server.engine_loop import EngineLoop, Outcome, Stream, Submission
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
 from duetime.server.metrics import ResponseCounter, ServerMetrics
 from duetime.server.paths import StripTrailingSlash
@@ -90,6 +92,8 @@ class ServerState:
     codec: Codec
     admission: Admission
     predictor: JobPredictor | None = None
+    #: The served model's finished answers, which correct the predictor's points (None: off).
+    served_lengths: ServedLengths | None = None
     metrics: ServerMetrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     #: The predictor runs here (its tokenizer is not safe to share between threads), off
@@ -103,9 +107,25 @@ class ServerState:
 
     def __post_init__(self) -> None:
         # Outcomes are counted by each request's Stream, as its client saw them.
-        self.metrics = ServerMetrics(lambda: self.engine.stats)
+        served = self.served_lengths
+        self.metrics = ServerMetrics(
+            lambda: self.engine.stats, (lambda: None) if served is None else served.summary
+        )
         self.predict_batcher = PredictBatcher(self._predict_many, self.predict_pool)
         self.grammars = GrammarCompiler(lambda: self.codec.guidance_tokenizer())
+
+    def counter(self, rid: int | None) -> Callable[[Outcome], None]:
+        """What hears a request's outcome: the metrics and, for ``rid`` (a request whose
+        answer the served-length window follows), the window."""
+        served = self.served_lengths
+        if rid is None or served is None:
+            return self.metrics.observe
+
+        def count(outcome: Outcome) -> None:
+            self.metrics.observe(outcome)
+            served.end(rid, outcome.output_tokens, outcome.finish_reason)
+
+        return count
 
     def _predict_many(self, jobs: Sequence[Job]) -> list[LengthPrediction | None]:
         """Predictions for ``jobs`` (on the predictor's thread): one batch where the
@@ -317,8 +337,18 @@ async def _serve(
     scored = isinstance(body, CompletionRequest) and body.scores_prompt()
     choices: list[tuple[int, int, Job]] = []  # (prompt, choice, its sequence)
     cached: dict[int, int] = {}
+    # The served model's own answers correct the predictor where it predicts an answer
+    # the model writes freely (no grammar, no forced or minimum length).
+    served = state.served_lengths
+    if spec is not None or body.ignore_eos or body.min_tokens:
+        served = None
+    correction = None if served is None else served.correction(_progress(engine.image))
+    points: dict[int, float] = {}  # request id -> the predictor's point, for the window
     for k, (job, pred) in enumerate(zip(jobs, predicted, strict=True)):
-        job.request.predicted = None if pred is None else _capped(pred, longest)
+        if pred is not None and served is not None:
+            job.request.predicted = served.correct(pred, longest, correction)
+        else:
+            job.request.predicted = None if pred is None else pred.capped(longest)
         # a scored prefill takes no hit
         hit = 0 if scored else engine.cached_prefix_len(job.request.prompt_token_ids or ())
         for i in range(body.n):  # choice 0 is the job; the others, copies under their own ids
@@ -327,6 +357,8 @@ async def _serve(
                 one = Job(dataclasses.replace(job.request, rid=engine.next_rid()), max_tokens)
             choices.append((k, i, one))
             cached[one.request.rid] = hit
+            if pred is not None and served is not None:
+                points[one.request.rid] = pred.point
     verdict = state.admission.admit(
         [one for _, _, one in choices],
         stats=engine.stats,
@@ -356,7 +388,13 @@ async def _serve(
     for k, i, one in choices:
         scored_ids = prompts[k][0] if scored else None
         choice_grammar = None if grammar is None else grammar.copy()
-        relay, submission = _choice(state, body, one, i, k, echoes[k], scored_ids, choice_grammar)
+        rid = one.request.rid
+        if served is not None and rid in points:
+            served.start(rid, points[rid])
+        count = state.counter(rid if rid in points else None)
+        relay, submission = _choice(
+            state, body, one, i, k, echoes[k], scored_ids, choice_grammar, count
+        )
         relays.append(relay)
         submissions.append(submission)
     engine.submit(*submissions)  # in one round: the choices' shared prompt is computed once
@@ -407,12 +445,13 @@ def _choice(
     echo: str | None,
     scored_ids: list[int] | None,
     grammar: TokenGrammar | None,
+    count: Callable[[Outcome], None],
 ) -> tuple[Relay, Submission]:
     """One choice's sequence for the engine (its tokens masked to ``grammar``, if any),
     and the relay that turns its tokens into text, showing its prompt's ``echo`` and,
     with ``scored_ids``, the prompt's scores."""
     engine = state.engine
-    stream = Stream(asyncio.get_running_loop(), state.metrics.observe)
+    stream = Stream(asyncio.get_running_loop(), count)
     segmenter = None
     if body.segment is not None:
         from duetime.engine.segment_stop import TextSegmenter, make_rule
@@ -472,6 +511,11 @@ async def _grammar(state: ServerState, spec: GrammarSpec | None) -> TokenGrammar
         raise ApiError(400, str(err), param=err.field) from None
 
 
+def _progress(image: EngineImage | None) -> list[tuple[int, int]]:
+    """(request id, answer tokens so far) of every request on the engine."""
+    return [] if image is None else [(s.request.rid, s.generated) for s in image.seqs]
+
+
 async def _predicted(state: ServerState, job: Job) -> LengthPrediction | None:
     req = job.request
     if req.ignore_eos:
@@ -479,11 +523,3 @@ async def _predicted(state: ServerState, job: Job) -> LengthPrediction | None:
     if state.predictor is None:
         return None
     return await state.predict_batcher.predict(job)
-
-
-def _capped(p: LengthPrediction, most: int) -> LengthPrediction:
-    """A prediction no longer than the ``most`` tokens the request may answer."""
-    cap = float(most)
-    return LengthPrediction(
-        point=min(p.point, cap), lo=min(p.lo, cap), hi=min(p.hi, cap), confidence=p.confidence
-    )

@@ -17,6 +17,7 @@ from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
 from duetime.policies.registry import make_policy
 from duetime.predict.oracle import JobPredictor, make_job_predictor
+from duetime.predict.served_lengths import ServedLengths
 from duetime.server.admission import ADMISSION_MODES, Admission
 from duetime.server.codec import ByteCodec, Codec, GemmaCodec
 from duetime.server.engine_loop import EngineLoop
@@ -39,6 +40,8 @@ class ServeOptions:
     admission: str = "forecast"  # how deadlines are judged: forecast or estimate
     prefix_cache_tokens: int = 4096  # automatic prefix caching's budget; 0: off
     predictor: str | None = "auto"  # auto: the learned length predictor for real models
+    # the predictor is corrected by the newest this many answers of the served model; 0: off
+    length_window: int = 1000
     profile: Path | None = None
     telemetry: Path | None = None
     seed: int = 0
@@ -78,6 +81,8 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         raise ValueError(
             f"eviction must be one of {', '.join(EVICTION_METHODS)}, not {options.eviction!r}"
         )
+    if options.length_window < 0:
+        raise ValueError(f"length_window must be >= 0, got {options.length_window}")
 
     def make_executor() -> EngineExecutor:
         ex = EngineExecutor(
@@ -96,8 +101,13 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         return ex
 
     forecasts = options.admission == "forecast"
-    engine = EngineLoop(make_executor, timer=timer, fixed_cost=cost is not None, images=forecasts)
     predictor = _predictor(options)
+    served = None
+    if predictor is not None and options.length_window:
+        served = ServedLengths(window=options.length_window)
+    # the image: what a forecast forks from, and how far the running answers are
+    images = forecasts or served is not None
+    engine = EngineLoop(make_executor, timer=timer, fixed_cost=cost is not None, images=images)
     if predictor is None and getattr(policy, "needs_prediction", False):
         raise ValueError(
             f"policy {options.policy!r} orders requests by their predicted length and "
@@ -123,6 +133,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
             policy=(lambda: make_policy(options.policy, **kwargs)) if forecasts else None,
         ),
         predictor=predictor,
+        served_lengths=served,
     )
 
 

@@ -11,6 +11,8 @@ is text and classes:
   the request id so that no two prompts share a cacheable prefix.
 - ``max_tokens`` is the request's output length, as in vLLM's serving
   benchmark; with ``--ignore-eos`` the server is asked to produce exactly that.
+  That tells the server how long the answer is; ``fixed_max_tokens`` sends one
+  limit instead, as a chat client does (vLLM's ``--sharegpt-output-len``).
 - Each request gets a class drawn from ``class_mix`` (seeded, stream 3), and
   from its class a relative deadline and a priority. A trace names its own
   classes, deadlines and priorities; per-class options fill in what its lines
@@ -79,6 +81,9 @@ class LoadWorkload:
     empty). Lengths are inclusive ``(lo, hi)`` token ranges for ``synthetic``.
     ``max_tokens`` caps outputs and ``max_context`` prompt + output: ShareGPT
     pairs outside are dropped, not clipped (see docs/workloads.md).
+    ``fixed_max_tokens``: every ShareGPT request asks for this many tokens at most,
+    not its recorded answer's length (pairs are drawn as without it, also leaving
+    out prompts longer than ``max_context - fixed_max_tokens``).
     """
 
     workload: str = "sharegpt"
@@ -90,6 +95,7 @@ class LoadWorkload:
     output_len: tuple[int, int] = (16, 256)
     max_tokens: int = 1024
     max_context: int = 2048
+    fixed_max_tokens: int | None = None
     class_mix: dict[str, float] = field(default_factory=dict)
     deadlines: dict[str, float] = field(default_factory=dict)
     priorities: dict[str, int] = field(default_factory=dict)
@@ -103,6 +109,13 @@ class LoadWorkload:
         from duetime.workloads.trace import read_trace_lines
 
         lines: list[TraceLine] = []
+        fixed = self.fixed_max_tokens
+        if fixed is not None and self.workload != "sharegpt":
+            raise ValueError("--fixed-max-tokens is for ShareGPT requests, which carry no limit")
+        if fixed is not None and not 1 <= fixed < self.max_context:
+            raise ValueError(
+                f"--fixed-max-tokens must be in [1, --max-context {self.max_context}), got {fixed}"
+            )
         if self.is_trace:
             if self.class_mix:
                 raise ValueError("--class-mix cannot be used with a trace: it names its classes")
@@ -147,7 +160,7 @@ class LoadWorkload:
                     arrival=r.arrival,
                     prompt=text if text is not None else filler_prompt(r.rid, r.prompt_len, rng),
                     prompt_len=r.prompt_len,
-                    max_tokens=job.output_len,
+                    max_tokens=job.output_len if fixed is None else fixed,
                     klass=klass,
                     deadline_s=deadline,
                     priority=priority,
@@ -169,12 +182,16 @@ class LoadWorkload:
             raise ValueError(f"unknown arrival process {self.arrival!r}; use poisson or gamma")
         sharegpt = self.workload == "sharegpt"
         source = None if sharegpt else wl.SyntheticSource(self.prompt_len, self.output_len)
+        fixed = self.fixed_max_tokens
         return wl.build_jobs(
             self.requests,
             source=source,
             arrivals=arrivals,
             seed=self.seed,
-            caps=wl.LengthCaps(max_total_len=self.max_context),
+            caps=wl.LengthCaps(
+                max_total_len=self.max_context,
+                max_prompt_len=None if fixed is None else self.max_context - fixed,
+            ),
             max_tokens=self.max_tokens,
             with_prompt_text=sharegpt,
         )

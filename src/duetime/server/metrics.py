@@ -23,10 +23,20 @@ __all__ = ["ResponseCounter", "ServerMetrics"]
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 
 
+#: (finished answers in the served-length window, the share of them max_tokens cut)
+LengthSummary = Callable[[], tuple[int, float | None] | None]
+
+
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], hits: Callable[[], float | None]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        hits: Callable[[], float | None],
+        lengths: LengthSummary,
+    ) -> None:
         self._stats = stats
         self._hits = hits
+        self._lengths = lengths
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self._stats()
@@ -52,10 +62,26 @@ class _EngineCollector(Collector):
                 "Fraction of requests with a deadline that met it.",
                 value=rate,
             )
+        lengths = self._lengths()
+        if lengths is not None:
+            answers, cut = lengths
+            yield GaugeMetricFamily(
+                "duetime_served_length_answers",
+                "Finished answers the length predictor is corrected by (--length-window).",
+                value=answers,
+            )
+            if cut is not None:
+                yield GaugeMetricFamily(
+                    "duetime_served_length_cut_ratio",
+                    "Share of those answers that max_tokens cut (the model did not end them).",
+                    value=cut,
+                )
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self, stats: Callable[[], EngineStats], lengths: LengthSummary = lambda: None
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -104,7 +130,7 @@ class ServerMetrics:
         # Outcomes are observed on the event loop (answers read) and on the engine thread
         # (outcomes of clients that left): the two counts behind the hit rate move together.
         self._lock = threading.Lock()
-        r.register(_EngineCollector(stats, self.hit_rate))
+        r.register(_EngineCollector(stats, self.hit_rate, lengths))
 
     def hit_rate(self) -> float | None:
         with self._lock:

@@ -33,6 +33,21 @@ def bench_admission(
     max_context: Annotated[
         int, typer.Option(min=2, help="Longest prompt + answer, tokens (longer pairs left out).")
     ] = 2048,
+    fixed_max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Every request asks for at most this many tokens (a chat client's one "
+            "limit) instead of its recorded answer's length.",
+        ),
+    ] = None,
+    lengths: Annotated[
+        str,
+        typer.Option(
+            help="The server's predicted lengths, comma-separated: served (corrected by the "
+            "served model's answers, the default of `duetime serve`), predictor (as predicted)."
+        ),
+    ] = "served",
     predictor: Annotated[
         str, typer.Option(help="The server's length predictor: auto, learned[:path] or none.")
     ] = "auto",
@@ -60,15 +75,19 @@ def bench_admission(
             deadline_s=deadline,
             max_tokens=max_tokens,
             max_context=max_context,
+            fixed_max_tokens=fixed_max_tokens,
+            lengths=[n.strip() for n in lengths.split(",") if n.strip()],
             repeats=repeats,
             seed=seed,
             predictor=None if predictor == "none" else predictor,
         )
-        prog, cb = _progress(repeats * len(cfg.modes), "serving")
+        prog, cb = _progress(repeats * len(cfg.modes) * len(cfg.lengths), "serving")
         with prog:
             fig = run_admission_bench(cfg, cb)
         fig.update(dtype=dtype, threads=threads, seed=seed)
     title = f"{fig['model']}, {policy}: {rate}/s for {duration:g} s, deadline {deadline:g} s"
+    if fixed_max_tokens is not None:
+        title += f", max_tokens {fixed_max_tokens}"
     out.print(render_table(list(fig["summary"].items()), keys=TABLE_KEYS, title=title))
     for key, value in fig["ratios"].items():
         out.print(f"{key}: {value:.2f}x")
