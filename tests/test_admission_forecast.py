@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ from duetime.server.admission import Admission, assumed_answer
 from duetime.server.app import create_app
 from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.engine_loop import EngineStats
+from duetime.server.forecast_errors import ForecastErrors
 from duetime.server.recent_load import RecentLoad
 from duetime.server.step_timer import StepTimer
 from duetime.server.threaded import serve_in_thread
@@ -152,17 +154,21 @@ def test_assumed_answer_is_the_prediction_then_the_top_of_its_interval() -> None
     assert assumed_answer(req, generated=299) == 300  # never past max_tokens
 
 
+def _slow_server(tmp_path: Path, **options: Any) -> tuple[Any, Any, str]:
+    """A tiny-model server state whose step-cost prior is 50 ms a step (with the model,
+    to slow down, and the name clients send)."""
+    profile = tmp_path / "slow.json"
+    profile.write_text(json.dumps({"name": "slow", "coefficients": {"c0": STEP_S}}))
+    opts = ServeOptions(model="tiny", predictor=None, kv_capacity=4096, profile=profile, **options)
+    model, codec, name = load_served_model(opts)
+    return build_state(opts, model, codec, name), model, name
+
+
 def test_the_server_reports_its_forecast_and_refuses_a_full_batch(tmp_path: Path) -> None:
     """Through HTTP, one slot (``max_num_seqs`` 1) and a prior of 50 ms a step: an answer
     with a deadline carries ``predicted_e2e_ms``; while a long answer holds the slot, a
     short one with a tight deadline is refused with the forecast's reason."""
-    profile = tmp_path / "slow.json"
-    profile.write_text(json.dumps({"name": "slow", "coefficients": {"c0": STEP_S}}))
-    options = ServeOptions(
-        model="tiny", predictor=None, kv_capacity=4096, profile=profile, max_num_seqs=1
-    )
-    model, codec, name = load_served_model(options)
-    state = build_state(options, model, codec, name)
+    state, model, name = _slow_server(tmp_path, max_num_seqs=1)
     assert state.admission.mode == "forecast"
     real_step = model.step
 
@@ -296,8 +302,8 @@ def test_bench_admission_compares_served_lengths_with_the_predictors(
     assert res.exit_code == 0, res.output
     fig = json.loads(path.read_text())
     assert fig["fixed_max_tokens"] == 16
-    served, raw = fig["summary"]["forecast+served"], fig["summary"]["forecast+predictor"]
-    assert [r["arm"] for r in fig["runs"]] == ["forecast+served", "forecast+predictor"]
+    served, raw = fig["summary"]["served"], fig["summary"]["predictor"]  # only lengths vary
+    assert [r["arm"] for r in fig["runs"]] == ["served", "predictor"]
     assert served["sent"] == raw["sent"] > 10
     assert raw["length_mae_tokens"] > served["length_mae_tokens"]
     assert "goodput_met_req_s_served_vs_predictor" in fig["ratios"]
@@ -308,6 +314,10 @@ def test_bench_admission_refuses_an_unknown_mode_before_loading() -> None:
 
     cli_refused("bench", "admission", "--model", "tiny", "--modes", "guess", names="--modes")
     cli_refused("bench", "admission", "--model", "tiny", "--lengths", "guess", names="--lengths")
+    cli_refused(
+        "bench", "admission", "--model", "tiny", "--confidences", "x", names="--confidences"
+    )
+    cli_refused("bench", "admission", "--model", "tiny", "--confidences", "0.9", names="forecast")
 
 
 def test_a_grammar_bound_stands_in_for_a_missing_prediction() -> None:
@@ -333,3 +343,91 @@ def test_only_a_forecasting_server_images_its_engine() -> None:
             body = {"model": name, "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
             assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
         assert (state.engine.image is not None) == (mode == "forecast"), mode
+
+
+# --- a target hit rate: the forecast stretched by its recent errors -----------------------
+def test_the_margin_is_the_conformal_quantile_of_at_risk_forecasts_errors() -> None:
+    errors = ForecastErrors(0.9, min_samples=20)
+    for k in range(19):
+        errors.observe(10.0, 10.0 * (k + 1) / 10, budget_s=12.0)
+    assert errors.margin() == 1.0  # 19 < 20: the plain forecast
+    errors.observe(0.2, 5.0, budget_s=12.0)  # forecast far inside its budget: not at risk
+    assert errors.samples == 19
+    for k in range(19, 100):
+        errors.observe(10.0, 10.0 * (k + 1) / 10, budget_s=12.0)
+    # ratios 0.1 .. 10.0; the conformal rank ceil(101 * 0.9) = 91
+    assert errors.margin() == pytest.approx(9.1)
+    with pytest.raises(ValueError, match="confidence"):
+        ForecastErrors(1.0)
+
+
+def test_a_forecast_must_meet_the_deadline_with_the_margin() -> None:
+    """Alone on an idle-but-for-one engine, 20 tokens forecast to end in ~1 s of a
+    1.5 s budget: accepted by the plain forecast; refused once recent forecasts ran
+    1.6x long (the reason names the margin), and its forecast finish stays unstretched."""
+    image, stats = _busy_image(max_num_seqs=2)
+    args = {"stats": stats, "queued": 0, "budget_s": 1.5, "allows_eviction": False, "cached": {}}
+
+    def ask(rid: int) -> Job:
+        req = Request(rid=rid, arrival=image.now, prompt_len=8, max_tokens=20)
+        req.deadline = image.now + 1.5
+        req.predicted = LengthPrediction.exact(20)
+        return Job(req, output_len=20)
+
+    errors = ForecastErrors(0.95, min_samples=5)
+    admission = Admission(StepTimer(prior=COST), policy=lambda: make_policy("edf"), errors=errors)
+    assert admission.admit([ask(2)], image=image, **args).accept  # type: ignore[arg-type]
+    for _ in range(5):
+        errors.observe(1.0, 1.6, budget_s=1.5)
+    job = ask(3)
+    verdict = admission.admit([job], image=image, **args)  # type: ignore[arg-type]
+    assert not verdict.accept
+    assert "x1.60 for 95% confidence" in verdict.reason
+    assert job.request.forecast_finish is not None
+    assert job.request.forecast_finish - image.now < 1.5
+    with pytest.raises(ValueError, match="forecast"):
+        Admission(StepTimer(prior=COST), errors=errors)
+
+
+def test_the_server_learns_its_forecasts_errors_from_finished_requests(tmp_path: Path) -> None:
+    """Requests forecast at 4 steps of 50 ms against a 300 ms budget are at risk: each
+    one that finishes leaves its actual / forecast ratio with admission."""
+    state, model, name = _slow_server(tmp_path, deadline_confidence=0.9)
+    codec = state.codec
+    body = {"model": name, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+    with serve_in_thread(create_app(state)) as url:
+        for _ in range(3):
+            r = httpx.post(url + "/v1/completions", json={**body, "deadline_ms": 300}, timeout=30)
+            assert r.status_code == 200, r.text
+        plain = httpx.post(url + "/v1/completions", json=body, timeout=30)  # no deadline
+        assert plain.status_code == 200
+    assert state.admission.errors is not None
+    assert state.admission.errors.samples == 3
+    for bad in ({"deadline_confidence": 0.9, "admission": "estimate"}, {"deadline_confidence": 2}):
+        with pytest.raises(ValueError, match="confidence"):
+            build_state(ServeOptions(model="tiny", predictor=None, **bad), model, codec, name)  # type: ignore[arg-type]
+
+
+def test_bench_admission_names_its_arms_by_what_varies() -> None:
+    from duetime.bench.admission import AdmissionBenchConfig, _ratios, arms_of
+
+    conf = arms_of(AdmissionBenchConfig(modes=["forecast"], confidences=[None, 0.95]))
+    assert list(conf) == ["plain", "conf0.95"]
+    summary = {"plain": {"goodput_met_req_s": 2.0}, "conf0.95": {"goodput_met_req_s": 1.5}}
+    assert _ratios(summary, conf) == {"goodput_met_req_s_conf0.95_vs_plain": 0.75}
+    both = AdmissionBenchConfig(lengths=["served", "predictor"])
+    arms = arms_of(both)
+    assert list(arms) == [
+        "forecast+served",
+        "forecast+predictor",
+        "estimate+served",
+        "estimate+predictor",
+    ]
+    summary = {name: {"hit_rate_of_accepted": 1.0 + k} for k, name in enumerate(arms)}
+    assert set(_ratios(summary, arms)) == {
+        "hit_rate_of_accepted_forecast_vs_estimate_served",
+        "hit_rate_of_accepted_forecast_vs_estimate_predictor",
+        "hit_rate_of_accepted_served_vs_predictor_forecast",
+        "hit_rate_of_accepted_served_vs_predictor_estimate",
+    }
+    assert list(arms_of(AdmissionBenchConfig())) == ["forecast", "estimate"]

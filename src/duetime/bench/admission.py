@@ -34,7 +34,14 @@ from duetime.server.load_workload import LoadWorkload
 from duetime.server.loadgen import Bounds, Outcome, Target, run_load
 from duetime.server.threaded import serve_in_thread
 
-__all__ = ["LENGTHS", "AdmissionBenchConfig", "arm_name", "check_config", "run_admission_bench"]
+__all__ = [
+    "LENGTHS",
+    "AdmissionBenchConfig",
+    "Arm",
+    "arms_of",
+    "check_config",
+    "run_admission_bench",
+]
 
 #: How the server's predicted lengths are had: corrected by the served model's answers, or not.
 LENGTHS = ("served", "predictor")
@@ -53,6 +60,7 @@ class AdmissionBenchConfig:
     max_context: int = 2048  # longest prompt + answer, Gemma tokens (pairs past it left out)
     fixed_max_tokens: int | None = None  # every request's max_tokens (None: its answer's length)
     lengths: Sequence[str] = ("served",)  # served: corrected by the model's answers; predictor
+    confidences: Sequence[float | None] = (None,)  # --deadline-confidence (None: plain forecast)
     repeats: int = 1
     seed: int = 0
     predictor: str | None = "auto"
@@ -75,6 +83,13 @@ def check_config(cfg: AdmissionBenchConfig) -> None:
     for lengths in cfg.lengths:
         if lengths not in LENGTHS:
             raise ValueError(f"--lengths: {lengths!r} is not one of {', '.join(LENGTHS)}")
+    if not cfg.confidences:
+        raise ValueError("--confidences is empty: name off, a confidence in (0, 1), or both")
+    for c in cfg.confidences:
+        if c is not None and not 0 < c < 1:
+            raise ValueError(f"--confidences: {c:g} is not in (0, 1)")
+        if c is not None and "estimate" in cfg.modes:
+            raise ValueError("--confidences: a deadline confidence needs the forecast mode only")
     try:
         make_policy(cfg.policy)
     except ValueError as e:
@@ -84,17 +99,67 @@ def check_config(cfg: AdmissionBenchConfig) -> None:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
 
 
-def _one_run(
-    cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], mode: str, lengths: str
-) -> dict[str, Any]:
+@dataclass(slots=True, frozen=True)
+class Arm:
+    """One way of serving the load: admission mode, predicted lengths, deadline confidence."""
+
+    mode: str
+    lengths: str
+    confidence: float | None
+
+    def labels(self) -> tuple[str, str, str]:
+        conf = "plain" if self.confidence is None else f"conf{self.confidence:g}"
+        return self.mode, self.lengths, conf
+
+
+#: Each dimension's baseline, the label others are compared with (ratios ``<a>_vs_<base>``).
+_BASELINES = ("estimate", "predictor", "plain")
+
+
+def arms_of(cfg: AdmissionBenchConfig) -> dict[str, Arm]:
+    """Every arm by its name: the labels of the dimensions with more than one value
+    joined by ``+`` (``served``, ``forecast+served``), or the mode where none varies."""
+    arms = [Arm(m, n, c) for m in cfg.modes for n in cfg.lengths for c in cfg.confidences]
+    varying = [len({a.labels()[d] for a in arms}) > 1 for d in range(3)]
+    if not any(varying):
+        varying[0] = True
+    return {"+".join(x for x, v in zip(a.labels(), varying, strict=True) if v): a for a in arms}
+
+
+def _ratios(summary: dict[str, dict[str, Any]], arms: dict[str, Arm]) -> dict[str, float]:
+    """Goodput and hit-rate ratios of each arm to the one that differs from it only by
+    its baseline in one dimension (``goodput_met_req_s_forecast_vs_estimate``, with the
+    other varying dimensions' labels after where more than one runs)."""
+    by_labels: dict[tuple[str, ...], str] = {a.labels(): name for name, a in arms.items()}
+    varying = [len({a.labels()[d] for a in arms.values()}) > 1 for d in range(3)]
+    out: dict[str, float] = {}
+    for name, arm in arms.items():
+        labels = arm.labels()
+        for d, base in enumerate(_BASELINES):
+            if labels[d] == base:
+                continue
+            other = by_labels.get((*labels[:d], base, *labels[d + 1 :]))
+            if other is None:
+                continue
+            rest = [x for k, x in enumerate(labels) if k != d and varying[k]]
+            tail = "".join(f"_{x}" for x in rest)
+            for key in ("goodput_met_req_s", "hit_rate_of_accepted"):
+                a, b = summary[name].get(key), summary[other].get(key)
+                if a and b:
+                    out[f"{key}_{labels[d]}_vs_{base}{tail}"] = a / b
+    return out
+
+
+def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], arm: Arm) -> dict[str, Any]:
     model, codec, name = loaded
     options = ServeOptions(
         model=cfg.model,
         dtype=cfg.dtype,
         policy=cfg.policy,
         predictor=cfg.predictor,
-        admission=mode,
-        length_window=ServeOptions().length_window if lengths == "served" else 0,
+        admission=arm.mode,
+        length_window=ServeOptions().length_window if arm.lengths == "served" else 0,
+        deadline_confidence=arm.confidence,
         **cfg.extra,
     )
     state = build_state(options, model, codec, name)
@@ -125,8 +190,11 @@ def _one_run(
         ms = np.asarray(walls) * 1000
         row["forecast_ms_p50"] = float(np.percentile(ms, 50))
         row["forecast_ms_p99"] = float(np.percentile(ms, 99))
-    row["mode"] = mode
-    row["lengths"] = lengths
+    row["mode"] = arm.mode
+    row["lengths"] = arm.lengths
+    row["deadline_confidence"] = arm.confidence
+    if state.admission.errors is not None:
+        row["deadline_margin_final"] = state.admission.errors.margin()
     return row
 
 
@@ -168,28 +236,18 @@ def run_admission_bench(
 ) -> dict[str, Any]:
     check_config(cfg)
     loaded = load_served_model(ServeOptions(model=cfg.model, dtype=cfg.dtype))
-    arms = [(mode, lengths) for mode in cfg.modes for lengths in cfg.lengths]
+    arms = arms_of(cfg)
     runs: list[dict[str, Any]] = []
     for rep in range(cfg.repeats):
-        for mode, lengths in arms:  # interleaved: a drift in the machine's speed hits all
-            row = _one_run(cfg, loaded, mode, lengths)
-            row["arm"] = arm_name(mode, lengths, cfg.lengths)
+        for name, arm in arms.items():  # interleaved: a drift in the machine's speed hits all
+            row = _one_run(cfg, loaded, arm)
+            row["arm"] = name
             row["repeat"] = rep
             runs.append(row)
             if progress:
                 progress(len(runs), cfg.repeats * len(arms))
-    names = [arm_name(m, n, cfg.lengths) for m, n in arms]
-    summary = {a: _median_row([r for r in runs if r["arm"] == a]) for a in names}
-    ratios: dict[str, float] = {}
-    for lengths in cfg.lengths:  # forecast vs estimate, on the same lengths
-        tail = "" if len(cfg.lengths) == 1 else f"_{lengths}"
-        _ratio(ratios, "forecast_vs_estimate" + tail, summary, lengths, cfg.lengths)
-    for mode in cfg.modes:  # served vs predictor lengths, in the same mode
-        tail = "" if len(cfg.modes) == 1 else f"_{mode}"
-        f = summary.get(arm_name(mode, "served", cfg.lengths))
-        p = summary.get(arm_name(mode, "predictor", cfg.lengths))
-        if f is not None and p is not None and f is not p:
-            _put_ratios(ratios, "served_vs_predictor" + tail, f, p)
+    summary = {a: _median_row([r for r in runs if r["arm"] == a]) for a in arms}
+    ratios = _ratios(summary, arms)
     return {
         "model": loaded[2],
         "policy": cfg.policy,
@@ -199,35 +257,12 @@ def run_admission_bench(
         "max_tokens": cfg.max_tokens,
         "fixed_max_tokens": cfg.fixed_max_tokens,
         "lengths": list(cfg.lengths),
+        "deadline_confidences": list(cfg.confidences),
         "repeats": cfg.repeats,
         "summary": summary,
         "ratios": ratios,
         "runs": runs,
     }
-
-
-def arm_name(mode: str, lengths: str, all_lengths: Sequence[str]) -> str:
-    """``forecast``, or ``forecast+served`` where more than one kind of lengths runs."""
-    return mode if len(all_lengths) == 1 else f"{mode}+{lengths}"
-
-
-def _ratio(
-    ratios: dict[str, float],
-    name: str,
-    summary: dict[str, dict[str, Any]],
-    lengths: str,
-    all_lengths: Sequence[str],
-) -> None:
-    f = summary.get(arm_name("forecast", lengths, all_lengths))
-    e = summary.get(arm_name("estimate", lengths, all_lengths))
-    if f is not None and e is not None:
-        _put_ratios(ratios, name, f, e)
-
-
-def _put_ratios(ratios: dict[str, float], name: str, a: dict[str, Any], b: dict[str, Any]) -> None:
-    for key in ("goodput_met_req_s", "hit_rate_of_accepted"):
-        if a.get(key) and b.get(key):
-            ratios[f"{key}_{name}"] = a[key] / b[key]
 
 
 TABLE_KEYS = (

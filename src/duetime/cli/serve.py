@@ -58,6 +58,14 @@ def serve(
             "estimate (an optimistic formula; docs/server.md)."
         ),
     ] = "forecast",
+    deadline_confidence: Annotated[
+        float | None,
+        typer.Option(
+            help="Accept a request with a deadline only if its forecast, stretched by the "
+            "recent forecasts' errors at this quantile, meets it: a target share of the "
+            "accepted on time (docs/server.md; default: the plain forecast).",
+        ),
+    ] = None,
     prefix_cache: Annotated[
         int,
         typer.Option(
@@ -136,6 +144,7 @@ def serve(
             max_batch_tokens=max_batch_tokens,
             max_waiting=max_waiting,
             admission=admission,
+            deadline_confidence=deadline_confidence,
             prefix_cache_tokens=prefix_cache,
             predictor=None if predictor == "none" else predictor,
             length_window=length_window,

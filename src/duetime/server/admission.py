@@ -23,6 +23,10 @@ when its answer is predicted to miss its deadline. Two predictions are offered:
   waits for, so it errs towards accepting. It stands in where no forecast can be
   made (no engine image yet), and is what ``--admission estimate`` asks for.
 
+With a deadline confidence (``--deadline-confidence c``) a forecast must meet the
+deadline stretched by the ``c`` quantile of its recent errors
+(``server/forecast_errors.py``): a target share of the accepted on time.
+
 ``cached`` is the prompt tokens the prefix cache holds now (their prefill is a
 copy). A request that allows KV eviction (``kv_eviction`` not ``off``) is
 accepted anyway, flagged as degraded: the policy (TimeBill) may trade quality
@@ -42,6 +46,7 @@ from duetime.core.image import EngineImage, LiveSeq
 from duetime.core.policy import Policy
 from duetime.core.request import Job, Request
 from duetime.server.engine_loop import EngineStats
+from duetime.server.forecast_errors import ForecastErrors
 from duetime.server.recent_load import RecentLoad
 from duetime.server.step_timer import StepTimer
 from duetime.sim.forecast import forecast
@@ -84,14 +89,20 @@ class Admission:
         *,
         max_waiting: int = 256,
         policy: Callable[[], Policy] | None = None,
+        errors: ForecastErrors | None = None,
     ) -> None:
         """``policy`` makes a fresh instance of the served policy: with it, deadlines are
-        judged by a forecast; without it, by the optimistic estimate."""
+        judged by a forecast; without it, by the optimistic estimate. ``errors`` (with a
+        forecast only): the recent forecasts' errors, whose margin a forecast must meet
+        the deadline with (a target hit rate; ``server/forecast_errors.py``)."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        if errors is not None and policy is None:
+            raise ValueError("a deadline confidence needs admission by forecast")
         self.timer = timer
         self.max_waiting = max_waiting
         self.policy = policy
+        self.errors = errors
         self.recent = RecentLoad()  # what was accepted lately: the load a forecast expects
         self.forecast_walls: deque[float] = deque(maxlen=4096)  # seconds each forecast took
 
@@ -235,8 +246,11 @@ class Admission:
         self.forecast_walls.append(fc.wall_s)
         ends = [fc.finish.get(j.request.rid) for j in jobs]
         for job, end in zip(jobs, ends, strict=True):
-            job.request.forecast_finish = end
-        late = [i for i, end in enumerate(ends) if end is None or end > deadline]
+            job.request.forecast_finish = end  # as forecast: what the errors are learned from
+        margin = 1.0 if self.errors is None else self.errors.margin()
+        late = [
+            i for i, end in enumerate(ends) if end is None or now + (end - now) * margin > deadline
+        ]
         if not late:
             done = max(e for e in ends if e is not None)
             return Verdict(True, predicted_finish_s=done - now)
@@ -248,8 +262,15 @@ class Admission:
             when = f"not within {2 * budget_s * 1000:.0f} ms"
             retry = math.ceil(budget_s)
         else:
-            when = f"in {(end - now) * 1000:.0f} ms > {budget_s * 1000:.0f} ms"
-            retry = math.ceil(end - deadline)
+            when = f"in {(end - now) * 1000:.0f} ms"
+            if margin != 1.0:
+                assert self.errors is not None
+                when += (
+                    f", x{margin:.2f} for {self.errors.confidence:.0%} confidence (the recent "
+                    f"forecasts' errors): {(end - now) * margin * 1000:.0f} ms"
+                )
+            when += f" > {budget_s * 1000:.0f} ms"
+            retry = math.ceil(now + (end - now) * margin - deadline)
         more = f", {len(future)} more like the recent ones arriving" if future else ""
         return Verdict(
             False,

@@ -115,15 +115,22 @@ class ServerState:
         self.grammars = GrammarCompiler(lambda: self.codec.guidance_tokenizer())
 
     def counter(self, rid: int | None) -> Callable[[Outcome], None]:
-        """What hears a request's outcome: the metrics and, for ``rid`` (a request whose
-        answer the served-length window follows), the window."""
+        """What hears a request's outcome: the metrics; the served-length window, for
+        ``rid`` (a request whose answer it follows); admission's record of its forecasts'
+        errors, where it keeps one (``--deadline-confidence``)."""
         served = self.served_lengths
-        if rid is None or served is None:
+        errors = self.admission.errors
+        if (rid is None or served is None) and errors is None:
             return self.metrics.observe
 
         def count(outcome: Outcome) -> None:
             self.metrics.observe(outcome)
-            served.end(rid, outcome.output_tokens, outcome.finish_reason)
+            if rid is not None and served is not None:
+                served.end(rid, outcome.output_tokens, outcome.finish_reason)
+            done = outcome.finish_reason in ("stop", "length")
+            forecast = outcome.forecast_e2e
+            if errors is not None and done and forecast is not None and outcome.deadline:
+                errors.observe(forecast, outcome.e2e, outcome.deadline - outcome.arrival)
 
         return count
 

@@ -21,6 +21,7 @@ from duetime.predict.served_lengths import ServedLengths
 from duetime.server.admission import ADMISSION_MODES, Admission
 from duetime.server.codec import ByteCodec, Codec, GemmaCodec
 from duetime.server.engine_loop import EngineLoop
+from duetime.server.forecast_errors import ForecastErrors
 from duetime.server.step_timer import StepTimer
 
 __all__ = ["ServeOptions", "build_state", "load_served_model"]
@@ -42,6 +43,9 @@ class ServeOptions:
     predictor: str | None = "auto"  # auto: the learned length predictor for real models
     # the predictor is corrected by the newest this many answers of the served model; 0: off
     length_window: int = 1000
+    # accept a request only if the forecast, stretched by its recent errors' quantile at
+    # this confidence, meets the deadline (a target hit rate); None: the plain forecast
+    deadline_confidence: float | None = None
     profile: Path | None = None
     telemetry: Path | None = None
     seed: int = 0
@@ -83,6 +87,11 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         )
     if options.length_window < 0:
         raise ValueError(f"length_window must be >= 0, got {options.length_window}")
+    errors = None
+    if options.deadline_confidence is not None:
+        if options.admission != "forecast":
+            raise ValueError("a deadline confidence needs --admission forecast")
+        errors = ForecastErrors(options.deadline_confidence)
 
     def make_executor() -> EngineExecutor:
         ex = EngineExecutor(
@@ -131,6 +140,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
             timer,
             max_waiting=options.max_waiting,
             policy=(lambda: make_policy(options.policy, **kwargs)) if forecasts else None,
+            errors=errors,
         ),
         predictor=predictor,
         served_lengths=served,

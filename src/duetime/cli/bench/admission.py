@@ -48,6 +48,13 @@ def bench_admission(
             "served model's answers, the default of `duetime serve`), predictor (as predicted)."
         ),
     ] = "served",
+    confidences: Annotated[
+        str,
+        typer.Option(
+            help="The server's --deadline-confidence, comma-separated: off (the plain "
+            "forecast) and/or targets in (0, 1), e.g. off,0.95."
+        ),
+    ] = "off",
     predictor: Annotated[
         str, typer.Option(help="The server's length predictor: auto, learned[:path] or none.")
     ] = "auto",
@@ -60,7 +67,13 @@ def bench_admission(
     the forecast's error (docs/server.md, "Admission control")."""
     import torch
 
-    from duetime.bench.admission import TABLE_KEYS, AdmissionBenchConfig, run_admission_bench
+    from duetime.bench.admission import (
+        TABLE_KEYS,
+        AdmissionBenchConfig,
+        arms_of,
+        check_config,
+        run_admission_bench,
+    )
     from duetime.metrics import render_table
 
     with _user_errors():
@@ -77,11 +90,13 @@ def bench_admission(
             max_context=max_context,
             fixed_max_tokens=fixed_max_tokens,
             lengths=[n.strip() for n in lengths.split(",") if n.strip()],
+            confidences=_confidences(confidences),
             repeats=repeats,
             seed=seed,
             predictor=None if predictor == "none" else predictor,
         )
-        prog, cb = _progress(repeats * len(cfg.modes) * len(cfg.lengths), "serving")
+        check_config(cfg)
+        prog, cb = _progress(repeats * len(arms_of(cfg)), "serving")
         with prog:
             fig = run_admission_bench(cfg, cb)
         fig.update(dtype=dtype, threads=threads, seed=seed)
@@ -92,3 +107,18 @@ def bench_admission(
     for key, value in fig["ratios"].items():
         out.print(f"{key}: {value:.2f}x")
     save_figures(fig, json_path=json_path)
+
+
+def _confidences(text: str) -> list[float | None]:
+    out: list[float | None] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part == "off":
+            out.append(None)
+            continue
+        try:
+            out.append(float(part))
+        except ValueError:
+            raise ValueError(f"--confidences: {part!r} is neither off nor a number") from None
+    return out
