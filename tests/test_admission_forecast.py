@@ -317,7 +317,12 @@ def test_bench_admission_refuses_an_unknown_mode_before_loading() -> None:
     cli_refused(
         "bench", "admission", "--model", "tiny", "--confidences", "x", names="--confidences"
     )
-    cli_refused("bench", "admission", "--model", "tiny", "--confidences", "0.9", names="forecast")
+    cli_refused("bench", "admission", "--model", "tiny", "--confidences", "1.5", names="(0, 1)")
+    for args in (
+        ["--deadline-confidence", "most"],
+        ["--admission", "estimate", "--deadline-confidence", "0.9"],
+    ):
+        cli_refused("serve", "--model", "tiny", *args, names="--deadline-confidence")
 
 
 def test_a_grammar_bound_stands_in_for_a_missing_prediction() -> None:
@@ -403,9 +408,12 @@ def test_the_server_learns_its_forecasts_errors_from_finished_requests(tmp_path:
         assert plain.status_code == 200
     assert state.admission.errors is not None
     assert state.admission.errors.samples == 3
-    for bad in ({"deadline_confidence": 0.9, "admission": "estimate"}, {"deadline_confidence": 2}):
-        with pytest.raises(ValueError, match="confidence"):
-            build_state(ServeOptions(model="tiny", predictor=None, **bad), model, codec, name)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="confidence"):
+        build_state(ServeOptions(model="tiny", deadline_confidence=2), model, codec, name)
+    # the default confidence stretches forecasts; the estimate has none to stretch
+    assert build_state(ServeOptions(model="tiny"), model, codec, name).admission.errors
+    estimate = ServeOptions(model="tiny", admission="estimate")
+    assert build_state(estimate, model, codec, name).admission.errors is None
 
 
 def test_bench_admission_names_its_arms_by_what_varies() -> None:
@@ -431,3 +439,12 @@ def test_bench_admission_names_its_arms_by_what_varies() -> None:
         "hit_rate_of_accepted_served_vs_predictor_estimate",
     }
     assert list(arms_of(AdmissionBenchConfig())) == ["forecast", "estimate"]
+    # a confidence stretches forecasts only: the estimate runs once, compared with each
+    mixed = arms_of(AdmissionBenchConfig(confidences=[None, 0.95]))
+    assert list(mixed) == ["forecast+plain", "forecast+conf0.95", "estimate"]
+    summary = {name: {"goodput_met_req_s": 1.0 + k} for k, name in enumerate(mixed)}
+    assert set(_ratios(summary, mixed)) == {
+        "goodput_met_req_s_forecast_vs_estimate_plain",
+        "goodput_met_req_s_forecast_vs_estimate_conf0.95",
+        "goodput_met_req_s_conf0.95_vs_plain_forecast",
+    }

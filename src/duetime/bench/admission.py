@@ -28,7 +28,12 @@ import numpy as np
 
 from duetime.server.admission import ADMISSION_MODES
 from duetime.server.app import create_app
-from duetime.server.build import ServeOptions, build_state, load_served_model
+from duetime.server.build import (
+    DEFAULT_CONFIDENCE,
+    ServeOptions,
+    build_state,
+    load_served_model,
+)
 from duetime.server.load_report import summarize_run
 from duetime.server.load_workload import LoadWorkload
 from duetime.server.loadgen import Bounds, Outcome, Target, run_load
@@ -60,7 +65,8 @@ class AdmissionBenchConfig:
     max_context: int = 2048  # longest prompt + answer, Gemma tokens (pairs past it left out)
     fixed_max_tokens: int | None = None  # every request's max_tokens (None: its answer's length)
     lengths: Sequence[str] = ("served",)  # served: corrected by the model's answers; predictor
-    confidences: Sequence[float | None] = (None,)  # --deadline-confidence (None: plain forecast)
+    # the server's --deadline-confidence for the forecast arms (None: the plain forecast)
+    confidences: Sequence[float | None] = (DEFAULT_CONFIDENCE,)
     repeats: int = 1
     seed: int = 0
     predictor: str | None = "auto"
@@ -88,8 +94,6 @@ def check_config(cfg: AdmissionBenchConfig) -> None:
     for c in cfg.confidences:
         if c is not None and not 0 < c < 1:
             raise ValueError(f"--confidences: {c:g} is not in (0, 1)")
-        if c is not None and "estimate" in cfg.modes:
-            raise ValueError("--confidences: a deadline confidence needs the forecast mode only")
     try:
         make_policy(cfg.policy)
     except ValueError as e:
@@ -108,8 +112,9 @@ class Arm:
     confidence: float | None
 
     def labels(self) -> tuple[str, str, str]:
+        """Mode, lengths, confidence; the estimate has no confidence (label "")."""
         conf = "plain" if self.confidence is None else f"conf{self.confidence:g}"
-        return self.mode, self.lengths, conf
+        return self.mode, self.lengths, "" if self.mode == "estimate" else conf
 
 
 #: Each dimension's baseline, the label others are compared with (ratios ``<a>_vs_<base>``).
@@ -119,11 +124,21 @@ _BASELINES = ("estimate", "predictor", "plain")
 def arms_of(cfg: AdmissionBenchConfig) -> dict[str, Arm]:
     """Every arm by its name: the labels of the dimensions with more than one value
     joined by ``+`` (``served``, ``forecast+served``), or the mode where none varies."""
-    arms = [Arm(m, n, c) for m in cfg.modes for n in cfg.lengths for c in cfg.confidences]
-    varying = [len({a.labels()[d] for a in arms}) > 1 for d in range(3)]
+    arms: list[Arm] = []
+    for m in cfg.modes:
+        for n in cfg.lengths:  # a confidence stretches forecasts: the estimate runs once
+            confidences = cfg.confidences if m == "forecast" else [None]
+            arms += [Arm(m, n, c) for c in confidences]
+    varying = _varying(arms)
     if not any(varying):
         varying[0] = True
-    return {"+".join(x for x, v in zip(a.labels(), varying, strict=True) if v): a for a in arms}
+    return {
+        "+".join(x for x, v in zip(a.labels(), varying, strict=True) if v and x): a for a in arms
+    }
+
+
+def _varying(arms: Sequence[Arm]) -> list[bool]:
+    return [len({a.labels()[d] for a in arms} - {""}) > 1 for d in range(3)]
 
 
 def _ratios(summary: dict[str, dict[str, Any]], arms: dict[str, Arm]) -> dict[str, float]:
@@ -131,17 +146,20 @@ def _ratios(summary: dict[str, dict[str, Any]], arms: dict[str, Arm]) -> dict[st
     its baseline in one dimension (``goodput_met_req_s_forecast_vs_estimate``, with the
     other varying dimensions' labels after where more than one runs)."""
     by_labels: dict[tuple[str, ...], str] = {a.labels(): name for name, a in arms.items()}
-    varying = [len({a.labels()[d] for a in arms.values()}) > 1 for d in range(3)]
+    varying = _varying(list(arms.values()))
     out: dict[str, float] = {}
     for name, arm in arms.items():
         labels = arm.labels()
         for d, base in enumerate(_BASELINES):
-            if labels[d] == base:
+            if labels[d] in (base, ""):
                 continue
-            other = by_labels.get((*labels[:d], base, *labels[d + 1 :]))
+            want = [*labels[:d], base, *labels[d + 1 :]]
+            if base == "estimate":
+                want[2] = ""  # against the estimate, whatever the forecast's confidence
+            other = by_labels.get(tuple(want))
             if other is None:
                 continue
-            rest = [x for k, x in enumerate(labels) if k != d and varying[k]]
+            rest = [x for k, x in enumerate(labels) if k != d and varying[k] and x]
             tail = "".join(f"_{x}" for x in rest)
             for key in ("goodput_met_req_s", "hit_rate_of_accepted"):
                 a, b = summary[name].get(key), summary[other].get(key)

@@ -59,11 +59,12 @@ def serve(
         ),
     ] = "forecast",
     deadline_confidence: Annotated[
-        float | None,
+        str | None,
         typer.Option(
-            help="Accept a request with a deadline only if its forecast, stretched by the "
-            "recent forecasts' errors at this quantile, meets it: a target share of the "
-            "accepted on time (docs/server.md; default: the plain forecast).",
+            help="With --admission forecast, accept a request with a deadline only if its "
+            "forecast, stretched by the recent forecasts' errors at this quantile, meets "
+            "it: a target share of the accepted on time (docs/server.md). A number in "
+            "(0, 1), or off for the plain forecast. [default: 0.95]",
         ),
     ] = None,
     prefix_cache: Annotated[
@@ -144,7 +145,7 @@ def serve(
             max_batch_tokens=max_batch_tokens,
             max_waiting=max_waiting,
             admission=admission,
-            deadline_confidence=deadline_confidence,
+            deadline_confidence=_confidence(deadline_confidence, admission),
             prefix_cache_tokens=prefix_cache,
             predictor=None if predictor == "none" else predictor,
             length_window=length_window,
@@ -181,3 +182,23 @@ def serve(
         shutdown_timeout_s=shutdown_timeout,
         header_timeout_s=header_timeout,
     )
+
+
+def _confidence(text: str | None, admission: str) -> float | None:
+    """``--deadline-confidence``: the default where not given (none with the estimate),
+    None for ``off``; a number with ``--admission estimate`` is refused."""
+    from duetime.server.build import DEFAULT_CONFIDENCE
+
+    if text is None:
+        return DEFAULT_CONFIDENCE if admission == "forecast" else None
+    if text == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(
+            f"--deadline-confidence must be a number in (0, 1) or off, not {text!r}"
+        ) from None
+    if admission != "forecast":
+        raise ValueError("--deadline-confidence needs --admission forecast (or say off)")
+    return value

@@ -24,7 +24,11 @@ from duetime.server.engine_loop import EngineLoop
 from duetime.server.forecast_errors import ForecastErrors
 from duetime.server.step_timer import StepTimer
 
-__all__ = ["ServeOptions", "build_state", "load_served_model"]
+__all__ = ["DEFAULT_CONFIDENCE", "ServeOptions", "build_state", "load_served_model"]
+
+#: The share of accepted requests with a deadline that should meet it (docs/server.md:
+#: 0.976 met at 0.95 in `duetime bench admission`'s default load, against 0.902 without).
+DEFAULT_CONFIDENCE = 0.95
 
 
 @dataclass(slots=True)
@@ -43,9 +47,10 @@ class ServeOptions:
     predictor: str | None = "auto"  # auto: the learned length predictor for real models
     # the predictor is corrected by the newest this many answers of the served model; 0: off
     length_window: int = 1000
-    # accept a request only if the forecast, stretched by its recent errors' quantile at
-    # this confidence, meets the deadline (a target hit rate); None: the plain forecast
-    deadline_confidence: float | None = None
+    # forecast admission: accept a request only if its forecast, stretched by the recent
+    # forecasts' errors at this quantile, meets the deadline (a target hit rate); None:
+    # the plain forecast. The estimate has none.
+    deadline_confidence: float | None = DEFAULT_CONFIDENCE
     profile: Path | None = None
     telemetry: Path | None = None
     seed: int = 0
@@ -87,11 +92,11 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         )
     if options.length_window < 0:
         raise ValueError(f"length_window must be >= 0, got {options.length_window}")
-    errors = None
-    if options.deadline_confidence is not None:
-        if options.admission != "forecast":
-            raise ValueError("a deadline confidence needs --admission forecast")
-        errors = ForecastErrors(options.deadline_confidence)
+    confidence = options.deadline_confidence
+    if confidence is not None and not 0 < confidence < 1:
+        raise ValueError(f"deadline confidence must be in (0, 1), got {confidence}")
+    forecasts = options.admission == "forecast"
+    errors = ForecastErrors(confidence) if forecasts and confidence is not None else None
 
     def make_executor() -> EngineExecutor:
         ex = EngineExecutor(
@@ -109,7 +114,6 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         ex.eos_token_id = codec.eos_id
         return ex
 
-    forecasts = options.admission == "forecast"
     predictor = _predictor(options)
     served = None
     if predictor is not None and options.length_window:

@@ -51,10 +51,10 @@ def bench_admission(
     confidences: Annotated[
         str,
         typer.Option(
-            help="The server's --deadline-confidence, comma-separated: off (the plain "
-            "forecast) and/or targets in (0, 1), e.g. off,0.95."
+            help="The server's --deadline-confidence for the forecast arms, comma-separated: "
+            "off (the plain forecast) and/or targets in (0, 1), e.g. off,0.95."
         ),
-    ] = "off",
+    ] = "0.95",
     predictor: Annotated[
         str, typer.Option(help="The server's length predictor: auto, learned[:path] or none.")
     ] = "auto",
