@@ -122,6 +122,17 @@ def bound_port(host: str, port: int) -> int:
         return int(s.getsockname()[1])
 
 
+def parse_confidence(text: str, option: str) -> float | None:
+    """A ``--deadline-confidence`` value as given: ``off`` (None) or a number (its range
+    is checked where it is used)."""
+    if text == "off":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{option}: {text!r} is neither off nor a number") from None
+
+
 def _fail(msg: str) -> NoReturn:
     # escape: a message quotes user input ("run[abc].jsonl"), which rich would read as markup
     err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)

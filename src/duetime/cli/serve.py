@@ -17,6 +17,7 @@ from duetime.cli.common import (
     app,
     bound_port,
     err,
+    parse_confidence,
     writable,
 )
 
@@ -191,14 +192,7 @@ def _confidence(text: str | None, admission: str) -> float | None:
 
     if text is None:
         return DEFAULT_CONFIDENCE if admission == "forecast" else None
-    if text == "off":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(
-            f"--deadline-confidence must be a number in (0, 1) or off, not {text!r}"
-        ) from None
-    if admission != "forecast":
+    value = parse_confidence(text, "--deadline-confidence")
+    if value is not None and admission != "forecast":
         raise ValueError("--deadline-confidence needs --admission forecast (or say off)")
     return value

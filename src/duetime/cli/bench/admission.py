@@ -8,7 +8,14 @@ import typer
 
 from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, RepeatsOpt, SeedOpt, ThreadsOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, _progress, _user_errors, bench_app, out
+from duetime.cli.common import (
+    JsonOpt,
+    _progress,
+    _user_errors,
+    bench_app,
+    out,
+    parse_confidence,
+)
 
 
 @bench_app.command("admission")
@@ -90,7 +97,11 @@ def bench_admission(
             max_context=max_context,
             fixed_max_tokens=fixed_max_tokens,
             lengths=[n.strip() for n in lengths.split(",") if n.strip()],
-            confidences=_confidences(confidences),
+            confidences=[
+                parse_confidence(c.strip(), "--confidences")
+                for c in confidences.split(",")
+                if c.strip()
+            ],
             repeats=repeats,
             seed=seed,
             predictor=None if predictor == "none" else predictor,
@@ -107,18 +118,3 @@ def bench_admission(
     for key, value in fig["ratios"].items():
         out.print(f"{key}: {value:.2f}x")
     save_figures(fig, json_path=json_path)
-
-
-def _confidences(text: str) -> list[float | None]:
-    out: list[float | None] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if part == "off":
-            out.append(None)
-            continue
-        try:
-            out.append(float(part))
-        except ValueError:
-            raise ValueError(f"--confidences: {part!r} is neither off nor a number") from None
-    return out
