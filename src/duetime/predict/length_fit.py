@@ -32,7 +32,7 @@ from duetime.predict.precision import precision_of
 SHIPPED_MODELS = {
     "minilm-static": "rlp-minilm-static-b16.npz",  # the default: ~1 ms per prompt
     "minilm": "rlp-minilm-b16.npz",  # contextual MiniLM, 64 word pieces: p50 6.5 ms in bf16
-    "minilm-ft": "rlp-minilm-ft-b16.npz",  # fine-tuned (LoRA) 6 layers over 64 pieces + static
+    "minilm-ft": "rlp-minilm-ft-b16.npz",  # fine-tuned (LoRA), 6 layers over 96 pieces + static
 }
 DEFAULT_SHIPPED = "minilm-static"
 SPLIT_RULE = "by conversation id, duplicated chats together"

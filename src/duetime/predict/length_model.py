@@ -71,6 +71,7 @@ class RLPConfig:
     seed: int = 0
     lora_rank: int = 16  # minilm-ft only: rank of the encoder's LoRA adapters
     encoder_lr: float = 5e-4  # minilm-ft only: learning rate of the adapters (lr is the head's)
+    soft_weight: float = 0.0  # minilm-ft only: weight of the teachers' distribution in the loss
 
     def __post_init__(self) -> None:
         if self.bucket_size < 1 or self.max_len < self.bucket_size:
@@ -79,6 +80,8 @@ class RLPConfig:
             raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
         if self.hidden < 0 or not 0 <= self.dropout < 1 or self.label_sigma < 0:
             raise ValueError(f"bad head settings in {self}")
+        if not 0 <= self.soft_weight <= 1:
+            raise ValueError(f"soft_weight must be in [0, 1], got {self.soft_weight}")
 
     @property
     def n_classes(self) -> int:
