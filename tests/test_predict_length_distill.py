@@ -169,3 +169,33 @@ def test_cli_distils_and_records_its_teachers(bundle, teachers, tmp_path):
         assert r.exit_code == 2, (name, r.output)
         assert needle in r.output, (name, r.output)
         assert not x.exists()
+
+
+def test_train_seed_varies_the_training_on_one_split(bundle):
+    same = train(bundle, replace(FAST, train_seed=0))
+    plain = train(bundle, FAST)
+    other = train(bundle, replace(FAST, train_seed=1))
+    np.testing.assert_array_equal(same.weights.w2, plain.weights.w2)  # None means seed
+    assert not np.allclose(other.weights.w2, plain.weights.w2, atol=1e-3)
+    assert other.meta["split_seed"] == 0  # the split the bench re-makes: the bundle's
+    assert other.meta["split_sizes"] == plain.meta["split_sizes"]
+    assert other.config.training_seed == 1
+
+
+def test_cli_refuses_a_seed_that_is_not_the_bundles_split(bundle, tmp_path):
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    assert bundle.split_seed is None  # a bundle made by hand records none
+    seeded = replace(bundle, dataset="rows|split seed 0, max_len 512|all turns")
+    assert seeded.split_seed == 0
+    b = seeded.save(tmp_path / "b.npz")
+    x = tmp_path / "x.npz"
+    args = ["predict", "train-length", "--encoder", "minilm-ft:16:1", "--bundle", str(b),
+            "--max-len", "512", "--seed", "1", "--out", str(x)]  # fmt: skip
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert "split with seed 0" in r.output, r.output
+    assert "--train-seed" in r.output, r.output
+    assert not x.exists()

@@ -58,6 +58,14 @@ def predict_train_length(
     label_sigma: Annotated[float, typer.Option(min=0.0, help="Label smoothing, buckets.")] = 0.0,
     readout: Annotated[str, typer.Option(help="median, mean or argmax (TimeBill).")] = "median",
     seed: Annotated[int, typer.Option(min=0, help="Seed of the split and the training.")] = 0,
+    train_seed: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Seed of the training alone (initialisation, shuffles, dropout), on the "
+            "split --seed makes: other models on one split, e.g. teachers.  [default: --seed]",
+        ),
+    ] = None,
     coverage: Annotated[float, typer.Option(help="Interval coverage for the report.")] = 0.9,
     lora_rank: Annotated[int, typer.Option(min=1, help="minilm-ft: LoRA rank.")] = 16,
     encoder_lr: Annotated[float, typer.Option(help="minilm-ft: adapters' learning rate.")] = 5e-4,
@@ -153,6 +161,7 @@ def predict_train_length(
             lora_rank=lora_rank,
             encoder_lr=encoder_lr,
             soft_weight=(1.0 if soft_weight is None else soft_weight) if teachers else 0.0,
+            train_seed=train_seed,
         )
         ckpt = out_path.with_name(out_path.name + ".ckpt")
         if finetune:
@@ -164,6 +173,12 @@ def predict_train_length(
                 if bundle is not None
                 else build_bundle(max_len=max_len, seed=seed, all_turns=all_turns)
             )
+            if tokens.split_seed not in (None, seed):
+                raise ValueError(
+                    f"{bundle}: its rows were split with seed {tokens.split_seed}, not --seed "
+                    f"{seed}; --seed names the split (the model file records it and the bench "
+                    "splits by it again): vary the training with --train-seed"
+                )
             soft = None
             if teachers:
                 from duetime.predict.length_distill import teacher_distributions, teachers_meta

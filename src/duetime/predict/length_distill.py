@@ -88,6 +88,7 @@ def teachers_meta(teachers: Sequence[str | Path]) -> list[dict[str, Any]]:
                 "file": Path(path).name,
                 "encoder": model.config.encoder,
                 "seed": model.config.seed,
+                "train_seed": model.config.training_seed,
                 "test_mae_tokens": test.get("mae_tokens"),
             }
         )

@@ -149,7 +149,7 @@ def fit_finetuned(
     classes = np.minimum(bucket_of(bundle.output_len, cfg.bucket_size), cfg.n_classes) - 1
     y_va = bundle.output_len[va].astype(np.float64)
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.training_seed)
     net = _build(cfg, device)
     trainable = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
@@ -225,7 +225,7 @@ def fit_finetuned(
         epochs = run_epochs(
             trainee,
             epochs=cfg.epochs,
-            seed=cfg.seed,
+            seed=cfg.training_seed,
             score="val_mae_tokens",
             identity=identity,
             checkpoint=checkpoint,

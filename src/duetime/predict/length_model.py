@@ -68,10 +68,17 @@ class RLPConfig:
     lr: float = 1e-3
     weight_decay: float = 1e-4
     readout: str = "median"  # default readout; argmax is TimeBill's Eq. 2
-    seed: int = 0
+    seed: int = 0  # of the split, and of the training unless train_seed says otherwise
     lora_rank: int = 16  # minilm-ft only: rank of the encoder's LoRA adapters
     encoder_lr: float = 5e-4  # minilm-ft only: learning rate of the adapters (lr is the head's)
     soft_weight: float = 0.0  # minilm-ft only: weight of the teachers' distribution in the loss
+    train_seed: int | None = None  # initialisation, shuffles, dropout; None: seed
+
+    @property
+    def training_seed(self) -> int:
+        """The training's seed: ``train_seed`` where given (other models on the same
+        split: an ensemble's teachers), else the split's ``seed``."""
+        return self.seed if self.train_seed is None else self.train_seed
 
     def __post_init__(self) -> None:
         if self.bucket_size < 1 or self.max_len < self.bucket_size:

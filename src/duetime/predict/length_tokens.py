@@ -44,6 +44,15 @@ class TokenBundle:
     def __len__(self) -> int:
         return len(self.prompt_len)
 
+    @property
+    def split_seed(self) -> int | None:
+        """The seed its rows were split with, as :func:`build_bundle` records it in
+        ``dataset``; None where it is not recorded (a bundle made otherwise)."""
+        import re
+
+        found = re.search(r"\|split seed (\d+),", self.dataset)
+        return int(found.group(1)) if found else None
+
     def seqs(self, rows: np.ndarray) -> list[np.ndarray]:
         """The id sequence of each row, as int64."""
         return [self.ids[self.off[r] : self.off[r + 1]].astype(np.int64) for r in rows]

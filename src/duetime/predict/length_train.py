@@ -75,7 +75,7 @@ def fit_head(
     from duetime.predict.length_features import torch_threads
 
     d_out = cfg.n_classes if task == "classify" else 1
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.training_seed)
     model = _mlp(x_train.shape[1], d_out, cfg.hidden, cfg.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(cfg.epochs, 1))
@@ -132,7 +132,7 @@ def fit_head(
         epochs = run_epochs(
             trainee,
             epochs=cfg.epochs,
-            seed=cfg.seed,
+            seed=cfg.training_seed,
             score="val_loss",
             identity=identity,
             checkpoint=checkpoint,
