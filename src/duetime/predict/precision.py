@@ -63,7 +63,8 @@ def runtime_precision(calibrated: str) -> str:
     if calibrated == "bf16" and not native_bf16():
         log.warning(
             "this length model was calibrated in bf16, which this CPU does not compute "
-            "natively: running it in fp32 (points move by ~0.3 tokens)"
+            "natively: running it in fp32 (points move by ~0.3 tokens, and a prompt takes "
+            "about twice as long; docs/predictors.md, Inference precision)"
         )
         return "fp32"
     return calibrated
