@@ -34,6 +34,7 @@ from duetime.server.build import (
     build_state,
     load_served_model,
 )
+from duetime.server.forecast_errors import check_confidence
 from duetime.server.load_report import summarize_run
 from duetime.server.load_workload import LoadWorkload
 from duetime.server.loadgen import Bounds, Outcome, Target, run_load
@@ -92,8 +93,11 @@ def check_config(cfg: AdmissionBenchConfig) -> None:
     if not cfg.confidences:
         raise ValueError("--confidences is empty: name off, a confidence in (0, 1), or both")
     for c in cfg.confidences:
-        if c is not None and not 0 < c < 1:
-            raise ValueError(f"--confidences: {c:g} is not in (0, 1)")
+        if c is not None:
+            try:
+                check_confidence(c)
+            except ValueError as e:
+                raise ValueError(f"--confidences: {e}") from None
     try:
         make_policy(cfg.policy)
     except ValueError as e:

@@ -21,7 +21,7 @@ from duetime.predict.served_lengths import ServedLengths
 from duetime.server.admission import ADMISSION_MODES, Admission
 from duetime.server.codec import ByteCodec, Codec, GemmaCodec
 from duetime.server.engine_loop import EngineLoop
-from duetime.server.forecast_errors import ForecastErrors
+from duetime.server.forecast_errors import ForecastErrors, check_confidence
 from duetime.server.step_timer import StepTimer
 
 __all__ = ["DEFAULT_CONFIDENCE", "ServeOptions", "build_state", "load_served_model"]
@@ -93,8 +93,8 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
     if options.length_window < 0:
         raise ValueError(f"length_window must be >= 0, got {options.length_window}")
     confidence = options.deadline_confidence
-    if confidence is not None and not 0 < confidence < 1:
-        raise ValueError(f"deadline confidence must be in (0, 1), got {confidence}")
+    if confidence is not None:  # checked in every mode, used by forecasts only
+        check_confidence(confidence)
     forecasts = options.admission == "forecast"
     errors = ForecastErrors(confidence) if forecasts and confidence is not None else None
 

@@ -28,7 +28,14 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["ForecastErrors"]
+__all__ = ["ForecastErrors", "check_confidence"]
+
+
+def check_confidence(confidence: float) -> float:
+    """``confidence`` if it is a share a target can be (NaN is refused too)."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"deadline confidence must be in (0, 1), got {confidence}")
+    return confidence
 
 
 class ForecastErrors:
@@ -40,8 +47,7 @@ class ForecastErrors:
         min_samples: int = 20,
         at_risk: float = 0.5,
     ) -> None:
-        if not 0.0 < confidence < 1.0:
-            raise ValueError(f"deadline confidence must be in (0, 1), got {confidence}")
+        check_confidence(confidence)
         if window < 1 or min_samples < 1:
             raise ValueError(f"window and min_samples must be >= 1, got {window}, {min_samples}")
         self.confidence = confidence
