@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from duetime.predict.epoch_loop import CheckpointError
-from duetime.predict.length_distill import load_teacher, teacher_distributions
+from duetime.predict.length_distill import load_teacher, teacher_distributions, teachers_digest
 from duetime.predict.length_finetune import check_soft_targets, train_finetuned_rlp
 from duetime.predict.length_model import LengthModel, RLPConfig, bucket_of
 from tests.test_predict_length_finetune import CFG, make_bundle, synthetic_texts
@@ -117,6 +117,31 @@ def test_a_checkpoint_resumes_only_with_the_same_teachers(bundle, tmp_path):
         train(bundle, cfg, other, checkpoint=ckpt, resume=True)
     resumed = train(bundle, cfg, soft, checkpoint=ckpt, resume=True)
     assert resumed.meta["epochs_run"] == 2
+
+
+def test_a_checkpoint_named_by_its_teachers_resumes_despite_numeric_noise(
+    bundle, teachers, tmp_path
+):
+    """A GPU's teacher pass need not repeat bit for bit: named by the teachers' files,
+    a resumed run takes the targets as they come; other teachers are still refused."""
+    cfg = replace(FAST, soft_weight=1.0)
+    ckpt = tmp_path / "s.ckpt"
+    soft = teacher_distributions(bundle, teachers, cfg, progress=False)
+    name = teachers_digest(teachers)
+    assert name != teachers_digest(teachers[:1])
+    train(bundle, cfg, soft, checkpoint=ckpt, stop_after=1, soft_identity=name)
+    noisy = soft * (1 + 1e-6)
+    resumed = train(bundle, cfg, noisy, checkpoint=ckpt, resume=True, soft_identity=name)
+    assert resumed.meta["epochs_run"] == 2
+    with pytest.raises(CheckpointError, match="soft_targets"):
+        train(
+            bundle,
+            cfg,
+            soft,
+            checkpoint=ckpt,
+            resume=True,
+            soft_identity=teachers_digest(teachers[:1]),
+        )
 
 
 def test_teachers_that_cannot_teach_are_refused(bundle, teachers, tmp_path):

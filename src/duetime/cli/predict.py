@@ -179,11 +179,16 @@ def predict_train_length(
                     f"{seed}; --seed names the split (the model file records it and the bench "
                     "splits by it again): vary the training with --train-seed"
                 )
-            soft = None
+            soft, soft_id = None, None
             if teachers:
-                from duetime.predict.length_distill import teacher_distributions, teachers_meta
+                from duetime.predict.length_distill import (
+                    teacher_distributions,
+                    teachers_digest,
+                    teachers_meta,
+                )
 
                 soft = teacher_distributions(tokens, teachers, cfg, device=device)
+                soft_id = teachers_digest(teachers)
             rlp = train_finetuned_rlp(
                 tokens,
                 cfg,
@@ -193,6 +198,7 @@ def predict_train_length(
                 coverage=coverage,
                 precision=precision,
                 soft_targets=soft,
+                soft_identity=soft_id,
             )
             if teachers:
                 rlp.meta["teachers"] = teachers_meta(teachers)

@@ -77,6 +77,17 @@ def teacher_distributions(
     return out.astype(np.float32)
 
 
+def teachers_digest(teachers: Sequence[str | Path]) -> str:
+    """A short hash of the teachers' files, in order: a student's checkpoint resumes
+    only with the same teachers."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for path in teachers:
+        h.update(Path(path).read_bytes())
+    return "teachers:" + h.hexdigest()[:16]
+
+
 def teachers_meta(teachers: Sequence[str | Path]) -> list[dict[str, Any]]:
     """What a distilled model file records of its teachers: name, encoder, test MAE."""
     rows = []

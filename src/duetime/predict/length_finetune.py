@@ -125,6 +125,7 @@ def fit_finetuned(
     threads: int | None = None,
     precision: str = "auto",
     soft_targets: np.ndarray | None = None,
+    soft_identity: str | None = None,
 ) -> tuple[dict[str, np.ndarray], HeadWeights, TrainedEpochs]:
     """Train adapters and head on ``train``; keep the best-validation-MAE epoch.
 
@@ -134,6 +135,9 @@ def fit_finetuned(
     ``soft_targets`` (one bucket distribution per bundle row, e.g. teachers'
     from :func:`~duetime.predict.length_distill.teacher_distributions`) enter
     the loss with weight ``cfg.soft_weight``; the hard labels keep the rest.
+    ``soft_identity`` names where they came from (the teachers' files), for the
+    checkpoint; without it the targets' own hash does, which a GPU's teacher pass
+    need not reproduce bit for bit.
     """
     import torch
 
@@ -220,7 +224,7 @@ def fit_finetuned(
         "split": {k: [len(v), int(v.sum()) if len(v) else 0] for k, v in bundle.splits.items()},
     }
     if soft_targets is not None:  # only then: checkpoints of plain runs keep their identity
-        identity["soft_targets"] = targets_digest(soft_targets)
+        identity["soft_targets"] = soft_identity or targets_digest(soft_targets)
     with torch_threads(threads):
         epochs = run_epochs(
             trainee,
@@ -304,6 +308,7 @@ def train_finetuned_rlp(
     threads: int | None = None,
     precision: str = "auto",
     soft_targets: np.ndarray | None = None,
+    soft_identity: str | None = None,
 ) -> LengthModel:
     """Fine-tune on ``device``, then calibrate and score with the CPU inference path.
 
@@ -325,6 +330,7 @@ def train_finetuned_rlp(
         threads=threads,
         precision=precision,
         soft_targets=soft_targets,
+        soft_identity=soft_identity,
     )
     rlp = calibrate_finetuned(
         bundle,
