@@ -153,11 +153,33 @@ def test_q8_decode_stays_close_to_fp32(hf) -> None:
 
 
 def test_q8_prefill_equals_fast(hf) -> None:
-    # a 40-row step exceeds the kernel's row limit: layers and output layer take
-    # the same fp32 / fbgemm path as `fast`, bit for bit (kernel built or not)
+    # a 40-row step exceeds the kernel's row limit: without bf16 rows, layers and output
+    # layer take the same fp32 / fbgemm path as `fast`, bit for bit (kernel built or not)
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     fast = _prefill_logits(engine_from_hf(hf, "fast"), ids)
-    assert torch.equal(_prefill_logits(engine_from_hf(hf, "q8"), ids), fast)
+    assert torch.equal(_prefill_logits(engine_from_hf(hf, "q8", bf16_rows=False), ids), fast)
+
+
+def test_q8_bf16_rows_take_many_row_steps_only(hf, native) -> None:
+    """With ``bf16_rows`` a 40-row prefill multiplies in bf16: close to fp32, not equal;
+    one-row steps still take the int8 kernel (or fp32) exactly as without it."""
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    fast = engine_from_hf(hf, "fast")
+    model = engine_from_hf(hf, "q8", bf16_rows=True)
+    assert model.bf16_rows
+    ref, got = _prefill_logits(fast, ids), _prefill_logits(model, ids)
+    assert not torch.equal(got, ref)  # the bf16 path really ran
+    assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.999
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    plain = engine_from_hf(hf, "q8", bf16_rows=False)
+    one = list(range(3, 9))
+    assert torch.equal(_decode_logits(model, one), _decode_logits(plain, one))
+    # the default follows the CPU: bf16 rows where it computes bf16 natively
+    native(True)
+    assert engine_from_hf(hf, "q8").bf16_rows
+    native(False)
+    assert not engine_from_hf(hf, "q8").bf16_rows
+    assert not engine_from_hf(hf, "fast", bf16_rows=True).bf16_rows  # q8 only
 
 
 def test_without_a_compiler_q8_warns_once_and_runs_as_fast(hf, monkeypatch, caplog) -> None:
@@ -168,7 +190,7 @@ def test_without_a_compiler_q8_warns_once_and_runs_as_fast(hf, monkeypatch, capl
     monkeypatch.setattr(ext, "_state", {})
     monkeypatch.setattr(ext, "build", no_compiler)
     with caplog.at_level(logging.WARNING, logger="duetime.engine.q8_kernel"):
-        model = engine_from_hf(hf, "q8")
+        model = engine_from_hf(hf, "q8", bf16_rows=False)
         assert not q8_available()
     warnings = [r for r in caplog.records if "int8 weight-only kernel" in r.getMessage()]
     assert len(warnings) == 1

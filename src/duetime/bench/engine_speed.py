@@ -48,7 +48,8 @@ Weights = dict[str, torch.Tensor]
 ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "fp32"},
     "fast": {"dtype": "fast"},
-    "q8": {"dtype": "q8"},
+    "q8": {"dtype": "q8"},  # bf16 many-row steps where the CPU computes bf16 natively
+    "q8-fp32rows": {"dtype": "q8", "bf16_rows": False},  # many-row steps in fp32 everywhere
     "fp32-mkl": {"dtype": "fp32", "packed": False, "batched_decode_attention": False},
     "bf16": {"dtype": "bf16"},
     "int8": {"dtype": "int8"},

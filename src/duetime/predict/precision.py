@@ -24,17 +24,12 @@ import logging
 from contextlib import AbstractContextManager
 from typing import Any
 
+from duetime.cpu import native_bf16
+
 PRECISIONS = ("auto", "bf16", "fp32")  # what a user may ask for
 INFER_PRECISIONS = ("fp32", "bf16")  # what an encoder runs in
 BF16_SUFFIX = ":bf16"
 log = logging.getLogger(__name__)
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16); elsewhere torch emulates it."""
-    import torch
-
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
 def resolve_precision(precision: str, device: str) -> str:

@@ -15,7 +15,10 @@ def bench_engine(
     quick: Annotated[bool, typer.Option(help="Small sizes: a smoke run.")] = False,
     engine: Annotated[
         list[str] | None,
-        typer.Option(help="Engine variant(s): fp32, fast, q8, fp32-mkl, bf16, int8."),
+        typer.Option(
+            help="Engine variant(s): fp32, fast, q8, q8-fp32rows (q8 with many-row steps in"
+            " fp32 even where the CPU has native bf16), fp32-mkl, bf16, int8."
+        ),
     ] = None,
     transformers: Annotated[
         str, typer.Option(help="transformers dtypes to compare, comma-separated ('' = none).")
