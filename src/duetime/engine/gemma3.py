@@ -85,13 +85,13 @@ class _Layer:
             if kind == "int8":
                 return Int8Linear(weight)
             if kind.startswith("q8"):  # int8 kernel for few rows, fp32 (or bf16) for more
-                many: Linear = (
-                    PackedLinear(weight)
-                    if kind == "q8"
-                    else Bf16Linear(weight)
-                    if kind == "q8-bf16"
-                    else DenseLinear(weight, dt)
-                )
+                many: Linear
+                if kind == "q8":
+                    many = PackedLinear(weight)
+                elif kind == "q8-bf16":
+                    many = Bf16Linear(weight)
+                else:
+                    many = DenseLinear(weight, dt)
                 key = f"{p}.{'+'.join(names)}"
                 return q8_or(weight, many, quantize=partial(quantize, key))
             if kind == "packed":
@@ -168,7 +168,7 @@ class Gemma3:
             if bf16_rows is None:
                 bf16_rows = native_bf16()
             kind = "q8-bf16" if bf16_rows else "q8" if packed else "q8-dense"
-        self.bf16_rows = dtype == "q8" and bool(bf16_rows)
+        self.bf16_rows = kind == "q8-bf16"
         self.layers = [
             _Layer(weights, f"model.layers.{i}", config, kind, cd, q8_quantize)
             for i in range(config.num_layers)
