@@ -11,6 +11,7 @@ the ShareGPT package (``duetime predict export-length-data``, then
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,9 +49,7 @@ class TokenBundle:
     def split_seed(self) -> int | None:
         """The seed its rows were split with, as :func:`build_bundle` records it in
         ``dataset``; None where it is not recorded (a bundle made otherwise)."""
-        import re
-
-        found = re.search(r"\|split seed (\d+),", self.dataset)
+        found = _SPLIT_TAG_SEED.search(self.dataset)
         return int(found.group(1)) if found else None
 
     def seqs(self, rows: np.ndarray) -> list[np.ndarray]:
@@ -103,6 +102,11 @@ class TokenBundle:
         return bundle
 
 
+# How build_bundle tags its rows' identity with the split, and how split_seed reads it back.
+_SPLIT_TAG = "|split seed {seed}, max_len {max_len}"
+_SPLIT_TAG_SEED = re.compile(r"\|split seed (\d+), max_len ")
+
+
 def pack(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Ragged id sequences as (``ids`` uint16, all concatenated; ``off`` int64, len + 1)."""
     off = np.zeros(len(seqs) + 1, dtype=np.int64)
@@ -139,7 +143,7 @@ def build_bundle(
         lengths.prompt_len.astype(np.int64),
         lengths.output_len.astype(np.int64),
         rows.splits,
-        f"{dataset_identity(lengths)}|split seed {seed}, max_len {max_len}",
+        dataset_identity(lengths) + _SPLIT_TAG.format(seed=seed, max_len=max_len),
         tok.identity,
     )
     if all_turns:
