@@ -7,6 +7,7 @@ but not yet on the engine, and the other choices of the same request.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -17,7 +18,9 @@ import pytest
 
 from duetime.core.cost import LinearStepCost
 from duetime.core.image import EngineImage
+from duetime.core.policy import Policy
 from duetime.core.request import Job, LengthPrediction, Request
+from duetime.policies.edf import EDF
 from duetime.policies.registry import make_policy
 from duetime.server.admission import Admission, assumed_answer
 from duetime.server.app import create_app
@@ -89,6 +92,26 @@ def test_a_request_that_must_wait_for_the_batch_is_refused_by_the_forecast_only(
     assert abs(ok.predicted_finish_s - 5 * STEP_S) < 0.06  # (prefill + 4 decode steps)
 
 
+def test_the_forecast_runs_the_fork_the_image_holds_not_a_fresh_policy() -> None:
+    """The engine's image carries its policy's fork (with the state it remembers); the
+    admission's factory makes a fresh one only for an image that holds none."""
+    image, stats = _busy_image(max_num_seqs=2)
+    assert isinstance(image.policy, EDF)
+    made: list[Policy] = []
+
+    def fresh() -> Policy:
+        made.append(make_policy("edf"))
+        return made[-1]
+
+    args = {"stats": stats, "queued": 0, "budget_s": 3.0, "allows_eviction": False, "cached": {}}
+    adm = Admission(StepTimer(prior=COST), policy=fresh)
+    assert adm.admit([_ask(2, 5, image.now)], image=image, **args).accept  # type: ignore[arg-type]
+    assert made == []
+    bare = dataclasses.replace(image, policy=None)
+    assert adm.admit([_ask(3, 5, image.now)], image=bare, **args).accept  # type: ignore[arg-type]
+    assert len(made) == 1
+
+
 def test_the_forecast_counts_accepted_requests_not_yet_on_the_engine_and_every_choice() -> None:
     """Two slots, one taken for 4.5 s: a 30-token request fits in the other (1.5 s)
     alone, not behind one accepted a moment ago that the engine has not taken yet, nor
@@ -122,13 +145,15 @@ def test_the_forecast_counts_accepted_requests_not_yet_on_the_engine_and_every_c
     assert free.predicted_finish_s is None
 
 
-def test_a_forecast_that_fails_falls_back_to_the_estimate() -> None:
-    image, stats = _busy_image()
-
-    def broken() -> object:
+class _NoFork(EDF):
+    def fork(self) -> EDF:
         raise RuntimeError("no policy today")
 
-    adm = Admission(StepTimer(prior=COST), policy=broken)  # type: ignore[arg-type]
+
+def test_a_forecast_that_fails_falls_back_to_the_estimate() -> None:
+    image, stats = _busy_image()
+    image = dataclasses.replace(image, policy=_NoFork())
+    adm = Admission(StepTimer(prior=COST), policy=lambda: make_policy("edf"))
     verdict = adm.admit(
         [_ask(2, 5, image.now)],
         stats=stats,

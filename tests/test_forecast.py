@@ -1,9 +1,9 @@
 """Forecasts: an executor's image, forked into the simulator, plays out as the original.
 
 The strongest check there is: stop a simulation part-way, image it, fork a fresh
-simulator from the image under a fresh instance of the policy, hand it the true
-lengths and the requests still to come, and every request must finish at exactly
-the time the uninterrupted simulation has it finish.
+simulator from the image under the policy the image forked (its private state
+carried on), hand it the true lengths and the requests still to come, and every
+request must finish at exactly the time the uninterrupted simulation has it finish.
 """
 
 from __future__ import annotations
@@ -11,15 +11,18 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
+from collections.abc import Mapping
 
 import pytest
 
 from duetime import workloads as wl
 from duetime.core.executor import ExecutorError
 from duetime.core.image import LiveSeq
+from duetime.core.policy import Policy
 from duetime.core.request import Job, Request
 from duetime.core.sequence import SeqStatus
 from duetime.policies.registry import make_policy
+from duetime.predict.oracle import make_job_predictor
 from duetime.sim.forecast import forecast
 from duetime.sim.profiles import load_profile
 from duetime.sim.simulator import SimConfig, Simulator
@@ -40,23 +43,31 @@ def _synthetic() -> list[Job]:
     return jobs
 
 
-def _fork_matches(policy: str, jobs: list[Job], config: SimConfig, cut: float) -> Counter[str]:
+def _fork_matches(
+    policy: str, jobs: list[Job], config: SimConfig, cut: float, **kwargs: object
+) -> Counter[str]:
     """Assert the fork at ``cut`` finishes every request as the whole run does; the
     states the image held."""
-    whole = Simulator(make_policy(policy), COST, copy.deepcopy(config)).run(copy.deepcopy(jobs))
-    truth = {r.request.rid: r.finish for r in whole.records}
+    whole = Simulator(make_policy(policy, **kwargs), COST, copy.deepcopy(config))
+    truth = {r.request.rid: r.finish for r in whole.run(copy.deepcopy(jobs)).records}
 
     jobs = copy.deepcopy(jobs)
-    first = Simulator(make_policy(policy), COST, SimConfig(**{**_fields(config), "max_time": cut}))
+    cut_config = SimConfig(**{**_fields(config), "max_time": cut})
+    first = Simulator(make_policy(policy, **kwargs), COST, cut_config)
     first.run(jobs)
     image = first.image()
     by_rid = {j.request.rid: j for j in jobs}
     later = [j for j in jobs if j.request.rid not in first.seqs]
-    fc = forecast(
-        image, make_policy(policy), COST, job_of=lambda s: by_rid[s.request.rid], arrivals=later
-    )
+    forked = image.fork_policy()
+    assert forked is not None
+    fc = forecast(image, forked, COST, job_of=lambda s: by_rid[s.request.rid], arrivals=later)
     assert image.now == first.now
-    got = {rid: rec.finish for rid, rec in first.records.items() if rec.finish is not None}
+    ended = first.records.items()  # finished or cancelled (TimeBill's kills) before the cut
+    got = {
+        rid: rec.finish
+        for rid, rec in ended
+        if rec.finish is not None or rec.cancelled_at is not None
+    }
     assert not set(got) & {s.request.rid for s in image.seqs}
     got.update({rid: fc.finish[rid] for rid in fc.finish if rid not in got})
     assert got.keys() == truth.keys()
@@ -65,6 +76,16 @@ def _fork_matches(policy: str, jobs: list[Job], config: SimConfig, cut: float) -
         if end is not None:
             assert got[rid] == pytest.approx(end, rel=1e-12, abs=1e-9), rid
     return Counter(_state(s) for s in image.seqs)
+
+
+def _predicted(jobs: list[Job], predictor: str) -> list[Job]:
+    """``jobs`` with a length prediction on every request, as a simulator's predictor
+    would set it on arrival (a fork has no predictor: its arrivals must carry theirs)."""
+    p = make_job_predictor(predictor)
+    assert p is not None
+    for j in jobs:
+        j.request.predicted = p.predict_job(j)
+    return jobs
 
 
 def _state(s: LiveSeq) -> str:
@@ -92,6 +113,72 @@ def test_a_fork_finishes_every_request_as_the_whole_run(policy: str) -> None:
     assert seen["WAITING-preempted"] > 0
     if policy in ("fcfs", "vllm-stream", "deferred-prefill"):  # (cut between two chunks)
         assert seen["RUNNING-prefilling"] > 0
+
+
+# Policies that remember: Amin raises a cancelled request's bound; A_ℓ marks promoted
+# requests long and queues by ticket; TimeBill evicts each request's KV once;
+# deferred prefill with K > 1 counts departures since its last prefill phase.
+STATEFUL = [
+    ("amin", {}, "interval:rough"),
+    ("aell", {}, "interval:rough"),
+    ("timebill", {}, "oracle"),
+    ("deferred-prefill", {"k": 8}, None),
+]
+
+
+@pytest.mark.parametrize(("policy", "kwargs", "predictor"), STATEFUL)
+def test_a_fork_carries_the_policys_memory_on(
+    policy: str, kwargs: dict[str, object], predictor: str | None
+) -> None:
+    """The image's fork of a stateful policy plays out as the whole run; a fresh
+    instance, which forgets, does not (so the state is real and the check can fail)."""
+    config = SimConfig(kv_capacity=6_000, max_num_seqs=48, max_batch_tokens=512)
+    base = _synthetic() if predictor is None else _predicted(_synthetic(), predictor)
+    for cut in (1.5, 4.0, 8.0):
+        _fork_matches(policy, copy.deepcopy(base), config, cut, **kwargs)
+
+    jobs = copy.deepcopy(base)
+    cut_config = SimConfig(**{**_fields(config), "max_time": 4.0})
+    first = Simulator(make_policy(policy, **kwargs), COST, cut_config)
+    first.run(jobs)
+    image = first.image()
+    by_rid = {j.request.rid: j for j in jobs}
+    later = [j for j in jobs if j.request.rid not in first.seqs]
+
+    def play(p: Policy | None) -> Mapping[int, float | None]:
+        assert p is not None
+        fc = forecast(image, p, COST, job_of=lambda s: by_rid[s.request.rid], arrivals=later)
+        return fc.finish
+
+    assert play(make_policy(policy, **kwargs)) != play(image.fork_policy())
+
+
+@pytest.mark.parametrize("policy", ["amin", "aell", "timebill", "deferred-prefill", "timelyllm"])
+def test_a_fork_shares_no_state_with_its_policy(policy: str) -> None:
+    """A forecast changes the policy it runs; the image's copy and the live policy
+    must not notice, so two forecasts from one image agree."""
+    jobs = _predicted(_synthetic(), "interval:rough")
+    live = make_policy(policy, **({"k": 8} if policy == "deferred-prefill" else {}))
+    first = Simulator(live, COST, SimConfig(kv_capacity=6_000, max_num_seqs=48, max_time=4.0))
+    first.run(jobs)
+    image = first.image()
+    before = copy.deepcopy(vars(live))
+    held = copy.deepcopy(vars(image.policy))
+    by_rid = {j.request.rid: j for j in jobs}
+    later = [j for j in jobs if j.request.rid not in first.seqs]
+    runs = []
+    for _ in range(2):
+        forked = image.fork_policy()
+        assert forked is not None
+        arrivals = copy.deepcopy(later)
+        fc = forecast(
+            image, forked, COST, job_of=lambda s: by_rid[s.request.rid], arrivals=arrivals
+        )
+        runs.append(fc.finish)
+        assert vars(forked) != held  # the forecast did change the policy it ran
+    assert runs[0] == runs[1]
+    assert vars(live) == before
+    assert vars(image.policy) == held
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -418,7 +418,8 @@ class ExecutorCore:
         """Every request in the system, with what the executor counts of it, at ``now``
         (default: the executor's time; the engine passes its clock's)."""
         rows = []
-        for group in (self.running.values(), self.suspended.values(), self.waiting):
+        waiting = self.waiting
+        for group in (self.running.values(), self.suspended.values(), waiting):
             for s in group:
                 rows.append(
                     LiveSeq(
@@ -436,6 +437,7 @@ class ExecutorCore:
                         segment_end=s.segment_end,
                         first_token_time=s.first_token_time,
                         num_preemptions=s.num_preemptions,
+                        queue_key=waiting.key_of(s) if s in waiting else None,
                     )
                 )
         rows.sort(key=lambda r: r.order)
@@ -453,6 +455,7 @@ class ExecutorCore:
             prefix_compute_tail=self.prefix_compute_tail,
             offload_suspended=self.offload_suspended,
             share_prefills=self.share_prefills,
+            policy=fork() if (fork := getattr(self.policy, "fork", None)) else None,
         )
 
     def restore(self, image: EngineImage, job_of: Callable[[LiveSeq], Job]) -> None:
@@ -496,7 +499,7 @@ class ExecutorCore:
             )
             seq.status = live.status
             if live.status is SeqStatus.WAITING:
-                self.waiting.push(seq)
+                self.waiting.push(seq, live.queue_key)
             elif live.status is SeqStatus.RUNNING:
                 self.running[req.rid] = seq
                 if seq.prefill_done:

@@ -8,18 +8,24 @@ each request, and one that has just arrived, will finish. The image holds the
 requests themselves (read-only to both sides) and copies of every count the
 executor keeps per sequence; the KV it describes stays where it is.
 
-Not in the image: the prefix cache's contents (a fork starts with an empty
-cache, which it then fills as the engine would), a policy's private state (the
-fork runs a fresh instance of the same policy), and what a sequence's tokens
-are (the simulator needs only their number).
+The image also keeps the policy's private state, as a fork of the policy taken
+with it (``QueuePolicy.fork``: Amin's raised bounds, A_ℓ's promoted requests,
+deferred prefill's departure count), and each waiting request's queue key, so a
+forecast decides as the engine would have. Not in the image: the prefix cache's
+contents (a fork starts with an empty cache, which it then fills as the engine
+would) and what a sequence's tokens are (the simulator needs only their number).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from duetime.core.request import Request
 from duetime.core.sequence import SeqStatus
+
+if TYPE_CHECKING:
+    from duetime.core.policy import Policy
 
 __all__ = ["EngineImage", "LiveSeq"]
 
@@ -42,6 +48,10 @@ class LiveSeq:
     segment_end: int
     first_token_time: float | None
     num_preemptions: int
+    # The waiting queue's key (the policy's) of a WAITING sequence: a fork queues it
+    # where it was, though the key depended on when it was computed (A_ℓ's tickets).
+    # None: not recorded; the fork's policy computes it.
+    queue_key: Any = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,3 +68,11 @@ class EngineImage:
     prefix_compute_tail: int
     offload_suspended: bool
     share_prefills: bool
+    # The policy as it stood, forked (None: it has no ``fork``). Never run itself:
+    # each forecast runs a fork of it (:meth:`fork_policy`), so all start alike.
+    policy: Policy | None = None
+
+    def fork_policy(self) -> Policy | None:
+        """A policy to play the image forward under, in the state the image records
+        (None where it records none: a forecast then runs a fresh instance)."""
+        return None if self.policy is None else self.policy.fork()  # type: ignore[attr-defined]

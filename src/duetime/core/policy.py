@@ -32,6 +32,11 @@ class Policy(Protocol):
 
     ``default_predictor`` names the length predictor the policy is meant to run
     with (``"oracle"`` for oracle SJF, ``None`` when it needs none).
+
+    Two methods are optional (executors look them up; every built-in policy has
+    them through ``QueuePolicy``): ``forget(rid)`` drops what is kept for a
+    request that is gone, and ``fork()`` returns a copy that carries the private
+    state on without sharing it, which a forecast runs from the engine's image.
     """
 
     name: str

@@ -32,12 +32,18 @@ class WaitingQueue:
         self._tokens: dict[int, int] = {}  # rid → prefill_remaining when pushed
         self.prefill_tokens = 0
 
-    def push(self, seq: Seq) -> None:
-        k = (self._key(seq), seq.order)
+    def push(self, seq: Seq, key: Any = None) -> None:
+        """Queue ``seq`` under the policy's key for it, or under ``key`` where given (a
+        fork restoring a queue: the key the original queue had it under)."""
+        k = (self._key(seq) if key is None else key, seq.order)
         self._keys[seq.rid] = k
         insort(self._items, (*k, seq))
         self._tokens[seq.rid] = n = seq.prefill_remaining
         self.prefill_tokens += n
+
+    def key_of(self, seq: Seq) -> Any:
+        """The policy's key ``seq`` is queued under."""
+        return self._keys[seq.rid][0]
 
     def remove(self, seq: Seq) -> None:
         k = self._keys.pop(seq.rid)

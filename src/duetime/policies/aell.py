@@ -17,7 +17,6 @@ interval for all requests in the paper's setting).
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from duetime.core.sequence import Seq
@@ -40,7 +39,7 @@ class PromoteEll(LookaheadPolicy):
         kwargs.setdefault("head_of_line_blocking", True)  # "starting from the front of R_t"
         super().__init__(**kwargs)
         self._long: set[int] = set()
-        self._ticket = itertools.count()
+        self._tickets = 0  # issued: a plain count, so that a fork carries it on
 
     def fresh_len(self, seq: Seq) -> int:
         """``u`` once promoted, else ``ℓ``: the length assumed before a token is made."""
@@ -53,7 +52,8 @@ class PromoteEll(LookaheadPolicy):
         self._long.discard(rid)
 
     def waiting_key(self, seq: Seq) -> Any:
-        return next(self._ticket)  # arrival order; a promoted request joins the back
+        self._tickets += 1  # arrival order; a promoted request joins the back
+        return self._tickets
 
     def give_up(self, snap: EngineSnapshot) -> list[Seq]:
         return [

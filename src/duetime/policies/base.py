@@ -16,9 +16,10 @@ loop below turns them into a :class:`Decision`:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Container, Iterator
 from operator import attrgetter
-from typing import Any
+from typing import Any, Self
 
 from duetime.core.decision import Decision, PreemptMode
 from duetime.core.sequence import Seq
@@ -61,6 +62,24 @@ class QueuePolicy:
         Memory is reserved for the whole ``need`` either way."""
         work = need - snap.prefix_hit(seq)
         return min(work, budget) if self.may_chunk(seq, snap) else work
+
+    def fork(self) -> Self:
+        """This policy with its private state as of now, to run on in another executor.
+
+        A forecast (``sim/forecast.py``) plays the engine's image forward under
+        the fork, so a policy that remembers (Amin's raised bounds, A_ℓ's promoted
+        requests and queue tickets, TimeBill's evictions made, deferred prefill's
+        departure count) decides there as it would here. The fork shares no
+        mutable container with this instance; what they hold must be immutable
+        and keyed by request id, never a :class:`Seq`: the executor restored from
+        an image has sequences of its own. A policy keeping anything else
+        overrides this.
+        """
+        new = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, dict | set | list):
+                setattr(new, name, value.copy())
+        return new
 
     # --- the three choices --------------------------------------------------
     def forget(self, rid: int) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from duetime.core.decision import Decision
-from duetime.core.sequence import Seq, SeqStatus
+from duetime.core.sequence import Seq
 from duetime.core.snapshot import EngineSnapshot
 from duetime.policies.base import QueuePolicy
 from duetime.policies.registry import register
@@ -75,7 +75,7 @@ class DeferredPrefill(QueuePolicy):
         self.k = k
         self.capacity = capacity
         self.stall_decode = stall_decode
-        self._stalled: list[Seq] = []  # suspended by us for the prefill step just run
+        self._stalled: list[int] = []  # rids suspended by us for the prefill step just run
         # Batch size the last prefill phase left, the base of the departure count; None
         # before the first phase, which counts as C (see the class docstring).
         self._left: int | None = None
@@ -84,7 +84,7 @@ class DeferredPrefill(QueuePolicy):
     def schedule(self, snap: EngineSnapshot) -> Decision:
         dec = Decision(preempt_mode=self.preempt_mode)
         cap = min(self.capacity or snap.max_num_seqs, snap.max_num_seqs)
-        stalled = [s for s in self._stalled if s.status is SeqStatus.SUSPENDED]
+        stalled = self._still_suspended(snap)
         self._stalled = []
         n = len(snap.running) + len(stalled)
         # Every held request decodes in the step after this one: reserve a token each, and
@@ -119,11 +119,18 @@ class DeferredPrefill(QueuePolicy):
             dec.prefill = admit
             if self.stall_decode:  # the prefill step runs alone; the batch waits for it
                 dec.suspend = [s.rid for s in snap.running if s.prefill_done]
-                self._stalled = stalled + [s for s in snap.running if s.prefill_done]
+                self._stalled = [s.rid for s in stalled] + dec.suspend
                 return dec  # ``back`` resumes after the prefill step
         dec.resume = [s.rid for s in stalled] + back
         self._relieve(snap, dec)
         return dec
+
+    def _still_suspended(self, snap: EngineSnapshot) -> list[Seq]:
+        """Of the requests the last prefill step stalled, those still suspended, in order."""
+        if not self._stalled:
+            return []
+        suspended = {s.rid: s for s in snap.suspended}
+        return [suspended[rid] for rid in self._stalled if rid in suspended]
 
     def _refill(
         self,

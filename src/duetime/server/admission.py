@@ -4,8 +4,9 @@ A request is refused with 429 (and ``Retry-After``) when the queue is full, or
 when its answer is predicted to miss its deadline. Two predictions are offered:
 
 * **forecast** (the default): the engine's state, as its loop last imaged it,
-  is played forward in the simulator under a fresh instance of the served
-  policy and the step-cost model fitted online (``sim/forecast.py``), with the
+  is played forward in the simulator under the served policy, forked in the
+  state the image records (a fresh instance for a policy that cannot fork), and
+  the step-cost model fitted online (``sim/forecast.py``), with the
   request (every choice of it) and those accepted but not yet on the engine
   arriving now. Each answer is taken to be as long as the length predictor says
   (``max_tokens`` with ``ignore_eos``; a running answer past its prediction, the
@@ -91,10 +92,12 @@ class Admission:
         policy: Callable[[], Policy] | None = None,
         errors: ForecastErrors | None = None,
     ) -> None:
-        """``policy`` makes a fresh instance of the served policy: with it, deadlines are
-        judged by a forecast; without it, by the optimistic estimate. ``errors`` (with a
-        forecast only): the recent forecasts' errors, whose margin a forecast must meet
-        the deadline with (a target hit rate; ``server/forecast_errors.py``)."""
+        """``policy`` makes a fresh instance of the served policy (a forecast runs it
+        only where the engine's image holds no fork of the served one): with it,
+        deadlines are judged by a forecast; without it, by the optimistic estimate.
+        ``errors`` (with a forecast only): the recent forecasts' errors, whose margin
+        a forecast must meet the deadline with (a target hit rate;
+        ``server/forecast_errors.py``)."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         if errors is not None and policy is None:
@@ -233,9 +236,10 @@ class Admission:
         arrivals += [Job(j.request, ask.answer(j)) for j in jobs]
         ahead = len(image.seqs) + len(arrivals) - len(jobs)
         future = self.recent.future(now, horizon)
+        policy = image.fork_policy()
         fc = forecast(
             image,
-            self.policy(),
+            self.policy() if policy is None else policy,
             cost,
             job_of=_assumed_live,
             arrivals=[*arrivals, *future],

@@ -2,17 +2,18 @@
 
 The architecture's one rule (a policy never knows which executor drives it) makes
 this possible: the engine's state, taken as an :class:`EngineImage`, becomes the
-state of a :class:`Simulator` running a fresh instance of the same policy on the
-engine's fitted step-cost model, and the simulator plays the future out in
-milliseconds. What it cannot know it is told: how long each answer will be
-(``job_of``: the length predictor's estimate, say). A server asks before it
-admits a request with a deadline (``server/admission.py``): the forecast sees
-what a formula cannot, such as a full batch that the request must wait for, the
-batch growing as the queue drains, and where the policy will put it.
+state of a :class:`Simulator` running a fork of the same policy (its private
+state as the image recorded it) on the engine's fitted step-cost model, and the
+simulator plays the future out in milliseconds. What it cannot know it is told:
+how long each answer will be (``job_of``: the length predictor's estimate, say).
+A server asks before it admits a request with a deadline
+(``server/admission.py``): the forecast sees what a formula cannot, such as a
+full batch that the request must wait for, the batch growing as the queue
+drains, and where the policy will put it.
 
-A forecast is as good as its inputs: with exact lengths, a stateless policy and
-no prefix cache, it repeats the uninterrupted simulation (tested); on the real
-engine its errors are the length predictor's and the cost model's.
+A forecast is as good as its inputs: with exact lengths, the image's fork of the
+policy and no prefix cache, it repeats the uninterrupted simulation (tested); on
+the real engine its errors are the length predictor's and the cost model's.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def forecast(
     """Play ``image`` forward in the simulator until every request finished (or the
     clock reaches ``horizon``, absolute).
 
-    ``policy`` must be a fresh instance (it keeps per-request state); ``job_of``
+    ``policy`` runs the fork and is changed by it: :meth:`EngineImage.fork_policy`
+    (the executor's policy in the state the image records), or where that is None a
+    fresh instance, which starts without what the original remembered; ``job_of``
     says what is taken to be true of each request in the image (its answer's length:
     a prediction, on a server); ``arrivals`` are requests still to come (their
     ``output_len`` is the length assumed for them); ``cached[rid]`` is how many
