@@ -30,6 +30,12 @@ class Decision:
     (TimeBill). ``wake_at`` asks to be called again at that time even if
     nothing else happens (deadline timers); executors always call again on
     arrivals, completions, segment ends and memory pressure.
+
+    ``prefill_only`` runs the step's prefill chunks alone: every decoder holds
+    (no token this step; its KV, batch slot and place stay), as vLLM 0.6's
+    default scheduler runs a prefill step (deferred prefill's stall). It costs
+    the executor nothing per decoder, where suspending the batch and resuming
+    it a step later costs two state changes per decoder. It needs a ``prefill``.
     """
 
     prefill: list[tuple[int, int]] = field(default_factory=list)
@@ -40,6 +46,7 @@ class Decision:
     cancel: list[int] = field(default_factory=list)
     evict: dict[int, float] = field(default_factory=dict)
     wake_at: float | None = None
+    prefill_only: bool = False
 
     def is_empty(self) -> bool:
         return not (

@@ -856,12 +856,15 @@ class ExecutorCore:
         self._on_restart(seq)
         self.waiting.push(seq)
 
-    def _check_limits(self, chunks: list[tuple[Seq, int]]) -> None:
+    def _check_limits(self, chunks: list[tuple[Seq, int]], prefill_only: bool = False) -> None:
         name = self.policy.name
+        if prefill_only and not chunks:
+            raise PolicyError(f"policy {name!r}: a prefill-only step without a prefill")
         p_tokens = sum(n for _, n in chunks)
-        if p_tokens + self._n_dec > self.max_batch_tokens:
+        n_dec = 0 if prefill_only else self._n_dec
+        if p_tokens + n_dec > self.max_batch_tokens:
             raise PolicyError(
-                f"policy {name!r}: step has {p_tokens} prefill + {self._n_dec} decode tokens, "
+                f"policy {name!r}: step has {p_tokens} prefill + {n_dec} decode tokens, "
                 f"over max_batch_tokens={self.max_batch_tokens}"
             )
         if len(self.running) > self.max_num_seqs:
@@ -869,7 +872,7 @@ class ExecutorCore:
                 f"policy {name!r}: {len(self.running)} running sequences, "
                 f"over max_num_seqs={self.max_num_seqs}"
             )
-        need = self.kv_used + p_tokens + self._n_dec
+        need = self.kv_used + p_tokens + n_dec
         if need > self.kv_capacity:
             raise PolicyError(
                 f"policy {name!r}: next step needs {need} KV tokens, "
@@ -960,10 +963,11 @@ class ExecutorCore:
         rec.output_tokens = seq.generated
         rec.num_preemptions = seq.num_preemptions
 
-    def _after_step(self, chunks: list[tuple[Seq, int]]) -> None:
-        """Book one executed step: decoders took a token, chunks advanced their prefill."""
+    def _after_step(self, chunks: list[tuple[Seq, int]], prefill_only: bool = False) -> None:
+        """Book one executed step: decoders took a token (unless they held: a prefill-only
+        step, where the decode clock stands still), chunks advanced their prefill."""
         self.engine_steps += 1
-        if self._n_dec:
+        if self._n_dec and not prefill_only:
             self.clock.steps += 1
             self.tokens_generated += self._n_dec
         p_tokens = sum(n for _, n in chunks)

@@ -317,8 +317,9 @@ class EngineExecutor(ExecutorCore):
         kv.unwatch(slot)  # one eviction per prefill: the window's memory goes now
 
     # --- one step ----------------------------------------------------------------
-    def _run_step(self, chunks: list[tuple[Seq, int]]) -> float:
-        """One batched forward: prefill chunks plus one token for every decoder."""
+    def _run_step(self, chunks: list[tuple[Seq, int]], prefill_only: bool = False) -> float:
+        """One batched forward: prefill chunks plus one token for every decoder (none
+        with ``prefill_only``: the decoders hold, as :class:`Decision` says)."""
         kv = self.kv
         model_chunks: list[SeqChunk] = []
         owners: list[tuple[Seq, bool]] = []  # (seq, produces a sampled token)
@@ -340,7 +341,7 @@ class EngineExecutor(ExecutorCore):
             owners.append((seq, end >= seq.prefill_target))
             computed += len(chunk)
             attn += len(chunk) * end
-        decoders = [s for s in self.running.values() if s.decoding]
+        decoders = [] if prefill_only else [s for s in self.running.values() if s.decoding]
         if kv.watching:  # a first decode ends the time SnapKV's window is needed
             for seq in decoders:
                 kv.unwatch(self.slots[seq.rid])
@@ -397,7 +398,7 @@ class EngineExecutor(ExecutorCore):
                 elif grammar is not None:
                     completed.append(seq.rid)  # a replayed token it refused: broken
         self.now = self._clock() - self._t0
-        self._after_step(chunks)
+        self._after_step(chunks, prefill_only)
         for rid in completed:
             self.finish_early(rid)
         if self.stop_tokens:
@@ -670,9 +671,9 @@ class EngineExecutor(ExecutorCore):
         dec = self.policy.schedule(self.snapshot())
         self.policy_calls += 1
         chunks = self._apply(dec)
-        self._check_limits(chunks)
+        self._check_limits(chunks, dec.prefill_only)
         if chunks or self._n_dec:
-            self._run_step(chunks)
+            self._run_step(chunks, dec.prefill_only)
             return None
         if not dec.is_empty():
             return -1.0

@@ -80,14 +80,14 @@ class ParallelPredictExecutor(EngineExecutor):
         self.timing[seq.rid].predict_s = predict_s
         seq.req.predicted = pred
 
-    def _run_step(self, chunks: list[tuple[Seq, int]]) -> float:
+    def _run_step(self, chunks: list[tuple[Seq, int]], prefill_only: bool = False) -> float:
         now = self.clock_now()
         for seq, _ in chunks:
             if seq.prefilled == 0 and seq.rid not in self._prefill_t0:
                 self._prefill_t0[seq.rid] = now
                 if seq.rid in self.timing and self.timing[seq.rid].started_s is None:
                     self.timing[seq.rid].started_s = now
-        dt = super()._run_step(chunks)
+        dt = super()._run_step(chunks, prefill_only)
         end = self.clock_now()
         for seq, _ in chunks:
             t = self.timing.get(seq.rid)

@@ -5,8 +5,9 @@ The engine only decodes until ``K`` requests have left the batch (finished,
 cancelled or preempted) since the last prefill phase (the paper's §2.3
 rule); then one prefill phase refills every free slot it can from the
 queue, in arrival order. A prefill phase stalls decoding, as in vLLM 0.6's
-default scheduler that the paper measures: the running requests are
-suspended for the prefill step and resumed right after it. ``K = 1`` is
+default scheduler that the paper measures: the prefill step runs alone
+(``Decision.prefill_only``) and the running requests hold, keeping their
+KV and slots, until it is done. ``K = 1`` is
 vLLM's behaviour (prefill whenever a slot frees up).
 
 Departures, not free slots: when KV memory stops a refill short of ``C``
@@ -75,7 +76,6 @@ class DeferredPrefill(QueuePolicy):
         self.k = k
         self.capacity = capacity
         self.stall_decode = stall_decode
-        self._stalled: list[int] = []  # rids suspended by us for the prefill step just run
         # Batch size the last prefill phase left, the base of the departure count; None
         # before the first phase, which counts as C (see the class docstring).
         self._left: int | None = None
@@ -84,19 +84,16 @@ class DeferredPrefill(QueuePolicy):
     def schedule(self, snap: EngineSnapshot) -> Decision:
         dec = Decision(preempt_mode=self.preempt_mode)
         cap = min(self.capacity or snap.max_num_seqs, snap.max_num_seqs)
-        stalled = self._still_suspended(snap)
-        self._stalled = []
-        n = len(snap.running) + len(stalled)
-        # Every held request decodes in the step after this one: reserve a token each, and
-        # the KV of a stalled one that was paged out meanwhile (offload_suspended).
+        n = len(snap.running)
+        # Every decoder takes a token in the step after a prefill-only one, or in this one:
+        # reserve a token each.
         free = snap.kv_free - snap.num_decoding
-        free -= sum(s.resume_tokens for s in stalled)
-        back, free, n = self._segments_back(snap, dec, stalled, free, n, cap)
+        back, free, n = self._segments_back(snap, dec, free, n, cap)
 
         # Without stalling, this step also decodes the batch and what resumes into it.
         budget = snap.max_batch_tokens
         if not self.stall_decode:
-            budget -= snap.num_decoding + len(stalled) + len(back)
+            budget -= snap.num_decoding + len(back)
         # A prompt longer than a step takes was admitted in pieces: it goes on first (its
         # memory was reserved when it was admitted, and is not in kv_free yet).
         admit: list[tuple[int, int]] = []
@@ -117,20 +114,12 @@ class DeferredPrefill(QueuePolicy):
             self._refilling = stop == "budget"
         if admit:
             dec.prefill = admit
-            if self.stall_decode:  # the prefill step runs alone; the batch waits for it
-                dec.suspend = [s.rid for s in snap.running if s.prefill_done]
-                self._stalled = [s.rid for s in stalled] + dec.suspend
+            if self.stall_decode:  # the prefill step runs alone; the batch holds for it
+                dec.prefill_only = True
                 return dec  # ``back`` resumes after the prefill step
-        dec.resume = [s.rid for s in stalled] + back
+        dec.resume = back
         self._relieve(snap, dec)
         return dec
-
-    def _still_suspended(self, snap: EngineSnapshot) -> list[Seq]:
-        """Of the requests the last prefill step stalled, those still suspended, in order."""
-        if not self._stalled:
-            return []
-        suspended = {s.rid: s for s in snap.suspended}
-        return [suspended[rid] for rid in self._stalled if rid in suspended]
 
     def _refill(
         self,
@@ -202,7 +191,7 @@ class DeferredPrefill(QueuePolicy):
             dec.preempt.append(v.rid)
 
     def _segments_back(
-        self, snap: EngineSnapshot, dec: Decision, stalled: list[Seq], free: int, n: int, cap: int
+        self, snap: EngineSnapshot, dec: Decision, free: int, n: int, cap: int
     ) -> tuple[list[int], int, int]:
         """Requests whose segment gap is over (TimelyLLM segments) rejoin the batch.
 
@@ -211,7 +200,7 @@ class DeferredPrefill(QueuePolicy):
         Returns the rids to resume and what is left of ``free`` and the slots.
         """
         back: list[int] = []
-        for s in self.resumable(snap, dec, skip={s.rid for s in stalled}):
+        for s in self.resumable(snap, dec):
             need = s.resume_tokens
             if n >= cap or need > free:
                 break

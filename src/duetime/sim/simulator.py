@@ -118,8 +118,9 @@ class Simulator(ExecutorCore):
         self._area_run += n_run * dt
         self.now += dt
 
-    def _prefill_step(self, chunks: list[tuple[Seq, int]]) -> None:
-        """One step with prefill chunks (and every decoder taking one token)."""
+    def _prefill_step(self, chunks: list[tuple[Seq, int]], prefill_only: bool = False) -> None:
+        """One step with prefill chunks (and every decoder taking one token, unless they
+        hold: ``prefill_only``)."""
         p_tokens = 0
         attn = 0.0
         for seq, n in chunks:
@@ -128,8 +129,9 @@ class Simulator(ExecutorCore):
             attn += rows * (seq.prefilled + n)
         swap = self._pending_swap
         self._pending_swap = 0
-        self._advance(self.cost.step_time(p_tokens, attn, self._n_dec, self._dec_kv(), swap))
-        self._after_step(chunks)
+        n_dec, kv = (0, 0) if prefill_only else (self._n_dec, self._dec_kv())
+        self._advance(self.cost.step_time(p_tokens, attn, n_dec, kv, swap))
+        self._after_step(chunks, prefill_only)
 
     def _decode_run(self, horizon_time: float) -> None:
         """Advance pure-decode steps up to the next event."""
@@ -219,12 +221,12 @@ class Simulator(ExecutorCore):
                 wake = min(wake, dec.wake_at)
                 next_event = min(next_event, wake)
             chunks = self._apply(dec)
-            self._check_limits(chunks)
+            self._check_limits(chunks, dec.prefill_only)
 
             if chunks or self._n_dec:
                 idle_calls = 0
             if chunks:
-                self._prefill_step(chunks)
+                self._prefill_step(chunks, dec.prefill_only)
             elif self._n_dec:
                 self._decode_run(min(next_event, max_time))
             elif self._pending_swap or self._pending_evict_s:
