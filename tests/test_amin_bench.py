@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -36,11 +37,36 @@ def test_bench_amin_small(tmp_path: Path) -> None:
     fig = json.loads(j.read_text())
     assert p.read_bytes()[:8] == PNG
     rows = fig["rows"]
-    assert len(rows) == 2 + 2 * 2 * 5  # H-SF per setting, Amax/Amin per setting × construction
+    # H-SF per setting and job set (all rows; the learned predictor's held-out rows), then
+    # Amax / Amin per setting × construction (the paper's five and the learned one)
+    assert len(rows) == 2 * 2 + 2 * 2 * 6
     assert all(row["completed"] == 40 for row in rows)
     assert {row["tel_ratio_vs_hsf"] for row in rows if row["policy"] == "hsf"} == {1.0}
+    learned = [row for row in rows if row["construction"] == "learned"]
+    assert {row["policy"] for row in learned} == {"hsf", "amax", "amin"}
+    stats = fig["learned_intervals"]
+    assert stats["requests"] == 40
+    assert 0.5 < stats["coverage"] <= 1.0
+    assert 0.0 < stats["alpha_median"] < 1.0
     assert "overlap-0.99" in r.output
+    assert "held-out requests" in r.output
     assert "LMSYS" in r.output
+
+
+def test_learned_intervals_are_judged_on_rows_the_predictor_never_saw() -> None:
+    from duetime import workloads as wl
+    from duetime.bench.amin import MAX_OUTPUT, heldout_jobs
+    from duetime.predict.length_data import heldout_rows
+    from duetime.predict.length_features import sharegpt_prompts
+
+    lengths = wl.load_sharegpt_lengths(progress=False)
+    prompts = sharegpt_prompts(lengths)
+    unseen = Counter(prompts[i] for i in heldout_rows(lengths))  # (a prompt may recur)
+    jobs = heldout_jobs(10**6, seed=0)  # more than there are: each row once
+    drawn = Counter(j.request.prompt_text for j in jobs)
+    assert 1000 < len(jobs) <= unseen.total()
+    assert all(n <= unseen[text] for text, n in drawn.items())  # no row twice, none seen
+    assert all(j.output_len <= MAX_OUTPUT for j in jobs)
 
 
 def test_bench_deferred_prefill_small(tmp_path: Path) -> None:

@@ -40,6 +40,13 @@ def bench_amin(
     two_point: Annotated[
         bool, typer.Option(help="Also check A_ℓ and Amin on two-point lengths.")
     ] = True,
+    learned: Annotated[
+        bool,
+        typer.Option(
+            help="Also run Amax / Amin on the trained length predictor's intervals "
+            "(held-out rows, beside H-SF on them)."
+        ),
+    ] = True,
     engine: Annotated[
         bool, typer.Option("--engine", help="Run H-SF/Amax/Amin on the real engine instead.")
     ] = False,
@@ -83,7 +90,9 @@ def bench_amin(
     no_engine_options(engine_only)
     profile = profile or "a100-llama2-7b"
     with _user_errors():
-        fig = bench.run(requests or 2000, seed, kv_capacity or 111_000, profile, workers, two_point)
+        fig = bench.run(
+            requests or 2000, seed, kv_capacity or 111_000, profile, workers, two_point, learned
+        )
     w = fig["workload"]
     out.print(
         f"{w['requests']:,} ShareGPT requests at t = 0 (prompt mean {w['prompt_tokens_mean']:.0f}, "
@@ -91,6 +100,14 @@ def bench_amin(
         f"LMSYS-Chat-1M; unit = 1 step per time unit, linear = profile {profile}"
     )
     out.print(bench.table(fig))
+    if fig["learned_intervals"]:
+        li = fig["learned_intervals"]
+        out.print(
+            f"{bench.LEARNED} intervals on {li['requests']:,} held-out requests: "
+            f"{li['coverage']:.1%} hold the truth ({li['below_lo_share']:.1%} fall below lo), "
+            f"mean width {li['interval_width_mean_tokens']:.0f} tokens, median α = lo/hi "
+            f"{li['alpha_median']:.3f}"
+        )
     if fig["two_point"]:
         out.print(bench.two_point_table(fig))
     out.print(f"wall {fig['wall_s']:.1f} s")
