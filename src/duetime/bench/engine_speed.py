@@ -50,6 +50,8 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "fast": {"dtype": "fast"},
     "q8": {"dtype": "q8"},  # bf16 many-row steps where the CPU computes bf16 natively
     "q8-fp32rows": {"dtype": "q8", "bf16_rows": False},  # many-row steps in fp32 everywhere
+    # a prefill chunk's attention in one masked call over every key (before session 26)
+    "q8-oneattn": {"dtype": "q8", "blocked_prefill_attention": False},
     "fp32-mkl": {"dtype": "fp32", "packed": False, "batched_decode_attention": False},
     "bf16": {"dtype": "bf16"},
     "int8": {"dtype": "int8"},
@@ -246,12 +248,14 @@ def run(
     for name in engines:
         spec = dict(ENGINE_VARIANTS[name])
         attn = spec.pop("batched_decode_attention", True)
+        blocked = spec.pop("blocked_prefill_attention", True)
         gc.collect()
         _rss_reset()
         rss0 = _rss_mb()
         t = time.perf_counter()
         model = Gemma3(cfg, weights, **spec)
         model.batched_decode_attention = attn
+        model.blocked_prefill_attention = blocked
         load_s = time.perf_counter() - t
         _prefill_s(model, warm)
         runners[name] = model

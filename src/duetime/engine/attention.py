@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from duetime.engine.kv_cache import KVView
 
-__all__ = ["MaskCache", "attend", "attend_decodes"]
+__all__ = ["PREFILL_BLOCK", "MaskCache", "attend", "attend_decodes", "attend_prefill"]
+
+# Query rows per attention call in a long prefill chunk. A chunk's queries see the
+# keys up to their own position only (a sliding layer's, the last ``window`` of
+# them): one call over all keys computes every masked-out score too. In blocks a
+# block attends only to the keys it may see. Measured on Gemma 3 270M (q8, 2
+# threads, one prompt from position 0, session 26): 1,024 / 2,048 / 4,096 tokens
+# at 1,642 / 1,345 / 1,278 tok/s in blocks of 256 against 1,280 / 769 / 461 in
+# one call; blocks of 128 or 384 within 5 % of 256; 512 slower by 6-15 %.
+PREFILL_BLOCK = 256
 
 
 class MaskCache:
@@ -28,6 +38,7 @@ class MaskCache:
     def __init__(self, window: int) -> None:
         self.window = window
         self._masks: dict[tuple[int, int, int, int, bool], torch.Tensor] = {}
+        self._bias: dict[tuple[int, int, int, int, bool], Tensor] = {}
 
     def mask(self, view: KVView, q_start: int, n: int, sliding: bool) -> torch.Tensor:
         """Boolean ``[n, S]`` (or ``[kv_heads, n, S]`` after eviction): True = may attend."""
@@ -41,6 +52,21 @@ class MaskCache:
         if m is None:
             kpos = torch.arange(view.first_pos, view.first_pos + s)[None, :]
             m = self._masks[key] = _visible(kpos, qpos, self.window if sliding else None)
+        return m
+
+    def block_bias(
+        self, q_start: int, n: int, k_start: int, s: int, window: int | None, dtype: torch.dtype
+    ) -> Tensor:
+        """Additive mask ``[n, s]`` (0 visible, -inf not) of queries at ``q_start`` over
+        keys at ``k_start``: built once per step for every layer of a kind."""
+        key = (q_start, n, k_start, s, window is not None)
+        m = self._bias.get(key)
+        if m is None:
+            qpos = torch.arange(q_start, q_start + n)[:, None]
+            kpos = torch.arange(k_start, k_start + s)[None, :]
+            seen = _visible(kpos, qpos, window)
+            m = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf"))
+            self._bias[key] = m
         return m
 
 
@@ -72,6 +98,55 @@ def attend(
     v = view.values[None]
     out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=scale)
     return out.view(kvh, rep, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd)
+
+
+def attend_prefill(
+    q: Tensor, view: KVView, q_start: int, sliding: bool, masks: MaskCache, scale: float
+) -> Tensor:
+    """Attention output ``[n, heads * head_dim]`` of a chunk of ``n`` > 1 queries at
+    positions ``q_start ...``, each over the keys it may see (causal; a sliding layer's
+    last ``masks.window``).
+
+    A whole prompt's global layer is one causal call; a long chunk goes in blocks of
+    :data:`PREFILL_BLOCK` queries, each over its visible keys only; a short one, or a
+    sequence whose KV was evicted (per-head key positions), is one masked call.
+    Queries are not folded over the KV heads here (``enable_gqa``): the mask then
+    broadcasts over heads instead of being copied for each.
+    """
+    n = q.shape[0]
+    window = masks.window if sliding else None
+    if view.positions is not None or n <= PREFILL_BLOCK:
+        return attend(q, view, masks.mask(view, q_start, n, sliding), scale)
+    first = view.first_pos
+    keys, values = view.keys, view.values
+    if window is None and q_start == first and n == keys.shape[1]:
+        return _sdpa_heads(q, keys, values, None, scale, causal=True)
+    outs = []
+    for a in range(0, n, PREFILL_BLOCK):
+        b = min(a + PREFILL_BLOCK, n)
+        lo = first if window is None else max(first, q_start + a - window + 1)
+        hi = q_start + b  # the block's last query sees no key past its own
+        bias = masks.block_bias(q_start + a, b - a, lo, hi - lo, window, q.dtype)
+        k, v = keys[:, lo - first : hi - first], values[:, lo - first : hi - first]
+        outs.append(_sdpa_heads(q[a:b], k, v, bias, scale))
+    return torch.cat(outs)
+
+
+def _sdpa_heads(
+    q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale: float, causal: bool = False
+) -> Tensor:
+    """SDPA of ``q`` ``[n, heads, hd]`` over ``[kv_heads, S, hd]`` keys: ``[n, heads * hd]``."""
+    n, heads, hd = q.shape
+    out = F.scaled_dot_product_attention(
+        q.permute(1, 0, 2)[None],
+        keys[None],
+        values[None],
+        attn_mask=bias,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].permute(1, 0, 2).reshape(n, heads * hd)
 
 
 def attend_decodes(q: torch.Tensor, views: list[KVView], scale: float) -> torch.Tensor:

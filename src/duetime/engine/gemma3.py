@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from duetime.cpu import native_bf16
-from duetime.engine.attention import MaskCache, attend, attend_decodes
+from duetime.engine.attention import MaskCache, attend, attend_decodes, attend_prefill
 from duetime.engine.attention_kernel import decode_attention, decode_attention_ops
 from duetime.engine.batch import SeqChunk, StepBatch
 from duetime.engine.config import Gemma3Config
@@ -193,6 +193,9 @@ class Gemma3:
             self.lm_head = DenseLinear(head, cd)
         # one SDPA call for all plain decodes of a step (False: one per sequence, as before)
         self.batched_decode_attention = True
+        # a long prefill chunk attends in blocks of queries, each over the keys it may see
+        # (attention.attend_prefill; False: one masked call over every key, as before)
+        self.blocked_prefill_attention = True
         # the C++ decode attention op (fp32 only), built (once per machine, seconds) or loaded
         # now, as q8's kernel is, so that a server's first request does not pay for it
         self.decode_kernel = self.compute_dtype == torch.float32 and (
@@ -319,8 +322,11 @@ class Gemma3:
                 decode_views.append(view)
                 continue
             q_start = c.start_pos + c.shared
-            mask = masks.mask(view, q_start, b - a, sliding) if view.needs_mask else None
-            outs.append(attend(q[a:b], view, mask, self.scale))
+            if view.needs_mask and self.blocked_prefill_attention:
+                outs.append(attend_prefill(q[a:b], view, q_start, sliding, masks, self.scale))
+            else:
+                mask = masks.mask(view, q_start, b - a, sliding) if view.needs_mask else None
+                outs.append(attend(q[a:b], view, mask, self.scale))
         # the decode kernel serves even one decode; SDPA's batched call pays from two on
         few = len(decode_views) < (1 if self.decode_kernel else 2)
         if few or not self.batched_decode_attention:
