@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from duetime.bench import engine_speed
 from duetime.engine.config import Gemma3Config
@@ -31,6 +32,7 @@ def test_structure_and_units(fig) -> None:
     }
     assert fig["memory_bandwidth_gb_s"] > 0
     assert fig["peak_rss_mb"] is None or fig["peak_rss_mb"] > 0
+    assert fig["shared_weights_rss_mb"] < 50  # the tiny model's weights: in memory already
     for name, v in fig["variants"].items():
         assert [c["tokens"] for c in v["prefill"]] == fig["settings"]["prefill_tokens"], name
         assert [c["batch"] for c in v["decode"]] == fig["settings"]["batch_sizes"], name
@@ -80,3 +82,20 @@ def test_table_and_plot(fig, tmp_path) -> None:
 def test_unknown_variant_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown engine variant"):
         engine_speed.run(quick=True, engines=("fp64",), progress=False)
+
+
+def test_shared_weights_are_paged_in_before_any_variant_is_measured(tmp_path) -> None:
+    """A memory-mapped weight file's pages count once, here, not in the first variant's
+    own RSS: reading them raises RSS by about the file's size, and a second read adds
+    nothing."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({f"w{i}": torch.randn(1024, 1024) for i in range(16)}, str(path))  # 64 MB
+    with safe_open(str(path), framework="pt") as f:
+        weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open API)
+    first = engine_speed._page_in(weights)
+    again = engine_speed._page_in(weights)
+    assert first > 40
+    assert again < 8
