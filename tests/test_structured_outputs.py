@@ -317,6 +317,9 @@ def test_forced_runs_jump_ahead_in_fewer_steps_with_the_same_answers(
     assert jump_ex.counters["forced_tokens_jumped"] > 0.8 * sum(
         len(o) for o in jump_res.outputs.values()
     )
+    # each answer's own count, which a server learns its grammar's steps from
+    assert sum(jump_ex.jumped.values()) == jump_ex.counters["forced_tokens_jumped"]
+    assert set(jump_ex.jumped) == set(jump_res.outputs)
     assert jump_res.engine_steps < step_res.engine_steps / 4, (
         jump_res.engine_steps,
         step_res.engine_steps,
@@ -583,6 +586,44 @@ def test_a_choice_bounds_the_predicted_length_and_admission_judges_by_it(
         r = c.post("/v1/completions", json={**schema, "deadline_ms": 4000})
         assert r.status_code == 200, r.text
         assert r.json()["duetime"]["predicted_tokens"] == 32
+
+
+def test_admission_learns_how_few_steps_a_grammars_answers_take(tmp_path: Any) -> None:
+    """Forced runs jump (the schema's keys and punctuation ride along): its answers take
+    far fewer steps than tokens. Before any answer admission assumes a step for each of
+    the 32 its longest text may take, 3.2 s at 100 ms a step, and refuses a 2 s
+    deadline; once one answer under the schema has ended, it assumes the steps that one
+    took, and accepts."""
+    profile = tmp_path / "decode-bound.json"
+    profile.write_text(
+        json.dumps({"name": "decode-bound", "coefficients": {"c0": 0.1, "a1": 1e-4}})
+    )
+    options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096, profile=profile)
+    m, codec, name = load_served_model(options)
+    state = build_state(options, m, codec, name)
+    with TestClient(create_app(state)) as c:
+        body = {
+            "model": name,
+            "prompt": "ok?",
+            "max_tokens": 64,
+            "response_format": RESPONSE_SCHEMA,
+        }
+        late = c.post("/v1/completions", json={**body, "deadline_ms": 2000})
+        assert late.status_code == 429, late.text
+        assert "32 tokens assumed for this answer" in late.json()["error"]["message"]
+        first = c.post("/v1/completions", json=body)  # no deadline: admitted, and it runs
+        assert first.status_code == 200, first.text
+        tokens = first.json()["usage"]["completion_tokens"]
+        spec = GrammarSpec.json_schema(SCHEMA, "response_format")
+        steps = state.grammar_steps.most(spec)
+        assert steps is not None
+        assert 1 <= steps < tokens / 3  # most of the JSON was forced
+        again = c.post("/v1/completions", json={**body, "deadline_ms": 2000})
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        # with log-probabilities its tokens come a step each: nothing is discounted
+        one_by_one = {**body, "deadline_ms": 2000, "logprobs": 1}
+        assert c.post("/v1/completions", json=one_by_one).status_code == 429
 
 
 # --- `duetime bench grammar` ---------------------------------------------------------

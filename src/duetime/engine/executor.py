@@ -212,6 +212,9 @@ class EngineExecutor(ExecutorCore):
         # answer: they come before any other, and ride along in one chunk where room allows.
         self._forced: dict[int, list[int]] = {}
         self.jump_forward = True  # False: forced tokens one a step, as chosen ones
+        # rid → forced tokens its answer took without a step of their own (jumped), so a
+        # server can learn how many steps a grammar's answers really take
+        self.jumped: dict[int, int] = {}
 
     def step_cost_model(self) -> LinearStepCost | None:
         return self.cost
@@ -280,6 +283,7 @@ class EngineExecutor(ExecutorCore):
         if grammar is not None:
             grammar.reset()  # the replayed tokens take it through the answer again
             self._forced.pop(seq.rid, None)  # forced again once the replay is through
+            self.jumped.pop(seq.rid, None)  # (the replay takes a step a token)
 
     def _on_swap_out(self, seq: Seq) -> None:
         """Spool the sequence's KV to disk: on a CPU engine, KV memory *is* RAM."""
@@ -504,6 +508,7 @@ class EngineExecutor(ExecutorCore):
         if not queue:
             del self._forced[rid]
         self.counters["forced_tokens_jumped"] = self.counters.get("forced_tokens_jumped", 0) + k
+        self.jumped[rid] = self.jumped.get(rid, 0) + k
         return take
 
     def _pick(self, seq: Seq, logits: torch.Tensor, grammar: TokenGrammar | None, best: int) -> int:
@@ -715,6 +720,7 @@ class EngineExecutor(ExecutorCore):
         self.logprob_logs.pop(rid, None)
         self.grammars.pop(rid, None)
         self._forced.pop(rid, None)
+        self.jumped.pop(rid, None)
 
     def close(self) -> None:
         """Remove swapped-out KV files and close the telemetry file."""

@@ -168,17 +168,20 @@ class Admission:
         image: EngineImage | None = None,
         pending: Sequence[Job] = (),
         longest: int | None = None,
+        steps: int | None = None,
     ) -> Verdict:
         """Judge the sequences of one HTTP request together (every choice of every
         prompt; they arrive now and share the deadline ``budget_s``): accepted only if
         all are. ``queued`` counts the requests ahead of them; ``cached[rid]`` the
         prompt tokens of each the prefix cache holds; ``image`` and ``pending`` (accepted,
         not yet on the engine) are what a forecast plays forward; ``longest`` bounds
-        their answers where a prediction does not (a grammar's longest text)."""
+        their answers where a prediction does not (a grammar's longest text); ``steps``
+        bounds the engine steps one takes (its grammar's recent answers, forced runs
+        jumping: ``server/grammar_steps.py``), which is what judging it counts."""
         for i in range(len(jobs)):
             if queued + i >= self.max_waiting:
                 return dataclass_replace(self._queue_full(stats, queued + i), which=i)
-        ask = _Ask(jobs, budget_s, allows_eviction, cached, longest)
+        ask = _Ask(jobs, budget_s, allows_eviction, cached, longest, steps)
         verdict = None
         if self.policy is not None and image is not None and budget_s is not None and jobs:
             try:
@@ -199,6 +202,8 @@ class Admission:
             req = job.request
             cap = req.max_tokens if ask.longest is None else min(req.max_tokens, ask.longest)
             tokens = float(cap) if req.predicted is None else req.predicted.point
+            if ask.steps is not None:  # a step a token, and its grammar's answers' steps
+                tokens = min(tokens, float(ask.steps))
             one = self.judge(
                 stats,
                 queued + i,
@@ -308,10 +313,13 @@ class _Ask:
     allows_eviction: bool
     cached: Mapping[int, int]
     longest: int | None
+    steps: int | None = None
 
     def answer(self, job: Job) -> int:
-        """Answer tokens a forecast takes one of them to have."""
-        return assumed_answer(job.request, most=self.longest)
+        """Answer tokens a forecast takes one of them to have: a step each, so no more
+        than the steps its grammar's answers took (``steps``)."""
+        tokens = assumed_answer(job.request, most=self.longest)
+        return tokens if self.steps is None else min(tokens, self.steps)
 
 
 def _assumed_live(live: LiveSeq) -> Job:

@@ -38,6 +38,7 @@ from duetime.server.chat_template import render_chat
 from duetime.server.codec import Codec, Detokenizer
 from duetime.server.engine_loop import EngineLoop, Outcome, Stream, Submission
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
+from duetime.server.grammar_steps import GrammarSteps
 from duetime.server.metrics import ResponseCounter, ServerMetrics
 from duetime.server.paths import StripTrailingSlash
 from duetime.server.predict_batcher import PredictBatcher
@@ -104,6 +105,8 @@ class ServerState:
     predict_batcher: PredictBatcher = field(init=False)
     #: Structured outputs' grammars over the codec's vocabulary (compiled ones are kept).
     grammars: GrammarCompiler = field(init=False)
+    #: The steps each grammar's answers took (jump-forward): what admission assumes.
+    grammar_steps: GrammarSteps = field(init=False, default_factory=GrammarSteps)
 
     def __post_init__(self) -> None:
         # Outcomes are counted by each request's Stream, as its client saw them.
@@ -114,13 +117,16 @@ class ServerState:
         self.predict_batcher = PredictBatcher(self._predict_many, self.predict_pool)
         self.grammars = GrammarCompiler(lambda: self.codec.guidance_tokenizer())
 
-    def counter(self, rid: int | None) -> Callable[[Outcome], None]:
+    def counter(
+        self, rid: int | None, grammar: GrammarSpec | None = None
+    ) -> Callable[[Outcome], None]:
         """What hears a request's outcome: the metrics; the served-length window, for
-        ``rid`` (a request whose answer it follows); admission's record of its forecasts'
+        ``rid`` (a request whose answer it follows); the steps its ``grammar``'s answers
+        take (a request whose forced runs may jump); admission's record of its forecasts'
         errors, where it keeps one (``--deadline-confidence``)."""
         served = self.served_lengths
         errors = self.admission.errors
-        if (rid is None or served is None) and errors is None:
+        if (rid is None or served is None) and errors is None and grammar is None:
             return self.metrics.observe
 
         def count(outcome: Outcome) -> None:
@@ -128,6 +134,8 @@ class ServerState:
             if rid is not None and served is not None:
                 served.end(rid, outcome.output_tokens, outcome.finish_reason)
             done = outcome.finish_reason in ("stop", "length")
+            if grammar is not None and done:
+                self.grammar_steps.observe(grammar, outcome.output_tokens, outcome.jumped_tokens)
             forecast = outcome.forecast_e2e
             if errors is not None and done and forecast is not None and outcome.deadline:
                 errors.observe(forecast, outcome.e2e, outcome.deadline - outcome.arrival)
@@ -306,6 +314,10 @@ async def _serve(
     # no answer is longer than its grammar allows: predictions and admission use that
     bound = None if spec is None else spec.max_answer_tokens()
     longest = max_tokens if bound is None else min(max_tokens, bound)
+    # nor takes more steps than the grammar's recent answers did, where its forced runs
+    # jump (not with log-probabilities or segments: their tokens come a step each)
+    jumps = spec is not None and body.logprob_top_n() is None and body.segment is None
+    steps = state.grammar_steps.most(spec) if jumps and spec is not None else None
 
     engine = state.engine
     now = engine.now()
@@ -376,6 +388,7 @@ async def _serve(
         image=engine.image,
         pending=engine.pending_jobs(),
         longest=longest,
+        steps=steps,
     )
     if not verdict.accept:
         state.metrics.rejected.labels(verdict.why).inc()
@@ -398,7 +411,7 @@ async def _serve(
         rid = one.request.rid
         if served is not None and rid in points:
             served.start(rid, points[rid])
-        count = state.counter(rid if rid in points else None)
+        count = state.counter(rid if rid in points else None, spec if jumps else None)
         relay, submission = _choice(
             state, body, one, i, k, echoes[k], scored_ids, choice_grammar, count
         )

@@ -65,6 +65,8 @@ class Outcome:
     prompt_tokens: int = 0
     #: Prompt tokens whose KV came from the prefix cache; None if it never reached the engine.
     cached_tokens: int | None = None
+    #: Answer tokens its grammar forced that took no step of their own (jump-forward).
+    jumped_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -479,6 +481,7 @@ class EngineLoop:
             error=error,
             prompt_tokens=req.prompt_len,
             cached_tokens=rec.cached_prompt_tokens if rec else None,
+            jumped_tokens=ex.jumped.get(req.rid, 0),
         )
 
     def _fail_all(self, why: str, *, log_it: bool = True) -> None:

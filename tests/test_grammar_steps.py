@@ -1,0 +1,50 @@
+"""The steps a grammar's answers took, as admission reads them."""
+
+from __future__ import annotations
+
+import pytest
+
+from duetime.core.grammar import GrammarSpec
+from duetime.server.grammar_steps import GrammarSteps
+
+A = GrammarSpec.choice(["yes", "no"], "guided_choice")
+B = GrammarSpec.json_schema({"type": "object"}, "response_format")
+
+
+def test_the_most_steps_of_the_recent_answers_per_grammar() -> None:
+    steps = GrammarSteps(window=3)
+    assert steps.most(A) is None  # nothing seen: a step a token is assumed
+    steps.observe(A, tokens=10, jumped=8)
+    steps.observe(A, tokens=12, jumped=7)
+    assert steps.most(A) == 5
+    assert steps.most(B) is None
+    # the same grammar from another request field is the same grammar
+    assert steps.most(GrammarSpec.choice(["yes", "no"], "structured_outputs")) == 5
+    for _ in range(3):  # the window forgets the older answers
+        steps.observe(A, tokens=4, jumped=2)
+    assert steps.most(A) == 2
+
+
+def test_answers_that_cannot_say_are_not_counted() -> None:
+    steps = GrammarSteps()
+    steps.observe(A, tokens=0, jumped=0)  # no token made
+    steps.observe(A, tokens=5, jumped=5)  # (the first token always takes a step)
+    steps.observe(A, tokens=5, jumped=-1)
+    assert steps.most(A) is None
+
+
+def test_the_least_recently_used_grammar_goes_first() -> None:
+    steps = GrammarSteps(grammars=2)
+    c = GrammarSpec.choice(["a", "b"], "guided_choice")
+    steps.observe(A, 3, 1)
+    steps.observe(B, 3, 0)
+    steps.observe(A, 3, 1)  # A used again: B is now the oldest
+    steps.observe(c, 3, 2)
+    assert steps.most(B) is None
+    assert steps.most(A) == 2
+    assert steps.most(c) == 1
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="window and grammars"):
+        GrammarSteps(window=0)
