@@ -99,10 +99,9 @@ def _page_in(weights: dict[str, torch.Tensor]) -> float:
     (session 25). Read here, they count for none.
     """
     rss0 = _rss_mb()
-    step = max(1, 4096 // 4)
     for t in weights.values():
         if t.numel():
-            t.reshape(-1)[::step].sum()
+            t.reshape(-1)[:: max(1, 4096 // t.element_size())].sum()  # a value a 4 KiB page
     return _rss_mb() - rss0
 
 
