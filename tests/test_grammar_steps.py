@@ -1,4 +1,5 @@
-"""The steps a grammar's answers took, as admission reads them."""
+"""The steps a grammar's answers take, as admission reads them: the grammar's own walk
+until its answers say."""
 
 from __future__ import annotations
 
@@ -43,6 +44,21 @@ def test_the_least_recently_used_grammar_goes_first() -> None:
     assert steps.most(B) is None
     assert steps.most(A) == 2
     assert steps.most(c) == 1
+
+
+def test_the_prior_stands_until_an_answer_ends() -> None:
+    steps = GrammarSteps()
+    assert steps.needs_prior(A)
+    steps.set_prior(A, 6)
+    assert not steps.needs_prior(A)
+    assert steps.most(A) == 6
+    steps.observe(A, tokens=9, jumped=5)  # the answers rule, above or below the prior
+    assert steps.most(A) == 4
+    steps.set_prior(B, None)  # the walk could not tell (free text)
+    assert not steps.needs_prior(B)  # (and is not walked again)
+    assert steps.most(B) is None
+    steps.set_prior(B, 0)  # no step is no estimate
+    assert steps.most(B) is None
 
 
 def test_bad_sizes_are_refused() -> None:

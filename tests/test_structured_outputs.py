@@ -326,6 +326,34 @@ def test_forced_runs_jump_ahead_in_fewer_steps_with_the_same_answers(
     )
 
 
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[3], SPECS[4]], ids=str)
+def test_the_grammar_walk_counts_at_least_the_steps_its_answers_take(
+    model: Gemma3, compiler: GrammarCompiler, spec: GrammarSpec
+) -> None:
+    """``choice_steps`` walks a grammar without the model (its forced runs, the choices
+    left, where they are few): for these grammars no answer the engine made under them
+    took more steps (tokens less those that jumped), and the walk is at most one step
+    over the most. Free text (the regex's digits) it does not count."""
+    prior = compiler.grammar(spec).choice_steps()
+    assert prior is not None
+    jobs = _long_key_jobs(6, "walk")
+    ex = EngineExecutor(make_policy("fcfs"), model, cost=SIMPLE_COST)
+    for j in jobs:
+        ex.grammars[j.request.rid] = compiler.grammar(spec)
+    res = ex.run(jobs)
+    steps = [len(out) - ex.jumped.get(rid, 0) for rid, out in res.outputs.items()]
+    assert all(_fits(spec, _text(out)) for out in res.outputs.values())
+    assert max(steps) <= prior <= max(steps) + 1, (steps, prior)
+
+
+def test_the_grammar_walk_gives_up_on_free_text(compiler: GrammarCompiler) -> None:
+    free = GrammarSpec.json_schema(
+        {"type": "object", "properties": {"name": {"type": "string"}}}, "s"
+    )
+    assert compiler.grammar(free).choice_steps() is None
+    assert compiler.grammar(SPECS[1]).choice_steps(fanout=5) is None  # ten digits to choose from
+
+
 def test_a_stop_token_ends_the_answer_before_a_forced_run(
     model: Gemma3, compiler: GrammarCompiler
 ) -> None:
@@ -570,7 +598,9 @@ def test_a_choice_bounds_the_predicted_length_and_admission_judges_by_it(
         # (before any answer: the server's step-time fit then still is the profile's)
         held = {**body, "deadline_ms": 2000, "guided_choice": ["yes", "no"]}
         regex = c.post("/v1/completions", json={**held, "guided_choice": None, "guided_regex": "y"})
-        assert regex.status_code == 429  # a regex's length is not worked out: max_tokens
+        # a regex's longest text is not worked out (max_tokens), but the grammar's walk
+        # counts the one step "y" takes
+        assert regex.status_code == 200, regex.text
         free_json = {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}
         r = c.post(
             "/v1/completions", json={**held, "guided_choice": None, "response_format": free_json}
@@ -588,12 +618,12 @@ def test_a_choice_bounds_the_predicted_length_and_admission_judges_by_it(
         assert r.json()["duetime"]["predicted_tokens"] == 32
 
 
-def test_admission_learns_how_few_steps_a_grammars_answers_take(tmp_path: Any) -> None:
+def test_admission_counts_the_steps_a_grammars_answers_take(tmp_path: Any) -> None:
     """Forced runs jump (the schema's keys and punctuation ride along): its answers take
-    far fewer steps than tokens. Before any answer admission assumes a step for each of
-    the 32 its longest text may take, 3.2 s at 100 ms a step, and refuses a 2 s
-    deadline; once one answer under the schema has ended, it assumes the steps that one
-    took, and accepts."""
+    far fewer steps than tokens. A step for each of the 32 tokens its longest text may
+    take would be 3.2 s at 100 ms a step, past a 2 s deadline; the grammar's own walk
+    counts a few steps, and once answers have ended, the most steps they took rule.
+    Where the grammar leaves free text (a name) there is no walk: a step a token."""
     profile = tmp_path / "decode-bound.json"
     profile.write_text(
         json.dumps({"name": "decode-bound", "coefficients": {"c0": 0.1, "a1": 1e-4}})
@@ -601,6 +631,7 @@ def test_admission_learns_how_few_steps_a_grammars_answers_take(tmp_path: Any) -
     options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096, profile=profile)
     m, codec, name = load_served_model(options)
     state = build_state(options, m, codec, name)
+    spec = GrammarSpec.json_schema(SCHEMA, "response_format")
     with TestClient(create_app(state)) as c:
         body = {
             "model": name,
@@ -608,13 +639,10 @@ def test_admission_learns_how_few_steps_a_grammars_answers_take(tmp_path: Any) -
             "max_tokens": 64,
             "response_format": RESPONSE_SCHEMA,
         }
-        late = c.post("/v1/completions", json={**body, "deadline_ms": 2000})
-        assert late.status_code == 429, late.text
-        assert "32 tokens assumed for this answer" in late.json()["error"]["message"]
-        first = c.post("/v1/completions", json=body)  # no deadline: admitted, and it runs
-        assert first.status_code == 200, first.text
+        assert state.grammar_steps.most(spec) is None
+        first = c.post("/v1/completions", json={**body, "deadline_ms": 2000})
+        assert first.status_code == 200, first.text  # by the walk, before any answer
         tokens = first.json()["usage"]["completion_tokens"]
-        spec = GrammarSpec.json_schema(SCHEMA, "response_format")
         steps = state.grammar_steps.most(spec)
         assert steps is not None
         assert 1 <= steps < tokens / 3  # most of the JSON was forced
@@ -623,7 +651,21 @@ def test_admission_learns_how_few_steps_a_grammars_answers_take(tmp_path: Any) -
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
         # with log-probabilities its tokens come a step each: nothing is discounted
         one_by_one = {**body, "deadline_ms": 2000, "logprobs": 1}
-        assert c.post("/v1/completions", json=one_by_one).status_code == 429
+        refused = c.post("/v1/completions", json=one_by_one)
+        assert refused.status_code == 429
+        assert "32 tokens assumed for this answer" in refused.json()["error"]["message"]
+        named = {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 8}},
+            "required": ["name"],
+            "additionalProperties": False,
+        }
+        free = {"type": "json_schema", "json_schema": {"schema": named}}
+        late = c.post(
+            "/v1/completions", json={**body, "response_format": free, "deadline_ms": 2000}
+        )
+        assert late.status_code == 429, late.text  # free text: no walk, a step a token
+        assert state.grammar_steps.most(GrammarSpec.json_schema(named, "x")) is None
 
 
 # --- `duetime bench grammar` ---------------------------------------------------------

@@ -526,9 +526,13 @@ async def _grammar(state: ServerState, spec: GrammarSpec | None) -> TokenGrammar
     if spec is None:
         return None
     try:
-        return await asyncio.to_thread(state.grammars.grammar, spec)
+        grammar = await asyncio.to_thread(state.grammars.grammar, spec)
     except GrammarError as err:
         raise ApiError(400, str(err), param=err.field) from None
+    steps = state.grammar_steps
+    if steps.needs_prior(spec):  # once per grammar: a few ms, so off the event loop too
+        steps.set_prior(spec, await asyncio.to_thread(grammar.choice_steps))
+    return grammar
 
 
 def _progress(image: EngineImage | None) -> list[tuple[int, int]]:
