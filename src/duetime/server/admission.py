@@ -10,7 +10,8 @@ when its answer is predicted to miss its deadline. Two predictions are offered:
   request (every choice of it) and those accepted but not yet on the engine
   arriving now. Each answer is taken to be as long as the length predictor says
   (``max_tokens`` with ``ignore_eos``; a running answer past its prediction, the
-  top of its interval). The forecast sees what a formula misses: a full batch
+  top of its interval; under a grammar, no more than the engine steps its answers
+  take, ``server/grammar_steps.py``). The forecast sees what a formula misses: a full batch
   to wait for, the batch growing as the queue drains, where the policy puts the
   request, prefix-cache hits among the queued prompts. Each accepted choice
   carries its forecast finish (``Request.forecast_finish``), reported to the
