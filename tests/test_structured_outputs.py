@@ -678,6 +678,7 @@ def test_bench_grammar_times_every_kind_beside_the_free_run(tmp_path: Any) -> No
 
     path = tmp_path / "grammar.json"
     args = ["bench", "grammar", "--model", "tiny", "--requests", "2", "--new-tokens", "12"]
+    args += ["--admission-requests", "3"]
     res = CliRunner().invoke(app, [*args, "--repeats", "1", "--threads", "1", "--json", str(path)])
     assert res.exit_code == 0, res.output
     fig = json.loads(path.read_text())
@@ -693,6 +694,14 @@ def test_bench_grammar_times_every_kind_beside_the_free_run(tmp_path: Any) -> No
     assert jump["answers_identical"] is True
     assert jump["on"]["forced_tokens_jumped"] > 0 == jump["off"]["forced_tokens_jumped"]
     assert jump["on"]["engine_steps"] < jump["off"]["engine_steps"]
+    # robot commands through a fresh server per arm (timing-bound: the tiny model's
+    # figures are not compared, only accounted for)
+    assert set(fig["admission"]) == {"grammar_steps", "step_per_token"}
+    for arm in fig["admission"].values():
+        assert arm["requests"] == 3
+        assert 0 <= arm["met"] <= arm["accepted"] <= 3
+        assert len(arm["e2e_ms"]) == arm["accepted"]
+    assert "robot commands under 500 ms" in res.output
 
 
 def test_bench_grammar_refuses_an_unknown_kind() -> None:

@@ -15,7 +15,9 @@ grammar (once per distinct grammar; the server keeps them).
 :func:`run_jump` measures jump-forward apart: a robot command's JSON, whose keys
 and punctuation the grammar forces, with forced tokens one decode step each and
 riding along in one chunk each, on the same requests (the answers must be the
-same).
+same). :func:`run_admission` sends such commands under a deadline through the
+server (in process, a fresh server an arm), judged by the steps the grammar's
+answers take (``server/grammar_steps.py``) or by a step a token, as before.
 """
 
 from __future__ import annotations
@@ -33,7 +35,16 @@ from duetime.engine.executor import EngineExecutor
 from duetime.engine.grammar import GrammarCompiler
 from duetime.policies import make_policy
 
-__all__ = ["COMMAND", "GRAMMARS", "TABLE_KEYS", "run", "run_jump", "table_columns"]
+__all__ = [
+    "COMMAND",
+    "COMMAND_PROMPTS",
+    "GRAMMARS",
+    "TABLE_KEYS",
+    "run",
+    "run_admission",
+    "run_jump",
+    "table_columns",
+]
 
 _STORY = {
     "type": "object",
@@ -209,6 +220,79 @@ def run_jump(
         "answers_identical": outputs[False] == outputs[True],
         "speedup": off["wall_s"] / on["wall_s"],
         "steps_ratio": off["engine_steps"] / max(1, on["engine_steps"]),
+    }
+
+
+#: What a robot's client asks under :data:`COMMAND` (:func:`run_admission`).
+COMMAND_PROMPTS = (
+    "Pick up the cup now.",
+    "Open the door slowly.",
+    "Stop!",
+    "Grab the bottle fast, then stop.",
+    "Put the plate down.",
+)
+
+
+def run_admission(
+    make_state: Callable[[], Any],
+    model_name: str,
+    *,
+    requests: int = 10,
+    deadline_ms: float = 500.0,
+    learn: bool = True,
+) -> dict[str, Any]:
+    """``requests`` robot commands under ``deadline_ms``, one after another, through a
+    fresh server from ``make_state`` (no answer under the schema before them): judged
+    by the steps the grammar's answers take (``learn``) or by a step a token. How many
+    were accepted and met, and each accepted one's forecast and actual end-to-end."""
+    from fastapi.testclient import TestClient
+
+    from duetime.server.app import create_app
+    from duetime.server.grammar_steps import GrammarSteps
+
+    class _StepPerToken(GrammarSteps):
+        def most(self, spec: GrammarSpec) -> int | None:
+            return None
+
+    state = make_state()
+    if not learn:
+        state.grammar_steps = _StepPerToken()
+    fmt = {"type": "json_schema", "json_schema": {"name": "cmd", "schema": COMMAND, "strict": True}}
+    forecast, actual, refused = [], [], 0
+    met = 0
+    with TestClient(create_app(state)) as client:
+        # the engine and its step-time fit warm up on free text, as a server that has run
+        for _ in range(3):
+            client.post(
+                "/v1/completions", json={"model": model_name, "prompt": "Hello.", "max_tokens": 32}
+            )
+        for i in range(requests):
+            body = {
+                "model": model_name,
+                "messages": [
+                    {"role": "user", "content": COMMAND_PROMPTS[i % len(COMMAND_PROMPTS)]}
+                ],
+                "max_tokens": 128,
+                "response_format": fmt,
+                "deadline_ms": deadline_ms,
+            }
+            r = client.post("/v1/chat/completions", json=body)
+            if r.status_code == 429:
+                refused += 1
+                continue
+            if r.status_code != 200:
+                raise RuntimeError(f"the server answered {r.status_code}: {r.text[:200]}")
+            timing = r.json()["duetime"]
+            met += bool(timing["deadline_met"])
+            forecast.append(timing.get("predicted_e2e_ms"))
+            actual.append(timing["e2e_ms"])
+    return {
+        "requests": requests,
+        "deadline_ms": deadline_ms,
+        "accepted": requests - refused,
+        "met": met,
+        "forecast_e2e_ms": forecast,
+        "e2e_ms": actual,
     }
 
 

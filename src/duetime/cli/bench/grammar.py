@@ -26,6 +26,17 @@ def bench_grammar(
     dtype: DtypeOpt = "q8",
     threads: ThreadsOpt = 2,
     seed: PromptSeedOpt = 0,
+    admission_deadline_ms: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="Robot commands sent under this deadline through the server, judged by "
+            "the steps the grammar's answers take and by a step a token.",
+        ),
+    ] = 500.0,
+    admission_requests: Annotated[
+        int, typer.Option(min=0, help="Commands per admission arm (0: no admission part).")
+    ] = 10,
     json_path: JsonOpt = None,
 ) -> None:
     """Serve one batch of prompts unconstrained and under each grammar (JSON schema, JSON
@@ -73,6 +84,25 @@ def bench_grammar(
             m, compiler, decode, prompts, new_tokens=new_tokens, repeats=repeats, kinds=chosen
         )
         fig["jump_forward"] = bench.run_jump(m, compiler, prompts, repeats=repeats)
+        if admission_requests:
+            from duetime.server.build import ServeOptions, build_state
+
+            options = ServeOptions(model=model, dtype=dtype, seed=seed)
+            name = "tiny" if model == "tiny" else "gemma-3-270m"
+
+            def make_state() -> object:
+                return build_state(options, m, codec, name)
+
+            fig["admission"] = {
+                arm: bench.run_admission(
+                    make_state,
+                    name,
+                    requests=admission_requests,
+                    deadline_ms=admission_deadline_ms,
+                    learn=arm == "grammar_steps",
+                )
+                for arm in ("grammar_steps", "step_per_token")
+            }
         fig.update(model=model, dtype=dtype, threads=threads, seed=seed)
     out.print(render_table(bench.table_columns(fig), keys=bench.TABLE_KEYS))
     out.print(
@@ -88,4 +118,14 @@ def bench_grammar(
         f"{jf['on']['wall_s']:.3f} s ({jf['speedup']:.2f}x); answers identical "
         f"{jf['answers_identical']}"
     )
+    for arm, adm in fig.get("admission", {}).items():
+        pairs = [
+            f"{f:.0f}/{a:.0f}" for f, a in zip(adm["forecast_e2e_ms"], adm["e2e_ms"], strict=True)
+            if f is not None
+        ]  # fmt: skip
+        out.print(
+            f"admission ({arm.replace('_', ' ')}), {adm['requests']} robot commands under "
+            f"{adm['deadline_ms']:.0f} ms: {adm['accepted']} accepted, {adm['met']} met"
+            + (f"; forecast/actual e2e ms {', '.join(pairs)}" if pairs else "")
+        )
     save_figures(fig, json_path=json_path)
