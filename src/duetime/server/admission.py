@@ -202,9 +202,7 @@ class Admission:
         for i, job in enumerate(ask.jobs):
             req = job.request
             cap = req.max_tokens if ask.longest is None else min(req.max_tokens, ask.longest)
-            tokens = float(cap) if req.predicted is None else req.predicted.point
-            if ask.steps is not None:  # a step a token, and its grammar's answers' steps
-                tokens = min(tokens, float(ask.steps))
+            tokens = ask.at_most_steps(float(cap) if req.predicted is None else req.predicted.point)
             one = self.judge(
                 stats,
                 queued + i,
@@ -317,9 +315,11 @@ class _Ask:
     steps: int | None = None
 
     def answer(self, job: Job) -> int:
-        """Answer tokens a forecast takes one of them to have: a step each, so no more
-        than the steps its grammar's answers took (``steps``)."""
-        tokens = assumed_answer(job.request, most=self.longest)
+        """Answer tokens a forecast takes one of them to have (a step each)."""
+        return int(self.at_most_steps(assumed_answer(job.request, most=self.longest)))
+
+    def at_most_steps(self, tokens: float) -> float:
+        """``tokens`` judged as steps: no more than its grammar's answers took (``steps``)."""
         return tokens if self.steps is None else min(tokens, self.steps)
 
 

@@ -316,8 +316,8 @@ async def _serve(
     longest = max_tokens if bound is None else min(max_tokens, bound)
     # nor takes more steps than the grammar's recent answers did, where its forced runs
     # jump (not with log-probabilities or segments: their tokens come a step each)
-    jumps = spec is not None and body.logprob_top_n() is None and body.segment is None
-    steps = state.grammar_steps.most(spec) if jumps and spec is not None else None
+    jumping = spec if body.logprob_top_n() is None and body.segment is None else None
+    steps = None if jumping is None else state.grammar_steps.most(jumping)
 
     engine = state.engine
     now = engine.now()
@@ -411,7 +411,7 @@ async def _serve(
         rid = one.request.rid
         if served is not None and rid in points:
             served.start(rid, points[rid])
-        count = state.counter(rid if rid in points else None, spec if jumps else None)
+        count = state.counter(rid if rid in points else None, jumping)
         relay, submission = _choice(
             state, body, one, i, k, echoes[k], scored_ids, choice_grammar, count
         )
