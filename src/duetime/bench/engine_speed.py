@@ -58,6 +58,8 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {"dtype": "bf16"},
     "int8": {"dtype": "int8"},
 }
+# Variant keys that are attributes of a built Gemma3, not arguments of its constructor.
+_MODEL_SWITCHES = ("batched_decode_attention", "blocked_prefill_attention")
 # (prompt lengths, decode batch sizes, context tokens before decode, decode steps per rep)
 FULL = ((128, 512, 2048), (1, 4, 16, 64), 128, 8)
 QUICK = ((16, 64), (1, 4), 16, 3)
@@ -92,7 +94,7 @@ def _peak_rss_mb() -> float | None:
 
 
 def _page_in(weights: dict[str, torch.Tensor]) -> float:
-    """Read one float of every page of the shared weights; the RSS that added, MB.
+    """Read one value of every page of the shared weights; the RSS that added, MB.
 
     The weight cache is memory-mapped: its pages come in when first read, by
     whichever variant is built first, which was charged ~1 GB of own RSS for them
@@ -264,15 +266,14 @@ def run(
     warm = _prompt(g, 8, cfg)
     for name in engines:
         spec = dict(ENGINE_VARIANTS[name])
-        attn = spec.pop("batched_decode_attention", True)
-        blocked = spec.pop("blocked_prefill_attention", True)
+        switches = {k: spec.pop(k) for k in _MODEL_SWITCHES if k in spec}
         gc.collect()
         _rss_reset()
         rss0 = _rss_mb()
         t = time.perf_counter()
         model = Gemma3(cfg, weights, **spec)
-        model.batched_decode_attention = attn
-        model.blocked_prefill_attention = blocked
+        for switch, on in switches.items():
+            setattr(model, switch, on)
         load_s = time.perf_counter() - t
         _prefill_s(model, warm)
         runners[name] = model
