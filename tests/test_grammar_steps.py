@@ -1,11 +1,11 @@
-"""The steps a grammar's answers take, as admission reads them: the grammar's own walk
-until its answers say."""
+"""The work a grammar's answers take (steps, and forced rows riding in them), as admission
+reads it: the grammar's own walk until its answers say."""
 
 from __future__ import annotations
 
 import pytest
 
-from duetime.core.grammar import GrammarSpec
+from duetime.core.grammar import AnswerWork, GrammarSpec
 from duetime.server.grammar_steps import GrammarSteps
 
 A = GrammarSpec.choice(["yes", "no"], "guided_choice")
@@ -15,15 +15,16 @@ B = GrammarSpec.json_schema({"type": "object"}, "response_format")
 def test_the_most_steps_of_the_recent_answers_per_grammar() -> None:
     steps = GrammarSteps(window=3)
     assert steps.most(A) is None  # nothing seen: a step a token is assumed
-    steps.observe(A, tokens=10, jumped=8)
-    steps.observe(A, tokens=12, jumped=7)
-    assert steps.most(A) == 5
+    steps.observe(A, tokens=10, jumped=8, rode=6)
+    steps.observe(A, tokens=12, jumped=7, rode=3)
+    # the most steps of any and the most rows of any: here of different answers
+    assert steps.most(A) == AnswerWork(5, 6)
     assert steps.most(B) is None
     # the same grammar from another request field is the same grammar
-    assert steps.most(GrammarSpec.choice(["yes", "no"], "structured_outputs")) == 5
+    assert steps.most(GrammarSpec.choice(["yes", "no"], "structured_outputs")) == AnswerWork(5, 6)
     for _ in range(3):  # the window forgets the older answers
         steps.observe(A, tokens=4, jumped=2)
-    assert steps.most(A) == 2
+    assert steps.most(A) == AnswerWork(2, 0)
 
 
 def test_answers_that_cannot_say_are_not_counted() -> None:
@@ -31,6 +32,8 @@ def test_answers_that_cannot_say_are_not_counted() -> None:
     steps.observe(A, tokens=0, jumped=0)  # no token made
     steps.observe(A, tokens=5, jumped=5)  # (the first token always takes a step)
     steps.observe(A, tokens=5, jumped=-1)
+    steps.observe(A, tokens=5, jumped=2, rode=3)  # more rode than jumped
+    steps.observe(A, tokens=5, jumped=2, rode=-1)
     assert steps.most(A) is None
 
 
@@ -42,22 +45,24 @@ def test_the_least_recently_used_grammar_goes_first() -> None:
     steps.observe(A, 3, 1)  # A used again: B is now the oldest
     steps.observe(c, 3, 2)
     assert steps.most(B) is None
-    assert steps.most(A) == 2
-    assert steps.most(c) == 1
+    assert steps.most(A) == AnswerWork(2)
+    assert steps.most(c) == AnswerWork(1)
 
 
 def test_the_prior_stands_until_an_answer_ends() -> None:
     steps = GrammarSteps()
     assert steps.needs_prior(A)
-    steps.set_prior(A, 6)
+    steps.set_prior(A, AnswerWork(6, 20))
     assert not steps.needs_prior(A)
-    assert steps.most(A) == 6
-    steps.observe(A, tokens=9, jumped=5)  # the answers rule, above or below the prior
-    assert steps.most(A) == 4
+    assert steps.most(A) == AnswerWork(6, 20)
+    steps.observe(A, tokens=9, jumped=5, rode=4)  # the answers rule, above or below the prior
+    assert steps.most(A) == AnswerWork(4, 4)
     steps.set_prior(B, None)  # the walk could not tell (free text)
     assert not steps.needs_prior(B)  # (and is not walked again)
     assert steps.most(B) is None
-    steps.set_prior(B, 0)  # no step is no estimate
+    steps.set_prior(B, AnswerWork(0))  # no step is no estimate
+    assert steps.most(B) is None
+    steps.set_prior(B, AnswerWork(3, -1))  # nor are negative rows
     assert steps.most(B) is None
 
 

@@ -297,6 +297,18 @@ def test_a_restart_replays_the_answer_through_its_grammar(
         )
 
 
+def _count_extra_rows(ex: EngineExecutor, into: list[int]) -> None:
+    """Have ``ex`` append to ``into`` each step's rows beyond its prefill and decoders."""
+    log_step = ex._log_step
+
+    def count_rows(computed: int, attn: int, n_dec: int, kv: int, dt: float) -> None:
+        assert ex.last_step is not None
+        into.append(ex.last_step[1] - computed)  # (its P: computed rows + riding rows)
+        log_step(computed, attn, n_dec, kv, dt)
+
+    ex._log_step = count_rows  # type: ignore[method-assign]
+
+
 def test_forced_runs_jump_ahead_in_fewer_steps_with_the_same_answers(
     model: Gemma3, compiler: GrammarCompiler
 ) -> None:
@@ -305,11 +317,14 @@ def test_forced_runs_jump_ahead_in_fewer_steps_with_the_same_answers(
     same as one step a token, in far fewer steps."""
     jobs = _long_key_jobs(4, "call")
     runs = {}
+    extra_rows: list[int] = []  # each step's rows beyond its prefill and its decoders
     for jump in (False, True):
         ex = EngineExecutor(make_policy("fcfs"), model, cost=SIMPLE_COST)
         ex.jump_forward = jump
         for j in jobs:
             ex.grammars[j.request.rid] = compiler.grammar(SPECS[4])
+        if jump:
+            _count_extra_rows(ex, extra_rows)
         runs[jump] = (ex.run(jobs), ex)
     (step_res, _), (jump_res, jump_ex) = runs[False], runs[True]
     assert jump_res.outputs == step_res.outputs
@@ -320,6 +335,10 @@ def test_forced_runs_jump_ahead_in_fewer_steps_with_the_same_answers(
     # each answer's own count, which a server learns its grammar's steps from
     assert sum(jump_ex.jumped.values()) == jump_ex.counters["forced_tokens_jumped"]
     assert set(jump_ex.jumped) == set(jump_res.outputs)
+    # of those, the ones that rode as rows of a step are the rows the steps computed
+    # beyond their prefill and decoders (the rest ended an answer: never fed back)
+    assert sum(jump_ex.rode.values()) == sum(extra_rows) > 0
+    assert all(0 < jump_ex.rode[rid] < jump_ex.jumped[rid] for rid in jump_res.outputs)
     assert jump_res.engine_steps < step_res.engine_steps / 4, (
         jump_res.engine_steps,
         step_res.engine_steps,
@@ -333,7 +352,9 @@ def test_the_grammar_walk_counts_at_least_the_steps_its_answers_take(
     """``choice_steps`` walks a grammar without the model (its forced runs, the choices
     left, where they are few): for these grammars no answer the engine made under them
     took more steps (tokens less those that jumped), and the walk is at most one step
-    over the most. Free text (the regex's digits) it does not count."""
+    over the most; its riding rows are the most any answer's forced runs computed, to
+    a token (the walk's path and the model's may tokenise a choice differently). Free
+    text (the regex's digits) it does not count."""
     prior = compiler.grammar(spec).choice_steps()
     assert prior is not None
     jobs = _long_key_jobs(6, "walk")
@@ -342,8 +363,10 @@ def test_the_grammar_walk_counts_at_least_the_steps_its_answers_take(
         ex.grammars[j.request.rid] = compiler.grammar(spec)
     res = ex.run(jobs)
     steps = [len(out) - ex.jumped.get(rid, 0) for rid, out in res.outputs.items()]
+    rode = [ex.rode.get(rid, 0) for rid in res.outputs]
     assert all(_fits(spec, _text(out)) for out in res.outputs.values())
-    assert max(steps) <= prior <= max(steps) + 1, (steps, prior)
+    assert max(steps) <= prior.steps <= max(steps) + 1, (steps, prior)
+    assert abs(prior.rows - max(rode)) <= 1, (rode, prior)
 
 
 def test_the_grammar_walk_gives_up_on_free_text(compiler: GrammarCompiler) -> None:
@@ -643,9 +666,10 @@ def test_admission_counts_the_steps_a_grammars_answers_take(tmp_path: Any) -> No
         first = c.post("/v1/completions", json={**body, "deadline_ms": 2000})
         assert first.status_code == 200, first.text  # by the walk, before any answer
         tokens = first.json()["usage"]["completion_tokens"]
-        steps = state.grammar_steps.most(spec)
-        assert steps is not None
-        assert 1 <= steps < tokens / 3  # most of the JSON was forced
+        work = state.grammar_steps.most(spec)
+        assert work is not None
+        assert 1 <= work.steps < tokens / 3  # most of the JSON was forced
+        assert work.steps + work.rows < tokens  # (its last forced run needed no row)
         again = c.post("/v1/completions", json={**body, "deadline_ms": 2000})
         assert again.status_code == 200, again.text
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
@@ -666,6 +690,38 @@ def test_admission_counts_the_steps_a_grammars_answers_take(tmp_path: Any) -> No
         )
         assert late.status_code == 429, late.text  # free text: no walk, a step a token
         assert state.grammar_steps.most(GrammarSpec.json_schema(named, "x")) is None
+
+
+def test_a_forecast_charges_the_forced_rows_riding_in_a_grammars_steps(tmp_path: Any) -> None:
+    """A structured answer takes few steps, but its forced runs are computed as rows of
+    them. With rows that cost (20 ms each, the steps 100 ms), the forecast of an answer
+    under a schema is its steps and its rows: ``steps·c0 + a1·(prompt rows + riding
+    rows)``, and a deadline its steps alone would meet but its rows do not is refused."""
+    profile = tmp_path / "row-bound.json"
+    profile.write_text(json.dumps({"name": "row-bound", "coefficients": {"c0": 0.1, "a1": 0.02}}))
+    options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096, profile=profile)
+    m, codec, name = load_served_model(options)
+    state = build_state(options, m, codec, name)
+    spec = GrammarSpec.json_schema(SCHEMA, "response_format")
+    body = {"model": name, "prompt": "ok?", "max_tokens": 64, "response_format": RESPONSE_SCHEMA}
+    with TestClient(create_app(state)) as c:
+        first = c.post("/v1/completions", json={**body, "deadline_ms": 5000})
+        assert first.status_code == 200, first.text
+        work = state.grammar_steps.most(spec)
+        assert work is not None
+        assert work.rows >= 10  # the keys and punctuation rode along
+        prompt = first.json()["usage"]["prompt_tokens"]
+        again = c.post("/v1/completions", json={**body, "deadline_ms": 5000})
+        assert again.status_code == 200, again.text
+        forecast_s = again.json()["duetime"]["predicted_e2e_ms"] / 1000
+        low = work.steps * 0.1 + 0.02 * (1 + work.rows)  # (the prompt from the cache, at most)
+        high = work.steps * 0.1 + 0.02 * (prompt + work.rows)
+        assert low - 1e-6 <= forecast_s <= high + 1e-6, (forecast_s, low, high, work)
+        # a deadline the steps alone meet (with the whole prompt to compute) is refused
+        steps_only_ms = 1000 * (work.steps * 0.1 + 0.02 * prompt)
+        assert steps_only_ms + 1 < 1000 * low
+        tight = c.post("/v1/completions", json={**body, "deadline_ms": steps_only_ms + 1})
+        assert tight.status_code == 429, tight.text
 
 
 # --- `duetime bench grammar` ---------------------------------------------------------
@@ -701,6 +757,9 @@ def test_bench_grammar_times_every_kind_beside_the_free_run(tmp_path: Any) -> No
         assert arm["requests"] == 3
         assert 0 <= arm["met"] <= arm["accepted"] <= 3
         assert len(arm["e2e_ms"]) == arm["accepted"]
+        ratio = arm["forecast_to_actual_e2e_median"]
+        assert (ratio is None) == (arm["accepted"] == 0)
+        assert ratio is None or ratio > 0
     assert "robot commands under 500 ms" in res.output
 
 

@@ -39,13 +39,14 @@ class CostModel(Protocol):
 
     def step_time(
         self,
-        prefill_tokens: int,
+        prefill_tokens: float,
         prefill_attn: float,
         decode_seqs: int,
         kv_tokens: int,
         swap_tokens: int = 0,
     ) -> float:
-        """Seconds for one step of the given shape."""
+        """Seconds for one step of the given shape (``prefill_tokens`` may be a mean:
+        the simulator spreads a structured answer's riding rows over its steps)."""
         ...
 
     def prefill_time(self, n: int) -> float:
@@ -149,7 +150,7 @@ class LinearStepCost:
     # --- costs ----------------------------------------------------------------
     def step_time(
         self,
-        prefill_tokens: int,
+        prefill_tokens: float,
         prefill_attn: float,
         decode_seqs: int,
         kv_tokens: int,

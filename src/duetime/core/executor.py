@@ -93,6 +93,7 @@ class ExecutorCore:
         self._timers: list[float] = []  # ready_at of suspended sequences
         self._n_dec = 0
         self._dec_kv_base = 0
+        self._ride = 0.0  # rows the decoders' forced runs add to each step (Job.ride_rows)
         self._dec_mark = 0
         self._static_kv = 0
         self._parked: dict[int, Seq] = {}  # suspended, offloaded to policies, KV still on device
@@ -368,6 +369,7 @@ class ExecutorCore:
         seq._start_decoding()
         self._n_dec += 1
         self._dec_kv_base += seq.kv_tokens
+        self._ride += self._ride_rate(seq)
         stop = self._stop_point(seq)
         heapq.heappush(
             self._stop_heap, (self.clock.steps + stop - seq.generated, seq.order, seq._epoch, seq)
@@ -379,7 +381,14 @@ class ExecutorCore:
         self._rebase()
         self._dec_kv_base -= seq.kv_tokens
         self._n_dec -= 1
+        self._ride = self._ride - self._ride_rate(seq) if self._n_dec else 0.0
         seq._stop_decoding()
+
+    def _ride_rate(self, seq: Seq) -> float:
+        """Rows ``seq``'s forced runs add to each of its decode steps: its job's
+        ``ride_rows`` over the steps after its prefill's."""
+        rows = self._jobs[seq.rid].ride_rows
+        return rows / max(self.records[seq.rid].target_tokens - 1, 1) if rows else 0.0
 
     def _stop_point(self, seq: Seq) -> int:
         """Generated-token count at which the sequence next stops (segment end or done)."""

@@ -15,12 +15,24 @@ from typing import Literal
 
 from duetime.core.json_bound import max_json_bytes
 
-__all__ = ["GrammarKind", "GrammarSpec"]
+__all__ = ["AnswerWork", "GrammarKind", "GrammarSpec"]
 
 #: ``json_schema``: a JSON schema (``{"type": "object"}`` for any object); ``regex``: the
 #: whole answer matches it; ``choice``: the answer is one of a JSON list of strings;
 #: ``grammar``: Lark or GBNF (llama.cpp's) text.
 GrammarKind = Literal["json_schema", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerWork:
+    """What one answer under a grammar costs the engine when its forced runs jump:
+    ``steps`` engine steps (a token each from the model), and ``rows`` forced tokens
+    that ride along in them, computed as extra rows (the answer's last forced run
+    needs none). Admission forecasts a structured answer as this work, not as a step
+    a token (``server/grammar_steps.py``)."""
+
+    steps: int
+    rows: int = 0
 
 
 @dataclass(frozen=True, slots=True)

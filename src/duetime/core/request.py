@@ -155,6 +155,13 @@ class Job:
     executor's ``Seq.ready_at``, which policies read, comes from these; the
     client's true wants (``RequestRecord.segment_ready``, what is scored) from
     ``segment_gaps``. Empty: the server knows the true gaps.
+
+    ``ride_rows`` is work beside the answer's steps that the simulator charges: an
+    answer under a grammar takes ``output_len`` engine steps while its forced runs
+    ride along as extra rows of those steps (jump-forward, ``engine/executor.py``),
+    ``ride_rows`` in all, spread evenly over its decode steps. The real engine
+    ignores it (it rides for real); a forecast of a structured answer sets it
+    (``server/admission.py``), so the rows' time is not missed.
     """
 
     request: Request
@@ -162,11 +169,14 @@ class Job:
     segments: tuple[int, ...] = field(default=())
     segment_gaps: tuple[float, ...] = field(default=())
     segment_gap_estimates: tuple[float, ...] = field(default=())
+    ride_rows: int = 0
 
     def __post_init__(self) -> None:
         rid = self.request.rid
         if self.output_len < 1:
             raise ValueError(f"job {rid}: output_len must be >= 1, got {self.output_len}")
+        if self.ride_rows < 0:
+            raise ValueError(f"job {rid}: ride_rows must be >= 0, got {self.ride_rows}")
         if self.segments:
             if sum(self.segments) != self.output_len or min(self.segments) < 1:
                 raise ValueError(

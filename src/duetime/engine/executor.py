@@ -215,6 +215,9 @@ class EngineExecutor(ExecutorCore):
         # rid → forced tokens its answer took without a step of their own (jumped), so a
         # server can learn how many steps a grammar's answers really take
         self.jumped: dict[int, int] = {}
+        # rid → those of its jumped tokens that rode along as rows of a step (the rest, a
+        # last forced run, are never fed back): the work a forecast adds to its steps
+        self.rode: dict[int, int] = {}
 
     def step_cost_model(self) -> LinearStepCost | None:
         return self.cost
@@ -284,6 +287,7 @@ class EngineExecutor(ExecutorCore):
             grammar.reset()  # the replayed tokens take it through the answer again
             self._forced.pop(seq.rid, None)  # forced again once the replay is through
             self.jumped.pop(seq.rid, None)  # (the replay takes a step a token)
+            self.rode.pop(seq.rid, None)
 
     def _on_swap_out(self, seq: Seq) -> None:
         """Spool the sequence's KV to disk: on a CPU engine, KV memory *is* RAM."""
@@ -472,7 +476,7 @@ class EngineExecutor(ExecutorCore):
             k = min(len(queue), left)
             if not self.finish_with(rid, k):
                 raise ExecutorError(f"request {rid}: its last {k} tokens did not fit")
-            produced += [(rid, t) for t in self._take_forced(rid, queue, k)]
+            produced += [(rid, t) for t in self._take_forced(rid, queue, k, rides=False)]
         return produced
 
     def _ride_forced(self, decoders: list[Seq], prefill_tokens: int) -> dict[int, list[int]]:
@@ -494,14 +498,15 @@ class EngineExecutor(ExecutorCore):
                 continue
             if not self.skip_ahead(seq.rid, k):  # (its KV: once this step has run)
                 raise ExecutorError(f"request {seq.rid}: {k} forced tokens did not fit")
-            riding[seq.rid] = self._take_forced(seq.rid, queue, k)
+            riding[seq.rid] = self._take_forced(seq.rid, queue, k, rides=True)
             free -= k
             budget -= k
         return riding
 
-    def _take_forced(self, rid: int, queue: list[int], k: int) -> list[int]:
+    def _take_forced(self, rid: int, queue: list[int], k: int, *, rides: bool) -> list[int]:
         """Move the first ``k`` of ``rid``'s forced ``queue`` into its answer (the core
-        has booked them): the tokens moved."""
+        has booked them; ``rides``: as rows of this step, not as its last tokens): the
+        tokens moved."""
         take = queue[:k]
         self.tokens[rid].extend(take)
         del queue[:k]
@@ -509,6 +514,8 @@ class EngineExecutor(ExecutorCore):
             del self._forced[rid]
         self.counters["forced_tokens_jumped"] = self.counters.get("forced_tokens_jumped", 0) + k
         self.jumped[rid] = self.jumped.get(rid, 0) + k
+        if rides:
+            self.rode[rid] = self.rode.get(rid, 0) + k
         return take
 
     def _pick(self, seq: Seq, logits: torch.Tensor, grammar: TokenGrammar | None, best: int) -> int:
@@ -721,6 +728,7 @@ class EngineExecutor(ExecutorCore):
         self.grammars.pop(rid, None)
         self._forced.pop(rid, None)
         self.jumped.pop(rid, None)
+        self.rode.pop(rid, None)
 
     def close(self) -> None:
         """Remove swapped-out KV files and close the telemetry file."""

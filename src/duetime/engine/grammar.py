@@ -33,7 +33,7 @@ import llguidance
 import numpy as np
 import torch
 
-from duetime.core.grammar import GrammarSpec
+from duetime.core.grammar import AnswerWork, GrammarSpec
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -129,13 +129,16 @@ class TokenGrammar:
         """An independent grammar at the same place (another choice of the request)."""
         return TokenGrammar(self._matcher.deep_copy(), self.vocab_size)
 
-    def choice_steps(self, *, fanout: int = 64, limit: int = 256) -> int | None:
-        """Engine steps an answer from here takes when its forced runs jump, the model's
-        choices walked without the model; None where it cannot be told.
+    def choice_steps(self, *, fanout: int = 64, limit: int = 256) -> AnswerWork | None:
+        """Engine work an answer from here takes when its forced runs jump (its steps
+        and the forced rows riding in them), the model's choices walked without the
+        model; None where it cannot be told.
 
         A step makes one token from the model's logits, its forced run rides along
-        (the grammar's tail needs no step), and an answer that opens with a forced
-        run takes its prefill step for it: the steps are the choices, plus that one.
+        in the next step (the grammar's tail needs no step), and an answer that opens
+        with a forced run takes its prefill step for the run's first token (the rest
+        ride): the steps are the choices, plus that one; the rows, every forced token
+        but that first one and the tail.
         Where a choice is open, the walk takes the token after which the grammar forces
         the fewest (ties: the smaller id), so it leans to more steps. It gives up (None)
         where more than ``fanout`` tokens are allowed (free text: the model's choices
@@ -143,7 +146,10 @@ class TokenGrammar:
         not move (the walk runs on copies); a few milliseconds on Gemma's vocabulary.
         """
         g = self.copy()
-        steps = 1 if g.take_forced() else 0
+        opening = len(g.take_forced())
+        steps = 1 if opening else 0
+        rows = 0
+        run = max(opening - 1, 0)  # the latest forced run: rides unless it ends the answer
         while not g.finished:
             options = torch.nonzero(g.allowed()).flatten().tolist()
             if not options or len(options) > fanout or steps >= limit:
@@ -158,9 +164,10 @@ class TokenGrammar:
                     best = (forced, token, after)
             if best is None:
                 return None
-            g = best[2]
+            rows += run
+            run, _, g = best
             steps += 1
-        return max(steps, 1)
+        return AnswerWork(max(steps, 1), rows)
 
 
 class GrammarCompiler:

@@ -11,7 +11,8 @@ when its answer is predicted to miss its deadline. Two predictions are offered:
   arriving now. Each answer is taken to be as long as the length predictor says
   (``max_tokens`` with ``ignore_eos``; a running answer past its prediction, the
   top of its interval; under a grammar, no more than the engine steps its answers
-  take, ``server/grammar_steps.py``). The forecast sees what a formula misses: a full batch
+  take, with the forced rows riding in them charged, ``server/grammar_steps.py``).
+  The forecast sees what a formula misses: a full batch
   to wait for, the batch growing as the queue drains, where the policy puts the
   request, prefix-cache hits among the queued prompts. Each accepted choice
   carries its forecast finish (``Request.forecast_finish``), reported to the
@@ -44,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import replace as dataclass_replace
 
+from duetime.core.grammar import AnswerWork
 from duetime.core.image import EngineImage, LiveSeq
 from duetime.core.policy import Policy
 from duetime.core.request import Job, Request
@@ -115,14 +117,21 @@ class Admission:
         return "estimate" if self.policy is None else "forecast"
 
     def estimate(
-        self, stats: EngineStats, prompt_len: int, tokens: float, cached_tokens: int = 0
+        self,
+        stats: EngineStats,
+        prompt_len: int,
+        tokens: float,
+        cached_tokens: int = 0,
+        ride_rows: int = 0,
     ) -> float | None:
-        """Optimistic seconds from now to the last token, or None without a step model."""
+        """Optimistic seconds from now to the last token, or None without a step model
+        (``ride_rows``: forced tokens riding in the answer's steps, a row each)."""
         if not self.timer.ready:
             return None
         t = self.timer.prefill_time(stats.waiting_prefill_tokens + prompt_len - cached_tokens)
         step = self.timer.step_time(0, stats.running + 1, stats.kv_used + prompt_len)
-        return t + max(tokens - 1, 0.0) * step
+        rows = self.timer.step_time(ride_rows, 0, 0) - self.timer.step_time(0, 0, 0)
+        return t + max(tokens - 1, 0.0) * step + rows
 
     def judge(
         self,
@@ -134,13 +143,14 @@ class Admission:
         budget_s: float | None,
         allows_eviction: bool,
         cached_tokens: int = 0,
+        ride_rows: int = 0,
     ) -> Verdict:
         """One request by the optimistic estimate. ``queued``: requests waiting in the
         engine plus those not yet handed to it; ``cached_tokens``: of the prompt, those
-        the prefix cache holds."""
+        the prefix cache holds; ``ride_rows``: forced tokens riding in its steps."""
         if queued >= self.max_waiting:
             return self._queue_full(stats, queued)
-        eta = self.estimate(stats, prompt_len, tokens, cached_tokens)
+        eta = self.estimate(stats, prompt_len, tokens, cached_tokens, ride_rows)
         if budget_s is None or eta is None or eta <= budget_s:
             return Verdict(True, predicted_finish_s=eta)
         if allows_eviction:
@@ -169,20 +179,21 @@ class Admission:
         image: EngineImage | None = None,
         pending: Sequence[Job] = (),
         longest: int | None = None,
-        steps: int | None = None,
+        work: AnswerWork | None = None,
     ) -> Verdict:
         """Judge the sequences of one HTTP request together (every choice of every
         prompt; they arrive now and share the deadline ``budget_s``): accepted only if
         all are. ``queued`` counts the requests ahead of them; ``cached[rid]`` the
         prompt tokens of each the prefix cache holds; ``image`` and ``pending`` (accepted,
         not yet on the engine) are what a forecast plays forward; ``longest`` bounds
-        their answers where a prediction does not (a grammar's longest text); ``steps``
-        bounds the engine steps one takes (its grammar's recent answers, forced runs
-        jumping: ``server/grammar_steps.py``), which is what judging it counts."""
+        their answers where a prediction does not (a grammar's longest text); ``work``
+        bounds the engine steps one takes and gives the forced rows riding in them (its
+        grammar's recent answers, forced runs jumping: ``server/grammar_steps.py``),
+        which is what judging it counts."""
         for i in range(len(jobs)):
             if queued + i >= self.max_waiting:
                 return dataclass_replace(self._queue_full(stats, queued + i), which=i)
-        ask = _Ask(jobs, budget_s, allows_eviction, cached, longest, steps)
+        ask = _Ask(jobs, budget_s, allows_eviction, cached, longest, work)
         verdict = None
         if self.policy is not None and image is not None and budget_s is not None and jobs:
             try:
@@ -193,7 +204,7 @@ class Admission:
             verdict = self._by_estimate(ask, stats, queued)
         if verdict.accept:
             for job in jobs:
-                self.recent.note(job, ask.answer(job))
+                self.recent.note(job, ask.answer(job), ask.ride_rows_of(job))
         return verdict
 
     def _by_estimate(self, ask: _Ask, stats: EngineStats, queued: int) -> Verdict:
@@ -202,15 +213,16 @@ class Admission:
         for i, job in enumerate(ask.jobs):
             req = job.request
             cap = req.max_tokens if ask.longest is None else min(req.max_tokens, ask.longest)
-            tokens = ask.at_most_steps(float(cap) if req.predicted is None else req.predicted.point)
+            tokens = float(cap) if req.predicted is None else req.predicted.point
             one = self.judge(
                 stats,
                 queued + i,
                 prompt_len=req.prompt_len,
-                tokens=tokens,
+                tokens=ask.at_most_steps(tokens),
                 budget_s=ask.budget_s,
                 allows_eviction=ask.allows_eviction,
                 cached_tokens=ask.cached.get(req.rid, 0),
+                ride_rows=ask.ride_rows(tokens),
             )
             if not one.accept:
                 return dataclass_replace(one, which=i)
@@ -237,7 +249,7 @@ class Admission:
             for j in pending
             if j.request.rid not in known  # (a job being handed over may be in both)
         ]
-        arrivals += [Job(j.request, ask.answer(j)) for j in jobs]
+        arrivals += [Job(j.request, ask.answer(j), ride_rows=ask.ride_rows_of(j)) for j in jobs]
         ahead = len(image.seqs) + len(arrivals) - len(jobs)
         future = self.recent.future(now, horizon)
         policy = image.fork_policy()
@@ -312,15 +324,26 @@ class _Ask:
     allows_eviction: bool
     cached: Mapping[int, int]
     longest: int | None
-    steps: int | None = None
+    work: AnswerWork | None = None
 
     def answer(self, job: Job) -> int:
         """Answer tokens a forecast takes one of them to have (a step each)."""
         return int(self.at_most_steps(assumed_answer(job.request, most=self.longest)))
 
+    def ride_rows_of(self, job: Job) -> int:
+        """Forced rows a forecast has ride in one's steps."""
+        return self.ride_rows(assumed_answer(job.request, most=self.longest))
+
     def at_most_steps(self, tokens: float) -> float:
-        """``tokens`` judged as steps: no more than its grammar's answers took (``steps``)."""
-        return tokens if self.steps is None else min(tokens, self.steps)
+        """``tokens`` judged as steps: no more than its grammar's answers took."""
+        return tokens if self.work is None else min(tokens, self.work.steps)
+
+    def ride_rows(self, tokens: float) -> int:
+        """The forced rows riding in the steps of an answer of ``tokens`` tokens: its
+        grammar's answers' rows, no more than the tokens its steps do not make."""
+        if self.work is None:
+            return 0
+        return int(min(self.work.rows, max(tokens - self.at_most_steps(tokens), 0)))
 
 
 def _assumed_live(live: LiveSeq) -> Job:

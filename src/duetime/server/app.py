@@ -105,7 +105,8 @@ class ServerState:
     predict_batcher: PredictBatcher = field(init=False)
     #: Structured outputs' grammars over the codec's vocabulary (compiled ones are kept).
     grammars: GrammarCompiler = field(init=False)
-    #: The steps each grammar's answers took (jump-forward): what admission assumes.
+    #: The work (steps, riding rows) each grammar's answers took (jump-forward): what
+    #: admission assumes.
     grammar_steps: GrammarSteps = field(init=False, default_factory=GrammarSteps)
 
     def __post_init__(self) -> None:
@@ -121,7 +122,7 @@ class ServerState:
         self, rid: int | None, grammar: GrammarSpec | None = None
     ) -> Callable[[Outcome], None]:
         """What hears a request's outcome: the metrics; the served-length window, for
-        ``rid`` (a request whose answer it follows); the steps its ``grammar``'s answers
+        ``rid`` (a request whose answer it follows); the work its ``grammar``'s answers
         take (a request whose forced runs may jump); admission's record of its forecasts'
         errors, where it keeps one (``--deadline-confidence``)."""
         served = self.served_lengths
@@ -135,7 +136,9 @@ class ServerState:
                 served.end(rid, outcome.output_tokens, outcome.finish_reason)
             done = outcome.finish_reason in ("stop", "length")
             if grammar is not None and done:
-                self.grammar_steps.observe(grammar, outcome.output_tokens, outcome.jumped_tokens)
+                self.grammar_steps.observe(
+                    grammar, outcome.output_tokens, outcome.jumped_tokens, outcome.rode_tokens
+                )
             forecast = outcome.forecast_e2e
             if errors is not None and done and forecast is not None and outcome.deadline:
                 errors.observe(forecast, outcome.e2e, outcome.deadline - outcome.arrival)
@@ -314,10 +317,11 @@ async def _serve(
     # no answer is longer than its grammar allows: predictions and admission use that
     bound = None if spec is None else spec.max_answer_tokens()
     longest = max_tokens if bound is None else min(max_tokens, bound)
-    # nor takes more steps than the grammar's recent answers did, where its forced runs
-    # jump (not with log-probabilities or segments: their tokens come a step each)
+    # nor more work than the grammar's recent answers did (steps, and the forced rows
+    # riding in them), where its forced runs jump (not with log-probabilities or
+    # segments: their tokens come a step each)
     jumping = spec if body.logprob_top_n() is None and body.segment is None else None
-    steps = None if jumping is None else state.grammar_steps.most(jumping)
+    work = None if jumping is None else state.grammar_steps.most(jumping)
 
     engine = state.engine
     now = engine.now()
@@ -388,7 +392,7 @@ async def _serve(
         image=engine.image,
         pending=engine.pending_jobs(),
         longest=longest,
-        steps=steps,
+        work=work,
     )
     if not verdict.accept:
         state.metrics.rejected.labels(verdict.why).inc()

@@ -67,6 +67,8 @@ class Outcome:
     cached_tokens: int | None = None
     #: Answer tokens its grammar forced that took no step of their own (jump-forward).
     jumped_tokens: int = 0
+    #: Of those, the ones computed as extra rows of a step (the rest ended the answer).
+    rode_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -482,6 +484,7 @@ class EngineLoop:
             prompt_tokens=req.prompt_len,
             cached_tokens=rec.cached_prompt_tokens if rec else None,
             jumped_tokens=ex.jumped.get(req.rid, 0),
+            rode_tokens=ex.rode.get(req.rid, 0),
         )
 
     def _fail_all(self, why: str, *, log_it: bool = True) -> None:

@@ -29,6 +29,7 @@ class _Shape:
     priority: int
     tuf: TimeUtility | None
     klass: str
+    ride_rows: int = 0
 
 
 class RecentLoad:
@@ -41,8 +42,9 @@ class RecentLoad:
         self.least = least  # fewer accepted than this: no rate is guessed
         self._shapes: deque[_Shape] = deque(maxlen=most)
 
-    def note(self, job: Job, answer: int) -> None:
-        """``job`` was accepted; ``answer`` is the length assumed for it."""
+    def note(self, job: Job, answer: int, ride_rows: int = 0) -> None:
+        """``job`` was accepted; ``answer`` is the length assumed for it (``ride_rows``:
+        the forced rows assumed to ride in its steps, ``Job.ride_rows``)."""
         req = job.request
         self._shapes.append(
             _Shape(
@@ -53,6 +55,7 @@ class RecentLoad:
                 req.priority,
                 req.tuf,
                 req.klass,
+                ride_rows,
             )
         )
 
@@ -93,6 +96,6 @@ class RecentLoad:
                 klass=s.klass,
             )
             req.predicted = LengthPrediction.exact(float(s.answer))
-            jobs.append(Job(req, output_len=s.answer))
+            jobs.append(Job(req, output_len=s.answer, ride_rows=s.ride_rows))
             k += 1
         return jobs

@@ -121,7 +121,7 @@ class Simulator(ExecutorCore):
     def _prefill_step(self, chunks: list[tuple[Seq, int]], prefill_only: bool = False) -> None:
         """One step with prefill chunks (and every decoder taking one token, unless they
         hold: ``prefill_only``)."""
-        p_tokens = 0
+        p_tokens = 0.0
         attn = 0.0
         for seq, n in chunks:
             rows = self.computed_rows(seq, n)
@@ -130,6 +130,8 @@ class Simulator(ExecutorCore):
         swap = self._pending_swap
         self._pending_swap = 0
         n_dec, kv = (0, 0) if prefill_only else (self._n_dec, self._dec_kv())
+        if n_dec and self._ride:  # the decoders' forced runs ride along (Job.ride_rows)
+            p_tokens += self._ride  # (a share of each run: a fraction)
         self._advance(self.cost.step_time(p_tokens, attn, n_dec, kv, swap))
         self._after_step(chunks, prefill_only)
 
@@ -145,17 +147,18 @@ class Simulator(ExecutorCore):
         # there, so the next call pages out exactly when the engine would.
         free = self.cfg.kv_capacity - self.kv_device
         k = min(k, free // d)
+        ride = self._ride_step_s(d, kv)
         if horizon_time < math.inf:
             horizon = horizon_time - self.now
-            kt = self.cost.decode_steps_within(horizon, d, kv)
-            if self.cost.decode_span(kt, d, kv) < horizon:
+            kt = self._steps_within(horizon, d, kv, ride)
+            if self.cost.decode_span(kt, d, kv) + kt * ride < horizon:
                 kt += 1  # the step that crosses the event ends at or after it
             k = min(k, max(kt, 1))
         if k <= 0:
             raise SimulationError("internal: decode run of zero steps")
         swap = self._pending_swap
         self._pending_swap = 0
-        dt = self.cost.decode_span(k, d, kv)
+        dt = self.cost.decode_span(k, d, kv) + k * ride
         if swap:
             dt += self.cost.step_time(0, 0.0, 0, 0, swap) - self.cost.step_time(0, 0.0, 0, 0)
         self._advance(dt)
@@ -165,6 +168,27 @@ class Simulator(ExecutorCore):
         self._track_peak()
         self._offer_blocks([])  # the blocks the run completed, before finishers leave
         self._finish_due()
+
+    def _ride_step_s(self, d: int, kv: int) -> float:
+        """Seconds the decoders' riding rows add to each decode step (0 without any)."""
+        if not self._ride:
+            return 0.0
+        cost = self.cost
+        return cost.step_time(self._ride, 0.0, d, kv) - cost.step_time(0, 0.0, d, kv)
+
+    def _steps_within(self, horizon: float, d: int, kv: int, ride: float) -> int:
+        """Most decode steps of this batch, each ``ride`` s longer, that fit ``horizon``."""
+        k = self.cost.decode_steps_within(horizon, d, kv)
+        if not ride:
+            return k
+        lo, hi = 0, k  # (riding only lengthens the steps: at most k fit)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cost.decode_span(mid, d, kv) + mid * ride <= horizon * (1 + 1e-12):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     # --- main loop ---------------------------------------------------------------
     def run(

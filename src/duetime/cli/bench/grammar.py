@@ -127,5 +127,10 @@ def bench_grammar(
             f"admission ({arm.replace('_', ' ')}), {adm['requests']} robot commands under "
             f"{adm['deadline_ms']:.0f} ms: {adm['accepted']} accepted, {adm['met']} met"
             + (f"; forecast/actual e2e ms {', '.join(pairs)}" if pairs else "")
+            + (
+                f" (median ratio {adm['forecast_to_actual_e2e_median']:.2f})"
+                if adm.get("forecast_to_actual_e2e_median") is not None
+                else ""
+            )
         )
     save_figures(fig, json_path=json_path)
