@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import replace as dataclass_replace
 
 from duetime.core.grammar import AnswerWork
-from duetime.core.image import EngineImage, LiveSeq
+from duetime.core.image import EngineImage
 from duetime.core.policy import Policy
 from duetime.core.request import Job, Request
 from duetime.server.engine_loop import EngineStats
@@ -58,6 +58,9 @@ from duetime.sim.forecast import forecast
 __all__ = ["ADMISSION_MODES", "Admission", "Verdict", "assumed_answer"]
 
 ADMISSION_MODES = ("forecast", "estimate")
+
+#: Accepted structured answers whose assumed work is kept for later forecasts (the newest).
+_WORK_KEPT = 4096
 
 log = logging.getLogger("duetime.server")
 
@@ -110,6 +113,9 @@ class Admission:
         self.policy = policy
         self.errors = errors
         self.recent = RecentLoad()  # what was accepted lately: the load a forecast expects
+        # rid → the work assumed for an accepted structured answer (steps, riding rows),
+        # so later forecasts see it as such while it waits or runs (the newest kept)
+        self._work: OrderedDict[int, AnswerWork] = OrderedDict()
         self.forecast_walls: deque[float] = deque(maxlen=4096)  # seconds each forecast took
 
     @property
@@ -205,7 +211,33 @@ class Admission:
         if verdict.accept:
             for job in jobs:
                 self.recent.note(job, ask.answer(job), ask.ride_rows_of(job))
+                if ask.work is not None:
+                    self._remember(job.request.rid, ask.answer(job), ask.ride_rows_of(job))
         return verdict
+
+    def _remember(self, rid: int, steps: int, rows: int) -> None:
+        self._work[rid] = AnswerWork(steps, rows)
+        while len(self._work) > _WORK_KEPT:
+            self._work.popitem(last=False)
+
+    def _assumed(self, req: Request, generated: int = 0) -> Job:
+        """What a forecast takes an accepted request (``generated`` tokens made) to be: a
+        structured one as the work it was accepted for, what is left of it; any other as
+        :func:`assumed_answer` tokens, a step each."""
+        work = self._work.get(req.rid)
+        if work is None:
+            return Job(req, output_len=assumed_answer(req, generated))
+        if generated <= 0:
+            return Job(req, output_len=work.steps, ride_rows=work.rows)
+        # made so far: tokens (its steps' and the rows that rode), so what is left is
+        # that share of its steps and of its rows
+        left = max(0.0, 1.0 - generated / (work.steps + work.rows))
+        steps = max(1, math.ceil(work.steps * left))
+        rows = work.rows * left
+        # (Job.ride_rows spreads over every decode step of the answer: these rows over
+        # the steps left)
+        spread = rows * (generated + steps - 1) / steps
+        return Job(req, output_len=generated + steps, ride_rows=round(spread))
 
     def _by_estimate(self, ask: _Ask, stats: EngineStats, queued: int) -> Verdict:
         """Each sequence by :meth:`judge`, behind the ones before it."""
@@ -245,7 +277,7 @@ class Admission:
         horizon = deadline + budget_s  # far enough to say by how much it misses
         known = {live.request.rid for live in image.seqs}
         arrivals = [
-            Job(j.request, output_len=assumed_answer(j.request))
+            self._assumed(j.request)
             for j in pending
             if j.request.rid not in known  # (a job being handed over may be in both)
         ]
@@ -257,7 +289,7 @@ class Admission:
             image,
             self.policy() if policy is None else policy,
             cost,
-            job_of=_assumed_live,
+            job_of=lambda live: self._assumed(live.request, live.generated),
             arrivals=[*arrivals, *future],
             cached=ask.cached,
             horizon=horizon,
@@ -344,7 +376,3 @@ class _Ask:
         if self.work is None:
             return 0
         return int(min(self.work.rows, max(tokens - self.at_most_steps(tokens), 0)))
-
-
-def _assumed_live(live: LiveSeq) -> Job:
-    return Job(live.request, output_len=assumed_answer(live.request, live.generated))
