@@ -734,7 +734,7 @@ def test_bench_grammar_times_every_kind_beside_the_free_run(tmp_path: Any) -> No
 
     path = tmp_path / "grammar.json"
     args = ["bench", "grammar", "--model", "tiny", "--requests", "2", "--new-tokens", "12"]
-    args += ["--admission-requests", "3"]
+    args += ["--admission-requests", "3", "--admission-burst", "2"]
     res = CliRunner().invoke(app, [*args, "--repeats", "1", "--threads", "1", "--json", str(path)])
     assert res.exit_code == 0, res.output
     fig = json.loads(path.read_text())
@@ -760,6 +760,13 @@ def test_bench_grammar_times_every_kind_beside_the_free_run(tmp_path: Any) -> No
         ratio = arm["forecast_to_actual_e2e_median"]
         assert (ratio is None) == (arm["accepted"] == 0)
         assert ratio is None or ratio > 0
+        burst = arm["burst"]  # 3 rounds of 2 at once, every forecast and e2e kept
+        assert (burst["size"], burst["rounds"], burst["deadline_ms"]) == (2, 3, 5000.0)
+        assert [len(r) for r in burst["e2e_ms"]] == [2, 2, 2]
+        kept = [e for r in burst["e2e_ms"] for e in r if e is not None]
+        assert len(kept) == burst["accepted"]
+        assert len(burst["largest_forecast_to_e2e"]) <= 3
+        assert all(r > 0 for r in burst["largest_forecast_to_e2e"])
     assert "robot commands under 500 ms" in res.output
 
 

@@ -240,11 +240,20 @@ def run_admission(
     requests: int = 10,
     deadline_ms: float = 500.0,
     learn: bool = True,
+    burst: int = 0,
+    burst_rounds: int = 3,
 ) -> dict[str, Any]:
     """``requests`` robot commands under ``deadline_ms``, one after another, through a
     fresh server from ``make_state`` (no answer under the schema before them): judged
     by the steps the grammar's answers take (``learn``) or by a step a token. How many
-    were accepted and met, and each accepted one's forecast and actual end-to-end."""
+    were accepted and met, and each accepted one's forecast and actual end-to-end.
+
+    Then ``burst_rounds`` bursts of ``burst`` commands sent at once (a fleet of robots),
+    under ten times the deadline so that every forecast is seen, with no further load
+    expected (a forecast otherwise adds requests like the recent ones arriving at their
+    rate, which a burst makes high): each command's forecast and end-to-end, and per
+    round the largest forecast's ratio to its own end-to-end (the command that saw the
+    others ahead of it; the first to arrive cannot know of those after it)."""
     from fastapi.testclient import TestClient
 
     from duetime.server.app import create_app
@@ -286,6 +295,10 @@ def run_admission(
             met += bool(timing["deadline_met"])
             forecast.append(timing.get("predicted_e2e_ms"))
             actual.append(timing["e2e_ms"])
+        bursts = []
+        state.admission.recent.least = 10**9  # what is there, not what may come
+        for _ in range(burst_rounds if burst else 0):
+            bursts.append(_burst(client, model_name, fmt, burst, deadline_ms * 10))
     ratios = [f / a for f, a in zip(forecast, actual, strict=True) if f is not None and a > 0]
     return {
         "requests": requests,
@@ -297,6 +310,55 @@ def run_admission(
         # how far the forecasts were from the answers' end (1: on time; the forced rows
         # riding in a structured answer's steps are what a step a row misses)
         "forecast_to_actual_e2e_median": statistics.median(ratios) if ratios else None,
+        "burst": _burst_figures(bursts, burst, deadline_ms * 10) if burst else None,
+    }
+
+
+def _burst(
+    client: Any, model_name: str, fmt: dict[str, Any], n: int, deadline_ms: float
+) -> list[tuple[float | None, float] | None]:
+    """``n`` commands sent at once: (forecast, actual) e2e ms of each, None where refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def send(i: int) -> tuple[float | None, float] | None:
+        prompt = COMMAND_PROMPTS[i % len(COMMAND_PROMPTS)]
+        body = {
+            "model": model_name,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 128,
+            "response_format": fmt,
+            "deadline_ms": deadline_ms,
+        }
+        r = client.post("/v1/chat/completions", json=body)
+        if r.status_code == 429:
+            return None
+        if r.status_code != 200:
+            raise RuntimeError(f"the server answered {r.status_code}: {r.text[:200]}")
+        timing = r.json()["duetime"]
+        return timing.get("predicted_e2e_ms"), timing["e2e_ms"]
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(send, range(n)))
+
+
+def _burst_figures(
+    rounds: list[list[tuple[float | None, float] | None]], size: int, deadline_ms: float
+) -> dict[str, Any]:
+    """Per round, the largest forecast's ratio to its own end-to-end; every pair."""
+    largest = []
+    for pairs in rounds:
+        seen = [p for p in pairs if p is not None and p[0] is not None]
+        if seen:
+            f, a = max(seen, key=lambda p: p[0] or 0.0)
+            largest.append((f or 0.0) / a)
+    return {
+        "size": size,
+        "rounds": len(rounds),
+        "deadline_ms": deadline_ms,
+        "accepted": sum(p is not None for pairs in rounds for p in pairs),
+        "forecast_e2e_ms": [[None if p is None else p[0] for p in pairs] for pairs in rounds],
+        "e2e_ms": [[None if p is None else p[1] for p in pairs] for pairs in rounds],
+        "largest_forecast_to_e2e": largest,
     }
 
 

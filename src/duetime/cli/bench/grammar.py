@@ -37,6 +37,15 @@ def bench_grammar(
     admission_requests: Annotated[
         int, typer.Option(min=0, help="Commands per admission arm (0: no admission part).")
     ] = 10,
+    admission_burst: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=64,
+            help="Then 3 bursts of this many commands at once per arm, to see how their "
+            "forecasts count each other (0: none).",
+        ),
+    ] = 6,
     json_path: JsonOpt = None,
 ) -> None:
     """Serve one batch of prompts unconstrained and under each grammar (JSON schema, JSON
@@ -100,6 +109,7 @@ def bench_grammar(
                     requests=admission_requests,
                     deadline_ms=admission_deadline_ms,
                     learn=arm == "grammar_steps",
+                    burst=admission_burst,
                 )
                 for arm in ("grammar_steps", "step_per_token")
             }
@@ -133,4 +143,12 @@ def bench_grammar(
                 else ""
             )
         )
+        burst = adm.get("burst")
+        if burst:
+            ratios = ", ".join(f"{r:.2f}" for r in burst["largest_forecast_to_e2e"])
+            out.print(
+                f"  {burst['rounds']} bursts of {burst['size']} at once under "
+                f"{burst['deadline_ms']:.0f} ms: {burst['accepted']} accepted; the largest "
+                f"forecast of each round / its e2e: {ratios or '-'}"
+            )
     save_figures(fig, json_path=json_path)
