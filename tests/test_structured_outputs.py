@@ -711,6 +711,9 @@ def test_a_forecast_charges_the_forced_rows_riding_in_a_grammars_steps(tmp_path:
         assert work is not None
         assert work.rows >= 10  # the keys and punctuation rode along
         prompt = first.json()["usage"]["prompt_tokens"]
+        # (the engine's image, which the forecast starts from, no longer holds it)
+        assert state.engine.image is not None
+        assert not state.engine.image.seqs
         again = c.post("/v1/completions", json={**body, "deadline_ms": 5000})
         assert again.status_code == 200, again.text
         forecast_s = again.json()["duetime"]["predicted_e2e_ms"] / 1000

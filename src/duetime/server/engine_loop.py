@@ -338,6 +338,9 @@ class EngineLoop:
             if refit and not self._fixed_cost:
                 ex.cost = self.timer.as_cost()
             if ex.n_done != done_before:
+                # the image without the ended ones before their clients hear: a request
+                # sent right after an answer must not be forecast behind it
+                self._refresh_stats()
                 self._publish_ends()
             self._refresh_stats()
             if nxt is None or nxt < 0:
