@@ -276,22 +276,10 @@ def run_admission(
                 "/v1/completions", json={"model": model_name, "prompt": "Hello.", "max_tokens": 32}
             )
         for i in range(requests):
-            body = {
-                "model": model_name,
-                "messages": [
-                    {"role": "user", "content": COMMAND_PROMPTS[i % len(COMMAND_PROMPTS)]}
-                ],
-                "max_tokens": 128,
-                "response_format": fmt,
-                "deadline_ms": deadline_ms,
-            }
-            r = client.post("/v1/chat/completions", json=body)
-            if r.status_code == 429:
+            timing = _command(client, model_name, fmt, i, deadline_ms)
+            if timing is None:
                 refused += 1
                 continue
-            if r.status_code != 200:
-                raise RuntimeError(f"the server answered {r.status_code}: {r.text[:200]}")
-            timing = r.json()["duetime"]
             met += bool(timing["deadline_met"])
             forecast.append(timing.get("predicted_e2e_ms"))
             actual.append(timing["e2e_ms"])
@@ -314,6 +302,27 @@ def run_admission(
     }
 
 
+def _command(
+    client: Any, model_name: str, fmt: dict[str, Any], i: int, deadline_ms: float
+) -> dict[str, Any] | None:
+    """Command ``i`` (of :data:`COMMAND_PROMPTS`, in turn) under ``deadline_ms``: the
+    answer's ``duetime`` timing, or None where it was refused (429)."""
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": COMMAND_PROMPTS[i % len(COMMAND_PROMPTS)]}],
+        "max_tokens": 128,
+        "response_format": fmt,
+        "deadline_ms": deadline_ms,
+    }
+    r = client.post("/v1/chat/completions", json=body)
+    if r.status_code == 429:
+        return None
+    if r.status_code != 200:
+        raise RuntimeError(f"the server answered {r.status_code}: {r.text[:200]}")
+    timing: dict[str, Any] = r.json()["duetime"]
+    return timing
+
+
 def _burst(
     client: Any, model_name: str, fmt: dict[str, Any], n: int, deadline_ms: float
 ) -> list[tuple[float | None, float] | None]:
@@ -321,21 +330,8 @@ def _burst(
     from concurrent.futures import ThreadPoolExecutor
 
     def send(i: int) -> tuple[float | None, float] | None:
-        prompt = COMMAND_PROMPTS[i % len(COMMAND_PROMPTS)]
-        body = {
-            "model": model_name,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 128,
-            "response_format": fmt,
-            "deadline_ms": deadline_ms,
-        }
-        r = client.post("/v1/chat/completions", json=body)
-        if r.status_code == 429:
-            return None
-        if r.status_code != 200:
-            raise RuntimeError(f"the server answered {r.status_code}: {r.text[:200]}")
-        timing = r.json()["duetime"]
-        return timing.get("predicted_e2e_ms"), timing["e2e_ms"]
+        timing = _command(client, model_name, fmt, i, deadline_ms)
+        return None if timing is None else (timing.get("predicted_e2e_ms"), timing["e2e_ms"])
 
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(send, range(n)))

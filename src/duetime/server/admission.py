@@ -210,9 +210,10 @@ class Admission:
             verdict = self._by_estimate(ask, stats, queued)
         if verdict.accept:
             for job in jobs:
-                self.recent.note(job, ask.answer(job), ask.ride_rows_of(job))
+                assumed = ask.assumed(job)
+                self.recent.note(job, assumed.output_len, assumed.ride_rows)
                 if ask.work is not None:
-                    self._remember(job.request.rid, ask.answer(job), ask.ride_rows_of(job))
+                    self._remember(job.request.rid, assumed.output_len, assumed.ride_rows)
         return verdict
 
     def _remember(self, rid: int, steps: int, rows: int) -> None:
@@ -281,7 +282,7 @@ class Admission:
             for j in pending
             if j.request.rid not in known  # (a job being handed over may be in both)
         ]
-        arrivals += [Job(j.request, ask.answer(j), ride_rows=ask.ride_rows_of(j)) for j in jobs]
+        arrivals += [ask.assumed(j) for j in jobs]
         ahead = len(image.seqs) + len(arrivals) - len(jobs)
         future = self.recent.future(now, horizon)
         policy = image.fork_policy()
@@ -327,7 +328,7 @@ class Admission:
         return Verdict(
             False,
             f"the deadline cannot be met: a forecast of the engine ({ahead} other requests "
-            f"on it or accepted{more}; {ask.answer(jobs[i])} tokens assumed for "
+            f"on it or accepted{more}; {ask.assumed(jobs[i]).output_len} tokens assumed for "
             "this answer) "
             f"has it finish {when}",
             why="deadline",
@@ -358,13 +359,11 @@ class _Ask:
     longest: int | None
     work: AnswerWork | None = None
 
-    def answer(self, job: Job) -> int:
-        """Answer tokens a forecast takes one of them to have (a step each)."""
-        return int(self.at_most_steps(assumed_answer(job.request, most=self.longest)))
-
-    def ride_rows_of(self, job: Job) -> int:
-        """Forced rows a forecast has ride in one's steps."""
-        return self.ride_rows(assumed_answer(job.request, most=self.longest))
+    def assumed(self, job: Job) -> Job:
+        """What a forecast plays one of them as: its assumed answer a step a token, no
+        more steps than its grammar's answers took, the forced rows riding in them."""
+        tokens = assumed_answer(job.request, most=self.longest)
+        return Job(job.request, int(self.at_most_steps(tokens)), ride_rows=self.ride_rows(tokens))
 
     def at_most_steps(self, tokens: float) -> float:
         """``tokens`` judged as steps: no more than its grammar's answers took."""

@@ -337,12 +337,11 @@ class EngineLoop:
             refit = nxt is None and ex.last_step is not None and self.timer.observe(*ex.last_step)
             if refit and not self._fixed_cost:
                 ex.cost = self.timer.as_cost()
-            if ex.n_done != done_before:
-                # the image without the ended ones before their clients hear: a request
-                # sent right after an answer must not be forecast behind it
-                self._refresh_stats()
-                self._publish_ends()
+            # the image without the ended ones before their clients hear: a request sent
+            # right after an answer must not be forecast behind it
             self._refresh_stats()
+            if ex.n_done != done_before:
+                self._publish_ends()
             if nxt is None or nxt < 0:
                 continue
             self._wait(min(self._idle_wait_s, max(0.0, nxt - ex.clock_now())))

@@ -34,6 +34,11 @@ from duetime.core.grammar import AnswerWork, GrammarSpec
 __all__ = ["GrammarSteps"]
 
 
+def _key(spec: GrammarSpec) -> tuple[str, str]:
+    """A grammar's identity: its kind and text (not the request field it came in)."""
+    return (spec.kind, spec.text)
+
+
 @dataclass(slots=True)
 class _Grammar:
     prior: AnswerWork | None = None  # from the grammar alone
@@ -55,7 +60,7 @@ class GrammarSteps:
 
     def _entry(self, spec: GrammarSpec) -> _Grammar:
         """(under the lock) ``spec``'s record, made and marked as just used."""
-        key = (spec.kind, spec.text)
+        key = _key(spec)
         entry = self._known.get(key)
         if entry is None:
             entry = self._known[key] = _Grammar(seen=deque(maxlen=self._window))
@@ -67,7 +72,7 @@ class GrammarSteps:
     def needs_prior(self, spec: GrammarSpec) -> bool:
         """Whether ``spec``'s prior is still to be worked out."""
         with self._lock:
-            entry = self._known.get((spec.kind, spec.text))
+            entry = self._known.get(_key(spec))
             return entry is None or not entry.walked
 
     def set_prior(self, spec: GrammarSpec, work: AnswerWork | None) -> None:
@@ -90,7 +95,7 @@ class GrammarSteps:
         """The most steps and the most riding rows of the recent answers under ``spec``
         (each the most of any), else its prior; None where neither is known."""
         with self._lock:
-            entry = self._known.get((spec.kind, spec.text))
+            entry = self._known.get(_key(spec))
             if entry is None:
                 return None
             if not entry.seen:
