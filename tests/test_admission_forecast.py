@@ -344,6 +344,12 @@ def test_bench_admission_refuses_an_unknown_mode_before_loading() -> None:
         "bench", "admission", "--model", "tiny", "--confidences", "x", names="--confidences"
     )
     cli_refused("bench", "admission", "--model", "tiny", "--confidences", "1.5", names="(0, 1)")
+    bench = ("bench", "admission", "--model", "tiny")
+    cli_refused(*bench, "--burst-gaps", "soon", names="--burst-gaps")
+    cli_refused(*bench, "--burst-gaps", "-5", names="--burst-gaps")
+    cli_refused(*bench, "--arrival", "weibull", names="--arrival")
+    cli_refused(*bench, "--burst-size", "6", names="for --arrival bursts, not poisson")
+    cli_refused("serve", "--model", "tiny", "--burst-gap-ms", "-1", names="--burst-gap-ms")
     for args in (
         ["--deadline-confidence", "most"],
         ["--admission", "estimate", "--deadline-confidence", "0.9"],
@@ -473,6 +479,16 @@ def test_bench_admission_names_its_arms_by_what_varies() -> None:
         "goodput_met_req_s_forecast_vs_estimate_plain",
         "goodput_met_req_s_forecast_vs_estimate_conf0.95",
         "goodput_met_req_s_conf0.95_vs_plain_forecast",
+    }
+    # so do the bursts a forecast expects (0: none, "even")
+    bursts = arms_of(AdmissionBenchConfig(burst_gaps=[0.05, 0.0]))
+    assert list(bursts) == ["forecast+bursts50ms", "forecast+even", "estimate"]
+    assert (bursts["forecast+even"].burst_gap_s, bursts["estimate"].burst_gap_s) == (0.0, 0.0)
+    summary = {name: {"goodput_met_req_s": 1.0 + k} for k, name in enumerate(bursts)}
+    assert _ratios(summary, bursts) == {
+        "goodput_met_req_s_forecast_vs_estimate_bursts50ms": 1 / 3,
+        "goodput_met_req_s_forecast_vs_estimate_even": 2 / 3,
+        "goodput_met_req_s_bursts50ms_vs_even_forecast": 1 / 2,
     }
 
 

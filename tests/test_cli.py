@@ -64,6 +64,7 @@ def test_bad_trace_line_exits_2_naming_line_and_field(tmp_path: Path) -> None:
         (["--policy", "nope"], "known policies"),
         (["--profile", "nope"], "unknown profile"),
         (["--arrival", "weibull"], "unknown arrival"),
+        (["--burst-size", "3"], "for --arrival bursts, not poisson"),
         (["--workload", "/does/not/exist.jsonl"], "exist.jsonl"),
         (["--predictor", "psychic"], "unknown predictor"),
     ],

@@ -737,7 +737,7 @@ def test_bench_grammar_times_every_kind_beside_the_free_run(tmp_path: Any) -> No
 
     path = tmp_path / "grammar.json"
     args = ["bench", "grammar", "--model", "tiny", "--requests", "2", "--new-tokens", "12"]
-    args += ["--admission-requests", "3", "--admission-burst", "2"]
+    args += ["--admission-requests", "3", "--admission-burst", "2", "--admission-burst-rounds", "2"]
     res = CliRunner().invoke(app, [*args, "--repeats", "1", "--threads", "1", "--json", str(path)])
     assert res.exit_code == 0, res.output
     fig = json.loads(path.read_text())
@@ -763,14 +763,22 @@ def test_bench_grammar_times_every_kind_beside_the_free_run(tmp_path: Any) -> No
         ratio = arm["forecast_to_actual_e2e_median"]
         assert (ratio is None) == (arm["accepted"] == 0)
         assert ratio is None or ratio > 0
-        burst = arm["burst"]  # 3 rounds of 2 at once, every forecast and e2e kept
-        assert (burst["size"], burst["rounds"], burst["deadline_ms"]) == (2, 3, 5000.0)
-        assert [len(r) for r in burst["e2e_ms"]] == [2, 2, 2]
-        kept = [e for r in burst["e2e_ms"] for e in r if e is not None]
-        assert len(kept) == burst["accepted"]
-        assert len(burst["largest_forecast_to_e2e"]) <= 3
-        assert all(r > 0 for r in burst["largest_forecast_to_e2e"])
+    # a fleet of two, rounds 2 s apart, companions expected or not: under ten times the
+    # deadline, then under it
+    assert set(fig["admission_bursts"]) == {"expected", "even"}
+    for passes in fig["admission_bursts"].values():
+        assert [passes[p]["deadline_ms"] for p in ("seen", "deadline")] == [5000.0, 500.0]
+        for burst in passes.values():
+            assert (burst["size"], burst["rounds"], burst["period_s"]) == (2, 2, 2.0)
+            assert [len(r) for r in burst["e2e_ms"]] == [2, 2]
+            kept = [e for r in burst["e2e_ms"] for e in r if e is not None]
+            assert len(kept) == burst["accepted"] == sum(burst["accepted_per_round"])
+            assert 0 <= burst["met"] <= burst["accepted"]
+            firsts, lasts = burst["smallest_forecast_to_e2e"], burst["largest_forecast_to_e2e"]
+            assert len(firsts) == len(lasts) <= 2
+            assert all(r > 0 for r in firsts + lasts)
     assert "robot commands under 500 ms" in res.output
+    assert "bursts of 2 every 2 s, companions expected: under 5000 ms" in res.output
 
 
 def test_bench_grammar_refuses_an_unknown_kind() -> None:

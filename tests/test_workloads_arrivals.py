@@ -7,7 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from duetime.workloads.arrivals import AllAtOnce, ArrivalProcess, Gamma, Poisson, TraceArrivals
+from duetime.workloads.arrivals import (
+    AllAtOnce,
+    ArrivalProcess,
+    Bursts,
+    Gamma,
+    Poisson,
+    TraceArrivals,
+    arrival_process,
+)
 
 N = 200_000
 
@@ -82,3 +90,30 @@ def test_trace_arrivals_sorted_and_bounded() -> None:
 
 def test_all_at_once() -> None:
     assert AllAtOnce(at=5.0).times(3, np.random.default_rng()).tolist() == [5.0, 5.0, 5.0]
+
+
+def test_bursts_come_whole_at_poisson_times() -> None:
+    times = Bursts(rate=6.0, size=3).times(3_000, np.random.default_rng(0))
+    starts, counts = np.unique(times, return_counts=True)
+    assert counts.tolist() == [3] * 1_000  # every burst whole, none sharing an instant
+    gaps = np.diff(np.concatenate([[0.0], starts]))
+    assert gaps.mean() == pytest.approx(3 / 6.0, rel=0.08)  # rate requests/s in all
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.1)  # exponential gaps
+
+
+def test_bursts_cut_the_last_one_short_and_size_one_is_poisson() -> None:
+    assert len(Bursts(rate=1.0, size=4).times(10, np.random.default_rng(0))) == 10
+    a = Bursts(rate=2.0, size=1).times(20, np.random.default_rng(5))
+    b = Poisson(rate=2.0).times(20, np.random.default_rng(5))
+    assert np.allclose(a, b)
+    with pytest.raises(ValueError, match="burst size must be >= 1"):
+        Bursts(rate=1.0, size=0)
+
+
+def test_arrival_process_by_name() -> None:
+    assert arrival_process("gamma", 2.0, cv=3.0) == Gamma(rate=2.0, cv=3.0)
+    assert arrival_process("bursts", 2.0, burst_size=5) == Bursts(rate=2.0, size=5)
+    with pytest.raises(ValueError, match="for --arrival bursts, not poisson"):
+        arrival_process("poisson", 2.0, burst_size=5)
+    with pytest.raises(ValueError, match="unknown arrival process 'weibull'; use poisson"):
+        arrival_process("weibull", 2.0)

@@ -48,6 +48,7 @@ class SimSpec:
     rate: float = 4.0
     arrival: str = "poisson"
     cv: float = 1.0
+    burst_size: int = 1
     seed: int = 0
     profile: str = DEFAULT_PROFILE
     predictor: str = "policy"
@@ -88,12 +89,7 @@ def build_jobs(spec: SimSpec) -> list[Job]:
                 "or the path of a JSONL trace file"
             )
         return wl.read_trace(spec.workload)
-    if spec.arrival == "poisson":
-        arrivals: wl.ArrivalProcess = wl.Poisson(rate=spec.rate)
-    elif spec.arrival == "gamma":
-        arrivals = wl.Gamma(rate=spec.rate, cv=spec.cv)
-    else:
-        raise ValueError(f"unknown arrival process {spec.arrival!r}; use poisson or gamma")
+    arrivals = wl.arrival_process(spec.arrival, spec.rate, cv=spec.cv, burst_size=spec.burst_size)
     source: wl.LengthSource | None = None
     if spec.workload == "synthetic":
         source = wl.SyntheticSource(prompt_len=(16, 1024), output_len=(16, 512))

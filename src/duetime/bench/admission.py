@@ -1,14 +1,17 @@
 """`duetime bench admission`: deadlines judged by forecast vs by the estimate, under overload.
 
 The same open-loop ShareGPT load (Poisson arrivals faster than the engine can
-serve, one deadline for all) is sent to `duetime serve` once per admission
-mode, each on a fresh engine over the same loaded model, modes interleaved
-within each repetition. Each request asks for at most its recorded answer's
-length (base Gemma 3 270M writes to that cap nearly always), or with
+serve, or bursts of requests sent together at Poisson times; one deadline for
+all) is sent to `duetime serve` once per admission mode, each on a fresh
+engine over the same loaded model, modes interleaved within each repetition.
+Each request asks for at most its recorded answer's length (base Gemma 3 270M
+writes to that cap nearly always), or with
 ``fixed_max_tokens`` for one limit as a chat client does, and the server
 predicts it with its length predictor, as a deployment would: corrected by the
 served model's own answers (``lengths="served"``, the server's default) or as
-the predictor has it (``"predictor"``); both, and each mode runs twice.
+the predictor has it (``"predictor"``); both, and each mode runs twice. A
+forecast may expect each burst's companions (``burst_gaps``: the server's
+``--burst-gap-ms``, 0 for none, ``server/recent_load.py``).
 
 What a deadline-aware server owes its clients is that a request it accepts is
 answered in time: the figures are the deadline hit rate *of the accepted*
@@ -38,6 +41,7 @@ from duetime.server.forecast_errors import check_confidence
 from duetime.server.load_report import summarize_run
 from duetime.server.load_workload import LoadWorkload
 from duetime.server.loadgen import Bounds, Outcome, Target, run_load
+from duetime.server.recent_load import DEFAULT_BURST_GAP_S
 from duetime.server.threaded import serve_in_thread
 
 __all__ = [
@@ -68,6 +72,10 @@ class AdmissionBenchConfig:
     lengths: Sequence[str] = ("served",)  # served: corrected by the model's answers; predictor
     # the server's --deadline-confidence for the forecast arms (None: the plain forecast)
     confidences: Sequence[float | None] = (DEFAULT_CONFIDENCE,)
+    # the server's --burst-gap-ms for the forecast arms, in seconds (0: no bursts expected)
+    burst_gaps: Sequence[float] = (DEFAULT_BURST_GAP_S,)
+    arrival: str = "poisson"  # how requests arrive: workloads/arrivals.py
+    burst_size: int = 1  # with arrival "bursts": requests a burst
     repeats: int = 1
     seed: int = 0
     predictor: str | None = "auto"
@@ -98,6 +106,16 @@ def check_config(cfg: AdmissionBenchConfig) -> None:
                 check_confidence(c)
             except ValueError as e:
                 raise ValueError(f"--confidences: {e}") from None
+    if not cfg.burst_gaps:
+        raise ValueError("--burst-gaps is empty: name 0 (no bursts expected), a gap in ms, or both")
+    if any(not g >= 0 for g in cfg.burst_gaps):
+        raise ValueError(f"--burst-gaps must be >= 0 ms, got {[g * 1000 for g in cfg.burst_gaps]}")
+    from duetime.workloads import arrival_process
+
+    try:
+        arrival_process(cfg.arrival, cfg.rate, burst_size=cfg.burst_size)
+    except ValueError as e:
+        raise ValueError(f"--arrival: {e}") from None
     try:
         make_policy(cfg.policy)
     except ValueError as e:
@@ -109,20 +127,26 @@ def check_config(cfg: AdmissionBenchConfig) -> None:
 
 @dataclass(slots=True, frozen=True)
 class Arm:
-    """One way of serving the load: admission mode, predicted lengths, deadline confidence."""
+    """One way of serving the load: admission mode, predicted lengths, deadline
+    confidence, the gap that makes arrivals a burst (0: none)."""
 
     mode: str
     lengths: str
     confidence: float | None
+    burst_gap_s: float = DEFAULT_BURST_GAP_S
 
-    def labels(self) -> tuple[str, str, str]:
-        """Mode, lengths, confidence; the estimate has no confidence (label "")."""
+    def labels(self) -> tuple[str, str, str, str]:
+        """Mode, lengths, confidence, bursts; the estimate has no confidence and expects
+        no bursts (label "")."""
+        if self.mode == "estimate":
+            return self.mode, self.lengths, "", ""
         conf = "plain" if self.confidence is None else f"conf{self.confidence:g}"
-        return self.mode, self.lengths, "" if self.mode == "estimate" else conf
+        bursts = f"bursts{self.burst_gap_s * 1000:g}ms" if self.burst_gap_s else "even"
+        return self.mode, self.lengths, conf, bursts
 
 
 #: Each dimension's baseline, the label others are compared with (ratios ``<a>_vs_<base>``).
-_BASELINES = ("estimate", "predictor", "plain")
+_BASELINES = ("estimate", "predictor", "plain", "even")
 
 
 def arms_of(cfg: AdmissionBenchConfig) -> dict[str, Arm]:
@@ -130,9 +154,11 @@ def arms_of(cfg: AdmissionBenchConfig) -> dict[str, Arm]:
     joined by ``+`` (``served``, ``forecast+served``), or the mode where none varies."""
     arms: list[Arm] = []
     for m in cfg.modes:
-        for n in cfg.lengths:  # a confidence stretches forecasts: the estimate runs once
-            confidences = cfg.confidences if m == "forecast" else [None]
-            arms += [Arm(m, n, c) for c in confidences]
+        for n in cfg.lengths:  # confidences and bursts shape forecasts: the estimate runs once
+            if m != "forecast":
+                arms.append(Arm(m, n, None, 0.0))
+                continue
+            arms += [Arm(m, n, c, g) for c in cfg.confidences for g in cfg.burst_gaps]
     varying = _varying(arms)
     if not any(varying):
         varying[0] = True
@@ -142,7 +168,7 @@ def arms_of(cfg: AdmissionBenchConfig) -> dict[str, Arm]:
 
 
 def _varying(arms: Sequence[Arm]) -> list[bool]:
-    return [len({a.labels()[d] for a in arms} - {""}) > 1 for d in range(3)]
+    return [len({a.labels()[d] for a in arms} - {""}) > 1 for d in range(len(_BASELINES))]
 
 
 def _ratios(summary: dict[str, dict[str, Any]], arms: dict[str, Arm]) -> dict[str, float]:
@@ -158,8 +184,8 @@ def _ratios(summary: dict[str, dict[str, Any]], arms: dict[str, Arm]) -> dict[st
             if labels[d] in (base, ""):
                 continue
             want = [*labels[:d], base, *labels[d + 1 :]]
-            if base == "estimate":
-                want[2] = ""  # against the estimate, whatever the forecast's confidence
+            if base == "estimate":  # against the estimate, whatever the forecast's shape
+                want[2] = want[3] = ""
             other = by_labels.get(tuple(want))
             if other is None:
                 continue
@@ -182,12 +208,15 @@ def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], arm: Arm) 
         admission=arm.mode,
         length_window=ServeOptions().length_window if arm.lengths == "served" else 0,
         deadline_confidence=arm.confidence,
+        burst_gap_s=arm.burst_gap_s,
         **cfg.extra,
     )
     state = build_state(options, model, codec, name)
     workload = LoadWorkload(
         workload="sharegpt",
         requests=100_000,
+        arrival=cfg.arrival,
+        burst_size=cfg.burst_size,
         seed=cfg.seed,
         max_tokens=cfg.max_tokens,
         max_context=cfg.max_context,
@@ -215,6 +244,7 @@ def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], arm: Arm) 
     row["mode"] = arm.mode
     row["lengths"] = arm.lengths
     row["deadline_confidence"] = arm.confidence
+    row["burst_gap_s"] = arm.burst_gap_s
     if state.admission.errors is not None:
         row["deadline_margin_final"] = state.admission.errors.margin()
     return row
@@ -280,6 +310,9 @@ def run_admission_bench(
         "fixed_max_tokens": cfg.fixed_max_tokens,
         "lengths": list(cfg.lengths),
         "deadline_confidences": list(cfg.confidences),
+        "burst_gaps_s": list(cfg.burst_gaps),
+        "arrival": cfg.arrival,
+        "burst_size": cfg.burst_size,
         "repeats": cfg.repeats,
         "summary": summary,
         "ratios": ratios,

@@ -34,6 +34,7 @@ from duetime.core.request import Job
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.grammar import GrammarCompiler
 from duetime.policies import make_policy
+from duetime.server.grammar_steps import GrammarSteps
 
 __all__ = [
     "COMMAND",
@@ -42,6 +43,7 @@ __all__ = [
     "TABLE_KEYS",
     "run",
     "run_admission",
+    "run_bursts",
     "run_jump",
     "table_columns",
 ]
@@ -240,53 +242,26 @@ def run_admission(
     requests: int = 10,
     deadline_ms: float = 500.0,
     learn: bool = True,
-    burst: int = 0,
-    burst_rounds: int = 3,
 ) -> dict[str, Any]:
     """``requests`` robot commands under ``deadline_ms``, one after another, through a
     fresh server from ``make_state`` (no answer under the schema before them): judged
     by the steps the grammar's answers take (``learn``) or by a step a token. How many
-    were accepted and met, and each accepted one's forecast and actual end-to-end.
-
-    Then ``burst_rounds`` bursts of ``burst`` commands sent at once (a fleet of robots),
-    under ten times the deadline so that every forecast is seen, with no further load
-    expected (a forecast otherwise adds requests like the recent ones arriving at their
-    rate, which a burst makes high): each command's forecast and end-to-end, and per
-    round the largest forecast's ratio to its own end-to-end (the command that saw the
-    others ahead of it; the first to arrive cannot know of those after it)."""
-    from fastapi.testclient import TestClient
-
-    from duetime.server.app import create_app
-    from duetime.server.grammar_steps import GrammarSteps
-
-    class _StepPerToken(GrammarSteps):
-        def most(self, spec: GrammarSpec) -> AnswerWork | None:
-            return None
-
+    were accepted and met, and each accepted one's forecast and actual end-to-end."""
     state = make_state()
     if not learn:
         state.grammar_steps = _StepPerToken()
-    fmt = {"type": "json_schema", "json_schema": {"name": "cmd", "schema": COMMAND, "strict": True}}
     forecast, actual, refused = [], [], 0
     met = 0
-    with TestClient(create_app(state)) as client:
-        # the engine and its step-time fit warm up on free text, as a server that has run
-        for _ in range(3):
-            client.post(
-                "/v1/completions", json={"model": model_name, "prompt": "Hello.", "max_tokens": 32}
-            )
+    with _client(state) as client:
+        _warm_up(client, model_name)
         for i in range(requests):
-            timing = _command(client, model_name, fmt, i, deadline_ms)
+            timing = _command(client, model_name, i, deadline_ms)
             if timing is None:
                 refused += 1
                 continue
             met += bool(timing["deadline_met"])
             forecast.append(timing.get("predicted_e2e_ms"))
             actual.append(timing["e2e_ms"])
-        bursts = []
-        state.admission.recent.least = 10**9  # what is there, not what may come
-        for _ in range(burst_rounds if burst else 0):
-            bursts.append(_burst(client, model_name, fmt, burst, deadline_ms * 10))
     ratios = [f / a for f, a in zip(forecast, actual, strict=True) if f is not None and a > 0]
     return {
         "requests": requests,
@@ -298,20 +273,115 @@ def run_admission(
         # how far the forecasts were from the answers' end (1: on time; the forced rows
         # riding in a structured answer's steps are what a step a row misses)
         "forecast_to_actual_e2e_median": statistics.median(ratios) if ratios else None,
-        "burst": _burst_figures(bursts, burst, deadline_ms * 10) if burst else None,
     }
 
 
-def _command(
-    client: Any, model_name: str, fmt: dict[str, Any], i: int, deadline_ms: float
-) -> dict[str, Any] | None:
+#: How `run_bursts` sends its fleet's commands: seconds between the rounds' starts.
+BURST_PERIOD_S = 2.0
+
+
+def run_bursts(
+    make_state: Callable[[], Any],
+    model_name: str,
+    *,
+    size: int = 6,
+    rounds: int = 5,
+    period_s: float = BURST_PERIOD_S,
+    deadline_ms: float = 5000.0,
+) -> dict[str, Any]:
+    """A fleet of ``size`` robots, each sending a command under ``deadline_ms`` at the
+    start of every round, ``period_s`` apart (open loop: a round starts on time whether
+    or not the last is answered), through a fresh server from ``make_state`` that has
+    learned the schema from three commands sent alone. How many were accepted and met;
+    each accepted command's forecast and end-to-end; per round the smallest forecast's
+    ratio to its e2e (the first judged, before the others) and the largest's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = make_state()
+    timings: list[list[dict[str, Any] | None]] = []
+    with _client(state) as client, ThreadPoolExecutor(size) as pool:
+        _warm_up(client, model_name)
+        for i in range(3):
+            _command(client, model_name, i, deadline_ms)
+        start = time.perf_counter()
+        for r in range(rounds):
+            time.sleep(max(0.0, start + r * period_s - time.perf_counter()))
+            sent = [pool.submit(_command, client, model_name, i, deadline_ms) for i in range(size)]
+            timings.append([f.result() for f in sent])
+    return _burst_figures(timings, size, period_s, deadline_ms)
+
+
+def _burst_figures(
+    rounds: list[list[dict[str, Any] | None]], size: int, period_s: float, deadline_ms: float
+) -> dict[str, Any]:
+    """What the rounds' commands' timings (None: refused) come to."""
+    smallest, largest, every = [], [], []
+    for timings in rounds:
+        seen = sorted(
+            (t["predicted_e2e_ms"], t["e2e_ms"])
+            for t in timings
+            if t is not None and t.get("predicted_e2e_ms") and t["e2e_ms"] > 0
+        )
+        if seen:
+            smallest.append(seen[0][0] / seen[0][1])
+            largest.append(seen[-1][0] / seen[-1][1])
+            every += [f / a for f, a in seen]
+    accepted = [t for timings in rounds for t in timings if t is not None]
+    met = sum(bool(t["deadline_met"]) for t in accepted)
+    return {
+        "size": size,
+        "rounds": len(rounds),
+        "period_s": period_s,
+        "deadline_ms": deadline_ms,
+        "accepted": len(accepted),
+        "met": met,
+        "hit_rate_of_accepted": met / len(accepted) if accepted else None,
+        "accepted_per_round": [sum(t is not None for t in timings) for timings in rounds],
+        "forecast_e2e_ms": [[t and t.get("predicted_e2e_ms") for t in ts] for ts in rounds],
+        "e2e_ms": [[t and t["e2e_ms"] for t in ts] for ts in rounds],
+        "smallest_forecast_to_e2e": smallest,
+        "largest_forecast_to_e2e": largest,
+        "forecast_to_e2e_median": statistics.median(every) if every else None,
+    }
+
+
+class _StepPerToken(GrammarSteps):
+    """What admission assumed before it learned a grammar's work: a step a token."""
+
+    def most(self, spec: GrammarSpec) -> AnswerWork | None:
+        return None
+
+
+def _client(state: Any) -> Any:
+    from fastapi.testclient import TestClient
+
+    from duetime.server.app import create_app
+
+    return TestClient(create_app(state))
+
+
+def _warm_up(client: Any, model_name: str) -> None:
+    """The engine and its step-time fit warm up on free text, as a server that has run."""
+    for _ in range(3):
+        client.post(
+            "/v1/completions", json={"model": model_name, "prompt": "Hello.", "max_tokens": 32}
+        )
+
+
+_COMMAND_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "cmd", "schema": COMMAND, "strict": True},
+}
+
+
+def _command(client: Any, model_name: str, i: int, deadline_ms: float) -> dict[str, Any] | None:
     """Command ``i`` (of :data:`COMMAND_PROMPTS`, in turn) under ``deadline_ms``: the
     answer's ``duetime`` timing, or None where it was refused (429)."""
     body = {
         "model": model_name,
         "messages": [{"role": "user", "content": COMMAND_PROMPTS[i % len(COMMAND_PROMPTS)]}],
         "max_tokens": 128,
-        "response_format": fmt,
+        "response_format": _COMMAND_FORMAT,
         "deadline_ms": deadline_ms,
     }
     r = client.post("/v1/chat/completions", json=body)
@@ -321,41 +391,6 @@ def _command(
         raise RuntimeError(f"the server answered {r.status_code}: {r.text[:200]}")
     timing: dict[str, Any] = r.json()["duetime"]
     return timing
-
-
-def _burst(
-    client: Any, model_name: str, fmt: dict[str, Any], n: int, deadline_ms: float
-) -> list[tuple[float | None, float] | None]:
-    """``n`` commands sent at once: (forecast, actual) e2e ms of each, None where refused."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def send(i: int) -> tuple[float | None, float] | None:
-        timing = _command(client, model_name, fmt, i, deadline_ms)
-        return None if timing is None else (timing.get("predicted_e2e_ms"), timing["e2e_ms"])
-
-    with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(send, range(n)))
-
-
-def _burst_figures(
-    rounds: list[list[tuple[float | None, float] | None]], size: int, deadline_ms: float
-) -> dict[str, Any]:
-    """Per round, the largest forecast's ratio to its own end-to-end; every pair."""
-    largest = []
-    for pairs in rounds:
-        seen = [p for p in pairs if p is not None and p[0] is not None]
-        if seen:
-            f, a = max(seen, key=lambda p: p[0] or 0.0)
-            largest.append((f or 0.0) / a)
-    return {
-        "size": size,
-        "rounds": len(rounds),
-        "deadline_ms": deadline_ms,
-        "accepted": sum(p is not None for pairs in rounds for p in pairs),
-        "forecast_e2e_ms": [[None if p is None else p[0] for p in pairs] for pairs in rounds],
-        "e2e_ms": [[None if p is None else p[1] for p in pairs] for pairs in rounds],
-        "largest_forecast_to_e2e": largest,
-    }
 
 
 TABLE_KEYS = ("ms_per_token", "overhead_pct", "valid_pct", "compile_ms", "wall_s")

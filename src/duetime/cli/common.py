@@ -78,6 +78,13 @@ PlotOpt = Annotated[
     Path | None, typer.Option("--plot", help="Write a PNG plot here.", callback=writable)
 ]
 
+# How generated requests arrive (`sim`, `sweep`, `load`): workloads/arrivals.py.
+ArrivalOpt = Annotated[str, typer.Option(help="poisson, gamma or bursts.")]
+CvOpt = Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")]
+BurstSizeOpt = Annotated[
+    int, typer.Option(min=1, help="--arrival bursts: requests sent at once, a burst.")
+]
+
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 

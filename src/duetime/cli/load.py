@@ -7,7 +7,18 @@ from typing import Annotated, Any
 
 import typer
 
-from duetime.cli.common import JsonOpt, PlotOpt, _progress, _user_errors, app, err, out
+from duetime.cli.common import (
+    ArrivalOpt,
+    BurstSizeOpt,
+    CvOpt,
+    JsonOpt,
+    PlotOpt,
+    _progress,
+    _user_errors,
+    app,
+    err,
+    out,
+)
 
 
 @app.command()
@@ -35,8 +46,9 @@ def load(
     rate: Annotated[
         str, typer.Option(help="Arrival rate(s), requests/s; '1,2,4' sweeps, one run each.")
     ] = "1",
-    arrival: Annotated[str, typer.Option(help="poisson or gamma.")] = "poisson",
-    cv: Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")] = 1.0,
+    arrival: ArrivalOpt = "poisson",
+    cv: CvOpt = 1.0,
+    burst_size: BurstSizeOpt = 1,
     seed: Annotated[int, typer.Option(min=0, help="Random seed (lengths, arrivals, classes).")] = 0,
     prompt_len: Annotated[str, typer.Option(help="Synthetic prompt tokens: N or LO-HI.")] = (
         "16-512"
@@ -110,6 +122,7 @@ def load(
             requests=requests,
             arrival=arrival,
             cv=cv,
+            burst_size=burst_size,
             seed=seed,
             prompt_len=lw.parse_range(prompt_len, "--prompt-len"),
             output_len=lw.parse_range(output_len, "--output-len"),
@@ -175,6 +188,7 @@ def load(
             "workload": workload,
             "arrival": arrival,
             "cv": cv,
+            "burst_size": burst_size,
             "seed": seed,
             "class_mix": spec.class_mix,
             "deadlines_s": spec.deadlines,

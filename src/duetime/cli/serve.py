@@ -20,6 +20,7 @@ from duetime.cli.common import (
     parse_confidence,
     writable,
 )
+from duetime.server.recent_load import DEFAULT_BURST_GAP_S
 
 _DTYPE_HELP = (
     "fp32 (exact), fast (int8 head rescored in fp32), q8 (fast + int8 decode kernel), bf16 or int8."
@@ -68,6 +69,15 @@ def serve(
             "(0, 1), or off for the plain forecast. [default: 0.95]",
         ),
     ] = None,
+    burst_gap_ms: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="With --admission forecast, requests arriving this close together make a "
+            "burst, and the first of one is forecast with the companions such bursts "
+            "brought lately (docs/server.md; 0: off).",
+        ),
+    ] = DEFAULT_BURST_GAP_S * 1000,
     prefix_cache: Annotated[
         int,
         typer.Option(
@@ -147,6 +157,7 @@ def serve(
             max_waiting=max_waiting,
             admission=admission,
             deadline_confidence=_confidence(deadline_confidence, admission),
+            burst_gap_s=burst_gap_ms / 1000,
             prefix_cache_tokens=prefix_cache,
             predictor=None if predictor == "none" else predictor,
             length_window=length_window,

@@ -8,6 +8,9 @@ from typing import Annotated
 import typer
 
 from duetime.cli.common import (
+    ArrivalOpt,
+    BurstSizeOpt,
+    CvOpt,
     JsonOpt,
     PlotOpt,
     _fail,
@@ -22,7 +25,6 @@ from duetime.cli.common import (
 WorkloadOpt = Annotated[
     str, typer.Option(help="sharegpt, sharegpt-heldout, synthetic, or a JSONL trace path.")
 ]
-ArrivalOpt = Annotated[str, typer.Option(help="poisson or gamma.")]
 ProfileOpt = Annotated[str, typer.Option(help="Shipped profile name or JSON path.")]
 PredictorOpt = Annotated[
     str,
@@ -31,7 +33,6 @@ PredictorOpt = Annotated[
         "or learned[:path] (the trained length model, from the prompt text)."
     ),
 ]
-CvOpt = Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")]
 DeadlineScaleOpt = Annotated[
     float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
 ]
@@ -60,6 +61,7 @@ def sim(
     rate: Annotated[float, typer.Option(min=0.0, help="Arrival rate, requests/s.")] = 4.0,
     arrival: ArrivalOpt = "poisson",
     cv: CvOpt = 1.0,
+    burst_size: BurstSizeOpt = 1,
     seed: Annotated[int, typer.Option(min=0, help="Random seed.")] = 0,
     profile: ProfileOpt = "a100-llama2-7b",
     predictor: PredictorOpt = "policy",
@@ -87,6 +89,7 @@ def sim(
             rate=rate,
             arrival=arrival,
             cv=cv,
+            burst_size=burst_size,
             seed=seed,
             profile=profile,
             predictor=predictor,
@@ -131,6 +134,7 @@ def sweep(
     requests: Annotated[int, typer.Option(min=1, help="Requests per run.")] = 2000,
     arrival: ArrivalOpt = "poisson",
     cv: CvOpt = 1.0,
+    burst_size: BurstSizeOpt = 1,
     profile: ProfileOpt = "a100-llama2-7b",
     predictor: PredictorOpt = "policy",
     deadline_scale: DeadlineScaleOpt = None,
@@ -174,6 +178,7 @@ def sweep(
                 rate=r,
                 arrival=arrival,
                 cv=cv,
+                burst_size=burst_size,
                 seed=s,
                 profile=profile,
                 predictor=predictor,

@@ -51,7 +51,7 @@ from duetime.core.policy import Policy
 from duetime.core.request import Job, Request
 from duetime.server.engine_loop import EngineStats
 from duetime.server.forecast_errors import ForecastErrors
-from duetime.server.recent_load import RecentLoad
+from duetime.server.recent_load import DEFAULT_BURST_GAP_S, RecentLoad
 from duetime.server.step_timer import StepTimer
 from duetime.sim.forecast import forecast
 
@@ -97,13 +97,15 @@ class Admission:
         max_waiting: int = 256,
         policy: Callable[[], Policy] | None = None,
         errors: ForecastErrors | None = None,
+        burst_gap_s: float = DEFAULT_BURST_GAP_S,
     ) -> None:
         """``policy`` makes a fresh instance of the served policy (a forecast runs it
         only where the engine's image holds no fork of the served one): with it,
         deadlines are judged by a forecast; without it, by the optimistic estimate.
         ``errors`` (with a forecast only): the recent forecasts' errors, whose margin
         a forecast must meet the deadline with (a target hit rate;
-        ``server/forecast_errors.py``)."""
+        ``server/forecast_errors.py``). ``burst_gap_s``: arrivals this close make one
+        burst, whose companions a forecast expects (0: none; ``server/recent_load.py``)."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         if errors is not None and policy is None:
@@ -112,7 +114,8 @@ class Admission:
         self.max_waiting = max_waiting
         self.policy = policy
         self.errors = errors
-        self.recent = RecentLoad()  # what was accepted lately: the load a forecast expects
+        # what was accepted lately, and in what bursts: the load a forecast expects
+        self.recent = RecentLoad(burst_gap_s=burst_gap_s)
         # rid → the work assumed for an accepted structured answer (steps, riding rows),
         # so later forecasts see it as such while it waits or runs (the newest kept)
         self._work: OrderedDict[int, AnswerWork] = OrderedDict()
@@ -186,6 +189,7 @@ class Admission:
         pending: Sequence[Job] = (),
         longest: int | None = None,
         work: AnswerWork | None = None,
+        arriving: int = 0,
     ) -> Verdict:
         """Judge the sequences of one HTTP request together (every choice of every
         prompt; they arrive now and share the deadline ``budget_s``): accepted only if
@@ -195,26 +199,45 @@ class Admission:
         their answers where a prediction does not (a grammar's longest text); ``work``
         bounds the engine steps one takes and gives the forced rows riding in them (its
         grammar's recent answers, forced runs jumping: ``server/grammar_steps.py``),
-        which is what judging it counts."""
-        for i in range(len(jobs)):
+        which is what judging it counts. ``arriving``: sequences of other requests that
+        arrived with these and are on their way to be judged (a burst: a forecast
+        expects them beside these)."""
+        ask = _Ask(jobs, budget_s, allows_eviction, cached, longest, work)
+        verdict = self._judge_ask(ask, stats, queued, image, pending, arriving)
+        for job in jobs:  # (a refused request is a member of its burst too)
+            if not verdict.accept:
+                self.recent.refused(job)
+                continue
+            assumed = ask.assumed(job)
+            self.recent.note(job, assumed.output_len, assumed.ride_rows)
+            if ask.work is not None:
+                self._remember(job.request.rid, assumed.output_len, assumed.ride_rows)
+        return verdict
+
+    def _judge_ask(
+        self,
+        ask: _Ask,
+        stats: EngineStats,
+        queued: int,
+        image: EngineImage | None,
+        pending: Sequence[Job],
+        arriving: int,
+    ) -> Verdict:
+        """:meth:`admit`'s verdict: by the queue's room, then by a forecast where one can
+        be had, else by the estimate."""
+        for i in range(len(ask.jobs)):
             if queued + i >= self.max_waiting:
                 return dataclass_replace(self._queue_full(stats, queued + i), which=i)
-        ask = _Ask(jobs, budget_s, allows_eviction, cached, longest, work)
-        verdict = None
-        if self.policy is not None and image is not None and budget_s is not None and jobs:
+        budget_s = ask.budget_s
+        if self.policy is not None and image is not None and budget_s is not None and ask.jobs:
             try:
-                verdict = self._by_forecast(ask, budget_s, image, pending)
+                verdict = self._by_forecast(ask, budget_s, image, pending, arriving)
             except Exception:  # a forecast must never cost a request: estimate instead
                 log.exception("admission forecast failed; judging by the estimate")
-        if verdict is None:
-            verdict = self._by_estimate(ask, stats, queued)
-        if verdict.accept:
-            for job in jobs:
-                assumed = ask.assumed(job)
-                self.recent.note(job, assumed.output_len, assumed.ride_rows)
-                if ask.work is not None:
-                    self._remember(job.request.rid, assumed.output_len, assumed.ride_rows)
-        return verdict
+            else:
+                if verdict is not None:
+                    return verdict
+        return self._by_estimate(ask, stats, queued)
 
     def _remember(self, rid: int, steps: int, rows: int) -> None:
         self._work[rid] = AnswerWork(steps, rows)
@@ -264,10 +287,17 @@ class Admission:
         return verdict
 
     def _by_forecast(
-        self, ask: _Ask, budget_s: float, image: EngineImage, pending: Sequence[Job]
+        self,
+        ask: _Ask,
+        budget_s: float,
+        image: EngineImage,
+        pending: Sequence[Job],
+        arriving: int = 0,
     ) -> Verdict | None:
-        """All sequences in one fork (``budget_s``: the ask's); None where there is no
-        step model to forecast with."""
+        """All sequences in one fork (``budget_s``: the ask's), with the load expected
+        beside them (their burst's companions, ``arriving`` of them known; later
+        requests like the recent ones); None where there is no step model to forecast
+        with."""
         cost = self.timer.as_cost()
         assert self.policy is not None
         if cost is None:
@@ -284,7 +314,9 @@ class Admission:
         ]
         arrivals += [ask.assumed(j) for j in jobs]
         ahead = len(image.seqs) + len(arrivals) - len(jobs)
-        future = self.recent.future(now, horizon)
+        future = self.recent.future(
+            now, horizon, joining=len(jobs), arriving=arriving, like=ask.assumed(jobs[0])
+        )
         policy = image.fork_policy()
         fc = forecast(
             image,
@@ -324,7 +356,10 @@ class Admission:
                 )
             when += f" > {budget_s * 1000:.0f} ms"
             retry = math.ceil(now + (end - now) * margin - deadline)
-        more = f", {len(future)} more like the recent ones arriving" if future else ""
+        with_it = sum(1 for j in future if j.request.arrival <= now)
+        more = f", {with_it} arriving with it" if with_it else ""
+        if len(future) > with_it:
+            more += f", {len(future) - with_it} more like the recent ones arriving"
         return Verdict(
             False,
             f"the deadline cannot be met: a forecast of the engine ({ahead} other requests "

@@ -108,6 +108,10 @@ class ServerState:
     #: The work (steps, riding rows) each grammar's answers took (jump-forward): what
     #: admission assumes.
     grammar_steps: GrammarSteps = field(init=False, default_factory=GrammarSteps)
+    #: Sequences of requests that have arrived (their time taken) and are on their way
+    #: to admission (their lengths being predicted): a burst's companions, which a
+    #: forecast of the first of them expects beside it.
+    arriving: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         # Outcomes are counted by each request's Stream, as its client saw them.
@@ -348,8 +352,13 @@ async def _serve(
         )
         jobs.append(Job(req, output_len=max_tokens))
     # (together: the predictor's batcher takes a request's prompts as one batch)
-    predicted = await asyncio.gather(*(_predicted(state, job) for job in jobs))
-    if await request.is_disconnected():
+    state.arriving += len(jobs) * body.n
+    try:
+        predicted = await asyncio.gather(*(_predicted(state, job) for job in jobs))
+        gone = await request.is_disconnected()
+    finally:
+        state.arriving -= len(jobs) * body.n  # (nothing awaits from here to admission)
+    if gone:
         # Gone while its prompt was tokenized and its length predicted: nothing reaches
         # the engine (a prefill nobody reads), where the answer's own watch would abort
         # it only later. It took request ids, so /metrics counts it once, as the abort.
@@ -393,6 +402,7 @@ async def _serve(
         pending=engine.pending_jobs(),
         longest=longest,
         work=work,
+        arriving=state.arriving,
     )
     if not verdict.accept:
         state.metrics.rejected.labels(verdict.why).inc()

@@ -22,6 +22,7 @@ from duetime.server.admission import ADMISSION_MODES, Admission
 from duetime.server.codec import ByteCodec, Codec, GemmaCodec
 from duetime.server.engine_loop import EngineLoop
 from duetime.server.forecast_errors import ForecastErrors, check_confidence
+from duetime.server.recent_load import DEFAULT_BURST_GAP_S
 from duetime.server.step_timer import StepTimer
 
 __all__ = ["DEFAULT_CONFIDENCE", "ServeOptions", "build_state", "load_served_model"]
@@ -51,6 +52,9 @@ class ServeOptions:
     # forecasts' errors at this quantile, meets the deadline (a target hit rate); None:
     # the plain forecast. The estimate has none.
     deadline_confidence: float | None = DEFAULT_CONFIDENCE
+    # forecast admission: arrivals this close make a burst, whose companions the first
+    # of one is forecast with (0: none; server/recent_load.py)
+    burst_gap_s: float = DEFAULT_BURST_GAP_S
     profile: Path | None = None
     telemetry: Path | None = None
     seed: int = 0
@@ -90,6 +94,8 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         raise ValueError(
             f"eviction must be one of {', '.join(EVICTION_METHODS)}, not {options.eviction!r}"
         )
+    if not options.burst_gap_s >= 0:
+        raise ValueError(f"burst_gap_s must be >= 0, got {options.burst_gap_s}")
     if options.length_window < 0:
         raise ValueError(f"length_window must be >= 0, got {options.length_window}")
     confidence = options.deadline_confidence
@@ -145,6 +151,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
             max_waiting=options.max_waiting,
             policy=(lambda: make_policy(options.policy, **kwargs)) if forecasts else None,
             errors=errors,
+            burst_gap_s=options.burst_gap_s,
         ),
         predictor=predictor,
         served_lengths=served,

@@ -90,6 +90,7 @@ class LoadWorkload:
     requests: int = 100
     arrival: str = "poisson"
     cv: float = 1.0
+    burst_size: int = 1
     seed: int = 0
     prompt_len: tuple[int, int] = (16, 512)
     output_len: tuple[int, int] = (16, 256)
@@ -174,12 +175,7 @@ class LoadWorkload:
     def _jobs(self, rate: float) -> list[Job]:
         from duetime import workloads as wl
 
-        if self.arrival == "poisson":
-            arrivals: wl.ArrivalProcess = wl.Poisson(rate=rate)
-        elif self.arrival == "gamma":
-            arrivals = wl.Gamma(rate=rate, cv=self.cv)
-        else:
-            raise ValueError(f"unknown arrival process {self.arrival!r}; use poisson or gamma")
+        arrivals = wl.arrival_process(self.arrival, rate, cv=self.cv, burst_size=self.burst_size)
         sharegpt = self.workload == "sharegpt"
         source = None if sharegpt else wl.SyntheticSource(self.prompt_len, self.output_len)
         fixed = self.fixed_max_tokens

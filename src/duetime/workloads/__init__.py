@@ -2,13 +2,22 @@
 
 - :mod:`.sharegpt`: ShareGPT pair lengths, recovered from the truncated bundled file, cached.
 - :mod:`.sources`: length sources (ShareGPT, synthetic) and the caps they honour.
-- :mod:`.arrivals`: Poisson, gamma, trace and all-at-once arrival processes.
+- :mod:`.arrivals`: Poisson, gamma, bursts, trace and all-at-once arrival processes.
 - :mod:`.builder`: ``build_jobs`` ties the three together, with optional deadlines.
 - :mod:`.lrtrace`: TimelyLLM's LRTrace robot workloads (WID1–WID3), segmented, with TUFs.
 - :mod:`.trace`: JSONL trace files, written atomically, read with line-exact errors.
 """
 
-from duetime.workloads.arrivals import AllAtOnce, ArrivalProcess, Gamma, Poisson, TraceArrivals
+from duetime.workloads.arrivals import (
+    ARRIVALS,
+    AllAtOnce,
+    ArrivalProcess,
+    Bursts,
+    Gamma,
+    Poisson,
+    TraceArrivals,
+    arrival_process,
+)
 from duetime.workloads.builder import Deadlines, SharedPrefix, build_jobs
 from duetime.workloads.lrtrace import WORKLOADS as LRTRACE_WORKLOADS
 from duetime.workloads.lrtrace import LRTraceSettings, lrtrace_jobs
@@ -30,9 +39,11 @@ from duetime.workloads.sources import (
 from duetime.workloads.trace import TraceError, read_trace, write_trace
 
 __all__ = [
+    "ARRIVALS",
     "LRTRACE_WORKLOADS",
     "AllAtOnce",
     "ArrivalProcess",
+    "Bursts",
     "Deadlines",
     "Gamma",
     "LRTraceSettings",
@@ -48,6 +59,7 @@ __all__ = [
     "SyntheticSource",
     "TraceArrivals",
     "TraceError",
+    "arrival_process",
     "build_jobs",
     "load_sharegpt_lengths",
     "load_sharegpt_prompts",

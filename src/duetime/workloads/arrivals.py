@@ -1,4 +1,4 @@
-"""When requests arrive: Poisson, gamma (bursty), a fixed trace, or all at once.
+"""When requests arrive: Poisson, gamma (bursty), bursts, a fixed trace, or all at once.
 
 Each process is a few lines behind one method, ``times(n, rng)``, returning
 ``n`` sorted absolute times in seconds. Randomness comes only from the
@@ -72,6 +72,53 @@ class Gamma:
     def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
         shape = 1.0 / self.cv**2
         return self.start + np.cumsum(rng.gamma(shape, 1.0 / (self.rate * shape), size=n))
+
+
+@dataclass(frozen=True, slots=True)
+class Bursts:
+    """``size`` requests at once, the bursts at Poisson times, ``rate`` requests/s in all.
+
+    A fleet of robots sending their commands together, an agent fanning one task out
+    into parallel calls: the server sees ``size`` requests in the same instant, then
+    nothing for a while (gaps with mean ``size / rate``). Gamma gaps with a large
+    ``cv`` cluster arrivals too, but in clusters of random size; here every burst is
+    the same size, so what a server learns of one burst holds for the next.
+    ``size = 1`` is exactly :class:`Poisson`.
+    """
+
+    rate: float
+    size: int = 2
+    start: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_rate(self.rate)
+        if self.size < 1:
+            raise ValueError(f"burst size must be >= 1, got {self.size}")
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        bursts = -(-n // self.size)
+        at = self.start + np.cumsum(rng.exponential(self.size / self.rate, size=bursts))
+        return np.repeat(at, self.size)[:n]
+
+
+#: The generated arrival processes, by the name a command line gives.
+ARRIVALS = ("poisson", "gamma", "bursts")
+
+
+def arrival_process(
+    name: str, rate: float, *, cv: float = 1.0, burst_size: int = 1
+) -> ArrivalProcess:
+    """The process ``name`` (one of :data:`ARRIVALS`) at ``rate`` requests/s: ``cv``
+    is gamma's coefficient of variation, ``burst_size`` the requests of a burst."""
+    if burst_size != 1 and name != "bursts":
+        raise ValueError(f"a burst size ({burst_size}) is for --arrival bursts, not {name}")
+    if name == "poisson":
+        return Poisson(rate=rate)
+    if name == "gamma":
+        return Gamma(rate=rate, cv=cv)
+    if name == "bursts":
+        return Bursts(rate=rate, size=burst_size)
+    raise ValueError(f"unknown arrival process {name!r}; use {', '.join(ARRIVALS)}")
 
 
 @dataclass(frozen=True, slots=True)

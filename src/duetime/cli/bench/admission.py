@@ -9,6 +9,7 @@ import typer
 from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, RepeatsOpt, SeedOpt, ThreadsOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import (
+    BurstSizeOpt,
     JsonOpt,
     _progress,
     _user_errors,
@@ -16,6 +17,7 @@ from duetime.cli.common import (
     out,
     parse_confidence,
 )
+from duetime.server.recent_load import DEFAULT_BURST_GAP_S
 
 
 @bench_app.command("admission")
@@ -28,8 +30,19 @@ def bench_admission(
         str, typer.Option(help="Admission modes to compare, comma-separated.")
     ] = "forecast,estimate",
     rate: Annotated[
-        float, typer.Option(min=0.001, help="Poisson arrivals, requests/s (Gemma q8 serves ~2).")
+        float, typer.Option(min=0.001, help="Arrivals, requests/s (Gemma q8 serves ~2).")
     ] = 3.0,
+    arrival: Annotated[
+        str, typer.Option(help="poisson, or bursts (--burst-size requests at Poisson times).")
+    ] = "poisson",
+    burst_size: BurstSizeOpt = 1,
+    burst_gaps: Annotated[
+        str,
+        typer.Option(
+            help="The server's --burst-gap-ms for the forecast arms, comma-separated: 0 "
+            "(no bursts expected) and/or gaps in ms, e.g. 50,0.",
+        ),
+    ] = f"{DEFAULT_BURST_GAP_S * 1000:g}",
     duration: Annotated[float, typer.Option(min=1.0, help="Seconds of arrivals per run.")] = 120.0,
     deadline: Annotated[
         float, typer.Option(min=0.001, help="Every request's deadline, seconds after arrival.")
@@ -102,6 +115,9 @@ def bench_admission(
                 for c in confidences.split(",")
                 if c.strip()
             ],
+            burst_gaps=[_gap_s(g) for g in burst_gaps.split(",") if g.strip()],
+            arrival=arrival,
+            burst_size=burst_size,
             repeats=repeats,
             seed=seed,
             predictor=None if predictor == "none" else predictor,
@@ -114,7 +130,16 @@ def bench_admission(
     title = f"{fig['model']}, {policy}: {rate}/s for {duration:g} s, deadline {deadline:g} s"
     if fixed_max_tokens is not None:
         title += f", max_tokens {fixed_max_tokens}"
+    if arrival != "poisson":
+        title += f", {arrival} of {burst_size}"
     out.print(render_table(list(fig["summary"].items()), keys=TABLE_KEYS, title=title))
     for key, value in fig["ratios"].items():
         out.print(f"{key}: {value:.2f}x")
     save_figures(fig, json_path=json_path)
+
+
+def _gap_s(text: str) -> float:
+    try:
+        return float(text) / 1000
+    except ValueError:
+        raise ValueError(f"--burst-gaps: {text.strip()!r} is not a number of ms") from None

@@ -42,15 +42,21 @@ def bench_grammar(
         typer.Option(
             min=0,
             max=64,
-            help="Then 3 bursts of this many commands at once per arm, to see how their "
-            "forecasts count each other (0: none).",
+            help="Then a fleet of this many robots sends a command each, together, every "
+            "2 s, with each burst's companions expected and not: under 10x the deadline, "
+            "then under it (0: no bursts).",
         ),
     ] = 6,
+    admission_burst_rounds: Annotated[
+        int,
+        typer.Option(min=1, help="Rounds of bursts under the deadline (under 10x it: at most 5)."),
+    ] = 15,
     json_path: JsonOpt = None,
 ) -> None:
     """Serve one batch of prompts unconstrained and under each grammar (JSON schema, JSON
     array, regex, Lark), and compare the time a token takes; every constrained answer is
     checked against its grammar."""
+    import functools
     import random
 
     import torch
@@ -95,11 +101,12 @@ def bench_grammar(
         fig["jump_forward"] = bench.run_jump(m, compiler, prompts, repeats=repeats)
         if admission_requests:
             from duetime.server.build import ServeOptions, build_state
+            from duetime.server.recent_load import DEFAULT_BURST_GAP_S
 
-            options = ServeOptions(model=model, dtype=dtype, seed=seed)
             name = "tiny" if model == "tiny" else "gemma-3-270m"
 
-            def make_state() -> object:
+            def make_state(burst_gap_s: float = DEFAULT_BURST_GAP_S) -> object:
+                options = ServeOptions(model=model, dtype=dtype, seed=seed, burst_gap_s=burst_gap_s)
                 return build_state(options, m, codec, name)
 
             fig["admission"] = {
@@ -109,10 +116,28 @@ def bench_grammar(
                     requests=admission_requests,
                     deadline_ms=admission_deadline_ms,
                     learn=arm == "grammar_steps",
-                    burst=admission_burst,
                 )
                 for arm in ("grammar_steps", "step_per_token")
             }
+            if admission_burst:
+                # one fleet's bursts, their companions expected (the server's default) or
+                # not: under ten times the deadline, every forecast seen; then under it
+                fig["admission_bursts"] = {
+                    arm: {
+                        pass_: bench.run_bursts(
+                            functools.partial(make_state, gap),
+                            name,
+                            size=admission_burst,
+                            rounds=rounds,
+                            deadline_ms=admission_deadline_ms * stretch,
+                        )
+                        for pass_, rounds, stretch in (
+                            ("seen", min(5, admission_burst_rounds), 10),
+                            ("deadline", admission_burst_rounds, 1),
+                        )
+                    }
+                    for arm, gap in (("expected", DEFAULT_BURST_GAP_S), ("even", 0.0))
+                }
         fig.update(model=model, dtype=dtype, threads=threads, seed=seed)
     out.print(render_table(bench.table_columns(fig), keys=bench.TABLE_KEYS))
     out.print(
@@ -143,12 +168,16 @@ def bench_grammar(
                 else ""
             )
         )
-        burst = adm.get("burst")
-        if burst:
-            ratios = ", ".join(f"{r:.2f}" for r in burst["largest_forecast_to_e2e"])
-            out.print(
-                f"  {burst['rounds']} bursts of {burst['size']} at once under "
-                f"{burst['deadline_ms']:.0f} ms: {burst['accepted']} accepted; the largest "
-                f"forecast of each round / its e2e: {ratios or '-'}"
-            )
+    for arm, passes in fig.get("admission_bursts", {}).items():
+        seen, tight = passes["seen"], passes["deadline"]
+        first = ", ".join(f"{r:.2f}" for r in seen["smallest_forecast_to_e2e"])
+        median = seen["forecast_to_e2e_median"]
+        out.print(
+            f"bursts of {seen['size']} every {seen['period_s']:g} s, "
+            f"{'companions expected' if arm == 'expected' else 'no bursts expected'}: "
+            f"under {seen['deadline_ms']:.0f} ms, the first judged of each round forecast at "
+            f"{first or '-'} of its e2e (all: median {'-' if median is None else f'{median:.2f}'}"
+            f"); under {tight['deadline_ms']:.0f} ms, {tight['rounds']} rounds: "
+            f"{tight['accepted']} accepted, {tight['met']} met"
+        )
     save_figures(fig, json_path=json_path)
