@@ -87,6 +87,23 @@ def test_what_is_on_its_way_picks_the_bursts_to_go_by() -> None:
     ] == [7] * 7
 
 
+def test_one_burst_is_a_coincidence_two_a_pattern() -> None:
+    """A client that sends its next request as soon as the last was refused makes a
+    "burst" of two, the second accepted. Once, that is no reason to expect a companion
+    beside a later lone request (a forecast of 4 s of another prompt's prefill refused
+    such a request in tests/test_server.py, now and then); twice, it is."""
+    load = RecentLoad(window_s=60.0)
+
+    def pair(t: float, rid: int) -> None:
+        load.refused(Job(Request(rid=rid, arrival=t, prompt_len=400), output_len=4))
+        _note(load, rid + 1, t + 0.01, prompt=400)
+
+    pair(0.0, 0)
+    assert _at(load.future(1.0, 2.0), 1.0) == []
+    pair(1.0, 2)
+    assert [j.request.prompt_len for j in _at(load.future(2.0, 2.5), 2.0)] == [400]
+
+
 def test_requests_on_their_way_are_expected_even_before_any_burst_was_seen() -> None:
     load = RecentLoad()
     like = Job(Request(rid=7, arrival=0.0, prompt_len=321), output_len=12, ride_rows=4)

@@ -18,6 +18,8 @@ riding along in one chunk each, on the same requests (the answers must be the
 same). :func:`run_admission` sends such commands under a deadline through the
 server (in process, a fresh server an arm), judged by the steps the grammar's
 answers take (``server/grammar_steps.py``) or by a step a token, as before.
+:func:`run_bursts` has a fleet send them together, round after round, to see how
+a burst's forecasts count its companions (``server/recent_load.py``).
 """
 
 from __future__ import annotations

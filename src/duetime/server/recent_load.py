@@ -22,7 +22,7 @@ judged after that point were accepted, on average. Counting the accepted, not th
 arrived, keeps this honest under a tight deadline: when only the first two of six
 can be served in time, the first expects one companion, not five, and is not
 refused for load that will itself be refused. A burst larger than any seen
-expects those on their way, all accepted. Later load comes as bursts too: at the
+twice expects those on their way, all accepted. Later load comes as bursts too: at the
 rate bursts began, each the accepted members of a recent one, newest first in
 turn. Arrivals that were never close together make bursts of one, and then this
 is the even stream above.
@@ -43,6 +43,11 @@ __all__ = ["DEFAULT_BURST_GAP_S", "RecentLoad"]
 #: Poisson arrivals at 3 requests/s are this close 14 % of the time, and such chance
 #: pairs expect no companion (the bursts that reached a size rarely had more).
 DEFAULT_BURST_GAP_S = 0.05
+
+#: Bursts at least as large as a request's must have been seen this often before their
+#: later members are expected beside it: one is a coincidence (a client that sends its
+#: next request as soon as the last was refused makes a "burst" of two).
+_EVIDENCE = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -176,9 +181,9 @@ class RecentLoad:
         as large as this one is known to be (the members judged so far, ``joining``
         sequences of its own, ``arriving`` of other requests on their way), the mean
         count of those judged after its own that were accepted, shaped like them (the
-        newest such burst's); past any burst seen, the ``arriving``, shaped like ``like``
-        (the request itself). Then bursts at the rate bursts began over the window, each
-        the accepted members of a recent one, newest first."""
+        newest such burst's); with fewer than two such bursts seen, the ``arriving``,
+        shaped like ``like`` (the request itself). Then bursts at the rate bursts began
+        over the window, each the accepted members of a recent one, newest first."""
         recent = self._recent(now)
         bursts = self._bursts(recent)
         here: list[_Judged] = []  # this request's burst, as far as it was judged
@@ -215,7 +220,7 @@ def _companions(
     """What the companions of a burst with ``seen`` members judged or being judged and
     ``arriving`` more on their way look like, and how many of them to expect."""
     large = [b for b in bursts if len(b) >= seen + arriving]
-    if not large:  # larger than any burst seen: those on their way, as the request
+    if len(large) < _EVIDENCE:  # no pattern yet: those on their way, like the request
         if like is None or not arriving:
             return [], 0
         return [_Shape.of(like, like.output_len, like.ride_rows)], arriving
