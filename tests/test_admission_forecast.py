@@ -245,9 +245,8 @@ def test_the_forecast_expects_more_requests_like_those_accepted_lately() -> None
         t = image.now - 2.0 + 0.1 * k
         seen = Request(rid=100 + k, arrival=t, prompt_len=500, max_tokens=30, deadline=t + 2.0)
         adm.recent.note(Job(seen, output_len=30), 30)
-    rate = adm.recent.rate(image.now)
-    assert rate is not None
-    assert 9.0 < rate < 11.5
+    expected = adm.recent.future(image.now, image.now + 1.0)
+    assert 9 <= len(expected) <= 11  # ~10 a second
     crowded = adm.admit([_ask(3, 30, image.now)], image=image, **args)  # type: ignore[arg-type]
     assert not crowded.accept
     assert "more like the recent ones arriving" in crowded.reason
@@ -258,9 +257,9 @@ def test_recent_load_replays_the_newest_shapes_at_the_accepted_rate() -> None:
     shapes = [(0.0, 100, 10), (1.0, 200, 20), (2.0, 300, 30)]
     for i, (t, prompt, answer) in enumerate(shapes):
         load.note(Job(Request(rid=i, arrival=t, prompt_len=prompt), output_len=answer), answer)
-    assert load.rate(2.0) is None  # fewer than 4: no guess
+    assert load.future(2.5, 100.0) == []  # fewer than 4: no guess
     load.note(Job(Request(rid=3, arrival=3.0, prompt_len=400, deadline=5.0), 40), 40)
-    assert load.rate(4.0) == 1.0  # 4 in the 4 s since the first
+    # 4 in the 4 s since the first: one a second
     future = load.future(4.0, 8.5)
     assert [j.request.arrival for j in future] == [5.0, 6.0, 7.0, 8.0]
     assert [j.request.prompt_len for j in future] == [400, 300, 200, 100]  # newest first
@@ -270,7 +269,7 @@ def test_recent_load_replays_the_newest_shapes_at_the_accepted_rate() -> None:
     assert future[1].request.deadline is None
     assert future[0].request.predicted == LengthPrediction.exact(40)
     assert len(load.future(4.0, 1e9, most=7)) == 7
-    assert load.rate(12.5) is None  # the window has let the first three go
+    assert load.future(12.5, 100.0) == []  # the window has let the first three go
 
 
 # --- `duetime bench admission` -------------------------------------------------------

@@ -352,12 +352,13 @@ async def _serve(
         )
         jobs.append(Job(req, output_len=max_tokens))
     # (together: the predictor's batcher takes a request's prompts as one batch)
-    state.arriving += len(jobs) * body.n
+    sequences = len(jobs) * body.n
+    state.arriving += sequences
     try:
         predicted = await asyncio.gather(*(_predicted(state, job) for job in jobs))
         gone = await request.is_disconnected()
     finally:
-        state.arriving -= len(jobs) * body.n  # (nothing awaits from here to admission)
+        state.arriving -= sequences  # (nothing awaits from here to admission)
     if gone:
         # Gone while its prompt was tokenized and its length predicted: nothing reaches
         # the engine (a prefill nobody reads), where the answer's own watch would abort

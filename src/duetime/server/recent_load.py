@@ -21,11 +21,11 @@ sequences, those on their way through the server), how many of the members
 judged after that point were accepted, on average. Counting the accepted, not the
 arrived, keeps this honest under a tight deadline: when only the first two of six
 can be served in time, the first expects one companion, not five, and is not
-refused for load that will itself be refused. A burst larger than any seen
-twice expects those on their way, all accepted. Later load comes as bursts too: at the
-rate bursts began, each the accepted members of a recent one, newest first in
-turn. Arrivals that were never close together make bursts of one, and then this
-is the even stream above.
+refused for load that will itself be refused. Until two bursts that large have
+been seen, it expects those on their way, all accepted. Later load comes as
+bursts too: at the rate bursts began, each the accepted members of a recent one,
+newest first in turn. Arrivals that were never close together make bursts of
+one, and then this is the even stream above.
 """
 
 from __future__ import annotations
@@ -141,14 +141,6 @@ class RecentLoad:
 
     def _recent(self, now: float) -> list[_Judged]:
         return [j for j in self._judged if j.arrival > now - self.window_s]
-
-    def rate(self, now: float) -> float | None:
-        """Accepted requests a second over the window; None with too few to tell."""
-        accepted = [j for j in self._recent(now) if j.shape is not None]
-        if len(accepted) < self.least:
-            return None
-        span = min(self.window_s, now - min(j.arrival for j in accepted))
-        return len(accepted) / span if span > 0 else None
 
     def _bursts(self, recent: list[_Judged]) -> list[list[_Judged]]:
         """``recent`` in bursts by arrival, oldest first; each in the order judged."""
