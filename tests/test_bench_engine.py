@@ -99,3 +99,17 @@ def test_shared_weights_are_paged_in_before_any_variant_is_measured(tmp_path) ->
     again = engine_speed._page_in(weights)
     assert first > 40
     assert again < 8
+
+
+def test_every_variant_is_compared_with_the_earlier_kernels_it_keeps() -> None:
+    from duetime.bench.engine_speed_report import ratios
+
+    def variant(b1: float) -> dict:
+        return {"kind": "engine", "prefill": [], "decode": [{"batch": 1, "decode_tok_s": b1}]}
+
+    r = ratios({"q8": variant(110.0), "q8-unfused": variant(100.0), "fp32-mkl": variant(50.0)})
+    assert r["q8"]["speedup_vs_q8_unfused"] == {"decode_b1": pytest.approx(1.1)}
+    assert r["q8"]["speedup_vs_fp32_mkl"] == {"decode_b1": pytest.approx(2.2)}
+    assert "speedup_vs_q8_unfused" not in r["q8-unfused"]  # not against itself
+    assert engine_speed.ENGINE_VARIANTS["q8-unfused"] == {"dtype": "q8", "fused_norms": False}
+    assert "fused_norms" in engine_speed._MODEL_SWITCHES

@@ -54,12 +54,14 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "q8-fp32rows": {"dtype": "q8", "bf16_rows": False},  # many-row steps in fp32 everywhere
     # a prefill chunk's attention in one masked call over every key (before session 26)
     "q8-oneattn": {"dtype": "q8", "blocked_prefill_attention": False},
+    # the norms as plain torch ops, not the fused C++ ones (before session 29)
+    "q8-unfused": {"dtype": "q8", "fused_norms": False},
     "fp32-mkl": {"dtype": "fp32", "packed": False, "batched_decode_attention": False},
     "bf16": {"dtype": "bf16"},
     "int8": {"dtype": "int8"},
 }
 # Variant keys that are attributes of a built Gemma3, not arguments of its constructor.
-_MODEL_SWITCHES = ("batched_decode_attention", "blocked_prefill_attention")
+_MODEL_SWITCHES = ("batched_decode_attention", "blocked_prefill_attention", "fused_norms")
 # (prompt lengths, decode batch sizes, context tokens before decode, decode steps per rep)
 FULL = ((128, 512, 2048), (1, 4, 16, 64), 128, 8)
 QUICK = ((16, 64), (1, 4), 16, 3)

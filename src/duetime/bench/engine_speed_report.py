@@ -9,18 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot", "ratios", "table"]
+__all__ = ["BEFORE_VARIANTS", "plot", "ratios", "table"]
+
+#: Engine variants that keep an earlier kernel: every other variant gets a ratio to them.
+BEFORE_VARIANTS = ("fp32-mkl", "q8-unfused")
 
 
 def ratios(figs: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
     """``speedup_vs_<peer>``: engine ÷ peer tok/s per cell (``prefill_128``, ``decode_b16``)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     peers = [k for k, f in figs.items() if f["kind"] != "engine"]
-    base = "fp32-mkl" if "fp32-mkl" in figs else None
+    bases = [b for b in BEFORE_VARIANTS if b in figs]  # earlier kernels, when measured too
     for name, f in figs.items():
         if f["kind"] != "engine":
             continue
-        for peer in [p for p in (*peers, base) if p and p != name]:
+        for peer in [p for p in (*peers, *bases) if p != name]:
             cells = {}
             for kind, key, unit in (
                 ("prefill", "tokens", "prefill_tok_s"),

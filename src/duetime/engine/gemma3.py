@@ -40,6 +40,7 @@ from duetime.engine.linear import (
     packed_available,
     q8_or,
 )
+from duetime.engine.norm_kernel import make_norms
 from duetime.engine.obs_window import ObsWindow
 from duetime.engine.q8_kernel import Q8Weight, quantize_q8
 
@@ -202,6 +203,9 @@ class Gemma3:
             decode_attention_ops() is not None
         )
         self.final_norm = 1.0 + weights["model.norm.weight"].float()
+        # the RMS norms (and q/k norm + RoPE) as one C++ op each where the model computes
+        # in fp32 (norm_kernel.py); plain torch otherwise. ``fused_norms = False`` turns it off.
+        self.norms = make_norms(config.rms_norm_eps, self.compute_dtype)
         self.embed_scale = torch.tensor(config.hidden_size**0.5).to(cd)
         self.scale = config.query_pre_attn_scalar**-0.5
         hd = config.head_dim
@@ -209,6 +213,15 @@ class Gemma3:
         self.inv_freq_local = 1.0 / (config.rope_theta_local**exponent)
         inv_global = 1.0 / (config.rope_theta_global**exponent)
         self.inv_freq_global = inv_global / config.rope_scaling_factor
+
+    @property
+    def fused_norms(self) -> bool:
+        """Whether the norms run as the C++ ops (fp32 models where they build)."""
+        return self.norms.fused
+
+    @fused_norms.setter
+    def fused_norms(self, on: bool) -> None:
+        self.norms = make_norms(self.config.rms_norm_eps, self.compute_dtype, fused=on)
 
     def new_kv_cache(self, max_tokens: int | None = None) -> KVCache:
         """A KV cache in the dtype this model computes in."""
@@ -253,15 +266,15 @@ class Gemma3:
         n_qk = cfg.num_heads + cfg.num_kv_heads
         # SnapKV's observation window: only watched sequences (prefilling, eviction pending)
         watched = _watched_rows(batch, kv) if kv.watching else []
-        for i, layer in enumerate(self.layers):
+        norms = self.norms
+        layers = self.layers
+        h = norms.rms(x, layers[0].in_norm) if layers else x
+        for i, layer in enumerate(layers):
             sliding = cfg.sliding_layers[i]
             cos, sin = rope_local if sliding else rope_global
-            h = _rms_norm(x, layer.in_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
             t = qkv.shape[0]
-            qk = qkv[:, : n_qk * cfg.head_dim].view(t, n_qk, cfg.head_dim)
-            qk = _rms_norm(qk, layer.qk_norm, cfg.rms_norm_eps)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = norms.qk_rope(qkv, n_qk, layer.qk_norm, cos, sin)
             v = qkv[:, n_qk * cfg.head_dim :].view(t, cfg.num_kv_heads, cfg.head_dim)
             new_kv = torch.stack((qk[:, cfg.num_heads :], v), dim=1).to(kv.dtype)
             q = qk[:, : cfg.num_heads]
@@ -269,11 +282,13 @@ class Gemma3:
                 win.capture(i, q[rows])
             attn = self._attention(batch, kv, i, q, new_kv, masks, sliding)
             h = layer.o(attn.to(layer.o.dtype)).to(x.dtype)
-            x = x + _rms_norm(h, layer.post_attn, cfg.rms_norm_eps)
-            h = _rms_norm(x, layer.pre_ffw, cfg.rms_norm_eps)
+            x, h = norms.add_rms(x, h, layer.post_attn, layer.pre_ffw)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             h = layer.down(F.gelu(gate, approximate="tanh") * up).to(x.dtype)
-            x = x + _rms_norm(h, layer.post_ffw, cfg.rms_norm_eps)
+            if i + 1 < len(layers):  # the residual step and the next layer's input norm
+                x, h = norms.add_rms(x, h, layer.post_ffw, layers[i + 1].in_norm)
+            else:
+                x = x + norms.rms(h, layer.post_ffw)
         for c in batch.chunks:
             kv.advance(c.slot, c.shared + len(c))
         for win, _, n in watched:
@@ -284,7 +299,7 @@ class Gemma3:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of rows of :meth:`hidden_states` (final norm, output layer, soft cap)."""
         cfg = self.config
-        x = _rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
+        x = self.norms.rms(hidden, self.final_norm)
         logits = self.lm_head(x.to(self.lm_head.dtype)).float()
         if cfg.final_logit_softcapping is not None:
             cap = cfg.final_logit_softcapping
@@ -379,14 +394,3 @@ def _watched_rows(
         rows = torch.cat((torch.arange(lead_end - k, lead_end), torch.arange(a, b)))
         out.append((win, rows, c.shared + b - a))
     return out
-
-
-def _rms_norm(x: torch.Tensor, one_plus_w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * one_plus_w).to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

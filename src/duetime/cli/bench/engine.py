@@ -18,7 +18,8 @@ def bench_engine(
         typer.Option(
             help="Engine variant(s): fp32, fast, q8, q8-fp32rows (q8 with many-row steps in"
             " fp32 even where the CPU has native bf16), q8-oneattn (q8 with a prefill chunk's"
-            " attention in one masked call), fp32-mkl, bf16, int8."
+            " attention in one masked call), q8-unfused (q8 with its norms as plain torch ops),"
+            " fp32-mkl, bf16, int8."
         ),
     ] = None,
     transformers: Annotated[
