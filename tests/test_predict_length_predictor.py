@@ -258,3 +258,8 @@ def test_bench_predict_length_judges_the_90_percent_target_whatever_coverage_is_
     assert fig["coverage_90"] == fig["coverage_grid"]["0.9"] > 0.85
     assert fig["targets_met"]["coverage_90"] is True
     assert all("coverage" in row for row in fig["baselines"].values())
+    lo, hi = fig["mae_ratio_ci95"]  # the ratio's spread over the test rows
+    assert lo < fig["mae_ratio_vs_best_baseline"] < hi
+    best = fig["baselines"][fig["best_baseline"]]
+    assert best["rlp_mae_ratio_ci95"] == [lo, hi]
+    assert best["rlp_mae_ratio"] == fig["mae_ratio_vs_best_baseline"]

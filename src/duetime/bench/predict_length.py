@@ -46,6 +46,7 @@ def score_model(
     from duetime.predict.length_baselines import fit_baselines
     from duetime.predict.length_features import sharegpt_prompts
     from duetime.predict.length_fit import evaluate_rlp, load_length_data
+    from duetime.predict.length_metrics import mae_ratio_interval
     from duetime.predict.length_model import LengthModel
     from duetime.predict.precision import weights_identity
     from duetime.workloads import load_sharegpt_lengths
@@ -76,6 +77,9 @@ def score_model(
     best_name = min(base_rows, key=lambda k: base_rows[k]["mae_tokens"])
 
     pred = rlp.predict(emb, plen, cfg.max_len, coverage=coverage)
+    for name, row in base_rows.items():  # the RLP's MAE over each baseline's, with its spread
+        row["rlp_mae_ratio"] = main["mae_tokens"] / row["mae_tokens"]
+        row["rlp_mae_ratio_ci95"] = list(mae_ratio_interval(pred.point - y, base_points[name] - y))
     grid = _grid(y, lambda c: _rlp_interval(rlp, emb, plen, c))
 
     rng = np.random.default_rng(0)
@@ -108,6 +112,8 @@ def score_model(
         "infer_prompts": len(times),
         "best_baseline": best_name,
         "mae_ratio_vs_best_baseline": main["mae_tokens"] / base_rows[best_name]["mae_tokens"],
+        # how far the ratio moves with the test rows (paired bootstrap, 2,000 resamples)
+        "mae_ratio_ci95": base_rows[best_name]["rlp_mae_ratio_ci95"],
         "readouts": readouts,
         "coverage_grid": grid,
         "baselines": base_rows,
