@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,29 @@ CONSTRUCTIONS: dict[str, str] = {
     "overlap-0.99": "interval:overlap:0.99",
 }
 LEARNED = "learned"  # the trained length predictor's intervals, on held-out rows
+
+
+def is_learned(construction: str) -> bool:
+    """Whether ``construction`` is a trained predictor's (``learned``, ``learned:minilm-ft``,
+    ``learned:<model file>``): judged on held-out rows, beside H-SF on the same rows."""
+    return construction == LEARNED or construction.startswith(LEARNED + ":")
+
+
+def check_learned(specs: Sequence[str]) -> None:
+    """Refuse a spec that is not a trained predictor's, or names no shipped model or file,
+    before any run starts."""
+    from duetime.predict.length_fit import SHIPPED_MODELS
+
+    for spec in specs:
+        if not is_learned(spec):
+            raise ValueError(f"--learned: {spec!r} is not learned, learned:<shipped model> or "
+                             "learned:<model file>")  # fmt: skip
+        arg = spec.partition(":")[2]
+        if arg and arg not in SHIPPED_MODELS and not Path(arg).is_file():
+            raise ValueError(f"--learned: {spec!r} names neither a shipped model "
+                             f"({', '.join(SHIPPED_MODELS)}) nor a model file")  # fmt: skip
+
+
 SETTINGS = ("unit", "linear")
 MAX_OUTPUT = 1000  # the paper's intervals end at 1,000 tokens
 TWO_POINT_ELL = 20
@@ -80,7 +104,7 @@ def heldout_jobs(requests: int, seed: int) -> list[Job]:
 
 
 def _jobs_for(construction: str, requests: int, seed: int) -> list[Job]:
-    if construction == LEARNED:
+    if is_learned(construction):
         return heldout_jobs(requests, seed)
     return sharegpt_jobs(requests, seed)
 
@@ -195,13 +219,16 @@ def run(
     profile: str = "a100-llama2-7b",
     workers: int = 2,
     two_point: bool = True,
-    learned: bool = True,
+    learned: Sequence[str] = (LEARNED,),
 ) -> dict[str, Any]:
-    """All runs; returns figures named with their units."""
+    """All runs; returns figures named with their units. ``learned``: the trained
+    predictors whose intervals also run (each its own construction, named by its spec)."""
     t0 = time.perf_counter()
-    constructions = {**CONSTRUCTIONS, **({LEARNED: LEARNED} if learned else {})}
+    learned = list(dict.fromkeys(learned))
+    check_learned(learned)
+    constructions = {**CONSTRUCTIONS, **{spec: spec for spec in learned}}
     tasks = [(s, "hsf", "oracle", "oracle", requests, seed, kv_capacity, profile) for s in SETTINGS]
-    if learned:  # H-SF again on the rows the learned intervals are judged on
+    if learned:  # H-SF again on the rows the learned intervals are judged on (named "learned")
         tasks += [
             (s, "hsf", LEARNED, "oracle", requests, seed, kv_capacity, profile) for s in SETTINGS
         ]
@@ -225,7 +252,7 @@ def run(
         tp_rows = [r for f in tp_futs for r in f.result()]
 
     def jobs_of(construction: str) -> str:
-        return "heldout" if construction == LEARNED else "all"
+        return "heldout" if is_learned(construction) else "all"
 
     hsf = {
         (r["setting"], jobs_of(r["construction"])): r["tel_s"] for r in rows if r["policy"] == "hsf"
@@ -253,7 +280,11 @@ def run(
             "linear": f"step time from profile {profile}; the paper's experimental setting",
         },
         "rows": rows,
-        "learned_intervals": interval_stats(heldout_jobs(requests, seed)) if learned else None,
+        "learned_predictors": learned,
+        # how each trained predictor's intervals sit on the held-out rows
+        "learned_intervals": {
+            spec: interval_stats(heldout_jobs(requests, seed), spec) for spec in learned
+        },
         "two_point": tp_rows,
         "wall_s": time.perf_counter() - t0,
     }
@@ -281,7 +312,7 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
             bars = ax.bar(x + (j - 0.5) * 0.38, ys, 0.38, label=pol.capitalize())
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
         ax.axhline(1.0, color="k", lw=0.8, ls="--", label="H-SF")
-        labels = [f"{n}\n(held-out)" if n == LEARNED else n for n in names]
+        labels = [f"{n}\n(held-out)" if is_learned(n) else n for n in names]
         ax.set_xticks(x, labels, rotation=20, fontsize=8)
         ax.set_ylabel("TEL / TEL(H-SF)")
         ax.set_title(f"{setting} batch time, M = {fig['kv_capacity_tokens']:,} tokens", fontsize=9)
@@ -311,8 +342,8 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
 
 def _constructions(fig: dict[str, Any]) -> list[str]:
     """The interval constructions a run has rows of, the paper's first."""
-    ran = {r["construction"] for r in fig["rows"]}
-    return [c for c in (*CONSTRUCTIONS, LEARNED) if c in ran]
+    ran = {r["construction"] for r in fig["rows"] if r["policy"] != "hsf"}
+    return [c for c in (*CONSTRUCTIONS, *fig.get("learned_predictors", ())) if c in ran]
 
 
 def table(fig: dict[str, Any]) -> Any:
@@ -327,13 +358,13 @@ def table(fig: dict[str, Any]) -> Any:
         t = Table(
             title=f"{s} batch time, M = {fig['kv_capacity_tokens']:,} tokens",
             caption=f"mean latency in {unit}; ratios are TEL / TEL(H-SF); restarts: Amin's"
-            + (f"; {LEARNED}: the trained predictor's 90 % intervals, H-SF on the same "
-               "held-out rows" if LEARNED in _constructions(fig) else ""),
+            + ("; learned: a trained predictor's 90 % intervals, H-SF on the same "
+               "held-out rows" if fig.get("learned_predictors") else ""),
         )  # fmt: skip
         for col in ("intervals", "H-SF", "Amax", "Amin", "Amax/H-SF", "Amin/H-SF", "restarts"):
             t.add_column(col, justify="left" if col == "intervals" else "right", no_wrap=True)
         for c in _constructions(fig):
-            hsf = rows[(s, "hsf", LEARNED if c == LEARNED else "oracle")]
+            hsf = rows[(s, "hsf", LEARNED if is_learned(c) else "oracle")]
             amax, amin = rows[(s, "amax", c)], rows[(s, "amin", c)]
             t.add_row(
                 c,

@@ -41,12 +41,13 @@ def bench_amin(
         bool, typer.Option(help="Also check A_ℓ and Amin on two-point lengths.")
     ] = True,
     learned: Annotated[
-        bool,
+        str,
         typer.Option(
-            help="Also run Amax / Amin on the trained length predictor's intervals "
-            "(held-out rows, beside H-SF on them)."
+            help="Also run Amax / Amin on trained length predictors' intervals (held-out rows, "
+            "beside H-SF on them), comma-separated: learned (the default model), "
+            "learned:minilm-ft (a shipped one), learned:<model file>; '' for none."
         ),
-    ] = True,
+    ] = "learned",
     engine: Annotated[
         bool, typer.Option("--engine", help="Run H-SF/Amax/Amin on the real engine instead.")
     ] = False,
@@ -90,8 +91,9 @@ def bench_amin(
     no_engine_options(engine_only)
     profile = profile or "a100-llama2-7b"
     with _user_errors():
+        specs = [x.strip() for x in learned.split(",") if x.strip()]
         fig = bench.run(
-            requests or 2000, seed, kv_capacity or 111_000, profile, workers, two_point, learned
+            requests or 2000, seed, kv_capacity or 111_000, profile, workers, two_point, specs
         )
     w = fig["workload"]
     out.print(
@@ -100,10 +102,9 @@ def bench_amin(
         f"LMSYS-Chat-1M; unit = 1 step per time unit, linear = profile {profile}"
     )
     out.print(bench.table(fig))
-    if fig["learned_intervals"]:
-        li = fig["learned_intervals"]
+    for spec, li in fig["learned_intervals"].items():
         out.print(
-            f"{bench.LEARNED} intervals on {li['requests']:,} held-out requests: "
+            f"{spec} intervals on {li['requests']:,} held-out requests: "
             f"{li['coverage']:.1%} hold the truth ({li['below_lo_share']:.1%} fall below lo), "
             f"mean width {li['interval_width_mean_tokens']:.0f} tokens, median α = lo/hi "
             f"{li['alpha_median']:.3f}"
