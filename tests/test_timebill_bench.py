@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -42,3 +43,33 @@ def test_bench_timebill_small(tmp_path: Path) -> None:
         # under Kill the jobs of one task are independent: more eviction, never fewer done
         k95, k0 = by["kill", "alpha=95%", b], by["kill", "vanilla", b]
         assert k95["completion_rate"] >= k0["completion_rate"]
+
+
+def test_heldout_rows_are_the_length_predictors_test_rows_each_once(tmp_path: Path) -> None:
+    from duetime import workloads as wl
+    from duetime.bench.timebill import MIN_PROMPT, N_MAX, pairs
+    from duetime.predict.length_data import heldout_rows
+    from duetime.predict.length_features import sharegpt_prompts
+
+    lengths = wl.load_sharegpt_lengths(progress=False)
+    unseen = Counter(sharegpt_prompts(lengths, heldout_rows(lengths)))  # (a prompt may recur)
+    drawn = pairs(10_000, seed=0, with_text=True, rows="heldout")  # more than there are
+    assert 10 < len(drawn) < 200
+    assert all(n <= unseen[text] for text, n in Counter(t for _, _, t in drawn).items())
+    assert all(p >= MIN_PROMPT and o <= N_MAX for p, o, _ in drawn)
+    assert pairs(len(drawn), 0, True, "heldout") == drawn  # seeded
+
+    j = tmp_path / "t.json"
+    args = ["bench", "timebill", "--jobs", "20", "--budget", "2", "--rows", "heldout"]
+    r = CliRunner().invoke(app, [*args, "--json", str(j), "--plot", str(tmp_path / "t.png")])
+    assert r.exit_code == 0, r.output
+    w = json.loads(j.read_text())["workload"]
+    assert (w["rows"], w["jobs"]) == ("heldout", 20)
+    refusals = (
+        (["--jobs", "5", "--rows", "test"], "--rows must be one of all, heldout"),
+        (["--rows", "heldout", "--engine", "--model", "tiny"], "--rows is for the simulator"),
+    )
+    for bad, why in refusals:
+        r = CliRunner().invoke(app, ["bench", "timebill", *bad])
+        assert r.exit_code != 0
+        assert why in r.output

@@ -64,14 +64,35 @@ PAPER = {
 }
 
 
-def pairs(n: int, seed: int, with_text: bool = False) -> list[tuple[int, int, str | None]]:
+#: Which ShareGPT rows the simulated jobs come from: any, or only those no shipped length
+#: predictor trained on (the fair draw for ``--predictor learned``).
+ROWS = ("all", "heldout")
+
+
+def pairs(
+    n: int, seed: int, with_text: bool = False, rows: str = "all"
+) -> list[tuple[int, int, str | None]]:
     """``n`` ShareGPT (prompt_len, output_len, prompt text) triples, prompt >= 1,024 tokens,
-    output <= N_max. The text (for the ``learned`` predictor) only when asked."""
+    output <= N_max. The text (for the ``learned`` predictor) only when asked. ``rows``
+    "heldout" draws from the RLP's test rows only, each once: at most as many jobs as
+    there are such rows (87 of the 906 that fit)."""
     from duetime import workloads as wl
 
+    if rows not in ROWS:
+        raise ValueError(f"--rows must be one of {', '.join(ROWS)}, got {rows!r}")
     caps = wl.LengthCaps(min_prompt_len=MIN_PROMPT, max_output_len=N_MAX)
+    source = None
+    if rows == "heldout":
+        from duetime.predict.length_data import heldout_rows
+
+        lengths = wl.load_sharegpt_lengths(progress=False)
+        fits = np.flatnonzero(caps.mask(lengths.prompt_len, lengths.output_len))
+        pool = np.intersect1d(heldout_rows(lengths), fits)
+        source = wl.ShareGPTSource(lengths, pool=pool)
+        n = min(n, len(pool))
     jobs = wl.build_jobs(
         n,
+        source=source,
         arrivals=wl.AllAtOnce(),
         seed=seed,
         caps=caps,
@@ -189,14 +210,17 @@ def run(
     tasks: int = 1,
     budgets: tuple[float, ...] | None = None,
     methods: tuple[str, ...] = tuple(METHODS),
+    rows: str = "all",
 ) -> dict[str, Any]:
-    """Every method × strategy × budget; a per-strategy summary averaged over budgets."""
+    """Every method × strategy × budget; a per-strategy summary averaged over budgets.
+    ``rows``: see :func:`pairs`."""
     from duetime.sim.profiles import load_profile
 
     check_budgets(budgets)
     t0 = time.perf_counter()
     cost, cfg = load_profile(profile)
-    lengths = pairs(jobs, seed, with_text=predictor.startswith("learned"))
+    drawn_from = rows  # (``rows`` below are the runs' figures)
+    lengths = pairs(jobs, seed, with_text=predictor.startswith("learned"), rows=drawn_from)
     bs = list(budgets) if budgets else scaled_budgets(cost)
     rows = [
         run_one(m, o, b, lengths, cost, cfg, predictor, seed, tasks)
@@ -226,6 +250,7 @@ def run(
         "budget_scale": (cost.c0 + cost.b) / PAPER_STEP_S,
         "budgets_s": bs,
         "workload": {
+            "rows": drawn_from,
             "jobs": len(lengths),
             "prompt_tokens_mean": float(p.mean()),
             "prompt_tokens_max": int(p.max()),

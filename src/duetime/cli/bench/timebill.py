@@ -38,6 +38,14 @@ def bench_timebill(
         ),
     ] = None,
     tasks: Annotated[int, typer.Option(min=1, help="Concurrent periodic tasks.")] = 1,
+    rows: Annotated[
+        str,
+        typer.Option(
+            help="ShareGPT rows the jobs come from: all, or heldout (only those no shipped "
+            "length predictor trained on, each once: at most 87 jobs; the fair draw for "
+            "--predictor learned)."
+        ),
+    ] = "all",
     budget: Annotated[
         list[float] | None, typer.Option(help="Time budget(s) T in s; default: paper's, scaled.")
     ] = None,
@@ -92,6 +100,8 @@ def bench_timebill(
             _fail("--jobs is for the simulator; with --engine use --prompts")
         if tasks != 1:
             _fail("--engine runs one periodic task; drop --tasks")
+        if rows != "all":
+            _fail("--rows is for the simulator; --engine draws its own prompts")
         with _user_errors():
             run_engine(
                 model=model or "gemma", dtype=dtype or "fast", threads=threads or 2,
@@ -105,11 +115,11 @@ def bench_timebill(
     with _user_errors():
         fig = bench.run(
             jobs or 200, seed, profile or "a100-llama2-7b", predictor or "noisy", tasks,
-            tuple(budget or ()),
+            tuple(budget or ()), rows=rows,
         )  # fmt: skip
     w = fig["workload"]
     out.print(
-        f"{w['jobs']} ShareGPT jobs with prompts >= {bench.MIN_PROMPT} tokens "
+        f"{w['jobs']} ShareGPT jobs ({w['rows']} rows) with prompts >= {bench.MIN_PROMPT} tokens "
         f"(mean {w['prompt_tokens_mean']:.0f}, max {w['prompt_tokens_max']}), outputs <= "
         f"{fig['n_max_tokens']} (mean {w['output_tokens_mean']:.0f}); period = budget T"
     )
