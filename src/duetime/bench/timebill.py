@@ -219,10 +219,9 @@ def run(
     check_budgets(budgets)
     t0 = time.perf_counter()
     cost, cfg = load_profile(profile)
-    drawn_from = rows  # (``rows`` below are the runs' figures)
-    lengths = pairs(jobs, seed, with_text=predictor.startswith("learned"), rows=drawn_from)
+    lengths = pairs(jobs, seed, with_text=predictor.startswith("learned"), rows=rows)
     bs = list(budgets) if budgets else scaled_budgets(cost)
-    rows = [
+    runs = [
         run_one(m, o, b, lengths, cost, cfg, predictor, seed, tasks)
         for o in STRATEGIES
         for m in methods
@@ -232,7 +231,7 @@ def run(
     for o in STRATEGIES:
         summary[o] = {}
         for m in methods:
-            mine = [r for r in rows if r["method"] == m and r["overrun"] == o]
+            mine = [r for r in runs if r["method"] == m and r["overrun"] == o]
             summary[o][m] = {
                 "completion_rate_mean": float(np.mean([r["completion_rate"] for r in mine])),
                 "mean_alpha_mean": float(np.mean([r["mean_alpha"] for r in mine])),
@@ -250,14 +249,14 @@ def run(
         "budget_scale": (cost.c0 + cost.b) / PAPER_STEP_S,
         "budgets_s": bs,
         "workload": {
-            "rows": drawn_from,
+            "rows": rows,
             "jobs": len(lengths),
             "prompt_tokens_mean": float(p.mean()),
             "prompt_tokens_max": int(p.max()),
             "output_tokens_mean": float(out.mean()),
             "output_tokens_p90": float(np.percentile(out, 90)),
         },
-        "rows": rows,
+        "rows": runs,
         "summary": summary,
         "paper": PAPER,
         "wall_s": time.perf_counter() - t0,
