@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from duetime.core.grammar import AnswerWork, GrammarSpec
+from duetime.core.request import LengthPrediction
 from duetime.server.grammar_steps import GrammarSteps
 
 A = GrammarSpec.choice(["yes", "no"], "guided_choice")
@@ -69,3 +70,26 @@ def test_the_prior_stands_until_an_answer_ends() -> None:
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="window and grammars"):
         GrammarSteps(window=0)
+
+
+def test_lengths_come_from_the_whole_answers_under_the_grammar() -> None:
+    steps = GrammarSteps(window=5)
+    assert steps.lengths(A, 93) is None  # no answer yet: the predictor's word stands
+    for n in (10, 30, 20):
+        steps.answered(A, n)
+    steps.answered(A, 0)  # an empty answer says nothing
+    few = steps.lengths(A, 93)
+    # the median and the shortest; with fewer than MIN_ANSWERS the top stays the bound
+    assert (few.point, few.lo, few.hi) == (20, 10, 93)
+    assert few.confidence == pytest.approx(3 / 4)
+    assert steps.lengths(B, 93) is None
+    steps.answered(A, 40)
+    four = steps.lengths(A, 93)
+    assert (four.point, four.lo, four.hi) == (25, 10, 40)  # an even count: the middle two
+    assert four.confidence == pytest.approx(3 / 5)  # [min, max] of 4 holds a 5th 3 in 5
+    assert steps.lengths(A, 15) == LengthPrediction(15, 10, 15, 3 / 5)  # never past `most`
+    for _ in range(5):  # the window forgets the older answers
+        steps.answered(A, 7)
+    assert steps.lengths(A, 93) == LengthPrediction(7, 7, 7, 4 / 6)
+    # the work of jumping answers and their lengths are kept apart
+    assert steps.most(A) is None

@@ -641,6 +641,32 @@ def test_a_choice_bounds_the_predicted_length_and_admission_judges_by_it(
         assert r.json()["duetime"]["predicted_tokens"] == 32
 
 
+def test_the_answers_under_a_grammar_give_its_predicted_length() -> None:
+    """The length predictor reads only the prompt (trained on chat answers); under a
+    grammar the answers that ended say how long the next one is. Before any, the
+    prediction is the predictor's (here none); after, the median of the answers,
+    sampled or greedy, logprobs or not (``predicted_tokens`` reports the request's
+    ``predicted``, which the policy reads)."""
+    options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096)
+    m, codec, name = load_served_model(options)
+    state = build_state(options, m, codec, name)
+    body = {"model": name, "prompt": "ok?", "max_tokens": 64, "response_format": RESPONSE_SCHEMA}
+    with TestClient(create_app(state)) as c:
+        first = c.post("/v1/completions", json=body).json()
+        assert first["duetime"]["predicted_tokens"] is None
+        tokens = [first["usage"]["completion_tokens"]]
+        for extra in ({"temperature": 1.0, "seed": 3}, {"logprobs": 1}, {}):
+            r = c.post("/v1/completions", json={**body, **extra}).json()
+            tokens.append(r["usage"]["completion_tokens"])
+        assert max(tokens) < 32
+        r = c.post("/v1/completions", json=body).json()
+        want = sorted(tokens)[1:3]
+        assert r["duetime"]["predicted_tokens"] == sum(want) / 2  # the median of four
+        # another grammar knows nothing yet
+        other = {**body, "response_format": None, "guided_choice": ["yes", "no"]}
+        assert c.post("/v1/completions", json=other).json()["duetime"]["predicted_tokens"] is None
+
+
 def test_admission_counts_the_steps_a_grammars_answers_take(tmp_path: Any) -> None:
     """Forced runs jump (the schema's keys and punctuation ride along): its answers take
     far fewer steps than tokens. A step for each of the 32 tokens its longest text may
@@ -673,11 +699,12 @@ def test_admission_counts_the_steps_a_grammars_answers_take(tmp_path: Any) -> No
         again = c.post("/v1/completions", json={**body, "deadline_ms": 2000})
         assert again.status_code == 200, again.text
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
-        # with log-probabilities its tokens come a step each: nothing is discounted
+        # with log-probabilities its tokens come a step each: nothing is discounted, and
+        # the tokens are as many as its two answers had (not the 32 of its longest text)
         one_by_one = {**body, "deadline_ms": 2000, "logprobs": 1}
         refused = c.post("/v1/completions", json=one_by_one)
         assert refused.status_code == 429
-        assert "32 tokens assumed for this answer" in refused.json()["error"]["message"]
+        assert f"{tokens} tokens assumed for this answer" in refused.json()["error"]["message"]
         named = {
             "type": "object",
             "properties": {"name": {"type": "string", "maxLength": 8}},

@@ -32,7 +32,7 @@ from typing import Any
 
 from duetime.bench.engine_fit import burst_jobs, warm_up
 from duetime.core.grammar import AnswerWork, GrammarSpec
-from duetime.core.request import Job
+from duetime.core.request import Job, LengthPrediction
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.grammar import GrammarCompiler
 from duetime.policies import make_policy
@@ -348,9 +348,13 @@ def _burst_figures(
 
 
 class _StepPerToken(GrammarSteps):
-    """What admission assumed before it learned a grammar's work: a step a token."""
+    """What admission assumed before it learned a grammar's work: a step a token, and
+    the predictor's length capped at the grammar's bound."""
 
     def most(self, spec: GrammarSpec) -> AnswerWork | None:
+        return None
+
+    def lengths(self, spec: GrammarSpec, most: int) -> LengthPrediction | None:
         return None
 
 

@@ -123,15 +123,19 @@ class ServerState:
         self.grammars = GrammarCompiler(lambda: self.codec.guidance_tokenizer())
 
     def counter(
-        self, rid: int | None, grammar: GrammarSpec | None = None
+        self,
+        rid: int | None,
+        grammar: GrammarSpec | None = None,
+        answered: GrammarSpec | None = None,
     ) -> Callable[[Outcome], None]:
         """What hears a request's outcome: the metrics; the served-length window, for
         ``rid`` (a request whose answer it follows); the work its ``grammar``'s answers
-        take (a request whose forced runs may jump); admission's record of its forecasts'
-        errors, where it keeps one (``--deadline-confidence``)."""
+        take (a request whose forced runs may jump); the lengths of the answers under
+        ``answered``, its grammar however its tokens come; admission's record of its
+        forecasts' errors, where it keeps one (``--deadline-confidence``)."""
         served = self.served_lengths
         errors = self.admission.errors
-        if (rid is None or served is None) and errors is None and grammar is None:
+        if (rid is None or served is None) and errors is None and grammar is answered is None:
             return self.metrics.observe
 
         def count(outcome: Outcome) -> None:
@@ -139,6 +143,8 @@ class ServerState:
             if rid is not None and served is not None:
                 served.end(rid, outcome.output_tokens, outcome.finish_reason)
             done = outcome.finish_reason in ("stop", "length")
+            if answered is not None and outcome.finish_reason == "stop":
+                self.grammar_steps.answered(answered, outcome.output_tokens)
             if grammar is not None and done:
                 self.grammar_steps.observe(
                     grammar, outcome.output_tokens, outcome.jumped_tokens, outcome.rode_tokens
@@ -376,9 +382,14 @@ async def _serve(
     if spec is not None or body.ignore_eos or body.min_tokens:
         served = None
     correction = None if served is None else served.correction(_progress(engine.image))
+    # under a grammar, its recent answers say how long this one is better than the
+    # predictor can from the prompt (grammar_steps.py)
+    known = None if spec is None else state.grammar_steps.lengths(spec, longest)
     points: dict[int, float] = {}  # request id -> the predictor's point, for the window
     for k, (job, pred) in enumerate(zip(jobs, predicted, strict=True)):
-        if pred is not None and served is not None:
+        if known is not None:
+            job.request.predicted = known
+        elif pred is not None and served is not None:
             job.request.predicted = served.correct(pred, longest, correction)
         else:
             job.request.predicted = None if pred is None else pred.capped(longest)
@@ -426,7 +437,7 @@ async def _serve(
         rid = one.request.rid
         if served is not None and rid in points:
             served.start(rid, points[rid])
-        count = state.counter(rid if rid in points else None, jumping)
+        count = state.counter(rid if rid in points else None, jumping, spec)
         relay, submission = _choice(
             state, body, one, i, k, echoes[k], scored_ids, choice_grammar, count
         )

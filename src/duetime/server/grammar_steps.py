@@ -21,6 +21,18 @@ records the work it took (its tokens less those it jumped; those that rode),
 and a later request is assumed to take at most the most steps, and the most
 rows, of the recent ones. Where neither is known, nothing is assumed (a step a
 token).
+
+The same answers also say how long an answer under the grammar is, in tokens,
+which is what policies read (``Request.predicted``: SJF's order, TimeBill's
+WCET and eviction ratio, Amax's reservation). The length predictor knows only
+the prompt and was trained on free chat answers: for a robot's JSON command it
+predicts a chat answer's length, and the grammar's longest text caps that at a
+bound several times the answer (93 tokens for a command of 28).
+:meth:`GrammarSteps.lengths` predicts from the answers that ended whole
+under the grammar instead: the median of the recent ones, the interval from the
+shortest to the longest (order statistics: a next answer falls inside with
+probability ``(n - 1) / (n + 1)``, the confidence given); with fewer than
+``MIN_ANSWERS`` answers the top stays at the grammar's bound.
 """
 
 from __future__ import annotations
@@ -30,8 +42,12 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from duetime.core.grammar import AnswerWork, GrammarSpec
+from duetime.core.request import LengthPrediction
 
-__all__ = ["GrammarSteps"]
+__all__ = ["MIN_ANSWERS", "GrammarSteps"]
+
+#: Answers a grammar needs before the longest of them, not its bound, tops its interval.
+MIN_ANSWERS = 4
 
 
 def _key(spec: GrammarSpec) -> tuple[str, str]:
@@ -44,6 +60,7 @@ class _Grammar:
     prior: AnswerWork | None = None  # from the grammar alone
     walked: bool = False  # whether the prior was worked out (it may be None)
     seen: deque[AnswerWork] = field(default_factory=deque)  # its recent answers' work
+    tokens: deque[int] = field(default_factory=deque)  # its recent whole answers' lengths
 
 
 class GrammarSteps:
@@ -63,7 +80,9 @@ class GrammarSteps:
         key = _key(spec)
         entry = self._known.get(key)
         if entry is None:
-            entry = self._known[key] = _Grammar(seen=deque(maxlen=self._window))
+            entry = self._known[key] = _Grammar(
+                seen=deque(maxlen=self._window), tokens=deque(maxlen=self._window)
+            )
             while len(self._known) > self._grammars:
                 self._known.popitem(last=False)
         self._known.move_to_end(key)
@@ -101,3 +120,28 @@ class GrammarSteps:
             if not entry.seen:
                 return entry.prior
             return AnswerWork(max(w.steps for w in entry.seen), max(w.rows for w in entry.seen))
+
+    def answered(self, spec: GrammarSpec, tokens: int) -> None:
+        """An answer under ``spec`` ended whole (the grammar complete) with ``tokens``
+        tokens, however it was made (jumping or a step a token)."""
+        if tokens >= 1:
+            with self._lock:
+                self._entry(spec).tokens.append(tokens)
+
+    def lengths(self, spec: GrammarSpec, most: int) -> LengthPrediction | None:
+        """The length of a next answer under ``spec``, from the recent whole ones (none:
+        None), never over ``most`` tokens (see the module)."""
+        with self._lock:
+            entry = self._known.get(_key(spec))
+            seen = sorted(entry.tokens) if entry is not None else []
+        n = len(seen)
+        if n == 0:
+            return None
+        mid = seen[(n - 1) // 2] if n % 2 else (seen[n // 2 - 1] + seen[n // 2]) / 2
+        if n >= MIN_ANSWERS:
+            hi, confidence = float(seen[-1]), (n - 1) / (n + 1)
+        else:  # too few to say how long they get: up to the bound
+            hi, confidence = float(max(most, seen[-1])), n / (n + 1)
+        return LengthPrediction(
+            point=float(mid), lo=float(seen[0]), hi=hi, confidence=confidence
+        ).capped(most)
