@@ -40,6 +40,7 @@ from duetime.engine.linear import (
     packed_available,
     q8_or,
 )
+from duetime.engine.malloc_tuning import keep_large_blocks
 from duetime.engine.norm_kernel import make_norms
 from duetime.engine.obs_window import ObsWindow
 from duetime.engine.q8_kernel import Q8Weight, quantize_q8
@@ -157,6 +158,7 @@ class Gemma3:
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        keep_large_blocks()  # a step's large temporaries reuse memory, once per process
         self.config = config
         self.dtype_name = dtype
         self.compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32

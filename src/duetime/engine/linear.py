@@ -172,7 +172,8 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         row_max = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
-        return torch.ops.quantized.linear_dynamic(x / row_max, self._packed, True) * row_max
+        # in place: a fresh [rows, vocab] product would page-fault its 1 MiB a row again
+        return torch.ops.quantized.linear_dynamic(x / row_max, self._packed, True).mul_(row_max)
 
 
 class RescoredInt8Head:
