@@ -31,7 +31,14 @@ def _views(g: torch.Generator, lengths: list[int], kvh: int, hd: int) -> list[KV
 @needs_kernel
 @pytest.mark.parametrize(
     ("lengths", "heads", "kvh", "hd"),
-    [([1], 4, 1, 256), ([5, 1, 33], 4, 1, 16), ([7, 70], 8, 2, 13), ([300] * 3, 2, 2, 24)],
+    [
+        ([1], 4, 1, 256),
+        ([5, 1, 33], 4, 1, 16),
+        ([7, 70], 8, 2, 13),
+        ([300] * 3, 2, 2, 24),
+        ([129, 257], 6, 1, 40),  # heads in groups of 4 and 2; keys past a 128-key block
+        ([9, 140], 3, 1, 72),  # a group of 3; columns past the register passes
+    ],
 )
 def test_kernel_equals_sdpa_per_sequence(lengths, heads, kvh, hd) -> None:
     g = torch.Generator().manual_seed(len(lengths) + hd)

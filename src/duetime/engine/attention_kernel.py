@@ -13,6 +13,15 @@ for the ``rep = heads / kv_heads`` query heads ``r`` that share a KV head,
 in fp32 with the usual max-subtraction; (sequence, KV head) pairs are spread
 over threads with ``at::parallel_for``. Only unmasked single-token decodes
 (every stored key visible) come here; anything else keeps SDPA.
+
+Up to four query heads of a KV head go together (session 29): each key is read
+once for all of them; the weighted sum keeps their sums for 16-32 columns in
+registers over a block of 128 keys, whose values stay in cache (one head at a
+time, it loaded and stored the output row for every key); the softmax's
+exponentials are eight at a time (a Cephes-style polynomial, relative error
+~1e-7, where ``std::exp`` was one at a time). 1.4-1.6x faster for 16 sequences
+of 200-600 keys in a microbenchmark; at 1,024 keys each, reading the keys and
+values from memory bounds both.
 """
 
 from __future__ import annotations
@@ -36,26 +45,28 @@ _SOURCE = r"""
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8)
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  float s = hsum(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-inline void axpy(float a, const float* x, float* y, int64_t n) {
-  const __m256 av = _mm256_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
+// exp of 8 floats, for x <= 0 (scores minus their maximum): Cody-Waite range reduction
+// x = n ln2 + r, |r| <= ln2 / 2, then a degree-6 polynomial for e^r (Cephes' expf
+// coefficients, relative error ~1e-7) scaled by 2^n through the exponent bits.
+// Below -87.3 the result is 0, as expf's is (it would be a denormal at most).
+inline __m256 exp_nonpos(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 void check_kv(const at::Tensor& t, int64_t g, int64_t d, const char* what, size_t b) {
@@ -65,6 +76,99 @@ void check_kv(const at::Tensor& t, int64_t g, int64_t d, const char* what, size_
   TORCH_CHECK(t.size(0) == g && t.size(2) == d && t.size(1) >= 1 && t.stride(2) == 1,
               "decode_attention: ", what, "[", b, "] has shape ", t.sizes(), " strides ",
               t.strides(), "; want [", g, ", S >= 1, ", d, "] with unit stride on head_dim");
+}
+
+constexpr int64_t R = 4;  // query heads of one KV head taken together
+
+// Scores of NR query rows q[r] (row stride D) against S keys (row stride ks):
+// p[r * S + j] = scale * q_r . k_j. Each key is read once for all NR rows.
+template <int NR>
+void scores(const float* q, const float* k, int64_t ks, int64_t S, int64_t D, float scale,
+            float* p) {
+  const int64_t D8 = D - D % 8;
+  for (int64_t j = 0; j < S; ++j) {
+    const float* kj = k + j * ks;
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += 8) {
+      const __m256 kv = _mm256_loadu_ps(kj + d);
+      for (int r = 0; r < NR; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), kv, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      float s = hsum(acc[r]);
+      for (int64_t d = D8; d < D; ++d) s += q[r * D + d] * kj[d];
+      p[r * S + j] = s * scale;
+    }
+  }
+}
+
+// p[0..S) <- softmax(p) in place (max-subtracted), vectorised.
+void softmax(float* p, int64_t S) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < S; ++j) mx = std::max(mx, p[j]);
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 sv = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= S; j += 8) {
+    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+    _mm256_storeu_ps(p + j, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = hsum(sv);
+  for (; j < S; ++j) {
+    p[j] = std::exp(p[j] - mx);
+    sum += p[j];
+  }
+  const float inv = 1.f / sum;
+  const __m256 iv = _mm256_set1_ps(inv);
+  j = 0;
+  for (; j + 8 <= S; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), iv));
+  for (; j < S; ++j) p[j] *= inv;
+}
+
+// out[r] = sum_j p[r * S + j] v_j for NR rows (row stride D). Keys in blocks of KB (their
+// values stay in cache), and within a block 8 * C columns at a time, their NR sums in
+// registers over the block's keys.
+template <int NR>
+void weighted(const float* p, const float* v, int64_t vs, int64_t S, int64_t D, float* out) {
+  constexpr int C = NR <= 2 ? 4 : 2;  // 8-wide column chunks per pass (NR * C registers)
+  constexpr int64_t KB = 128;
+  const int64_t DC = D - D % (8 * C);
+  for (int64_t j0 = 0; j0 < S; j0 += KB) {
+    const int64_t j1 = std::min(S, j0 + KB);
+    for (int64_t d = 0; d < DC; d += 8 * C) {
+      __m256 acc[NR][C];
+      for (int r = 0; r < NR; ++r)
+        for (int c = 0; c < C; ++c)
+          acc[r][c] = j0 ? _mm256_loadu_ps(out + r * D + d + 8 * c) : _mm256_setzero_ps();
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* vj = v + j * vs + d;
+        __m256 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(vj + 8 * c);
+        for (int r = 0; r < NR; ++r) {
+          const __m256 pr = _mm256_broadcast_ss(p + r * S + j);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
+        }
+      }
+      for (int r = 0; r < NR; ++r)
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * D + d + 8 * c, acc[r][c]);
+    }
+  }
+  for (int64_t d = DC; d < D; ++d)
+    for (int r = 0; r < NR; ++r) {
+      float s = 0.f;
+      for (int64_t j = 0; j < S; ++j) s += p[r * S + j] * v[j * vs + d];
+      out[r * D + d] = s;
+    }
+}
+
+template <int NR>
+void attend_group(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                  int64_t S, int64_t D, float scale, float* p, float* out) {
+  scores<NR>(q, k, ks, S, D, scale, p);
+  for (int r = 0; r < NR; ++r) softmax(p + r * S, S);
+  weighted<NR>(p, v, vs, S, D, out);
 }
 
 // q [B, H, D] fp32; keys[b], values[b] [G, S_b, D]. Returns [B, H * D].
@@ -102,25 +206,19 @@ at::Tensor decode_attention(const at::Tensor& q_in, at::TensorList keys, at::Ten
       const int64_t S = K.size(1);
       const float* kp = K.data_ptr<float>() + g * K.stride(0);
       const float* vp = V.data_ptr<float>() + g * V.stride(0);
-      const int64_t ks = K.stride(1), vs = V.stride(1);
-      p.resize(size_t(rep * S));
-      for (int64_t r = 0; r < rep; ++r) {
-        const float* qr = qp + (b * H + g * rep + r) * D;
-        float* pr = p.data() + r * S;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < S; ++j) {
-          pr[j] = dot(qr, kp + j * ks, D) * sc;
-          mx = std::max(mx, pr[j]);
+      p.resize(size_t(R * S));
+      for (int64_t r0 = 0; r0 < rep; r0 += R) {
+        const int64_t nr = std::min(R, rep - r0);
+        const int64_t row = b * H + g * rep + r0;  // the first query row of this group
+        const float* qr = qp + row * D;
+        float* out = yp + row * D;
+        const int64_t ks = K.stride(1), vs = V.stride(1);
+        switch (nr) {
+          case 4: attend_group<4>(qr, kp, ks, vp, vs, S, D, sc, p.data(), out); break;
+          case 3: attend_group<3>(qr, kp, ks, vp, vs, S, D, sc, p.data(), out); break;
+          case 2: attend_group<2>(qr, kp, ks, vp, vs, S, D, sc, p.data(), out); break;
+          default: attend_group<1>(qr, kp, ks, vp, vs, S, D, sc, p.data(), out); break;
         }
-        float sum = 0.f;
-        for (int64_t j = 0; j < S; ++j) {
-          pr[j] = std::exp(pr[j] - mx);
-          sum += pr[j];
-        }
-        const float inv = 1.f / sum;
-        float* out = yp + (b * H + g * rep + r) * D;
-        std::fill(out, out + D, 0.f);
-        for (int64_t j = 0; j < S; ++j) axpy(pr[j] * inv, vp + j * vs, out, D);
       }
     }
   });
