@@ -50,6 +50,27 @@ def test_kernel_equals_sdpa_per_sequence(lengths, heads, kvh, hd) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kvh", "hd"),
+    [([700], 4, 1, 256), ([1000], 6, 2, 40), ([257, 3], 2, 1, 16), ([513], 1, 1, 8)],
+)
+def test_keys_split_over_threads_merge_to_the_same_attention(lengths, heads, kvh, hd) -> None:
+    """With fewer (sequence, KV head) pairs than threads, a pair's keys go in pieces over
+    the threads and the pieces merge by their maxima (up to 4 pieces here)."""
+    g = torch.Generator().manual_seed(sum(lengths) + hd)
+    views = _views(g, lengths, kvh, hd)
+    q = torch.randn(len(lengths), heads, hd, generator=g) * 3  # peaked: the maxima matter
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        got = decode_attention(q, [v.keys for v in views], [v.values for v in views], 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    want = torch.cat([attend(q[i : i + 1], v, None, 0.3) for i, v in enumerate(views)])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_kernel_rejects_mismatched_inputs_with_a_clear_error() -> None:
     q = torch.randn(2, 4, 8)
     k = [torch.randn(1, 3, 8), torch.randn(1, 4, 8)]

@@ -21,7 +21,9 @@ time, it loaded and stored the output row for every key); the softmax's
 exponentials are eight at a time (a Cephes-style polynomial, relative error
 ~1e-7, where ``std::exp`` was one at a time). 1.4-1.6x faster for 16 sequences
 of 200-600 keys in a microbenchmark; at 1,024 keys each, reading the keys and
-values from memory bounds both.
+values from memory bounds both. With fewer (sequence, KV head) pairs than
+threads (batch 1 on a one-KV-head model), a pair's keys go in pieces of 256
+over the threads, merged by their maxima (flash-decoding).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <ATen/ops/empty.h>
 #include <cmath>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -103,8 +107,8 @@ void scores(const float* q, const float* k, int64_t ks, int64_t S, int64_t D, fl
   }
 }
 
-// p[0..S) <- softmax(p) in place (max-subtracted), vectorised.
-void softmax(float* p, int64_t S) {
+// p[0..S) <- exp(p - max) in place, vectorised; returns (max, sum of the exponentials).
+std::pair<float, float> exp_in_place(float* p, int64_t S) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < S; ++j) mx = std::max(mx, p[j]);
   const __m256 mv = _mm256_set1_ps(mx);
@@ -120,11 +124,14 @@ void softmax(float* p, int64_t S) {
     p[j] = std::exp(p[j] - mx);
     sum += p[j];
   }
-  const float inv = 1.f / sum;
-  const __m256 iv = _mm256_set1_ps(inv);
-  j = 0;
-  for (; j + 8 <= S; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), iv));
-  for (; j < S; ++j) p[j] *= inv;
+  return {mx, sum};
+}
+
+inline void scale_row(float* x, float a, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), av));
+  for (; i < n; ++i) x[i] *= a;
 }
 
 // out[r] = sum_j p[r * S + j] v_j for NR rows (row stride D). Keys in blocks of KB (their
@@ -163,13 +170,29 @@ void weighted(const float* p, const float* v, int64_t vs, int64_t S, int64_t D, 
     }
 }
 
+// NR query rows against S keys: out[r] = sum_j exp(score_rj - m_r) v_j, unnormalised,
+// with m_r the rows' largest score and l_r the sum of their exponentials.
 template <int NR>
 void attend_group(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
-                  int64_t S, int64_t D, float scale, float* p, float* out) {
+                  int64_t S, int64_t D, float scale, float* p, float* out, float* m, float* l) {
   scores<NR>(q, k, ks, S, D, scale, p);
-  for (int r = 0; r < NR; ++r) softmax(p + r * S, S);
+  for (int r = 0; r < NR; ++r) std::tie(m[r], l[r]) = exp_in_place(p + r * S, S);
   weighted<NR>(p, v, vs, S, D, out);
 }
+
+void attend_rows(int64_t nr, const float* q, const float* k, int64_t ks, const float* v,
+                 int64_t vs, int64_t S, int64_t D, float scale, float* p, float* out, float* m,
+                 float* l) {
+  switch (nr) {
+    case 4: attend_group<4>(q, k, ks, v, vs, S, D, scale, p, out, m, l); break;
+    case 3: attend_group<3>(q, k, ks, v, vs, S, D, scale, p, out, m, l); break;
+    case 2: attend_group<2>(q, k, ks, v, vs, S, D, scale, p, out, m, l); break;
+    default: attend_group<1>(q, k, ks, v, vs, S, D, scale, p, out, m, l); break;
+  }
+}
+
+// Keys per piece when a (sequence, KV head) pair is split over threads.
+constexpr int64_t PIECE = 256;
 
 // q [B, H, D] fp32; keys[b], values[b] [G, S_b, D]. Returns [B, H * D].
 at::Tensor decode_attention(const at::Tensor& q_in, at::TensorList keys, at::TensorList values,
@@ -197,31 +220,66 @@ at::Tensor decode_attention(const at::Tensor& q_in, at::TensorList keys, at::Ten
   const float* qp = q.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float sc = float(scale);
-  at::parallel_for(0, B * G, 1, [&](int64_t t0, int64_t t1) {
+  // Fewer (sequence, KV head) pairs than threads (one sequence: one pair for Gemma 3 270M):
+  // each pair's keys go in pieces of PIECE over the threads, and the pieces' partial sums
+  // merge by their maxima (flash-decoding). Otherwise one pair a task.
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> first(size_t(B * G) + 1, 0);  // the pairs' first piece
+  for (int64_t t = 0; t < B * G; ++t) {
+    const int64_t S = keys[size_t(t / G)].size(1);
+    const int64_t n = B * G < threads ? std::min(threads, (S + PIECE - 1) / PIECE) : 1;
+    first[size_t(t) + 1] = first[size_t(t)] + n;
+  }
+  const int64_t pieces = first.back();
+  const bool split = pieces > B * G;
+  // per piece and query row: its unnormalised output, its max and its sum
+  std::vector<float> part(split ? size_t(pieces * rep * D) : 0);
+  std::vector<float> pm(size_t(pieces * rep)), pl(size_t(pieces * rep));
+  at::parallel_for(0, pieces, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / G, g = t % G;
-      const at::Tensor& K = keys[b];
-      const at::Tensor& V = values[b];
-      const int64_t S = K.size(1);
-      const float* kp = K.data_ptr<float>() + g * K.stride(0);
-      const float* vp = V.data_ptr<float>() + g * V.stride(0);
-      p.resize(size_t(R * S));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+      const int64_t b = t / G, g = t % G, n = first[size_t(t) + 1] - first[size_t(t)];
+      const at::Tensor& K = keys[size_t(b)];
+      const at::Tensor& V = values[size_t(b)];
+      const int64_t S = K.size(1), c = i - first[size_t(t)];
+      const int64_t j0 = S * c / n, j1 = S * (c + 1) / n;  // this piece's keys
+      const int64_t ks = K.stride(1), vs = V.stride(1);
+      const float* kp = K.data_ptr<float>() + g * K.stride(0) + j0 * ks;
+      const float* vp = V.data_ptr<float>() + g * V.stride(0) + j0 * vs;
+      p.resize(size_t(R * (j1 - j0)));
       for (int64_t r0 = 0; r0 < rep; r0 += R) {
         const int64_t nr = std::min(R, rep - r0);
         const int64_t row = b * H + g * rep + r0;  // the first query row of this group
-        const float* qr = qp + row * D;
-        float* out = yp + row * D;
-        const int64_t ks = K.stride(1), vs = V.stride(1);
-        switch (nr) {
-          case 4: attend_group<4>(qr, kp, ks, vp, vs, S, D, sc, p.data(), out); break;
-          case 3: attend_group<3>(qr, kp, ks, vp, vs, S, D, sc, p.data(), out); break;
-          case 2: attend_group<2>(qr, kp, ks, vp, vs, S, D, sc, p.data(), out); break;
-          default: attend_group<1>(qr, kp, ks, vp, vs, S, D, sc, p.data(), out); break;
-        }
+        float* out = split ? part.data() + (i * rep + r0) * D : yp + row * D;
+        float* m = pm.data() + i * rep + r0;
+        float* l = pl.data() + i * rep + r0;
+        attend_rows(nr, qp + row * D, kp, ks, vp, vs, j1 - j0, D, sc, p.data(), out, m, l);
+        if (!split)
+          for (int64_t r = 0; r < nr; ++r) scale_row(out + r * D, 1.f / l[r], D);
       }
     }
   });
+  if (split) {  // out_r = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c
+    for (int64_t t = 0; t < B * G; ++t) {
+      const int64_t b = t / G, g = t % G;
+      for (int64_t r = 0; r < rep; ++r) {
+        float* out = yp + (b * H + g * rep + r) * D;
+        float mx = -INFINITY;
+        for (int64_t i = first[size_t(t)]; i < first[size_t(t) + 1]; ++i)
+          mx = std::max(mx, pm[size_t(i * rep + r)]);
+        std::fill(out, out + D, 0.f);
+        float total = 0.f;
+        for (int64_t i = first[size_t(t)]; i < first[size_t(t) + 1]; ++i) {
+          const float w = std::exp(pm[size_t(i * rep + r)] - mx);
+          total += w * pl[size_t(i * rep + r)];
+          const float* o = part.data() + (i * rep + r) * D;
+          for (int64_t d = 0; d < D; ++d) out[d] += w * o[d];
+        }
+        scale_row(out, 1.f / total, D);
+      }
+    }
+  }
   return y;
 }
 
