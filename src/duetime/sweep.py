@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from typing import Any
 
 from duetime.experiment import SimSpec, run_spec
+from duetime.process_pool import process_pool
 
 
 def run_row(spec: SimSpec) -> dict[str, Any]:
@@ -31,7 +32,7 @@ def run_sweep(
             if progress:
                 progress(i + 1, n)
     elif backend == "process":
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        with process_pool(workers) as pool:
             futs = {pool.submit(run_row, s): i for i, s in enumerate(specs)}
             for done, fut in enumerate(as_completed(futs), 1):
                 rows[futs[fut]] = fut.result()

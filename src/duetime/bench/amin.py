@@ -28,13 +28,13 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from duetime.core.request import Job
+from duetime.process_pool import process_pool
 
 CONSTRUCTIONS: dict[str, str] = {
     "rough": "interval:rough",
@@ -245,7 +245,7 @@ def run(
         tp_tasks = []
     # Longest first (Amin), so the pool's two workers finish together.
     order = sorted(range(len(tasks)), key=lambda i: tasks[i][1] != "amin")
-    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+    with process_pool(workers) as pool:
         tp_futs = [pool.submit(run_two_point, t) for t in tp_tasks]
         futs = {i: pool.submit(run_sharegpt, tasks[i]) for i in order}
         rows = [futs[i].result() for i in range(len(tasks))]

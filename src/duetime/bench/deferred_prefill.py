@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import numpy as np
 from duetime.analysis.deferred_prefill import DeferredPrefillModel, advise
 from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job, Request
+from duetime.process_pool import process_pool
 
 UNLIMITED = 1 << 40
 CURVE_STYLES = {  # curve name → (marker, legend label)
@@ -181,7 +181,7 @@ def run(
         (kind, k, requests, seed, params) for kind in ("sim-model", "sim-sharegpt") for k in grid
     ]
     tasks.sort(key=lambda t: t[1])  # K = 1 is the slowest (a prefill after every departure)
-    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+    with process_pool(workers) as pool:
         sims = list(pool.map(_task, tasks))
     analytic = [
         {
