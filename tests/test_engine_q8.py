@@ -152,6 +152,25 @@ def test_q8_decode_stays_close_to_fp32(hf) -> None:
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@needs_kernel
+def test_q8_output_layer_ranks_with_the_kernel_for_two_rows_and_fbgemm_beyond(hf) -> None:
+    """The output layer's ranking product: the int8 kernel for 1-2 rows, fbgemm's int8
+    GEMM from 3 (faster there on the real 262,144-row weight); the layers keep 8."""
+    from duetime.engine.linear import Q8_HEAD_MAX_ROWS, Int8Linear, RescoredInt8Head
+
+    model = engine_from_hf(hf, "q8")
+    head = model.lm_head
+    assert isinstance(head, RescoredInt8Head)
+    rank = head._int8
+    assert isinstance(rank, Q8Linear)
+    assert rank.max_rows == Q8_HEAD_MAX_ROWS == 2
+    assert isinstance(rank.fallback, Int8Linear)
+    assert model.layers[0].qkv.max_rows == 8
+    x = torch.randn(3, rank.q.in_features)
+    assert torch.equal(rank(x[:3]), rank.fallback(x[:3]))  # 3 rows: fbgemm's product
+    assert not torch.equal(rank(x[:2]), rank.fallback(x[:2]))  # 2: the kernel's
+
+
 def test_q8_prefill_equals_fast(hf) -> None:
     # a 40-row step exceeds the kernel's row limit: without bf16 rows, layers and output
     # layer take the same fp32 / fbgemm path as `fast`, bit for bit (kernel built or not)

@@ -31,6 +31,7 @@ from duetime.engine.batch import SeqChunk, StepBatch
 from duetime.engine.config import Gemma3Config
 from duetime.engine.kv_cache import KVCache
 from duetime.engine.linear import (
+    Q8_HEAD_MAX_ROWS,
     Bf16Linear,
     DenseLinear,
     Int8Linear,
@@ -184,7 +185,9 @@ class Gemma3:
         if dtype in ("fast", "q8") and int8_output is None:
             src = self.embed if tied else head
             quant_head = partial(q8_quantize, "lm_head")
-            rank = q8_or(src, Int8Linear(src), quantize=quant_head) if dtype == "q8" else None
+            rank = None
+            if dtype == "q8":  # the int8 kernel for 1-2 rows, fbgemm beyond
+                rank = q8_or(src, Int8Linear(src), Q8_HEAD_MAX_ROWS, quantize=quant_head)
             self.lm_head: Linear = RescoredInt8Head(src, rank=rank)
         elif int8_output if int8_output is not None else dtype == "int8":
             self.lm_head = Int8Linear(head)
