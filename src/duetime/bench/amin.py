@@ -87,12 +87,11 @@ def heldout_jobs(requests: int, seed: int) -> list[Job]:
     """As :func:`sharegpt_jobs`, with prompt text, from the rows no shipped length predictor
     trained on; at most as many requests as there are such rows (no row twice)."""
     from duetime import workloads as wl
-    from duetime.predict.length_data import heldout_rows
+    from duetime.predict.length_data import heldout_pool
 
     lengths = wl.load_sharegpt_lengths(progress=False)
     caps = wl.LengthCaps(max_output_len=MAX_OUTPUT, max_total_len=4096)
-    fits = np.flatnonzero(caps.mask(lengths.prompt_len, lengths.output_len))
-    pool = np.intersect1d(heldout_rows(lengths), fits)
+    pool = heldout_pool(lengths, caps)
     return wl.build_jobs(
         min(requests, len(pool)),
         source=wl.ShareGPTSource(lengths, pool=pool),

@@ -83,11 +83,10 @@ def pairs(
     caps = wl.LengthCaps(min_prompt_len=MIN_PROMPT, max_output_len=N_MAX)
     source = None
     if rows == "heldout":
-        from duetime.predict.length_data import heldout_rows
+        from duetime.predict.length_data import heldout_pool
 
         lengths = wl.load_sharegpt_lengths(progress=False)
-        fits = np.flatnonzero(caps.mask(lengths.prompt_len, lengths.output_len))
-        pool = np.intersect1d(heldout_rows(lengths), fits)
+        pool = heldout_pool(lengths, caps)
         source = wl.ShareGPTSource(lengths, pool=pool)
         n = min(n, len(pool))
     jobs = wl.build_jobs(

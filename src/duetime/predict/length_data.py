@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from duetime.workloads.sharegpt import ShareGPTLengths
+
+if TYPE_CHECKING:
+    from duetime.workloads.sources import LengthCaps
 
 SPLITS = ("train", "val", "calib", "test")
 DEFAULT_FRACTIONS = (0.7, 0.1, 0.1, 0.1)
@@ -137,6 +141,13 @@ def heldout_rows(lengths: ShareGPTLengths, *, seed: int = 0, max_len: int = 4096
         lengths, empty, max_len=max_len, seed=seed, content_keys=pair_keys(lengths)
     )
     return data.splits["test"]
+
+
+def heldout_pool(lengths: ShareGPTLengths, caps: LengthCaps) -> np.ndarray:
+    """The rows of :func:`heldout_rows` that fit ``caps``: what a benchmark of a learned
+    predictor draws its jobs from, each row once (as many jobs as there are rows)."""
+    fits = np.flatnonzero(caps.mask(lengths.prompt_len, lengths.output_len))
+    return np.intersect1d(heldout_rows(lengths), fits)
 
 
 _PAIR_KEYS: dict[str, np.ndarray] = {}

@@ -135,7 +135,8 @@ class ServerState:
         forecasts' errors, where it keeps one (``--deadline-confidence``)."""
         served = self.served_lengths
         errors = self.admission.errors
-        if (rid is None or served is None) and errors is None and grammar is answered is None:
+        watching = grammar is not None or answered is not None
+        if (rid is None or served is None) and errors is None and not watching:
             return self.metrics.observe
 
         def count(outcome: Outcome) -> None:

@@ -37,6 +37,7 @@ probability ``(n - 1) / (n + 1)``, the confidence given); with fewer than
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -137,7 +138,7 @@ class GrammarSteps:
         n = len(seen)
         if n == 0:
             return None
-        mid = seen[(n - 1) // 2] if n % 2 else (seen[n // 2 - 1] + seen[n // 2]) / 2
+        mid = statistics.median(seen)
         if n >= MIN_ANSWERS:
             hi, confidence = float(seen[-1]), (n - 1) / (n + 1)
         else:  # too few to say how long they get: up to the bound
