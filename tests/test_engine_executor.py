@@ -210,8 +210,8 @@ def test_a_restarted_answer_is_replayed_not_resampled(model: Any) -> None:
     ex._on_restart = spy  # type: ignore[method-assign]
     step = model.step
 
-    def drifted(chunks: Any, kv: Any) -> torch.Tensor:
-        logits = step(chunks, kv)
+    def drifted(chunks: Any, kv: Any, **kw: Any) -> torch.Tensor:
+        logits = step(chunks, kv, **kw)
         if voided:  # after the first restart every argmax is token 7
             logits = logits.clone()
             logits[:, 7] = logits.max() + 1.0

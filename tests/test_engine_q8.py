@@ -16,6 +16,7 @@ import torch
 
 from duetime.engine import SeqChunk, q8_kernel
 from duetime.engine.linear import DenseLinear, Q8Linear, q8_or
+from duetime.engine.q4_rank import q4_available
 from duetime.engine.q8_kernel import q8_available, q8_linear, quantize_q8
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 
@@ -351,7 +352,9 @@ def test_real_gemma3_q8_decodes_like_fp32() -> None:
     fp32 = Gemma3(cfg, weights, "fp32")
     ids = encode("The capital of France is")
     assert ids[0] == cfg.bos_token_id
-    # greedy decoding: every step after the prompt is a one-row product (the kernel)
+    # greedy decoding: every step after the prompt is a one-row product (the kernel),
+    # ranked in int4 where the CPU has VNNI (q4_rank), re-scored in fp32
+    assert q8.int4_ranking == q4_available()
     assert greedy_generate(q8, [ids], 8) == greedy_generate(fp32, [ids], 8)
     layer = q8.layers[0].gate_up
     assert isinstance(layer, Q8Linear)

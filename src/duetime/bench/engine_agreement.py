@@ -33,7 +33,8 @@ def agreement(
     continuation in one step. ``other`` scores the same text the way it would
     generate it (``decode=True``): the prompt in one step, then one token per
     step — the single-row products that ``q8``'s int8 kernel serves (a one-step
-    score would run ``q8`` on its multi-row fp32 path and hide the kernel). With
+    score would run ``q8`` on its multi-row fp32 path and hide the kernel), each
+    step reading only its arg-max as greedy decoding does (``q8``'s int4 ranking). With
     ``decode=False`` it scores everything in one step too. Returns (share, positions).
     """
     from duetime.engine.generate import greedy_generate
@@ -48,9 +49,10 @@ def agreement(
         kv = other.new_kv_cache()
         slot = kv.allocate()
         if decode:
-            rows = [other.step([SeqChunk(slot, p, 0)], kv)]
+            rows = [other.step([SeqChunk(slot, p, 0)], kv, argmax_only=True)]
             rows += [
-                other.step([SeqChunk(slot, [t], len(p) + i)], kv) for i, t in enumerate(c[:-1])
+                other.step([SeqChunk(slot, [t], len(p) + i)], kv, argmax_only=True)
+                for i, t in enumerate(c[:-1])
             ]
             got = torch.cat(rows).argmax(-1)
         else:

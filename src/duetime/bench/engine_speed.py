@@ -43,6 +43,7 @@ from duetime.bench.engine_speed_report import plot, ratios, table
 from duetime.engine.batch import SeqChunk
 from duetime.engine.config import Gemma3Config
 from duetime.engine.gemma3 import Gemma3
+from duetime.engine.linear import RescoredInt8Head
 
 __all__ = ["agreement", "memory_bandwidth_gb_s", "plot", "run", "table"]
 
@@ -56,12 +57,19 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "q8-oneattn": {"dtype": "q8", "blocked_prefill_attention": False},
     # the norms as plain torch ops, not the fused C++ ones (before session 29)
     "q8-unfused": {"dtype": "q8", "fused_norms": False},
+    # greedy steps rank the vocabulary in int8, not int4 (before session 30)
+    "q8-int8rank": {"dtype": "q8", "int4_ranking": False},
     "fp32-mkl": {"dtype": "fp32", "packed": False, "batched_decode_attention": False},
     "bf16": {"dtype": "bf16"},
     "int8": {"dtype": "int8"},
 }
 # Variant keys that are attributes of a built Gemma3, not arguments of its constructor.
-_MODEL_SWITCHES = ("batched_decode_attention", "blocked_prefill_attention", "fused_norms")
+_MODEL_SWITCHES = (
+    "batched_decode_attention",
+    "blocked_prefill_attention",
+    "fused_norms",
+    "int4_ranking",
+)
 # (prompt lengths, decode batch sizes, context tokens before decode, decode steps per rep)
 FULL = ((128, 512, 2048), (1, 4, 16, 64), 128, 8)
 QUICK = ((16, 64), (1, 4), 16, 3)
@@ -128,7 +136,10 @@ def _weight_bytes(model: Gemma3, rows: int = 1) -> int:
         return int(fn(rows)) if fn is not None else int(lin.nbytes)
 
     layers = sum(nbytes(lin) for ly in model.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
-    return layers + nbytes(model.lm_head)
+    head = model.lm_head
+    if isinstance(head, RescoredInt8Head):  # the bench decodes greedily
+        return layers + head.bytes_read(rows, argmax_only=True)
+    return layers + nbytes(head)
 
 
 def _kv_bytes_read(cfg: Gemma3Config, batch: int, ctx: int, itemsize: int) -> int:
@@ -155,7 +166,7 @@ class _EngineCell:
         for _ in range(n):
             chunks = [SeqChunk(s, [100], self.kv.seq_len(s)) for s in self.slots]
             t = time.perf_counter()
-            self.model.step(chunks, self.kv)
+            self.model.step(chunks, self.kv, argmax_only=True)  # greedy, as the server decodes
             out.append(time.perf_counter() - t)
         return out
 
@@ -164,7 +175,7 @@ def _prefill_s(model: Gemma3, ids: list[int]) -> float:
     kv = model.new_kv_cache()
     chunk = SeqChunk(kv.allocate(len(ids)), ids, 0)
     t = time.perf_counter()
-    model.step([chunk], kv)
+    model.step([chunk], kv, argmax_only=True)
     return time.perf_counter() - t
 
 

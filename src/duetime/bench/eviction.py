@@ -50,7 +50,7 @@ def _prefill(model: Gemma3, prompt: Sequence[int], chunk: int, window: int | Non
         kv.watch(slot, window)
     logits = None
     for a in range(0, len(prompt), chunk):
-        logits = model.step([SeqChunk(slot, prompt[a : a + chunk], a)], kv)
+        logits = model.step([SeqChunk(slot, prompt[a : a + chunk], a)], kv, argmax_only=True)
     assert logits is not None, "empty prompt"
     return kv, slot, int(logits[0].argmax())
 
@@ -115,7 +115,7 @@ def continuation(
     out = [tok]
     pos = len(prompt)
     while len(out) < n_new:
-        logits = model.step([SeqChunk(slot, [out[-1]], pos)], kv)
+        logits = model.step([SeqChunk(slot, [out[-1]], pos)], kv, argmax_only=True)
         out.append(int(logits[0].argmax()))
         pos += 1
     kv.free(slot)

@@ -364,12 +364,13 @@ class EngineExecutor(ExecutorCore):
             owners.append((seq, True))
             kv_attended += kv.num_tokens(slot)
         scored = self._prompt_scoring(chunks)
+        argmax_only = not self._reads_logits(owners)
         t0 = self._clock()
         if scored:
             hidden, batch = self.model.hidden_states(model_chunks, kv)
-            logits = self.model.logits(hidden[batch.last_rows])
+            logits = self.model.logits(hidden[batch.last_rows], argmax_only=argmax_only)
         else:
-            logits = self.model.step(model_chunks, kv)
+            logits = self.model.step(model_chunks, kv, argmax_only=argmax_only)
         next_ids = torch.argmax(logits, dim=-1).tolist()
         dt = self._clock() - t0  # the step's own time: scoring the prompt is the client's extra
         for seq, row, positions in scored:
@@ -426,6 +427,19 @@ class EngineExecutor(ExecutorCore):
         self.last_step = (dt, computed + rode, len(decoders), kv_attended)
         self._log_step(computed, attn, len(decoders), kv_attended, dt)
         return dt
+
+    def _reads_logits(self, owners: list[tuple[Seq, bool]]) -> bool:
+        """Whether a row of this step is read beyond its arg-max (a sampler's draw, a
+        grammar's mask, a log of probabilities): only then must every logit be close
+        to fp32, not just each row's best (``Gemma3.logits``' ``argmax_only``)."""
+        samplers, grammars, logs = self.samplers, self.grammars, self.logprob_logs
+        if not (samplers or grammars or logs):
+            return False
+        return any(
+            seq.rid in samplers or seq.rid in grammars or seq.rid in logs
+            for seq, sampled in owners
+            if sampled
+        )
 
     def grammar_complete(self, rid: int) -> bool:
         """Whether ``rid``'s answer is a whole sentence of its grammar (the grammar takes

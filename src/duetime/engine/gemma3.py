@@ -44,6 +44,7 @@ from duetime.engine.linear import (
 from duetime.engine.malloc_tuning import keep_large_blocks
 from duetime.engine.norm_kernel import make_norms
 from duetime.engine.obs_window import ObsWindow
+from duetime.engine.q4_rank import q4_available, quantize_q4
 from duetime.engine.q8_kernel import Q8Weight, quantize_q8
 
 __all__ = ["DTYPES", "Dtype", "Gemma3"]
@@ -185,10 +186,12 @@ class Gemma3:
         if dtype in ("fast", "q8") and int8_output is None:
             src = self.embed if tied else head
             quant_head = partial(q8_quantize, "lm_head")
-            rank = None
+            rank = coarse = None
             if dtype == "q8":  # the int8 kernel for 1-2 rows, fbgemm beyond
                 rank = q8_or(src, Int8Linear(src), Q8_HEAD_MAX_ROWS, quantize=quant_head)
-            self.lm_head: Linear = RescoredInt8Head(src, rank=rank)
+                # greedy steps of up to 6 rows rank in int4 where the CPU has VNNI
+                coarse = quantize_q4(src) if q4_available() else None
+            self.lm_head: Linear = RescoredInt8Head(src, rank=rank, coarse=coarse)
         elif int8_output if int8_output is not None else dtype == "int8":
             self.lm_head = Int8Linear(head)
         elif packed:
@@ -228,22 +231,42 @@ class Gemma3:
     def fused_norms(self, on: bool) -> None:
         self.norms = make_norms(self.config.rms_norm_eps, self.compute_dtype, fused=on)
 
+    @property
+    def int4_ranking(self) -> bool:
+        """Whether greedy steps of few rows rank the vocabulary in int4 (``q8`` on a CPU
+        with AVX-512 VNNI; :mod:`~duetime.engine.q4_rank`)."""
+        head = self.lm_head
+        return isinstance(head, RescoredInt8Head) and head.coarse_enabled
+
+    @int4_ranking.setter
+    def int4_ranking(self, on: bool) -> None:
+        head = self.lm_head
+        if isinstance(head, RescoredInt8Head):
+            head.coarse_enabled = on and head.coarse is not None
+
     def new_kv_cache(self, max_tokens: int | None = None) -> KVCache:
         """A KV cache in the dtype this model computes in."""
         return KVCache(self.config, self.compute_dtype, max_tokens)
 
     @torch.no_grad()
     def step(
-        self, chunks: Sequence[SeqChunk], kv: KVCache, *, all_logits: bool = False
+        self,
+        chunks: Sequence[SeqChunk],
+        kv: KVCache,
+        *,
+        all_logits: bool = False,
+        argmax_only: bool = False,
     ) -> torch.Tensor:
         """Run one varlen step and return fp32 logits.
 
         Appends every chunk's keys/values to ``kv`` and advances its positions.
         Returns ``[len(chunks), vocab]`` (each chunk's last token), or with
-        ``all_logits`` ``[total_tokens, vocab]`` in chunk order.
+        ``all_logits`` ``[total_tokens, vocab]`` in chunk order. ``argmax_only``:
+        see :meth:`logits`.
         """
         hidden, batch = self.hidden_states(chunks, kv)
-        return self.logits(hidden if all_logits else hidden[batch.last_rows])
+        rows = hidden if all_logits else hidden[batch.last_rows]
+        return self.logits(rows, argmax_only=argmax_only)
 
     @torch.no_grad()
     def hidden_states(
@@ -301,11 +324,20 @@ class Gemma3:
         return x, batch
 
     @torch.no_grad()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of rows of :meth:`hidden_states` (final norm, output layer, soft cap)."""
+    def logits(self, hidden: torch.Tensor, *, argmax_only: bool = False) -> torch.Tensor:
+        """fp32 logits of rows of :meth:`hidden_states` (final norm, output layer, soft cap).
+
+        ``argmax_only``: the caller reads only each row's arg-max (plain greedy
+        decoding), so the vocabulary may be ranked coarsely (:attr:`int4_ranking`): each
+        row's top candidates are still exact fp32, the other logits approximations.
+        """
         cfg = self.config
-        x = self.norms.rms(hidden, self.final_norm)
-        logits = self.lm_head(x.to(self.lm_head.dtype)).float()
+        x = self.norms.rms(hidden, self.final_norm).to(self.lm_head.dtype)
+        head = self.lm_head
+        if argmax_only and isinstance(head, RescoredInt8Head):
+            logits = head(x, argmax_only=True)
+        else:
+            logits = head(x).float()
         if cfg.final_logit_softcapping is not None:
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

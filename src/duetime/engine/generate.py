@@ -52,7 +52,7 @@ def greedy_generate(
                 else:
                     chunks.append(SeqChunk(slots[i], [out[i][-1]], kv.seq_len(slots[i])))
                 owners.append(i)
-            logits = model.step(chunks, kv)
+            logits = model.step(chunks, kv, argmax_only=True)
             next_ids = torch.argmax(logits, dim=-1).tolist()
             for i, tok in zip(owners, next_ids, strict=True):
                 if fed[i] < len(prompts[i]):

@@ -44,6 +44,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from duetime.engine.q4_rank import Q4_RANK_MAX_ROWS, Q4Weight, q4_linear
 from duetime.engine.q8_kernel import Q8Weight, q8_available, q8_linear, quantize_q8
 
 __all__ = [
@@ -189,24 +190,53 @@ class RescoredInt8Head:
 
     ``rank``: the approximate product that ranks the vocabulary (default: fbgemm
     :class:`Int8Linear`; ``q8`` passes a :class:`Q8Linear`).
+
+    ``coarse``: an int4 copy of the weight (:mod:`duetime.engine.q4_rank`) that
+    ranks instead when the caller reads only each row's arg-max
+    (``argmax_only``) and the step has at most ``coarse_rows`` rows; its top
+    ``coarse_k`` (64) are re-scored, and the logits outside them are int4
+    approximations. ``coarse_enabled = False`` keeps the int8 ranking always.
     """
 
-    def __init__(self, weight: torch.Tensor, k: int = 32, *, rank: Linear | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        k: int = 32,
+        *,
+        rank: Linear | None = None,
+        coarse: Q4Weight | None = None,
+        coarse_rows: int = Q4_RANK_MAX_ROWS,
+        coarse_k: int = 64,
+    ) -> None:
         self.weight = weight.detach().float().contiguous()
         self._int8: Linear = rank if rank is not None else Int8Linear(self.weight)
         self.k = min(k, self.weight.shape[0])
+        self.coarse = coarse
+        self.coarse_rows = coarse_rows
+        self.coarse_k = min(coarse_k, self.weight.shape[0])
+        self.coarse_enabled = coarse is not None
         self.dtype = torch.float32
         self.out_features = self.weight.shape[0]
         self.nbytes = self._int8.nbytes  # + k fp32 rows per token, negligible
 
-    def bytes_read(self, rows: int) -> int:
-        """Weight bytes a product over ``rows`` rows reads (for rooflines)."""
-        return _bytes_read(self._int8, rows)
+    def _coarse_for(self, rows: int, argmax_only: bool) -> Q4Weight | None:
+        if argmax_only and self.coarse_enabled and rows <= self.coarse_rows:
+            return self.coarse
+        return None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def bytes_read(self, rows: int, argmax_only: bool = False) -> int:
+        """Weight bytes a product over ``rows`` rows reads (for rooflines)."""
+        coarse = self._coarse_for(rows, argmax_only)
+        return coarse.nbytes if coarse is not None else _bytes_read(self._int8, rows)
+
+    def __call__(self, x: torch.Tensor, *, argmax_only: bool = False) -> torch.Tensor:
         x = x.float()
-        logits = self._int8(x)
-        idx = topk_indices(logits, self.k)  # [n, k]
+        coarse = self._coarse_for(x.shape[0], argmax_only)
+        if coarse is not None:
+            logits, k = q4_linear(x, coarse), self.coarse_k
+        else:
+            logits, k = self._int8(x), self.k
+        idx = topk_indices(logits, k)  # [n, k]
         exact = torch.bmm(self.weight[idx], x[:, :, None])[:, :, 0]  # [n, k]
         return logits.scatter_(1, idx, exact)
 

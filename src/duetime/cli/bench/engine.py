@@ -19,6 +19,7 @@ def bench_engine(
             help="Engine variant(s): fp32, fast, q8, q8-fp32rows (q8 with many-row steps in"
             " fp32 even where the CPU has native bf16), q8-oneattn (q8 with a prefill chunk's"
             " attention in one masked call), q8-unfused (q8 with its norms as plain torch ops),"
+            " q8-int8rank (q8 whose greedy steps rank the vocabulary in int8, not int4),"
             " fp32-mkl, bf16, int8."
         ),
     ] = None,
