@@ -157,6 +157,20 @@ def test_a_grammar_allows_only_its_next_tokens_and_ends_where_it_is_complete(
     assert not compiler.grammar(GrammarSpec.choice(CHOICES, "choice")).accept(ord("x") + 3)
 
 
+def test_allowed_ids_lists_a_few_next_tokens_and_gives_up_past_the_limit(
+    compiler: GrammarCompiler,
+) -> None:
+    g = compiler.grammar(GrammarSpec.choice(CHOICES, "choice"))
+    ids = g.allowed_ids(2)
+    assert ids is not None
+    assert ids.tolist() == sorted([ord("h") + 3, ord("w") + 3])
+    assert ids.tolist() == g.allowed().nonzero().flatten().tolist()
+    assert g.allowed_ids(1) is None  # two allowed: more than the limit
+    free = compiler.grammar(GrammarSpec("regex", "[a-z]+", "regex"))
+    assert free.allowed_ids(10) is None  # 26 letters
+    assert len(free.allowed_ids(26)) == 26  # type: ignore[arg-type]
+
+
 def test_reset_and_copy_give_independent_grammars(compiler: GrammarCompiler) -> None:
     g = compiler.grammar(GrammarSpec("regex", "ab|ac", "regex"))
     assert g.accept(ord("a") + 3)
@@ -768,7 +782,11 @@ def test_bench_grammar_times_every_kind_beside_the_free_run(tmp_path: Any) -> No
     res = CliRunner().invoke(app, [*args, "--repeats", "1", "--threads", "1", "--json", str(path)])
     assert res.exit_code == 0, res.output
     fig = json.loads(path.read_text())
-    assert set(fig["runs"]) == {"none", "json_schema", "json_array", "regex", "lark"}
+    kinds = {"json_schema", "json_array", "regex", "lark"}
+    assert set(fig["runs"]) == {"none", *kinds, *(k + ":whole" for k in kinds)}
+    assert set(fig["gather_speedup"]) == kinds
+    assert all(v > 0 for v in fig["gather_speedup"].values())
+    assert "few allowed tokens' logits gathered, against whole rows masked: " in res.output
     for kind, run in fig["runs"].items():
         assert run["ms_per_token"] > 0
         if kind != "none":
@@ -812,3 +830,57 @@ def test_bench_grammar_refuses_an_unknown_kind() -> None:
     from tests.factories import cli_refused
 
     cli_refused("bench", "grammar", "--model", "tiny", "--kinds", "json,yaml", names="--kinds")
+
+
+def test_logits_of_allowed_rows_are_exact_at_their_tokens_and_minus_inf_elsewhere(
+    model: Gemma3,
+) -> None:
+    import torch
+
+    kv = model.new_kv_cache()
+    a, b = kv.allocate(), kv.allocate()
+    hidden, batch = model.hidden_states(
+        [SeqChunk(a, CODEC.encode("one prompt"), 0), SeqChunk(b, CODEC.encode("two"), 0)], kv
+    )
+    last = hidden[batch.last_rows]
+    full = model.logits(last)
+    ids = torch.tensor([5, 70, 200])
+    got = model.logits(last, allowed=[ids, None])
+    assert torch.allclose(got[0, ids], full[0, ids], atol=1e-5)
+    assert int(got[0].isfinite().sum()) == 3
+    assert torch.allclose(got[1], full[1], atol=1e-5)  # a row without a list: the whole row
+    assert torch.equal(model.logits(last, allowed=[None, None]), full)
+    with pytest.raises(ValueError, match="allowed has 1 entries for 2 rows"):
+        model.logits(last, allowed=[ids])
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_grammar_rows_take_their_few_allowed_logits_and_answer_as_with_whole_rows(
+    model: Gemma3, compiler: GrammarCompiler, sampled: bool
+) -> None:
+    """A grammar row whose next tokens are few gets only their logits (the output
+    layer's product over the vocabulary skipped); answers, greedy or sampled, are those
+    of the masked whole rows (gathering turned off)."""
+    jobs = _jobs(6)
+    sampling = {rid: SamplingParams(temperature=0.9, seed=rid) for rid in (1, 4)} if sampled else {}
+
+    def run(**kw: Any) -> tuple[dict[int, list[int]], list[bool]]:
+        gathered: list[bool] = []
+        step = model.step
+
+        def spy(chunks: Any, kv: Any, **kw: Any) -> Any:
+            gathered.append(kw.get("allowed") is not None)
+            return step(chunks, kv, **kw)
+
+        model.step = spy  # type: ignore[method-assign]
+        try:
+            _, outputs, _ = _run(model, compiler, jobs, make_policy("fcfs"), sampling, **kw)
+        finally:
+            del model.step
+        return outputs, gathered
+
+    with_gather, gathered = run()
+    assert any(gathered)
+    whole_rows, gathered_off = run(grammar_gather_max=0)
+    assert not any(gathered_off)
+    assert with_gather == whole_rows

@@ -33,7 +33,7 @@ from typing import Any
 from duetime.bench.engine_fit import burst_jobs, warm_up
 from duetime.core.grammar import AnswerWork, GrammarSpec
 from duetime.core.request import Job, LengthPrediction
-from duetime.engine.executor import EngineExecutor
+from duetime.engine.executor import GRAMMAR_GATHER_MAX, EngineExecutor
 from duetime.engine.grammar import GrammarCompiler
 from duetime.policies import make_policy
 from duetime.server.grammar_steps import GrammarSteps
@@ -84,8 +84,18 @@ GRAMMARS: dict[str, tuple[GrammarSpec, Callable[[str], bool]]] = {
 }
 
 
+#: The label suffix of a grammar served with every row's whole logits masked (the
+#: output layer's product over the vocabulary, as before session 30), not a gather.
+WHOLE = ":whole"
+
+
 def _serve(
-    model: Any, jobs: list[Job], compiler: GrammarCompiler, spec: GrammarSpec | None
+    model: Any,
+    jobs: list[Job],
+    compiler: GrammarCompiler,
+    spec: GrammarSpec | None,
+    *,
+    gather: bool = True,
 ) -> tuple[Any, float]:
     ex = EngineExecutor(
         make_policy("fcfs"),
@@ -94,6 +104,7 @@ def _serve(
         max_num_seqs=len(jobs),
         max_batch_tokens=4096,
         check_accounting=False,
+        grammar_gather_max=GRAMMAR_GATHER_MAX if gather else 0,
     )
     if spec is not None:
         for j in jobs:
@@ -112,9 +123,14 @@ def run(
     new_tokens: int = 64,
     repeats: int = 3,
     kinds: Sequence[str] = tuple(GRAMMARS),
+    whole_rows: bool = True,
 ) -> dict[str, Any]:
     """Serve ``prompts`` as one batch without a grammar and under each of ``kinds``,
-    ``repeats`` times interleaved; figures JSON-ready (medians over the repeats)."""
+    ``repeats`` times interleaved; figures JSON-ready (medians over the repeats).
+
+    ``whole_rows``: each kind is also served with every row's whole logits masked
+    (label ``<kind>:whole``), and ``gather_speedup.<kind>`` is that time over the
+    default's, where rows whose grammar allows few tokens take only their logits."""
     unknown = [k for k in kinds if k not in GRAMMARS]
     if unknown:
         raise ValueError(f"unknown grammar kind(s) {unknown}; choose from {', '.join(GRAMMARS)}")
@@ -129,20 +145,23 @@ def run(
         compiler.compile(GRAMMARS[kind][0])
         compile_ms[kind] = 1e3 * (time.perf_counter() - t)
     warm_up(model)
-    labels = ["none", *kinds]
+    constrained = [*kinds, *(k + WHOLE for k in kinds if whole_rows)]
+    labels = ["none", *constrained]
     walls: dict[str, list[float]] = {k: [] for k in labels}
-    valid: dict[str, list[bool]] = {k: [] for k in kinds}
+    valid: dict[str, list[bool]] = {k: [] for k in constrained}
     tokens = len(prompts) * new_tokens
     for _ in range(repeats):
         for label in labels:  # interleaved: a noisy neighbour hits every label alike
-            spec = None if label == "none" else GRAMMARS[label][0]
-            res, wall = _serve(model, burst_jobs(prompts, new_tokens), compiler, spec)
+            kind = label.removesuffix(WHOLE)
+            spec = None if label == "none" else GRAMMARS[kind][0]
+            jobs = burst_jobs(prompts, new_tokens)
+            res, wall = _serve(model, jobs, compiler, spec, gather=not label.endswith(WHOLE))
             made = sum(len(out) for out in res.outputs.values())
             if made != tokens:
                 raise RuntimeError(f"{label}: {made} tokens made, {tokens} expected")
             walls[label].append(wall)
             if label != "none":
-                fits = GRAMMARS[label][1]
+                fits = GRAMMARS[kind][1]
                 valid[label] += [fits(decode(out)) for out in res.outputs.values()]
     base = statistics.median(walls["none"])
     runs: dict[str, dict[str, Any]] = {}
@@ -153,8 +172,9 @@ def run(
             "ms_per_token": 1e3 * wall / tokens,
             "overhead_pct": 100.0 * (wall / base - 1.0),
             "valid_pct": None if label == "none" else 100.0 * statistics.fmean(valid[label]),
-            "compile_ms": compile_ms.get(label),
+            "compile_ms": compile_ms.get(label.removesuffix(WHOLE)),
         }
+    gather_speedup = {k: runs[k + WHOLE]["wall_s"] / runs[k]["wall_s"] for k in kinds if whole_rows}
     return {
         "requests": len(prompts),
         "new_tokens": new_tokens,
@@ -162,6 +182,7 @@ def run(
         "tokenizer_build_s": build_s,
         "runs": runs,
         "worst_overhead_pct": max(runs[k]["overhead_pct"] for k in kinds) if kinds else 0.0,
+        "gather_speedup": gather_speedup,
     }
 
 

@@ -50,9 +50,7 @@ class NoopModel:
     def new_kv_cache(self, max_tokens: int | None = None) -> KVCache:
         return self._kv(max_tokens)
 
-    def step(
-        self, chunks: Sequence[Any], kv: KVCache, *, argmax_only: bool = False
-    ) -> torch.Tensor:
+    def step(self, chunks: Sequence[Any], kv: KVCache, **_: Any) -> torch.Tensor:
         n = len(chunks)
         if self._logits is None or self._logits.shape[0] < n:
             self._logits = torch.zeros(max(n, 64), self.config.vocab_size)

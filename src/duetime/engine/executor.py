@@ -46,6 +46,10 @@ if TYPE_CHECKING:
     from duetime.engine.grammar import TokenGrammar
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: Most tokens a grammar may allow next for its row to take their logits from a gather
+#: of their output rows instead of the whole vocabulary's product (4,096 rows of
+#: Gemma's 640 are 10 MB of fp32, against 168 MB for the int8 ranking).
+GRAMMAR_GATHER_MAX = 4096
 
 
 def rss_bytes() -> int:
@@ -128,6 +132,12 @@ class EngineExecutor(ExecutorCore):
     once; the others copy those rows' keys and values from the first
     (``ExecutorCore._share_prefills``; ``prefill_shared_tokens`` counts them).
 
+    Each step tells the model what its rows read of their logits
+    (:meth:`_logit_needs`): a plain greedy row only its arg-max (the vocabulary
+    may be ranked in int4), a grammar row whose next tokens are at most
+    ``grammar_gather_max`` only theirs (exact, from a gather of their output rows;
+    0 turns that off), a sampler's or a logprob log's row every logit.
+
     ``skip_idle`` is for benchmarks that replay a trace: when nothing can run
     until the next arrival or ready time, the run's clock jumps there instead
     of sleeping (:attr:`idle_skipped_s` adds up the jumps). Every step is still
@@ -154,6 +164,7 @@ class EngineExecutor(ExecutorCore):
         skip_idle: bool = False,
         prefix_cache_tokens: int = 0,
         share_prefills: bool = True,
+        grammar_gather_max: int = GRAMMAR_GATHER_MAX,
     ) -> None:
         if eviction not in EVICTION_METHODS:
             raise ValueError(
@@ -208,6 +219,9 @@ class EngineExecutor(ExecutorCore):
         self.logprob_logs: dict[int, LogprobLog] = {}
         # Structured outputs: rid → the grammar its answer's tokens are masked to.
         self.grammars: dict[int, TokenGrammar] = {}
+        # a grammar row allowing at most this many next tokens gets only their logits
+        # (0: every grammar row gets the whole vocabulary's, masked)
+        self.grammar_gather_max = grammar_gather_max
         # rid → tokens its grammar forces next (already past the grammar), not yet in the
         # answer: they come before any other, and ride along in one chunk where room allows.
         self._forced: dict[int, list[int]] = {}
@@ -364,13 +378,14 @@ class EngineExecutor(ExecutorCore):
             owners.append((seq, True))
             kv_attended += kv.num_tokens(slot)
         scored = self._prompt_scoring(chunks)
-        argmax_only = not self._reads_logits(owners)
+        argmax_only, allowed = self._logit_needs(owners)
         t0 = self._clock()
         if scored:
             hidden, batch = self.model.hidden_states(model_chunks, kv)
-            logits = self.model.logits(hidden[batch.last_rows], argmax_only=argmax_only)
+            last = hidden[batch.last_rows]
+            logits = self.model.logits(last, argmax_only=argmax_only, allowed=allowed)
         else:
-            logits = self.model.step(model_chunks, kv, argmax_only=argmax_only)
+            logits = self.model.step(model_chunks, kv, argmax_only=argmax_only, allowed=allowed)
         next_ids = torch.argmax(logits, dim=-1).tolist()
         dt = self._clock() - t0  # the step's own time: scoring the prompt is the client's extra
         for seq, row, positions in scored:
@@ -428,18 +443,37 @@ class EngineExecutor(ExecutorCore):
         self._log_step(computed, attn, len(decoders), kv_attended, dt)
         return dt
 
-    def _reads_logits(self, owners: list[tuple[Seq, bool]]) -> bool:
-        """Whether a row of this step is read beyond its arg-max (a sampler's draw, a
-        grammar's mask, a log of probabilities): only then must every logit be close
-        to fp32, not just each row's best (``Gemma3.logits``' ``argmax_only``)."""
+    def _logit_needs(
+        self, owners: list[tuple[Seq, bool]]
+    ) -> tuple[bool, list[torch.Tensor | None] | None]:
+        """What this step's rows read of their logits, for ``Gemma3.step``: whether the
+        rows that need the whole vocabulary read only their arg-max (plain greedy:
+        ``argmax_only``), and per row the token ids its grammar allows next where they
+        are few (``allowed``; None when no row has such a grammar).
+
+        A sampler's draw or a log of probabilities reads every logit, so it must be
+        close to fp32; a grammar reads only what it allows, exact from a gather when
+        they are at most ``grammar_gather_max``, else the masked whole row."""
         samplers, grammars, logs = self.samplers, self.grammars, self.logprob_logs
         if not (samplers or grammars or logs):
-            return False
-        return any(
-            seq.rid in samplers or seq.rid in grammars or seq.rid in logs
-            for seq, sampled in owners
-            if sampled
-        )
+            return True, None
+        argmax_only = True
+        allowed: list[torch.Tensor | None] = [None] * len(owners)
+        vocab = self.model.config.vocab_size
+        for row, (seq, sampled) in enumerate(owners):
+            rid = seq.rid
+            if not sampled:
+                continue
+            grammar = grammars.get(rid) if grammars else None
+            if grammar is not None and rid not in logs:
+                ids = grammar.allowed_ids(self.grammar_gather_max)
+                ids = ids[ids < vocab] if ids is not None else None
+                if ids is not None and len(ids):
+                    allowed[row] = ids
+                    continue
+            if grammar is not None or rid in samplers or rid in logs:
+                argmax_only = False
+        return argmax_only, allowed if any(ids is not None for ids in allowed) else None
 
     def grammar_complete(self, rid: int) -> bool:
         """Whether ``rid``'s answer is a whole sentence of its grammar (the grammar takes

@@ -183,6 +183,8 @@ class Gemma3:
         self.embed = embed.to(table_dtype).contiguous()
         head = weights.get("lm_head.weight", embed)
         tied = head is embed or torch.equal(head, embed)
+        # the output rows gathered for a grammar's few allowed tokens (``logits``' allowed)
+        self.head_weight = self.embed if tied else head
         if dtype in ("fast", "q8") and int8_output is None:
             src = self.embed if tied else head
             quant_head = partial(q8_quantize, "lm_head")
@@ -256,17 +258,18 @@ class Gemma3:
         *,
         all_logits: bool = False,
         argmax_only: bool = False,
+        allowed: Sequence[torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """Run one varlen step and return fp32 logits.
 
         Appends every chunk's keys/values to ``kv`` and advances its positions.
         Returns ``[len(chunks), vocab]`` (each chunk's last token), or with
-        ``all_logits`` ``[total_tokens, vocab]`` in chunk order. ``argmax_only``:
-        see :meth:`logits`.
+        ``all_logits`` ``[total_tokens, vocab]`` in chunk order. ``argmax_only`` and
+        ``allowed`` (one entry a returned row): see :meth:`logits`.
         """
         hidden, batch = self.hidden_states(chunks, kv)
         rows = hidden if all_logits else hidden[batch.last_rows]
-        return self.logits(rows, argmax_only=argmax_only)
+        return self.logits(rows, argmax_only=argmax_only, allowed=allowed)
 
     @torch.no_grad()
     def hidden_states(
@@ -324,24 +327,49 @@ class Gemma3:
         return x, batch
 
     @torch.no_grad()
-    def logits(self, hidden: torch.Tensor, *, argmax_only: bool = False) -> torch.Tensor:
+    def logits(
+        self,
+        hidden: torch.Tensor,
+        *,
+        argmax_only: bool = False,
+        allowed: Sequence[torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
         """fp32 logits of rows of :meth:`hidden_states` (final norm, output layer, soft cap).
 
         ``argmax_only``: the caller reads only each row's arg-max (plain greedy
         decoding), so the vocabulary may be ranked coarsely (:attr:`int4_ranking`): each
         row's top candidates are still exact fp32, the other logits approximations.
+
+        ``allowed``: per row, ``None`` or the only token ids the caller will read (a
+        grammar's next tokens): those come back exact in fp32 from a gather of their
+        output rows, every other logit of the row as −∞, and the output layer's
+        product over the whole vocabulary is skipped for the row. ``argmax_only``
+        concerns the other rows.
         """
-        cfg = self.config
         x = self.norms.rms(hidden, self.final_norm).to(self.lm_head.dtype)
+        if allowed is None or all(ids is None for ids in allowed):
+            return self._capped(self._head(x, argmax_only))
+        if len(allowed) != x.shape[0]:
+            raise ValueError(f"allowed has {len(allowed)} entries for {x.shape[0]} rows")
+        out = torch.full((x.shape[0], self.config.vocab_size), -torch.inf)
+        full = [i for i, ids in enumerate(allowed) if ids is None]
+        if full:
+            out[full] = self._capped(self._head(x[full], argmax_only))
+        for i, ids in enumerate(allowed):
+            if ids is not None:
+                exact = self.head_weight[ids].float() @ x[i].float()
+                out[i, ids] = self._capped(exact)
+        return out
+
+    def _head(self, x: torch.Tensor, argmax_only: bool) -> torch.Tensor:
         head = self.lm_head
         if argmax_only and isinstance(head, RescoredInt8Head):
-            logits = head(x, argmax_only=True)
-        else:
-            logits = head(x).float()
-        if cfg.final_logit_softcapping is not None:
-            cap = cfg.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+            return head(x, argmax_only=True)
+        return head(x).float()
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _attention(
         self,

@@ -84,6 +84,16 @@ class TokenGrammar:
         bits = np.frombuffer(self._bitmask(), dtype=np.uint8)
         return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size]).bool()
 
+    def allowed_ids(self, limit: int) -> torch.Tensor | None:
+        """The ids of the tokens the grammar takes next, when there are 1 to ``limit``
+        of them (else None): a row that needs only their logits skips the output
+        layer's product over the whole vocabulary (``Gemma3.logits``' ``allowed``)."""
+        bits = np.frombuffer(self._bitmask(), dtype=np.uint8)
+        if not 0 < int(np.bitwise_count(bits).sum()) <= limit:
+            return None
+        ids = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: self.vocab_size])
+        return torch.from_numpy(ids) if len(ids) else None
+
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of the ``[vocab]`` row ``logits`` with every token the grammar does not
         take next at −∞ (so are ids past the tokenizer's vocabulary)."""

@@ -23,6 +23,13 @@ def bench_grammar(
         str, typer.Option(help="Comma-separated grammars: json_schema, json_array, regex, lark.")
     ] = "json_schema,json_array,regex,lark",
     repeats: RepeatsOpt = 3,
+    whole_rows: Annotated[
+        bool,
+        typer.Option(
+            help="Also serve each grammar with every row's whole logits masked (as before "
+            "rows with few allowed tokens took only theirs), for gather_speedup.",
+        ),
+    ] = True,
     dtype: DtypeOpt = "q8",
     threads: ThreadsOpt = 2,
     seed: PromptSeedOpt = 0,
@@ -96,7 +103,14 @@ def bench_grammar(
             codec = gemma  # type: ignore[assignment]
         compiler = GrammarCompiler(codec.guidance_tokenizer)
         fig = bench.run(
-            m, compiler, decode, prompts, new_tokens=new_tokens, repeats=repeats, kinds=chosen
+            m,
+            compiler,
+            decode,
+            prompts,
+            new_tokens=new_tokens,
+            repeats=repeats,
+            kinds=chosen,
+            whole_rows=whole_rows,
         )
         fig["jump_forward"] = bench.run_jump(m, compiler, prompts, repeats=repeats)
         if admission_requests:
@@ -145,6 +159,11 @@ def bench_grammar(
         f"{fig['worst_overhead_pct']:.1f} % more time a token; the tokenizer table took "
         f"{fig['tokenizer_build_s']:.2f} s to build (once per process)"
     )
+    if fig["gather_speedup"]:
+        out.print(
+            "few allowed tokens' logits gathered, against whole rows masked: "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in fig["gather_speedup"].items())
+        )
     jf = fig["jump_forward"]
     out.print(
         f"jump-forward, a robot command's JSON: {jf['on']['forced_tokens_jumped']} of "
