@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 from duetime.core.cost import LinearStepCost
 from duetime.core.decision import Decision
@@ -163,3 +164,17 @@ def record_evictions(policy: Any) -> set[int]:
 
     policy.schedule = recording
     return evicted
+
+
+T = TypeVar("T")
+
+
+def on_threads(n: int, fn: Callable[[], T]) -> T:
+    """``fn()`` with torch on ``n`` threads, the setting restored after (kernels that
+    split work over threads must not change their result)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()
+    finally:
+        torch.set_num_threads(before)

@@ -13,6 +13,7 @@ from duetime.engine.attention import attend
 from duetime.engine.attention_kernel import decode_attention, decode_attention_ops
 from duetime.engine.kv_cache import KVView
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
+from tests.factories import on_threads
 
 needs_kernel = pytest.mark.skipif(
     decode_attention_ops() is None, reason="decode attention op could not be built here"
@@ -60,12 +61,8 @@ def test_keys_split_over_threads_merge_to_the_same_attention(lengths, heads, kvh
     g = torch.Generator().manual_seed(sum(lengths) + hd)
     views = _views(g, lengths, kvh, hd)
     q = torch.randn(len(lengths), heads, hd, generator=g) * 3  # peaked: the maxima matter
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(4)
-        got = decode_attention(q, [v.keys for v in views], [v.values for v in views], 0.3)
-    finally:
-        torch.set_num_threads(threads)
+    keys, values = [v.keys for v in views], [v.values for v in views]
+    got = on_threads(4, lambda: decode_attention(q, keys, values, 0.3))
     want = torch.cat([attend(q[i : i + 1], v, None, 0.3) for i, v in enumerate(views)])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 

@@ -21,6 +21,7 @@ from duetime.engine.linear import Q8Linear, RescoredInt8Head
 from duetime.engine.q4_rank import GROUP, q4_available, q4_linear, quantize_q4
 from duetime.engine.sampling import Sampler, SamplingParams
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
+from tests.factories import on_threads
 
 needs_q4 = pytest.mark.skipif(
     not q4_available(), reason="int4 kernel unavailable here (no g++/ninja or no AVX-512 VNNI)"
@@ -96,15 +97,8 @@ def test_kernel_result_does_not_depend_on_thread_count() -> None:
     g = torch.Generator().manual_seed(4)
     q = quantize_q4(torch.randn(5000, 640, generator=g))  # several tasks of 1,024 rows
     x = torch.randn(3, 640, generator=g)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = q4_linear(x, q)
-        torch.set_num_threads(2)
-        two = q4_linear(x, q)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    product = lambda: q4_linear(x, q)  # noqa: E731
+    assert torch.equal(on_threads(1, product), on_threads(2, product))
 
 
 @needs_q4

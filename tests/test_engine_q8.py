@@ -19,6 +19,7 @@ from duetime.engine.linear import DenseLinear, Q8Linear, q8_or
 from duetime.engine.q4_rank import q4_available
 from duetime.engine.q8_kernel import q8_available, q8_linear, quantize_q8
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
+from tests.factories import on_threads
 
 needs_kernel = pytest.mark.skipif(
     not q8_available(), reason="int8 kernel could not be built here (no g++/ninja or no AVX2)"
@@ -87,15 +88,8 @@ def test_kernel_result_does_not_depend_on_thread_count() -> None:
     g = torch.Generator().manual_seed(4)
     q = quantize_q8(torch.randn(1030, 640, generator=g))  # several parallel tasks
     x = torch.randn(3, 640, generator=g)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = q8_linear(x, q)
-        torch.set_num_threads(2)
-        two = q8_linear(x, q)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    product = lambda: q8_linear(x, q)  # noqa: E731
+    assert torch.equal(on_threads(1, product), on_threads(2, product))
 
 
 @needs_kernel
