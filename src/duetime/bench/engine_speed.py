@@ -208,7 +208,7 @@ def run(
     source: tuple[Gemma3Config, Weights] | None = None,
     *,
     quick: bool = False,
-    engines: Sequence[str] = ("fp32", "fast", "fp32-mkl"),
+    engines: Sequence[str] = ("fp32", "fast", "q8", "fp32-mkl"),
     prefill_tokens: Sequence[int] | None = None,
     batch_sizes: Sequence[int] | None = None,
     context: int | None = None,
