@@ -59,6 +59,8 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "q8-unfused": {"dtype": "q8", "fused_norms": False},
     # greedy steps rank the vocabulary in int8, not int4 (before session 30)
     "q8-int8rank": {"dtype": "q8", "int4_ranking": False},
+    # a plain decode step's layers in Python, not the C++ loop (before session 30)
+    "q8-pyloop": {"dtype": "q8", "decode_loop": False},
     "fp32-mkl": {"dtype": "fp32", "packed": False, "batched_decode_attention": False},
     "bf16": {"dtype": "bf16"},
     "int8": {"dtype": "int8"},
@@ -67,6 +69,7 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
 _MODEL_SWITCHES = (
     "batched_decode_attention",
     "blocked_prefill_attention",
+    "decode_loop",
     "fused_norms",
     "int4_ranking",
 )

@@ -12,7 +12,7 @@ from typing import Any
 __all__ = ["BEFORE_VARIANTS", "plot", "ratios", "table"]
 
 #: Engine variants that keep an earlier kernel: every other variant gets a ratio to them.
-BEFORE_VARIANTS = ("fp32-mkl", "q8-unfused", "q8-int8rank")
+BEFORE_VARIANTS = ("fp32-mkl", "q8-unfused", "q8-int8rank", "q8-pyloop")
 
 
 def ratios(figs: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -29,6 +29,7 @@ from duetime.engine.attention import MaskCache, attend, attend_decodes, attend_p
 from duetime.engine.attention_kernel import decode_attention, decode_attention_ops
 from duetime.engine.batch import SeqChunk, StepBatch
 from duetime.engine.config import Gemma3Config
+from duetime.engine.decode_loop import decode_loop_ops
 from duetime.engine.kv_cache import KVCache
 from duetime.engine.linear import (
     Q8_HEAD_MAX_ROWS,
@@ -37,6 +38,7 @@ from duetime.engine.linear import (
     Int8Linear,
     Linear,
     PackedLinear,
+    Q8Linear,
     RescoredInt8Head,
     packed_available,
     q8_or,
@@ -213,6 +215,9 @@ class Gemma3:
             decode_attention_ops() is not None
         )
         self.final_norm = 1.0 + weights["model.norm.weight"].float()
+        # a step of plain decodes runs its layers in one C++ call (decode_loop.py) where
+        # the model is fp32 q8 on the int8 kernel; ``decode_loop = False`` turns it off
+        self.decode_loop = True
         # the RMS norms (and q/k norm + RoPE) as one C++ op each where the model computes
         # in fp32 (norm_kernel.py); plain torch otherwise. ``fused_norms = False`` turns it off.
         self.norms = make_norms(config.rms_norm_eps, self.compute_dtype)
@@ -223,6 +228,11 @@ class Gemma3:
         self.inv_freq_local = 1.0 / (config.rope_theta_local**exponent)
         inv_global = 1.0 / (config.rope_theta_global**exponent)
         self.inv_freq_global = inv_global / config.rope_scaling_factor
+        self._loop = self._loop_args()
+        # the most rows a step may have for every layer product to take the int8 kernel
+        self._loop_rows = min(
+            (ly.qkv.max_rows for ly in self.layers if isinstance(ly.qkv, Q8Linear)), default=0
+        )
 
     @property
     def fused_norms(self) -> bool:
@@ -293,6 +303,10 @@ class Gemma3:
         x = F.embedding(batch.ids, self.embed).to(self.compute_dtype) * self.embed_scale
         rope_local = self._rope(batch.positions, self.inv_freq_local)
         rope_global = self._rope(batch.positions, self.inv_freq_global)
+        if self.decode_loop:
+            out = self._decode_loop(batch, kv, x, rope_local, rope_global)
+            if out is not None:
+                return out, batch
         masks = MaskCache(cfg.sliding_window)
         n_qk = cfg.num_heads + cfg.num_kv_heads
         # SnapKV's observation window: only watched sequences (prefilling, eviction pending)
@@ -360,6 +374,76 @@ class Gemma3:
                 exact = self.head_weight[ids].float() @ x[i].float()
                 out[i, ids] = self._capped(exact)
         return out
+
+    def _decode_loop(
+        self,
+        batch: StepBatch,
+        kv: KVCache,
+        x: torch.Tensor,
+        rope_local: tuple[torch.Tensor, ...],
+        rope_global: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor | None:
+        """The layers of a step of plain single-token decodes in one C++ call
+        (:mod:`~duetime.engine.decode_loop`), or None where the step is not one."""
+        chunks, loop = batch.chunks, self._loop
+        t = len(chunks)
+        if loop is None or batch.offsets[-1] != t or t > self._loop_rows or not self.norms.fused:
+            return None
+        if not (self.decode_kernel and self.batched_decode_attention):
+            return None
+        if any(c.shared for c in chunks):
+            return None
+        slots = [c.slot for c in chunks]
+        room = kv.decode_room(slots)
+        if room is None:
+            return None
+        bufs, ends, firsts = room
+        cfg = self.config
+        weights, outs, norms, sliding, ops = loop
+        d = cfg.head_dim
+        out = ops.decode_layers(
+            x.contiguous(),
+            weights,
+            outs,
+            norms,
+            sliding,
+            rope_local[0].reshape(t, d),
+            rope_local[1].reshape(t, d),
+            rope_global[0].reshape(t, d),
+            rope_global[1].reshape(t, d),
+            bufs,
+            ends,
+            firsts,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            d,
+            cfg.rms_norm_eps,
+            self.scale,
+        )
+        kv.decoded(slots)
+        return out
+
+    def _loop_args(
+        self,
+    ) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], Any] | None:
+        """What the C++ layer loop needs of this model, or None where it cannot serve
+        it: fp32 ``q8`` layers on the int8 kernel, and the loop built."""
+        products = [p for ly in self.layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+        q8 = [p for p in products if isinstance(p, Q8Linear)]
+        if self.compute_dtype != torch.float32 or not products or len(q8) != len(products):
+            return None
+        ops = decode_loop_ops()
+        if ops is None:
+            return None
+        weights = [t for p in q8 for t in (p.q.packed, p.q.scale)]
+        outs = [p.q.out_features for p in q8]
+        norms = [
+            t
+            for ly in self.layers
+            for t in (ly.in_norm, ly.qk_norm, ly.post_attn, ly.pre_ffw, ly.post_ffw)
+        ]
+        sliding = [int(b) for b in self.config.sliding_layers]
+        return weights, outs, norms, sliding, ops
 
     def _head(self, x: torch.Tensor, argmax_only: bool) -> torch.Tensor:
         head = self.lm_head

@@ -331,6 +331,41 @@ class KVCache:
             assert layer.base + layer.length == seq.next_pos, "contiguous layer out of step"
         layer.length = end
 
+    def decode_room(
+        self, slots: list[int]
+    ) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
+        """Room for one more entry in every layer of each of ``slots``, for a step of
+        plain single-token decodes written by the C++ layer loop
+        (:mod:`~duetime.engine.decode_loop`): per layer, then per slot, its buffer, the
+        entry the new key and value go to, and the first entry the query sees (what
+        :meth:`store` and :meth:`view` would do). None where a slot was evicted or is
+        watched (the general path serves it); :meth:`decoded` completes the step."""
+        seqs = [self._seqs[s] for s in slots]
+        for s, seq in zip(slots, seqs, strict=True):
+            if s in self._watched or any(layer.pos is not None for layer in seq.layers):
+                return None
+        bufs: list[torch.Tensor] = []
+        ends: list[int] = []
+        firsts: list[int] = []
+        keep = self._window_keep + 1
+        for i, sliding in enumerate(self.config.sliding_layers):
+            for s, seq in zip(slots, seqs, strict=True):
+                layer = seq.layers[i]
+                self._make_room(s, layer, 1, sliding)
+                bufs.append(layer.buf)
+                ends.append(layer.length)
+                firsts.append(max(0, layer.length + 1 - keep) if sliding else 0)
+        return bufs, ends, firsts
+
+    def decoded(self, slots: list[int]) -> None:
+        """After :meth:`decode_room`'s step: every layer of ``slots`` holds one entry
+        more, and each slot has processed one more position."""
+        for s in slots:
+            seq = self._seqs[s]
+            for layer in seq.layers:
+                layer.length += 1
+            seq.next_pos += 1
+
     def view(self, slot: int, layer_idx: int, n_new: int) -> KVView:
         """Keys/values visible to the ``n_new`` tokens just stored in ``layer_idx``."""
         seq = self._seqs[slot]

@@ -20,6 +20,7 @@ def bench_engine(
             " fp32 even where the CPU has native bf16), q8-oneattn (q8 with a prefill chunk's"
             " attention in one masked call), q8-unfused (q8 with its norms as plain torch ops),"
             " q8-int8rank (q8 whose greedy steps rank the vocabulary in int8, not int4),"
+            " q8-pyloop (q8 with a plain decode step's layers in Python, not the C++ loop),"
             " fp32-mkl, bf16, int8. Default: fp32, fast, q8 (what serve runs), fp32-mkl."
         ),
     ] = None,
