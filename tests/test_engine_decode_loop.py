@@ -53,8 +53,8 @@ class _Spy:
 
 def _spy(model: Gemma3) -> _Spy:
     assert model._loop is not None
-    spy = _Spy(model._loop[-1])
-    model._loop = (*model._loop[:-1], spy)
+    spy = _Spy(model._loop.ops)
+    model._loop.ops = spy
     return spy
 
 

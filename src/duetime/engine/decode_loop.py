@@ -20,11 +20,18 @@ window, no evicted sequence), at most ``Q8Linear.max_rows`` of them, on an fp32
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-from duetime.engine.cpp_ext import CppOps
+import torch
 
-__all__ = ["decode_loop_ops"]
+from duetime.engine.batch import StepBatch
+from duetime.engine.config import Gemma3Config
+from duetime.engine.cpp_ext import CppOps
+from duetime.engine.kv_cache import KVCache
+from duetime.engine.linear import Q8Linear
+
+__all__ = ["DecodeLoop", "decode_loop_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +156,87 @@ def decode_loop_ops() -> Any | None:
     """The compiled op (``.decode_layers``), or ``None`` once a build has failed or
     ``DUETIME_LOOP=0`` (logged once)."""
     return _EXT.ops()
+
+
+class DecodeLoop:
+    """What the C++ layer loop needs of one model (its int8 weights, norms and layer
+    kinds, gathered once), and the call for one step."""
+
+    def __init__(
+        self,
+        ops: Any,
+        config: Gemma3Config,
+        products: Sequence[Q8Linear],
+        norms: list[torch.Tensor],
+        scale: float,
+    ) -> None:
+        self.ops = ops
+        self.config = config
+        self.weights = [t for p in products for t in (p.q.packed, p.q.scale)]
+        self.outs = [p.q.out_features for p in products]
+        self.norms = norms
+        self.sliding = [int(b) for b in config.sliding_layers]
+        self.scale = scale
+        # the most rows a step may have for every layer product to take the int8 kernel
+        self.max_rows = min(p.max_rows for p in products)
+
+    @classmethod
+    def of(
+        cls, layers: Sequence[Any], config: Gemma3Config, dtype: torch.dtype, scale: float
+    ) -> DecodeLoop | None:
+        """The loop for a model's ``layers``, or None where it cannot serve them: only
+        fp32 layers whose four products are all :class:`Q8Linear`, and the loop built."""
+        products = [p for ly in layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+        q8 = [p for p in products if isinstance(p, Q8Linear)]
+        if dtype != torch.float32 or not products or len(q8) != len(products):
+            return None
+        ops = decode_loop_ops()
+        if ops is None:
+            return None
+        kinds = ("in_norm", "qk_norm", "post_attn", "pre_ffw", "post_ffw")
+        norms = [getattr(ly, k) for ly in layers for k in kinds]
+        return cls(ops, config, q8, norms, scale)
+
+    def run(
+        self,
+        batch: StepBatch,
+        kv: KVCache,
+        x: torch.Tensor,
+        rope_local: tuple[torch.Tensor, ...],
+        rope_global: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor | None:
+        """The residual stream after the last layer for a step of plain single-token
+        decodes (``x``: the embedded tokens; the ropes' cos and sin), its keys and
+        values stored in ``kv``; None, with nothing done, where the step is not one."""
+        chunks = batch.chunks
+        t = len(chunks)
+        if batch.offsets[-1] != t or t > self.max_rows or any(c.shared for c in chunks):
+            return None
+        slots = [c.slot for c in chunks]
+        room = kv.decode_room(slots)
+        if room is None:
+            return None
+        bufs, ends, firsts = room
+        cfg = self.config
+        d = cfg.head_dim
+        out = self.ops.decode_layers(
+            x.contiguous(),
+            self.weights,
+            self.outs,
+            self.norms,
+            self.sliding,
+            rope_local[0].reshape(t, d),
+            rope_local[1].reshape(t, d),
+            rope_global[0].reshape(t, d),
+            rope_global[1].reshape(t, d),
+            bufs,
+            ends,
+            firsts,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            d,
+            cfg.rms_norm_eps,
+            self.scale,
+        )
+        kv.decoded(slots)
+        return out

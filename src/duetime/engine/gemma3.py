@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -29,7 +29,7 @@ from duetime.engine.attention import MaskCache, attend, attend_decodes, attend_p
 from duetime.engine.attention_kernel import decode_attention, decode_attention_ops
 from duetime.engine.batch import SeqChunk, StepBatch
 from duetime.engine.config import Gemma3Config
-from duetime.engine.decode_loop import decode_loop_ops
+from duetime.engine.decode_loop import DecodeLoop
 from duetime.engine.kv_cache import KVCache
 from duetime.engine.linear import (
     Q8_HEAD_MAX_ROWS,
@@ -38,7 +38,6 @@ from duetime.engine.linear import (
     Int8Linear,
     Linear,
     PackedLinear,
-    Q8Linear,
     RescoredInt8Head,
     packed_available,
     q8_or,
@@ -193,7 +192,7 @@ class Gemma3:
             rank = coarse = None
             if dtype == "q8":  # the int8 kernel for 1-2 rows, fbgemm beyond
                 rank = q8_or(src, Int8Linear(src), Q8_HEAD_MAX_ROWS, quantize=quant_head)
-                # greedy steps of up to 6 rows rank in int4 where the CPU has VNNI
+                # greedy steps of few rows rank in int4 where the CPU has VNNI (q4_rank.py)
                 coarse = quantize_q4(src) if q4_available() else None
             self.lm_head: Linear = RescoredInt8Head(src, rank=rank, coarse=coarse)
         elif int8_output if int8_output is not None else dtype == "int8":
@@ -228,11 +227,7 @@ class Gemma3:
         self.inv_freq_local = 1.0 / (config.rope_theta_local**exponent)
         inv_global = 1.0 / (config.rope_theta_global**exponent)
         self.inv_freq_global = inv_global / config.rope_scaling_factor
-        self._loop = self._loop_args()
-        # the most rows a step may have for every layer product to take the int8 kernel
-        self._loop_rows = min(
-            (ly.qkv.max_rows for ly in self.layers if isinstance(ly.qkv, Q8Linear)), default=0
-        )
+        self._loop = DecodeLoop.of(self.layers, config, self.compute_dtype, self.scale)
 
     @property
     def fused_norms(self) -> bool:
@@ -303,8 +298,10 @@ class Gemma3:
         x = F.embedding(batch.ids, self.embed).to(self.compute_dtype) * self.embed_scale
         rope_local = self._rope(batch.positions, self.inv_freq_local)
         rope_global = self._rope(batch.positions, self.inv_freq_global)
-        if self.decode_loop:
-            out = self._decode_loop(batch, kv, x, rope_local, rope_global)
+        loop = self._loop if self.decode_loop else None
+        # the loop calls the fused norms and the decode kernel: only where they serve
+        if loop is not None and self.norms.fused and self.decode_kernel:
+            out = loop.run(batch, kv, x, rope_local, rope_global)
             if out is not None:
                 return out, batch
         masks = MaskCache(cfg.sliding_window)
@@ -374,76 +371,6 @@ class Gemma3:
                 exact = self.head_weight[ids].float() @ x[i].float()
                 out[i, ids] = self._capped(exact)
         return out
-
-    def _decode_loop(
-        self,
-        batch: StepBatch,
-        kv: KVCache,
-        x: torch.Tensor,
-        rope_local: tuple[torch.Tensor, ...],
-        rope_global: tuple[torch.Tensor, ...],
-    ) -> torch.Tensor | None:
-        """The layers of a step of plain single-token decodes in one C++ call
-        (:mod:`~duetime.engine.decode_loop`), or None where the step is not one."""
-        chunks, loop = batch.chunks, self._loop
-        t = len(chunks)
-        if loop is None or batch.offsets[-1] != t or t > self._loop_rows or not self.norms.fused:
-            return None
-        if not (self.decode_kernel and self.batched_decode_attention):
-            return None
-        if any(c.shared for c in chunks):
-            return None
-        slots = [c.slot for c in chunks]
-        room = kv.decode_room(slots)
-        if room is None:
-            return None
-        bufs, ends, firsts = room
-        cfg = self.config
-        weights, outs, norms, sliding, ops = loop
-        d = cfg.head_dim
-        out = ops.decode_layers(
-            x.contiguous(),
-            weights,
-            outs,
-            norms,
-            sliding,
-            rope_local[0].reshape(t, d),
-            rope_local[1].reshape(t, d),
-            rope_global[0].reshape(t, d),
-            rope_global[1].reshape(t, d),
-            bufs,
-            ends,
-            firsts,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            d,
-            cfg.rms_norm_eps,
-            self.scale,
-        )
-        kv.decoded(slots)
-        return out
-
-    def _loop_args(
-        self,
-    ) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], Any] | None:
-        """What the C++ layer loop needs of this model, or None where it cannot serve
-        it: fp32 ``q8`` layers on the int8 kernel, and the loop built."""
-        products = [p for ly in self.layers for p in (ly.qkv, ly.o, ly.gate_up, ly.down)]
-        q8 = [p for p in products if isinstance(p, Q8Linear)]
-        if self.compute_dtype != torch.float32 or not products or len(q8) != len(products):
-            return None
-        ops = decode_loop_ops()
-        if ops is None:
-            return None
-        weights = [t for p in q8 for t in (p.q.packed, p.q.scale)]
-        outs = [p.q.out_features for p in q8]
-        norms = [
-            t
-            for ly in self.layers
-            for t in (ly.in_norm, ly.qk_norm, ly.post_attn, ly.pre_ffw, ly.post_ffw)
-        ]
-        sliding = [int(b) for b in self.config.sliding_layers]
-        return weights, outs, norms, sliding, ops
 
     def _head(self, x: torch.Tensor, argmax_only: bool) -> torch.Tensor:
         head = self.lm_head
