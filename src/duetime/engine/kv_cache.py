@@ -347,14 +347,13 @@ class KVCache:
         bufs: list[torch.Tensor] = []
         ends: list[int] = []
         firsts: list[int] = []
-        keep = self._window_keep + 1
         for i, sliding in enumerate(self.config.sliding_layers):
             for s, seq in zip(slots, seqs, strict=True):
                 layer = seq.layers[i]
                 self._make_room(s, layer, 1, sliding)
                 bufs.append(layer.buf)
                 ends.append(layer.length)
-                firsts.append(max(0, layer.length + 1 - keep) if sliding else 0)
+                firsts.append(self._first_visible(layer.length + 1, 1, sliding))
         return bufs, ends, firsts
 
     def decoded(self, slots: list[int]) -> None:
@@ -371,7 +370,7 @@ class KVCache:
         seq = self._seqs[slot]
         layer = seq.layers[layer_idx]
         sliding = self.config.sliding_layers[layer_idx]
-        lo = max(0, layer.length - (self._window_keep + n_new)) if sliding else 0
+        lo = self._first_visible(layer.length, n_new, sliding)
         buf = layer.buf
         keys = buf[0, :, lo : layer.length]
         values = buf[1, :, lo : layer.length]
@@ -418,6 +417,11 @@ class KVCache:
         return layer.buf[0, :, : layer.length]
 
     # ----------------------------------------------------------------- internals
+    def _first_visible(self, length: int, n_new: int, sliding: bool) -> int:
+        """The first of a layer's ``length`` entries (the last ``n_new`` just stored)
+        that those new tokens' queries may see: a sliding layer's window, else 0."""
+        return max(0, length - (self._window_keep + n_new)) if sliding else 0
+
     def _positions(self, layer: _LayerKV) -> torch.Tensor:
         if layer.pos is not None:
             return layer.pos[:, : layer.length]
