@@ -409,7 +409,8 @@ class EngineExecutor(ExecutorCore):
                 elif queued is not None:
                     tok = queued  # the grammar's only way on: no draw either
                 elif grammar is not None or (samplers and seq.rid in samplers):
-                    tok = self._pick(seq, logits[row], grammar, tok)
+                    gathered = allowed is not None and allowed[row] is not None
+                    tok = self._pick(seq, logits[row], grammar, tok, masked=gathered)
                 if logprob_logs and seq.rid in logprob_logs:
                     logprob_logs[seq.rid].record(position, logits[row], int(tok))
                 ids.append(int(tok))
@@ -566,14 +567,23 @@ class EngineExecutor(ExecutorCore):
             self.rode[rid] = self.rode.get(rid, 0) + k
         return take
 
-    def _pick(self, seq: Seq, logits: torch.Tensor, grammar: TokenGrammar | None, best: int) -> int:
+    def _pick(
+        self,
+        seq: Seq,
+        logits: torch.Tensor,
+        grammar: TokenGrammar | None,
+        best: int,
+        *,
+        masked: bool = False,
+    ) -> int:
         """The token a request with a sampler or a grammar takes from its ``[vocab]`` row
         of ``logits`` (whose arg-max is ``best``): the sampler's draw (else the arg-max)
-        among what the grammar allows."""
+        among what the grammar allows. ``masked``: the row holds only what the grammar
+        allows already (gathered: every other logit is −∞), so it is not masked again."""
         sampler = self.samplers.get(seq.rid)
-        if sampler is None and grammar is not None and grammar.allows(best):
+        if sampler is None and (masked or (grammar is not None and grammar.allows(best))):
             return best  # the best of all is allowed, so it is the best of the allowed
-        if grammar is not None:
+        if grammar is not None and not masked:
             logits = grammar.mask(logits)
         if sampler is None:
             return int(torch.argmax(logits))
