@@ -137,6 +137,13 @@ class Simulator(ExecutorCore):
 
     def _decode_run(self, horizon_time: float) -> None:
         """Advance pure-decode steps up to the next event."""
+        self._decode_apply(self._decode_plan(horizon_time))
+
+    def _decode_plan(self, horizon_time: float) -> int:
+        """How many pure-decode steps the run up to ``horizon_time`` takes: up to the
+        first stop or memory running out, and the step that crosses the horizon.
+        Nothing is changed but dropping stale stop entries; a fleet plans a run, and
+        cuts it short (plans again) if a request is routed here before it ends."""
         d = self._n_dec
         kv = self._dec_kv()
         heap = self._stop_heap
@@ -147,8 +154,8 @@ class Simulator(ExecutorCore):
         # there, so the next call pages out exactly when the engine would.
         free = self.cfg.kv_capacity - self.kv_device
         k = min(k, free // d)
-        ride = self._ride_step_s(d, kv)
         if horizon_time < math.inf:
+            ride = self._ride_step_s(d, kv)
             horizon = horizon_time - self.now
             kt = self._steps_within(horizon, d, kv, ride)
             if self.cost.decode_span(kt, d, kv) + kt * ride < horizon:
@@ -156,11 +163,32 @@ class Simulator(ExecutorCore):
             k = min(k, max(kt, 1))
         if k <= 0:
             raise SimulationError("internal: decode run of zero steps")
-        swap = self._pending_swap
+        return k
+
+    def _decode_span_s(self, k: int) -> float:
+        """Seconds ``k`` pure-decode steps of the current batch take (what
+        :meth:`_decode_apply` advances the clock by, pending eviction work aside)."""
+        d = self._n_dec
+        kv = self._dec_kv()
+        dt = self.cost.decode_span(k, d, kv) + k * self._ride_step_s(d, kv)
+        if self._pending_swap:
+            dt += self.cost.step_time(0, 0.0, 0, 0, self._pending_swap) - self.cost.step_time(
+                0, 0.0, 0, 0
+            )
+        return dt
+
+    def _decode_end(self, k: int) -> float:
+        """The clock after :meth:`_decode_apply` of ``k`` steps (same arithmetic)."""
+        dt = self._decode_span_s(k)
+        if self._pending_evict_s:
+            dt += self._pending_evict_s
+        return self.now + dt
+
+    def _decode_apply(self, k: int) -> None:
+        """Take ``k`` pure-decode steps at once (a run :meth:`_decode_plan` measured)."""
+        d = self._n_dec
+        dt = self._decode_span_s(k)
         self._pending_swap = 0
-        dt = self.cost.decode_span(k, d, kv) + k * ride
-        if swap:
-            dt += self.cost.step_time(0, 0.0, 0, 0, swap) - self.cost.step_time(0, 0.0, 0, 0)
         self._advance(dt)
         self.clock.steps += k
         self.engine_steps += k

@@ -1,0 +1,357 @@
+"""N simulated replicas behind one router, driven by one event heap.
+
+The heap holds, for each replica, the time of its next scheduling point (the end
+of its step, or of its planned decode run: ``sim/replica.py``); arrivals come
+from the sorted job list and failures from a sorted list. The loop takes the
+earliest: a failure first, then an arrival (so a request arriving as a step ends
+is seen by that step's next scheduling point, as in the single-engine loop),
+then a replica. An arrival builds a :class:`~duetime.core.router.FleetSnapshot`
+from arrays the replicas keep up to date after every tick, asks the router, and
+carries out its answer. Nothing else is touched per arrival, so the cost of a
+request is the router's plus one replica's work.
+
+A failed replica (``fail_at``) is out of the snapshot at once (``up`` False);
+it ends the step it is running, then each request it held, and each one routed
+to it and not yet taken in, is offered to the router again as of that time: a
+replica (counted ``rerouted``; it starts over there, its arrival time kept), the
+fleet queue, or a refusal (counted ``failed``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from duetime.core.cost import LinearStepCost
+from duetime.core.policy import Policy
+from duetime.core.record import RequestRecord
+from duetime.core.request import MAX_TIME_S, Job
+from duetime.core.router import FleetSnapshot, Refuse, Route, Router, RouterError, Wait
+from duetime.predict.oracle import JobPredictor
+from duetime.sim.fleet_view import forecast_finish, prefix_hit
+from duetime.sim.replica import Replica, State
+from duetime.sim.simulator import SimConfig, SimResult, SimulationError, Simulator
+
+
+@dataclass(slots=True)
+class ReplicaSpec:
+    """One replica's engine: its step-cost model and limits, and a name for tables."""
+
+    cost: LinearStepCost
+    config: SimConfig
+    name: str = "replica"
+
+
+@dataclass(slots=True)
+class FleetResult:
+    """The fleet's records (one per request: where it ended, or its refusal), each
+    replica's own result, and counts of what the router decided.
+
+    ``routes[rid]`` lists the replicas a request was sent to, in order (more than one
+    only after a failure); ``refused[rid]`` is the refusal's reason for a request
+    that never ran to its end because the router turned it away."""
+
+    records: list[RequestRecord]
+    replicas: list[SimResult]
+    names: list[str]
+    routes: dict[int, list[int]]
+    refused: dict[int, str]
+    counters: dict[str, int]
+    sim_time: float
+    wall_s: float
+    router_calls: int
+    failed_replicas: list[int] = field(default_factory=list)
+
+    @property
+    def engine_steps(self) -> int:
+        return sum(r.engine_steps for r in self.replicas)
+
+
+class Fleet:
+    """Plays a list of jobs through a router onto simulated replicas."""
+
+    def __init__(
+        self,
+        specs: Sequence[ReplicaSpec],
+        policy: Callable[[], Policy],
+        router: Router,
+        *,
+        predictor: JobPredictor | None = None,
+        fail_at: Mapping[int, float] | None = None,
+        max_time: float = math.inf,
+    ) -> None:
+        if not specs:
+            raise ValueError("a fleet needs at least one replica")
+        self.specs = list(specs)
+        self.new_policy = policy
+        self.router = router
+        self.predictor = predictor
+        n = len(specs)
+        self.replicas = [
+            Replica(i, Simulator(policy(), s.cost, s.config, predictor), max_time)
+            for i, s in enumerate(specs)
+        ]
+        self.fail_at = dict(fail_at or {})
+        for i, t in self.fail_at.items():
+            if not 0 <= i < n:
+                raise ValueError(f"--fail names replica {i}; the fleet has 0..{n - 1}")
+            if not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"replica {i}'s failure time must be finite and >= 0, got {t}")
+        self.up = np.ones(n, dtype=bool)
+        self.running = np.zeros(n, dtype=np.int64)
+        self.waiting = np.zeros(n, dtype=np.int64)
+        self.kv_used = np.zeros(n, dtype=np.int64)
+        self.kv_capacity = np.array([s.config.kv_capacity for s in specs], dtype=np.int64)
+        self.routes: dict[int, list[int]] = {}
+        self.refused: dict[int, str] = {}
+        self.refusal_records: dict[int, RequestRecord] = {}
+        self.owner: dict[int, int] = {}  # rid → the replica it was last routed to
+        self._orphans: set[int] = set()  # rids a failed replica held: offered again
+        self.counters = {"routed": 0, "refused": 0, "rerouted": 0, "failed": 0, "waited": 0}
+        self.router_calls = 0
+        self._heap: list[tuple[float, int, int]] = []  # (time, replica, its epoch)
+        self._queue: list[tuple[float, int, Job]] = []  # the fleet queue: (key, order, job)
+        self._order = 0
+        self.now = 0.0
+
+    # --- the replicas' figures, kept in arrays for the snapshot ---------------------
+    def _refresh(self, rep: Replica) -> None:
+        i = rep.index
+        sim = rep.sim
+        self.running[i] = len(sim.running)
+        self.waiting[i] = rep.waiting
+        self.kv_used[i] = sim.kv_used
+
+    def _schedule(self, rep: Replica) -> None:
+        """Put the replica's next scheduling point on the heap (if it has one)."""
+        t = rep.next_time()
+        if t is not None:
+            heapq.heappush(self._heap, (t, rep.index, rep.epoch))
+
+    # --- routing --------------------------------------------------------------------
+    def _snapshot(self, job: Job, now: float) -> FleetSnapshot:
+        req = job.request
+        memo: dict[int, float | None] = {}
+        reps = self.replicas
+
+        def forecast_of(i: int) -> float | None:
+            if i not in memo:
+                memo[i] = forecast_finish(reps[i], req, now, self.new_policy)
+            return memo[i]
+
+        return FleetSnapshot(
+            now=now,
+            request=req,
+            up=self.up,
+            running=self.running,
+            waiting=self.waiting,
+            kv_used=self.kv_used,
+            kv_capacity=self.kv_capacity,
+            prefix_lookup=lambda i: prefix_hit(reps[i], req),
+            forecast_of=forecast_of,
+        )
+
+    def _route(self, job: Job, now: float, *, retry: bool = False) -> bool:
+        """Ask the router about ``job`` at ``now`` and carry the answer out; False when
+        it is to wait (a job already in the fleet queue stays where it is)."""
+        rid = job.request.rid
+        if not self.up.any():
+            self._refuse(job, now, "every replica is down")
+            return True
+        self.router_calls += 1
+        dec = self.router.route(self._snapshot(job, now))
+        if isinstance(dec, Route):
+            i = dec.replica
+            if not (0 <= i < len(self.replicas) and self.up[i]):
+                raise RouterError(f"router {self.router.name!r} chose replica {i}, which is down")
+            rep = self.replicas[i]
+            self.routes.setdefault(rid, []).append(i)
+            self.owner[rid] = i
+            self.counters["rerouted" if rid in self._orphans else "routed"] += 1
+            if rep.deliver(job, now):
+                self._schedule(rep)
+            self._refresh(rep)
+            return True
+        if isinstance(dec, Wait):
+            if not retry:
+                self.counters["waited"] += 1
+                heapq.heappush(self._queue, (dec.key, self._order, job))
+                self._order += 1
+            return False
+        if isinstance(dec, Refuse):
+            self._refuse(job, now, dec.reason)
+            return True
+        raise RouterError(f"router {self.router.name!r} answered {dec!r}")
+
+    def _refuse(self, job: Job, now: float, reason: str) -> None:
+        rid = job.request.rid
+        self.counters["failed" if rid in self._orphans else "refused"] += 1
+        self.refused[rid] = reason
+        self.refusal_records[rid] = RequestRecord(
+            request=job.request, cancelled_at=now, target_tokens=job.output_len
+        )
+
+    def _retry_queue(self, now: float) -> None:
+        """Offer the fleet queue's requests again, smallest key first, until one waits."""
+        queue = self._queue
+        while queue:
+            _, _, job = queue[0]
+            if not self._route(job, now, retry=True):
+                return
+            heapq.heappop(queue)
+
+    # --- failures -------------------------------------------------------------------
+    def _fail(self, i: int, t: float) -> None:
+        """Replica ``i`` fails at ``t``: out of routing now, gone at the end of its step."""
+        rep = self.replicas[i]
+        if not self.up[i]:
+            return
+        self.up[i] = False
+        rep.up = False
+        rep.failing = True
+        if rep.cut(t) or rep.state is State.DONE:
+            rep.state = State.READY
+            rep.epoch += 1
+            self._schedule(rep)
+
+    def _remove(self, rep: Replica) -> None:
+        """The failed replica's step has ended: offer what it held to the router again."""
+        now = rep.sim.now
+        rep.state = State.DONE
+        orphans = rep.in_flight()
+        rep.inbox.clear()
+        self.running[rep.index] = self.waiting[rep.index] = self.kv_used[rep.index] = 0
+        for job in orphans:
+            rid = job.request.rid
+            self.owner.pop(rid, None)
+            self._orphans.add(rid)
+            self._route(job, now)
+
+    # --- main loop ------------------------------------------------------------------
+    def run(
+        self, jobs: Iterable[Job], progress: Callable[[int, int], None] | None = None
+    ) -> FleetResult:
+        """Simulate until every request ended, was refused, or the clock passed ``max_time``."""
+        t0 = time.perf_counter()
+        pending = sorted(jobs, key=lambda j: (j.request.arrival, j.request.rid))
+        n_jobs = len(pending)
+        if n_jobs and not pending[-1].request.arrival <= MAX_TIME_S:
+            raise SimulationError(
+                f"request {pending[-1].request.rid} arrives past the "
+                f"{MAX_TIME_S:.0e} s a run can time"
+            )
+        fails = sorted((t, i) for i, t in self.fail_at.items())
+        heap = self._heap
+        reps = self.replicas
+        predictor = self.predictor
+        i = f = 0
+        shown = 0
+        while True:
+            t_arr = pending[i].request.arrival if i < n_jobs else math.inf
+            t_fail = fails[f][0] if f < len(fails) else math.inf
+            while heap and heap[0][2] != reps[heap[0][1]].epoch:
+                heapq.heappop(heap)  # a plan an arrival or failure cut short
+            t_rep = heap[0][0] if heap else math.inf
+            if t_fail <= t_arr and t_fail <= t_rep and t_fail < math.inf:
+                self.now = t_fail
+                self._fail(fails[f][1], t_fail)
+                f += 1
+            elif t_arr <= t_rep and t_arr < math.inf:
+                job = pending[i]
+                i += 1
+                self.now = t_arr
+                if predictor is not None and job.request.predicted is None:
+                    job.request.predicted = predictor.predict_job(job)
+                self._route(job, t_arr)
+            elif t_rep < math.inf:
+                _, r, _ = heapq.heappop(heap)
+                rep = reps[r]
+                rep.epoch += 1
+                done = rep.sim.n_done
+                rep.take_planned()
+                self.now = max(self.now, rep.sim.now)
+                if rep.failing:
+                    self._remove(rep)
+                    continue
+                rep.tick()
+                self._refresh(rep)
+                self._schedule(rep)
+                if self._queue and rep.sim.n_done != done:
+                    self._retry_queue(rep.sim.now)
+            else:
+                break
+            if progress is not None and i - shown >= 1000:
+                shown = i
+                progress(i, n_jobs)
+        self._end_queue()
+        stuck = [r.index for r in reps if r.state is State.STUCK]
+        if stuck:
+            name = reps[stuck[0]].sim.policy.name
+            raise SimulationError(
+                f"policy {name!r} scheduled nothing on replica {stuck[0]} with requests "
+                "waiting and no future event: the run would never end"
+            )
+        if progress is not None:
+            progress(n_jobs, n_jobs)
+        return self._result(pending, time.perf_counter() - t0)
+
+    def _end_queue(self) -> None:
+        """Requests still in the fleet queue when nothing else can happen are refused."""
+        while self._queue:
+            _, _, job = heapq.heappop(self._queue)
+            self._refuse(job, self.now, "still waiting in the fleet queue when the run ended")
+
+    def _result(self, pending: list[Job], wall_s: float) -> FleetResult:
+        records: list[RequestRecord] = []
+        reps = self.replicas
+        for job in pending:
+            rid = job.request.rid
+            owner = self.owner.get(rid)
+            if owner is not None:
+                rec = reps[owner].sim.records.get(rid)
+                if rec is not None:
+                    records.append(rec)
+            elif rid in self.refusal_records:
+                records.append(self.refusal_records[rid])
+        per = [_replica_result(r) for r in reps]
+        return FleetResult(
+            records=records,
+            replicas=per,
+            names=[s.name for s in self.specs],
+            routes=self.routes,
+            refused=self.refused,
+            counters=dict(self.counters),
+            sim_time=max((r.sim.now for r in reps), default=0.0),
+            wall_s=wall_s,
+            router_calls=self.router_calls,
+            failed_replicas=sorted(i for i, r in enumerate(reps) if not r.up),
+        )
+
+
+def _replica_result(rep: Replica) -> SimResult:
+    """The replica's counters as a :class:`SimResult`; its records are those it ended."""
+    sim = rep.sim
+    recs = [
+        r
+        for r in sim.records.values()
+        if rep.up or r.finish is not None or r.cancelled_at is not None
+    ]
+    return SimResult(
+        records=sorted(recs, key=lambda r: (r.request.arrival, r.request.rid)),
+        sim_time=sim.now,
+        engine_steps=sim.engine_steps,
+        decode_steps=sim.clock.steps,
+        policy_calls=sim.policy_calls,
+        preemptions=sim.preemptions,
+        wall_s=0.0,
+        kv_peak=sim.kv_peak,
+        tokens_generated=sim.tokens_generated,
+        mean_in_system=sim._area / sim.now if sim.now > 0 else 0.0,
+        mean_running=sim._area_run / sim.now if sim.now > 0 else 0.0,
+        counters=dict(sim.counters),
+    )
