@@ -40,6 +40,8 @@ class SimSpec:
     ``shared_prefix`` > 0 puts one of ``prefix_groups`` system prompts of that many
     tokens in front of every generated prompt (:class:`~duetime.workloads.SharedPrefix`);
     ``prefix_cache`` is the simulated prefix cache's budget in tokens (0: none).
+    ``replicas``, ``router``, ``replica_profiles``, ``fleet`` and ``failures``
+    describe a fleet (``docs/fleet.md``); left at their defaults, one engine.
     """
 
     policy: str = "fcfs"
@@ -59,6 +61,13 @@ class SimSpec:
     prefix_cache: int = 0
     shared_prefix: int = 0
     prefix_groups: int = 1
+    # A fleet (``sim/fleet_run.py``) when any of these is set: N replicas behind a router,
+    # from the profile, a --replica-profile list or a fleet JSON; failures: (replica, s).
+    replicas: int = 1
+    router: str | None = None
+    replica_profiles: tuple[str, ...] = ()
+    fleet: str | None = None
+    failures: tuple[tuple[int, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -11,7 +11,12 @@ from duetime.process_pool import process_pool
 
 
 def run_row(spec: SimSpec) -> dict[str, Any]:
-    """One spec → its summary row (records stay in the worker: they are large)."""
+    """One spec → its summary row (records stay in the worker: they are large); a
+    fleet spec's row is the fleet's."""
+    from duetime.sim.fleet_run import is_fleet, run_fleet
+
+    if is_fleet(spec):
+        return run_fleet(spec)[1]
     _, row = run_spec(spec)
     return row
 
@@ -22,8 +27,11 @@ def run_sweep(
     workers: int = 2,
     backend: str = "process",
     progress: Callable[[int, int], None] | None = None,
+    ray_address: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows in the order of ``specs``. ``backend``: process, ray or serial."""
+    """Rows in the order of ``specs``. ``backend``: process (the default), ray or serial.
+    With ``ray``, ``ray_address`` joins a running cluster (``ray://head:10001``, or
+    ``auto`` on a node of one); without it a local Ray of ``workers`` CPUs is started."""
     n = len(specs)
     rows: list[dict[str, Any] | None] = [None] * n
     if backend == "serial" or workers == 1 or n == 1:
@@ -39,24 +47,29 @@ def run_sweep(
                 if progress:
                     progress(done, n)
     elif backend == "ray":
-        rows = _ray_sweep(specs, workers, progress)
+        rows = _ray_sweep(specs, workers, progress, ray_address)
     else:
         raise ValueError(f"unknown sweep backend {backend!r}; use process, ray or serial")
     return [r for r in rows if r is not None]
 
 
 def _ray_sweep(
-    specs: list[SimSpec], workers: int, progress: Callable[[int, int], None] | None
+    specs: list[SimSpec],
+    workers: int,
+    progress: Callable[[int, int], None] | None,
+    address: str | None = None,
 ) -> list[dict[str, Any] | None]:
     try:
         import ray
     except ImportError:
         raise ValueError(
-            "--ray needs Ray: .venv/bin/pip install -c constraints.txt -e '.[ray]'"
+            "--ray needs Ray: .venv/bin/pip install -c constraints.txt -e '.[dev]'"
         ) from None
     if not ray.is_initialized():
-        # address=None starts a local cluster; RAY_ADDRESS in the environment joins one.
-        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        if address is None:  # a local cluster (RAY_ADDRESS in the environment joins one)
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        else:  # the cluster's own resources: num_cpus belongs to the one that starts it
+            ray.init(address=address, log_to_driver=False)
     remote = ray.remote(run_row)
     refs = [remote.remote(s) for s in specs]
     index = {r: i for i, r in enumerate(refs)}

@@ -20,6 +20,7 @@ from duetime.cli.common import (
     out,
     writable,
 )
+from duetime.cli.sim_fleet import FailOpt, FleetOpt, ReplicaProfileOpt, ReplicasOpt, RouterOpt
 
 # Options `sim` and `sweep` share (a sweep runs `sim` for every policy × rate × seed).
 WorkloadOpt = Annotated[
@@ -71,15 +72,22 @@ def sim(
     prefix_cache: PrefixCacheOpt = 0,
     shared_prefix: SharedPrefixOpt = 0,
     prefix_groups: PrefixGroupsOpt = 1,
+    replicas: ReplicasOpt = 1,
+    router: RouterOpt = None,
+    replica_profile: ReplicaProfileOpt = None,
+    fleet: FleetOpt = None,
+    fail: FailOpt = None,
     save_trace: Annotated[
         Path | None, typer.Option(help="Save the workload as JSONL.", callback=writable)
     ] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """Simulate one workload through one policy."""
+    """Simulate one workload through one policy, on one engine or on a fleet of replicas."""
+    from duetime.cli.sim_fleet import fleet_fields, run_and_report
     from duetime.experiment import SimSpec, plan_spec, run_planned
     from duetime.metrics import render_table, write_json
+    from duetime.sim.fleet_run import is_fleet
 
     with _user_errors():
         spec = SimSpec(
@@ -99,12 +107,16 @@ def sim(
             prefix_cache=prefix_cache,
             shared_prefix=shared_prefix,
             prefix_groups=prefix_groups,
+            **fleet_fields(replicas, router, replica_profile, fleet, fail),
         )
         plan = plan_spec(spec)  # every name checked before the trace is written
         if save_trace is not None:  # with the deadlines the run uses
             from duetime.workloads import write_trace
 
             write_trace(save_trace, plan.jobs)
+        if is_fleet(spec):
+            run_and_report(spec, plan, json_path, plot)
+            return
         prog, cb = _progress(len(plan.jobs), f"simulating {policy}")
         with prog:
             result, row = run_planned(plan, progress=cb)
@@ -141,15 +153,30 @@ def sweep(
     prefix_cache: PrefixCacheOpt = 0,
     shared_prefix: SharedPrefixOpt = 0,
     prefix_groups: PrefixGroupsOpt = 1,
+    replicas: Annotated[
+        str, typer.Option(help="Comma-separated fleet sizes (1: one engine, unless --routers).")
+    ] = "1",
+    routers: Annotated[
+        str | None, typer.Option(help="Comma-separated routers (a fleet run each).")
+    ] = None,
+    replica_profile: ReplicaProfileOpt = None,
+    fleet: FleetOpt = None,
+    fail: FailOpt = None,
     workers: Annotated[int, typer.Option(min=1, help="Parallel workers.")] = 2,
-    use_ray: Annotated[bool, typer.Option("--ray", help="Run on a Ray cluster.")] = False,
+    use_ray: Annotated[bool, typer.Option("--ray", help="Run on Ray (a local one).")] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="Join this Ray cluster (ray://host:10001 or auto); implies --ray."),
+    ] = None,
     metrics: Annotated[str, typer.Option(help="Metrics to plot.")] = (
         "e2e_p90_s,ttft_p90_s,deadline_hit_rate,throughput_tok_s"
     ),
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
-    """Policies × rates × seeds, in parallel (process pool, or Ray with --ray)."""
+    """Policies × rates × seeds (× replicas × routers), in parallel: a process pool, or
+    Ray with --ray / --ray-address."""
+    from duetime.cli.sim_fleet import fleet_fields
     from duetime.experiment import SimSpec, is_trace, row_figures
     from duetime.metrics import plot_sweep, render_table, write_json
     from duetime.sweep import run_sweep
@@ -167,6 +194,18 @@ def sweep(
         unknown = [m for m in plotted if m not in figures]
         if unknown:  # found before the sweep runs, not as an empty plot after it
             _fail(f"unknown --metrics {unknown}; a row has {', '.join(figures)}")
+        try:
+            sizes = [int(n) for n in replicas.split(",")]
+        except ValueError:
+            _fail(f"--replicas must be comma-separated integers, got {replicas!r}")
+        if any(n < 1 for n in sizes):
+            _fail(f"--replicas must be >= 1 each, got {replicas!r}")
+        router_list: list[str | None] = (
+            [r.strip() for r in routers.split(",")] if routers else [None]
+        )
+        fleets = [
+            fleet_fields(n, r, replica_profile, fleet, fail) for n in sizes for r in router_list
+        ]
         trace = is_trace(SimSpec(workload=workload))
         if trace:
             rate_list = rate_list[:1]  # a trace has its own arrival times: one run, not one a rate
@@ -186,22 +225,28 @@ def sweep(
                 prefix_cache=prefix_cache,
                 shared_prefix=shared_prefix,
                 prefix_groups=prefix_groups,
+                **f,
             )
             for p in policies.split(",")
             for r in rate_list
             for s in seed_list
+            for f in fleets
         ]
         prog, cb = _progress(len(specs), "sweep")
         with prog:
             rows = run_sweep(
-                specs, workers=workers, backend="ray" if use_ray else "process", progress=cb
+                specs,
+                workers=workers,
+                backend="ray" if use_ray or ray_address else "process",
+                progress=cb,
+                ray_address=ray_address,
             )
     for r in rate_list:
         at = "" if trace else f"@{r:g}/s"
         out.print(
             render_table(
                 [
-                    (f"{row['policy']}{at} s{row['seed']}", row)
+                    (f"{row['policy']}{at} s{row['seed']}{_fleet_label(row)}", row)
                     for spec, row in zip(specs, rows, strict=True)
                     if spec.rate == r
                 ]
@@ -212,6 +257,11 @@ def sweep(
     if plot is not None:
         x = "seed" if trace else "rate_req_s"
         plot_sweep(rows, x=x, y=plotted, hue="policy", path=plot)
+
+
+def _fleet_label(row: dict) -> str:
+    """`` ×N router`` for a fleet's row in a sweep's table; nothing for one engine."""
+    return f" x{row['replicas']} {row['router']}" if "router" in row else ""
 
 
 def _demo_outputs(out_dir: Path) -> Path:
@@ -259,6 +309,15 @@ def policies() -> None:
     from duetime.policies import available_policies
 
     for name in available_policies():
+        out.print(name)
+
+
+@app.command()
+def routers() -> None:
+    """List the registered fleet routers."""
+    from duetime.routers import available_routers
+
+    for name in available_routers():
         out.print(name)
 
 
