@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from duetime.cli.bench import (  # noqa: F401  (registers the commands)
     sim,
+    fleet,
     engine,
     predict_length,
     amin,
