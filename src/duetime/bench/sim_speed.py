@@ -52,12 +52,21 @@ def calibrate_rate(spec_rate: float, make: Any, target_running: float, iters: in
     return (lo + hi) / 2
 
 
-def run(requests: int = 100_000, seed: int = 0, target_running: float = 128.0) -> dict[str, Any]:
-    """Run the benchmark; returns figures named with their units."""
+def run(
+    requests: int = 100_000,
+    seed: int = 0,
+    target_running: float = 128.0,
+    replicas: int = 1,
+    router: str = "lor",
+) -> dict[str, Any]:
+    """Run the benchmark; returns figures named with their units. With ``replicas`` > 1,
+    a fleet behind ``router`` (:func:`run_fleet`)."""
     import time
 
     if not (math.isfinite(target_running) and target_running > 0):
         raise ValueError(f"--target-running must be finite and > 0 sequences, got {target_running}")
+    if replicas > 1:
+        return run_fleet(requests, seed, target_running, replicas, router)
 
     from duetime.experiment import SimSpec, build_jobs, run_spec
     from duetime.sim.profiles import load_profile
@@ -99,4 +108,57 @@ def run(requests: int = 100_000, seed: int = 0, target_running: float = 128.0) -
         "completed": row["completed"],
         "e2e_p50_s": row["e2e_p50_s"],
         "target_wall_s": 10.0,
+    }
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory, MiB (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_fleet(
+    requests: int, seed: int, target_running: float, replicas: int, router: str
+) -> dict[str, Any]:
+    """The fleet's figures: ``replicas`` copies of the profile behind ``router``, at
+    ``replicas`` times the rate that keeps ``target_running`` sequences running on one
+    (the analytic estimate: pilot runs of a large fleet would cost more than the run).
+    The fleet's target: 1,000,000 requests over 64 replicas in <= 60 s, <= 4 GiB."""
+    import time
+
+    from duetime.experiment import SimSpec, build_jobs
+    from duetime.sim.fleet_run import run_fleet as run_spec_fleet
+    from duetime.sim.profiles import load_profile
+
+    spec = SimSpec(policy="fcfs", workload="sharegpt", requests=requests, seed=seed)
+    t0 = time.perf_counter()
+    pilot = build_jobs(SimSpec(policy="fcfs", requests=min(requests, 10_000), seed=seed))
+    cost, _ = load_profile(spec.profile)
+    spec.rate = rate_for_running(pilot, cost, target_running) * replicas
+    spec.replicas, spec.router = replicas, router
+    del pilot
+    build_s = time.perf_counter() - t0
+    result, row, per = run_spec_fleet(spec)
+    wall = result.wall_s
+    return {
+        "requests": requests,
+        "replicas": replicas,
+        "router": router,
+        "policy": spec.policy,
+        "profile": spec.profile,
+        "rate_req_s": spec.rate,
+        "mean_running_per_replica": float(np.mean([r["mean_running"] for r in per])),
+        "wall_s": wall,
+        "workload_build_s": build_s,
+        "sim_span_s": result.sim_time,
+        "engine_steps": result.engine_steps,
+        "requests_per_s": requests / wall,
+        "us_per_request": 1e6 * wall / requests,
+        "router_calls": result.router_calls,
+        "completed": row["completed"],
+        "e2e_p50_s": row["e2e_p50_s"],
+        "peak_rss_mib": peak_rss_mib(),
+        "target_wall_s": 60.0,
+        "target_peak_rss_mib": 4096.0,
     }

@@ -15,11 +15,12 @@ import numpy as np
 from duetime.core.router import FleetSnapshot, Route, RouteDecision
 from duetime.routers.registry import register
 
+_BIG = np.iinfo(np.int64).max
+
 
 def least(values: np.ndarray, up: np.ndarray) -> int:
     """Index of the smallest value among up replicas (the lowest index on ties)."""
-    masked = np.where(up, values, np.iinfo(np.int64).max)
-    return int(np.argmin(masked))
+    return int(np.where(up, values, _BIG).argmin())
 
 
 @register("lor")

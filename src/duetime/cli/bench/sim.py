@@ -15,14 +15,35 @@ from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
 def bench_sim(
     requests: Annotated[int, typer.Option(min=1)] = 100_000,
     seed: SeedOpt = 0,
-    target_running: Annotated[float, typer.Option(help="Sequences to keep running.")] = 128.0,
+    target_running: Annotated[
+        float, typer.Option(help="Sequences to keep running (on each replica).")
+    ] = 128.0,
+    replicas: Annotated[int, typer.Option(min=1, help="A fleet of this many replicas.")] = 1,
+    router: Annotated[str, typer.Option(help="The fleet's router.")] = "lor",
     json_path: JsonOpt = None,
 ) -> None:
-    """Simulator speed at 100k ShareGPT requests (target: <= 10 s wall)."""
+    """Simulator speed at 100k ShareGPT requests (target: <= 10 s wall); with
+    --replicas, a fleet's (target: 1M requests over 64 replicas <= 60 s, <= 4 GiB)."""
     from duetime.bench import sim_speed
 
     with _user_errors():
-        fig = sim_speed.run(requests=requests, seed=seed, target_running=target_running)
+        fig = sim_speed.run(
+            requests=requests,
+            seed=seed,
+            target_running=target_running,
+            replicas=replicas,
+            router=router,
+        )
+    if replicas > 1:
+        out.print(
+            f"{fig['requests']:,} requests over {fig['replicas']} replicas ({fig['router']}), "
+            f"rate {fig['rate_req_s']:.1f} req/s, mean running per replica "
+            f"{fig['mean_running_per_replica']:.1f}\nwall {fig['wall_s']:.2f} s (target <= "
+            f"{fig['target_wall_s']:.0f} s), {fig['us_per_request']:.1f} us/request, peak RSS "
+            f"{fig['peak_rss_mib']:,.0f} MiB (target <= {fig['target_peak_rss_mib']:,.0f})"
+        )
+        save_figures(fig, json_path=json_path)
+        return
     out.print(
         f"{fig['requests']:,} requests, {fig['policy']}, profile {fig['profile']}, "
         f"rate {fig['rate_req_s']:.2f} req/s, mean running {fig['mean_running']:.1f}\n"
