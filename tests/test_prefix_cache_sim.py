@@ -288,8 +288,8 @@ def test_a_keys_only_cache_holds_no_bytes() -> None:
     assert cache.num_tokens == B
 
 
-# Found by the property above (CI, session 23): the simulator offered a decoder's blocks
-# all at the end of a decode run, so with the cache full it kept another block than the
+# Found by the property above: a simulator that offers a decoder's blocks
+# all at the end of a decode run keeps, with the cache full, another block than the
 # engine, which offers each in the step that completes it.
 _DECODE_BLOCKS_RUN = [  # (answer tokens, prompt ids as hex bytes)
     (
