@@ -145,7 +145,7 @@ class Gemma3:
 
     On an AVX2 CPU without native bf16, bf16 GEMMs with more than one row are
     3-10x slower than fp32, so bf16 only pays for batch-1 decode; see
-    docs/engine.md for measurements.
+    docs/engine-model.md, "dtypes".
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """Per-sequence KV cache: one growable ``[2, kv_heads, capacity, head_dim]`` tensor per layer.
 
-Why per-sequence tensors and not a paged pool (see docs/engine.md for the long
+Why per-sequence tensors and not a paged pool (see docs/engine-model.md for the long
 form): on a CPU there is no paged-attention kernel, so a pool would have to be
 gathered into a contiguous tensor each step (a copy of every live key, ~15 ms
 per step at batch 16 here), while a per-sequence tensor is already the

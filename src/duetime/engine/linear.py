@@ -4,7 +4,7 @@ Why int8 at all: decode at small batch is memory-bound, and the tied
 262,144 × 640 output layer is most of the bytes. On this AVX2 machine (no
 AVX-512/AMX, so no native bf16 GEMM) fbgemm's dynamic-int8 GEMM reads a
 quarter of the fp32 bytes and was 2-15x faster than bf16 in our measurements
-(see docs/engine.md). It quantizes the weight per output channel once and the
+(see docs/engine-kernels.md). It quantizes the weight per output channel once and the
 activation per call.
 
 fbgemm scales the activation per *tensor*; with many rows that lets one
@@ -19,7 +19,7 @@ layer only) from 84 % to 91 %; bf16 gets 96 %.
 two u8×s8 products into a saturating int16, and 255·128·2 would overflow.
 
 Which fp32 kernel per shape (measured on this 2-core AVX2 machine, interleaved,
-medians; docs/engine.md has the tables): MKL's ``F.linear`` repacks the weight
+medians; the tables are in git history of docs/engine.md): MKL's ``F.linear`` repacks the weight
 on every call, which at 2-64 rows costs more than the product itself, while
 oneDNN's ``_linear_pointwise`` on a weight reordered once at load
 (:class:`PackedLinear`) does not: 1.3-2x faster for the 72 layer matmuls at
@@ -267,7 +267,7 @@ def topk_indices(logits: torch.Tensor, k: int, group: int = _TOPK_GROUP) -> torc
 
 
 # Rows up to which Q8Linear uses the int8 kernel. Interleaved microbenchmarks on
-# this 2-core machine (docs/engine.md) had the kernel ahead of packed fp32 up to
+# this 2-core machine (docs/engine-kernels.md) had the kernel ahead of packed fp32 up to
 # 16 rows for the layer matmuls; beyond a few rows the product turns compute-bound
 # (int8 → fp32 widening costs as much as the FMA), so the margin shrinks with rows.
 Q8_MAX_ROWS = 8

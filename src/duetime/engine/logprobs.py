@@ -3,7 +3,7 @@
 They are the model's own distribution (a log-softmax of the step's logits row),
 before any penalty or temperature, as vLLM reports them by default. Under the
 ``q8`` and ``fast`` dtypes the logits outside each row's 32 best are the int8
-head's approximations (docs/engine.md), so the normaliser is approximate too.
+head's approximations (docs/engine-kernels.md), so the normaliser is approximate too.
 
 The engine thread appends one :class:`TokenLogprob` per answer position; the
 server reads a position only after its token was published, so the list needs
