@@ -6,6 +6,7 @@ import pytest
 
 from duetime.engine import malloc_tuning
 from duetime.engine.malloc_tuning import (
+    ARENA_MAX,
     MMAP_THRESHOLD,
     TOP_PAD,
     TRIM_THRESHOLD,
@@ -33,12 +34,17 @@ def _fresh(monkeypatch):
     malloc_tuning._done.update(state)
 
 
-def test_the_three_settings_are_made_once_per_process() -> None:
+def test_the_four_settings_are_made_once_per_process() -> None:
     libc = _Libc()
     assert keep_large_blocks(libc)
-    assert libc.calls == [(-3, MMAP_THRESHOLD), (-1, TRIM_THRESHOLD), (-2, TOP_PAD)]
+    assert libc.calls == [
+        (-3, MMAP_THRESHOLD),
+        (-1, TRIM_THRESHOLD),
+        (-2, TOP_PAD),
+        (-8, ARENA_MAX),
+    ]
     assert keep_large_blocks(libc)  # a second model: nothing more
-    assert len(libc.calls) == 3
+    assert len(libc.calls) == 4
 
 
 def test_the_variable_leaves_malloc_alone(monkeypatch) -> None:
@@ -57,3 +63,32 @@ def test_this_machines_glibc_takes_them() -> None:
     if malloc_tuning._glibc() is None:
         pytest.skip("not glibc")
     assert keep_large_blocks()
+
+
+_THREAD_BLOCK = """
+import threading
+from duetime.engine.malloc_tuning import keep_large_blocks, large_blocks_mapped
+
+assert keep_large_blocks()
+tuned = []
+for _ in range(2):
+    t = threading.Thread(target=lambda: tuned.append(large_blocks_mapped()))
+    t.start()
+    t.join()
+print(tuned, large_blocks_mapped())
+"""
+
+
+def test_a_threads_large_temporaries_come_from_the_tuned_heap() -> None:
+    """The server steps the engine on a thread of its own: its ~100 MiB temporaries
+    must come from the heap, not a fresh mmap each step (a thread's own arena maps
+    anything over 64 MiB, whatever the threshold)."""
+    import subprocess
+    import sys
+
+    if malloc_tuning.large_blocks_mapped() is None:
+        pytest.skip("not glibc >= 2.33")
+    out = subprocess.run(
+        [sys.executable, "-c", _THREAD_BLOCK], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[False, False] False"

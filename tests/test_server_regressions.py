@@ -84,15 +84,26 @@ class _RestartOnce(FCFS):
         return super().schedule(snap)
 
 
+class _Now:
+    """An event loop stand-in that runs what it is handed at once, on this thread."""
+
+    def call_soon_threadsafe(self, fn: Any, *args: Any) -> None:
+        fn(*args)
+
+
 class _Inbox:
-    """A request's stream, read on this thread (the engine loop only calls ``put``)."""
+    """A request's stream, read on this thread (the engine loop hands it each round's
+    items through ``loop``)."""
 
     def __init__(self) -> None:
         self.items: list[list[int] | Outcome] = []
         self.closed = False
+        self.loop = _Now()
 
-    def put(self, item: list[int] | Outcome) -> None:
+    def deliver(self, item: list[int] | Outcome) -> None:
         self.items.append(item)
+
+    put = deliver
 
 
 def test_a_restarted_request_that_ends_early_counts_the_tokens_its_client_has() -> None:
@@ -111,6 +122,7 @@ def test_a_restarted_request_that_ends_early_counts_the_tokens_its_client_has() 
     loop._drain_inbox()
     while not stream.items:
         assert ex.tick() is None or ex.in_system
+        loop._flush()  # the end of the loop's round
     assert stream.items == [[ex.tokens[1][-1]]]  # the first token went out
     ex.tick()  # the policy restarts the request: its answer is void for the books
     assert ex.seqs[1].generated == 0

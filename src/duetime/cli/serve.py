@@ -127,6 +127,11 @@ def serve(
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve the model over HTTP with OpenAI's API plus deadlines (see docs/server.md)."""
+    from duetime.engine.malloc_tuning import keep_large_blocks
+
+    # First, before any thread allocates: the engine steps on a thread of its own, which
+    # shares the tuned heap only if no other thread made itself an arena before.
+    keep_large_blocks()
     import torch
 
     from duetime.server.app import create_app

@@ -33,6 +33,7 @@ from duetime.core.sequence import SeqStatus
 from duetime.engine.executor import EngineExecutor, StopRule
 from duetime.engine.grammar import TokenGrammar
 from duetime.engine.logprobs import LogprobLog
+from duetime.engine.malloc_tuning import large_blocks_mapped
 from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
 from duetime.server.step_timer import StepTimer
@@ -102,23 +103,38 @@ class Stream:
     def __init__(
         self, loop: asyncio.AbstractEventLoop, count: Callable[[Outcome], None] | None = None
     ) -> None:
-        self._loop = loop
+        self.loop = loop
         self._queue: asyncio.Queue[list[int] | Outcome] = asyncio.Queue()
         self._count = count
         self.closed = False
 
     def put(self, item: list[int] | Outcome) -> None:
-        """Called from the engine thread."""
+        """Called from the engine thread: one item, handed over on its own."""
         if not self.closed:
-            self._loop.call_soon_threadsafe(self._deliver, item)
+            self.loop.call_soon_threadsafe(self.deliver, item)
         elif isinstance(item, Outcome):
             self.counted(item)
 
-    def _deliver(self, item: list[int] | Outcome) -> None:
+    def deliver(self, item: list[int] | Outcome) -> None:
+        """On the event loop: ``item`` into the reader's queue (or counted, if it left)."""
         if not self.closed:
             self._queue.put_nowait(item)
         elif isinstance(item, Outcome):
             self.counted(item)
+
+    @staticmethod
+    def put_many(items: Sequence[tuple[Stream, list[int] | Outcome]]) -> None:
+        """Called from the engine thread: a round's items for many streams, handed to each
+        event loop in one call (one wake-up of the loop a round, not one a stream)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, list[int] | Outcome]]] = {}
+        for stream, item in items:
+            if stream.closed:
+                if isinstance(item, Outcome):
+                    stream.counted(item)
+                continue
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_deliver_all, batch)
 
     async def get(self, timeout: float | None = None) -> list[int] | Outcome:
         return await asyncio.wait_for(self._queue.get(), timeout)
@@ -135,6 +151,12 @@ class Stream:
         """Count ``outcome`` (once per request: the reader, or :meth:`put` after close)."""
         if self._count is not None:
             self._count(outcome)
+
+
+def _deliver_all(batch: list[tuple[Stream, list[int] | Outcome]]) -> None:
+    """On the event loop: a round's items into their streams."""
+    for stream, item in batch:
+        stream.deliver(item)
 
 
 @dataclass(slots=True, frozen=True)
@@ -207,6 +229,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._draining: list[Job] = []  # taken from the inbox, not yet in the image
         self._live: dict[int, _Live] = {}
+        #: What this round has for the streams, handed to the event loop in one call.
+        self._outbox: list[tuple[Stream, list[int] | Outcome]] = []
         self._rids = itertools.count(1)
         self._errors = 0
         self._beat = time.monotonic()  # when the engine thread last began a round
@@ -318,6 +342,12 @@ class EngineLoop:
 
     # --- the engine thread ---------------------------------------------------------
     def _main(self) -> None:
+        if large_blocks_mapped():
+            log.warning(
+                "the engine thread's large temporaries are fresh mmaps, faulted in again "
+                "every step (a thread made a malloc arena before the engine's tuning; "
+                "engine/malloc_tuning.py): decode steps of many sequences run slower"
+            )
         ex = self.executor
         ex.on_tokens = self._publish_tokens
         while not self._stopping.is_set():
@@ -342,6 +372,7 @@ class EngineLoop:
             self._refresh_stats()
             if ex.n_done != done_before:
                 self._publish_ends()
+            self._flush()  # the step's tokens and ends, every stream's, in one hand-over
             if nxt is None or nxt < 0:
                 continue
             self._wait(min(self._idle_wait_s, max(0.0, nxt - ex.clock_now())))
@@ -370,6 +401,7 @@ class EngineLoop:
             self._refresh_stats()  # the image holds them now: off the hand-over list
             with self._lock:
                 self._draining = []
+            self._flush()
 
     def _take(self, kind: str, payload: Any) -> None:
         """One inbox item onto the executor: a submission, or the end of a request."""
@@ -383,7 +415,7 @@ class EngineLoop:
         try:
             ex.admit_arrival(sub.job)
         except Exception as e:  # one bad request must not stop the loop
-            sub.stream.put(self._outcome(sub.job, "error", error=str(e)))  # counted by the stream
+            self._send(sub.stream, self._outcome(sub.job, "error", error=str(e)))
             return
         self._live[rid] = _Live(sub.job, sub.stream)
         if sub.stop is not None:
@@ -396,6 +428,15 @@ class EngineLoop:
             ex.logprob_logs[rid] = sub.logprobs
         if sub.grammar is not None:
             ex.grammars[rid] = sub.grammar
+
+    def _send(self, stream: Stream, item: list[int] | Outcome) -> None:
+        """Queue ``item`` for ``stream`` until the round's :meth:`_flush`."""
+        self._outbox.append((stream, item))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            Stream.put_many(items)
 
     def _publish_tokens(self, produced: list[tuple[int, int]]) -> None:
         ex = self.executor
@@ -416,7 +457,7 @@ class EngineLoop:
                 live.first_sent = ex.now
             batches.setdefault(rid, []).append(tok)
         for rid, toks in batches.items():
-            self._live[rid].stream.put(toks)
+            self._send(self._live[rid].stream, toks)
 
     def _publish_ends(self) -> None:
         ex = self.executor
@@ -452,7 +493,7 @@ class EngineLoop:
         if live is None:
             return
         outcome = self._outcome(live.job, reason, live=live)
-        live.stream.put(outcome)
+        self._send(live.stream, outcome)
         self.executor.forget(rid)
 
     def _outcome(
@@ -497,8 +538,9 @@ class EngineLoop:
         message = why.strip().splitlines()[-1] if why.strip() else "engine error"
         for live in list(self._live.values()):
             outcome = self._outcome(live.job, "error", error=message, live=live)
-            live.stream.put(outcome)
+            self._send(live.stream, outcome)
         self._live.clear()
+        self._flush()
         old = self.executor
         old.close()
         if log_it:
