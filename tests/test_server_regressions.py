@@ -31,9 +31,10 @@ from duetime.server.answers import Meta, whole_answer
 from duetime.server.app import ServerState, create_app
 from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.codec import ByteCodec, Codec, Detokenizer
-from duetime.server.engine_loop import EngineLoop, Outcome
+from duetime.server.engine_loop import EngineLoop
 from duetime.server.errors import ApiError
 from duetime.server.gateway import GatewayConfig, create_gateway_app
+from duetime.server.streams import Outcome
 from duetime.server.threaded import serve_in_thread
 from tests.factories import byte_codec_text
 from tests.test_server_all_policies import MODEL, CharCodec

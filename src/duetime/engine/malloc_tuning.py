@@ -22,10 +22,12 @@ heaps of at most 64 MiB: a step's larger temporaries then fall back to a fresh
 its own, and there a 64-sequence decode step (256-token prompts) took 433 / 401 ms
 against 274 / 313 ms on the main thread, and 263 / 311 ms with one arena (same
 executor, two rounds). The threads that allocate besides the engine (HTTP, the
-length predictor) mostly make small Python objects, which never reach malloc's lock. The cost: memory freed after a peak
-stays with the process for reuse instead of going back to the OS, up to
-:data:`TRIM_THRESHOLD` of it at the heap's top. ``DUETIME_MALLOC=0`` leaves
-malloc as it is; other C libraries (musl, macOS) are left alone.
+length predictor) mostly make small Python objects, which never reach malloc's lock.
+
+The cost: memory freed after a peak stays with the process for reuse instead of
+going back to the OS, up to :data:`TRIM_THRESHOLD` of it at the heap's top.
+``DUETIME_MALLOC=0`` leaves malloc as it is; other C libraries (musl, macOS) are
+left alone.
 """
 
 from __future__ import annotations
@@ -101,11 +103,20 @@ def keep_large_blocks(libc: Any | None = None) -> bool:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [  # noqa: RUF012 (ctypes' own declaration)
+    _fields_ = [
         (name, ctypes.c_size_t)
-        for name in (
-            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-        ).split()
+        for name in [
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        ]
     ]
 
 

@@ -36,7 +36,7 @@ from duetime.server.admission import Admission
 from duetime.server.answers import Meta, sse_answer, whole_answer
 from duetime.server.chat_template import render_chat
 from duetime.server.codec import Codec, Detokenizer
-from duetime.server.engine_loop import EngineLoop, Outcome, Stream, Submission
+from duetime.server.engine_loop import EngineLoop, Submission
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
 from duetime.server.grammar_steps import GrammarSteps
 from duetime.server.metrics import ResponseCounter, ServerMetrics
@@ -50,6 +50,7 @@ from duetime.server.schemas import (
     ErrorResponse,
     TokenizeRequest,
 )
+from duetime.server.streams import Outcome, Stream
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
 

@@ -15,7 +15,6 @@ one bad step must not leave memory held or the loop dead.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import threading
@@ -24,7 +23,8 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from time import perf_counter
+from typing import Any
 
 from duetime.core.image import EngineImage
 from duetime.core.request import Job
@@ -36,127 +36,13 @@ from duetime.engine.logprobs import LogprobLog
 from duetime.engine.malloc_tuning import large_blocks_mapped
 from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
+from duetime.server.step_log import StepLog, StepRow
 from duetime.server.step_timer import StepTimer
+from duetime.server.streams import FinishReason, Outcome, Stream
 
 __all__ = ["EngineLoop", "EngineStats", "Outcome", "Stream", "Submission"]
 
 log = logging.getLogger("duetime.server")
-
-FinishReason = Literal["stop", "length", "abort", "error"]
-
-
-@dataclass(slots=True, frozen=True)
-class Outcome:
-    """How a request ended, in seconds on the engine clock."""
-
-    finish_reason: FinishReason
-    arrival: float
-    first_token: float | None
-    end: float
-    #: Tokens of the answer, at least those the client has: a request a policy restarted
-    #: can end (a stop string, an abort) before its re-run has made them all again.
-    output_tokens: int
-    kv_evicted_ratio: float = 0.0
-    predicted_tokens: float | None = None
-    #: When admission's forecast had the answer done (engine clock); None without one.
-    forecast_finish: float | None = None
-    deadline: float | None = None
-    preemptions: int = 0
-    error: str | None = None
-    prompt_tokens: int = 0
-    #: Prompt tokens whose KV came from the prefix cache; None if it never reached the engine.
-    cached_tokens: int | None = None
-    #: Answer tokens its grammar forced that took no step of their own (jump-forward).
-    jumped_tokens: int = 0
-    #: Of those, the ones computed as extra rows of a step (the rest ended the answer).
-    rode_tokens: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def e2e(self) -> float:
-        return self.end - self.arrival
-
-    @property
-    def forecast_e2e(self) -> float | None:
-        return None if self.forecast_finish is None else self.forecast_finish - self.arrival
-
-    @property
-    def deadline_met(self) -> bool | None:
-        if self.deadline is None:
-            return None
-        return self.finish_reason in ("stop", "length") and self.end <= self.deadline
-
-
-class Stream:
-    """The event-loop side of one request: batches of token ids, then one :class:`Outcome`.
-
-    ``count`` (the server's metrics) hears each request's outcome exactly once. The
-    reader counts what it read (:meth:`counted`), as the client saw it: a stop string can
-    end an answer in the very token at which the engine ended it for another reason. An
-    outcome nobody will read (the reader called :meth:`close`: the client left, timed
-    out) is counted by whichever thread holds it then.
-    """
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, count: Callable[[Outcome], None] | None = None
-    ) -> None:
-        self.loop = loop
-        self._queue: asyncio.Queue[list[int] | Outcome] = asyncio.Queue()
-        self._count = count
-        self.closed = False
-
-    def put(self, item: list[int] | Outcome) -> None:
-        """Called from the engine thread: one item, handed over on its own."""
-        if not self.closed:
-            self.loop.call_soon_threadsafe(self.deliver, item)
-        elif isinstance(item, Outcome):
-            self.counted(item)
-
-    def deliver(self, item: list[int] | Outcome) -> None:
-        """On the event loop: ``item`` into the reader's queue (or counted, if it left)."""
-        if not self.closed:
-            self._queue.put_nowait(item)
-        elif isinstance(item, Outcome):
-            self.counted(item)
-
-    @staticmethod
-    def put_many(items: Sequence[tuple[Stream, list[int] | Outcome]]) -> None:
-        """Called from the engine thread: a round's items for many streams, handed to each
-        event loop in one call (one wake-up of the loop a round, not one a stream)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, list[int] | Outcome]]] = {}
-        for stream, item in items:
-            if stream.closed:
-                if isinstance(item, Outcome):
-                    stream.counted(item)
-                continue
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_deliver_all, batch)
-
-    async def get(self, timeout: float | None = None) -> list[int] | Outcome:
-        return await asyncio.wait_for(self._queue.get(), timeout)
-
-    def close(self) -> None:
-        """The reader is gone (called on the event loop): count the outcome it left unread."""
-        self.closed = True
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
-            if isinstance(item, Outcome):
-                self.counted(item)
-
-    def counted(self, outcome: Outcome) -> None:
-        """Count ``outcome`` (once per request: the reader, or :meth:`put` after close)."""
-        if self._count is not None:
-            self._count(outcome)
-
-
-def _deliver_all(batch: list[tuple[Stream, list[int] | Outcome]]) -> None:
-    """On the event loop: a round's items into their streams."""
-    for stream, item in batch:
-        stream.deliver(item)
 
 
 @dataclass(slots=True, frozen=True)
@@ -211,6 +97,7 @@ class EngineLoop:
         fixed_cost: bool = False,
         idle_wait_s: float = 0.5,
         images: bool = True,
+        step_log: StepLog | None = None,
     ) -> None:
         """``fixed_cost``: the executor's cost model is a given profile; otherwise policies
         are handed the timer's online fit as ``snapshot.cost`` as it improves.
@@ -231,6 +118,10 @@ class EngineLoop:
         self._live: dict[int, _Live] = {}
         #: What this round has for the streams, handed to the event loop in one call.
         self._outbox: list[tuple[Stream, list[int] | Outcome]] = []
+        #: Where each round's time went (None: not kept; `duetime bench serve-load`).
+        self.step_log = step_log
+        self._deliver_s = 0.0  # this round's token bookkeeping, inside the tick
+        self._t_origin = perf_counter()
         self._rids = itertools.count(1)
         self._errors = 0
         self._beat = time.monotonic()  # when the engine thread last began a round
@@ -351,32 +242,79 @@ class EngineLoop:
         ex = self.executor
         ex.on_tokens = self._publish_tokens
         while not self._stopping.is_set():
-            self._beat = time.monotonic()
-            self._drain_inbox()
-            ex = self.executor
-            if not ex.in_system:
-                self._refresh_stats()
-                self._wait(self._idle_wait_s)
-                continue
-            done_before = ex.n_done
-            try:
-                nxt = ex.tick()
-            except Exception:  # the server must survive a bad step
-                self._fail_all(traceback.format_exc())
-                continue
-            refit = nxt is None and ex.last_step is not None and self.timer.observe(*ex.last_step)
-            if refit and not self._fixed_cost:
-                ex.cost = self.timer.as_cost()
-            # the image without the ended ones before their clients hear: a request sent
-            # right after an answer must not be forecast behind it
-            self._refresh_stats()
-            if ex.n_done != done_before:
-                self._publish_ends()
-            self._flush()  # the step's tokens and ends, every stream's, in one hand-over
-            if nxt is None or nxt < 0:
-                continue
-            self._wait(min(self._idle_wait_s, max(0.0, nxt - ex.clock_now())))
+            self._round(perf_counter())
         self._fail_all("server shutting down", log_it=False)
+
+    def _round(self, t0: float) -> None:
+        """Take the inbox, run one step if there is work (else sleep), hand out its
+        tokens and ends; timed part by part into :attr:`step_log` where one is kept."""
+        self._beat = time.monotonic()
+        self._drain_inbox()
+        t_drain = perf_counter()
+        ex = self.executor
+        if not ex.in_system:
+            self._refresh_stats()
+            t_refresh = perf_counter()
+            self._wait(self._idle_wait_s)
+            times = {"refresh": t_refresh - t_drain, "idle": perf_counter() - t_refresh}
+            self._log(t0, t_drain - t0, times, None)
+            return
+        done_before = ex.n_done
+        self._deliver_s = 0.0
+        try:
+            nxt = ex.tick()
+        except Exception:  # the server must survive a bad step
+            self._fail_all(traceback.format_exc())
+            return
+        t_tick = perf_counter()
+        shape = ex.last_step if nxt is None else None  # (seconds, P, D, KV) of its step
+        if shape is not None and self.timer.observe(*shape) and not self._fixed_cost:
+            ex.cost = self.timer.as_cost()
+        # the image without the ended ones before their clients hear: a request sent
+        # right after an answer must not be forecast behind it
+        self._refresh_stats()
+        t_refresh = perf_counter()
+        if ex.n_done != done_before:
+            self._publish_ends()
+        self._flush()  # the step's tokens and ends, every stream's, in one hand-over
+        t_deliver = perf_counter()
+        if nxt is not None and nxt >= 0:
+            self._wait(min(self._idle_wait_s, max(0.0, nxt - ex.clock_now())))
+        forward = shape[0] if shape is not None else 0.0
+        times = {
+            "schedule": max(0.0, t_tick - t_drain - forward - self._deliver_s),
+            "forward": forward,
+            "refresh": t_refresh - t_tick,
+            "deliver": self._deliver_s + t_deliver - t_refresh,
+            "idle": perf_counter() - t_deliver,
+        }
+        self._log(t0, t_drain - t0, times, shape)
+
+    def _log(
+        self,
+        t0: float,
+        drain: float,
+        times: dict[str, float],
+        shape: tuple[float, int, int, int] | None,
+    ) -> None:
+        """One :class:`StepRow` into :attr:`step_log`, if one is kept."""
+        if self.step_log is None:
+            return
+        _, prefill, decoders, kv = shape if shape is not None else (0.0, 0, 0, 0)
+        self.step_log.add(
+            StepRow(
+                start=t0 - self._t_origin,
+                drain=drain,
+                schedule=times.get("schedule", 0.0),
+                forward=times.get("forward", 0.0),
+                deliver=times.get("deliver", 0.0),
+                refresh=times.get("refresh", 0.0),
+                idle=times.get("idle", 0.0),
+                decoders=decoders,
+                prefill_tokens=prefill,
+                kv_tokens=kv,
+            )
+        )
 
     def _wait(self, seconds: float) -> None:
         if seconds > 0:
@@ -439,6 +377,13 @@ class EngineLoop:
             Stream.put_many(items)
 
     def _publish_tokens(self, produced: list[tuple[int, int]]) -> None:
+        t0 = perf_counter()
+        try:
+            self._queue_tokens(produced)
+        finally:
+            self._deliver_s += perf_counter() - t0
+
+    def _queue_tokens(self, produced: list[tuple[int, int]]) -> None:
         ex = self.executor
         batches: dict[int, list[int]] = {}
         # a step can add several tokens to one answer (a grammar's forced run): the i-th

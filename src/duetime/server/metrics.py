@@ -16,7 +16,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from duetime.server.engine_loop import EngineStats, Outcome
+from duetime.server.engine_loop import EngineStats
+from duetime.server.streams import Outcome
 
 __all__ = ["ResponseCounter", "ServerMetrics"]
 

@@ -21,6 +21,7 @@ from duetime.cli.bench import (  # noqa: F401  (registers the commands)
     timebill,
     ala,
     serve,
+    serve_load,
     admission,
     sensitivity,
     eviction,
