@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -49,8 +49,28 @@ def serve(
     ] = "q8",
     threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
     kv_capacity: Annotated[int, typer.Option(min=64, help="KV budget M in tokens.")] = 32_768,
-    max_num_seqs: Annotated[int, typer.Option(min=1, help="Largest running batch.")] = 32,
-    max_batch_tokens: Annotated[int, typer.Option(min=16, help="Tokens per step.")] = 2048,
+    max_num_seqs: Annotated[
+        str,
+        typer.Option(
+            help="Largest running batch: a number, or auto (the largest whose decode step "
+            "meets --tpot-target-ms, from the model's steps timed at start or --profile)."
+        ),
+    ] = "auto",
+    max_batch_tokens: Annotated[
+        str,
+        typer.Option(
+            help="Tokens per step (the prefill chunk): a number, or auto (the largest chunk "
+            "a step of max-num-seqs decoders carries within twice the TPOT target)."
+        ),
+    ] = "auto",
+    tpot_target_ms: Annotated[
+        float,
+        typer.Option(min=1.0, help="The decode step (time per output token) auto sizes for."),
+    ] = 100.0,
+    sizing_context: Annotated[
+        int,
+        typer.Option(min=1, help="Tokens a running sequence holds, as auto sizing assumes."),
+    ] = 512,
     max_waiting: Annotated[int, typer.Option(min=1, help="Queue limit before 429.")] = 256,
     admission: Annotated[
         str,
@@ -157,8 +177,8 @@ def serve(
             policy_kwargs=kwargs,
             dtype=dtype,
             kv_capacity=kv_capacity,
-            max_num_seqs=max_num_seqs,
-            max_batch_tokens=max_batch_tokens,
+            max_num_seqs=_limit(max_num_seqs, "--max-num-seqs", 1) or 32,
+            max_batch_tokens=_limit(max_batch_tokens, "--max-batch-tokens", 16) or 2048,
             max_waiting=max_waiting,
             admission=admission,
             deadline_confidence=_confidence(deadline_confidence, admission),
@@ -176,11 +196,31 @@ def serve(
             loaded, codec, name = load_served_model(options)
         except ImportError as e:
             _fail(str(e))
+        sizing = _sizing(
+            options,
+            loaded,
+            auto_seqs=_limit(max_num_seqs, "--max-num-seqs", 1) is None,
+            auto_tokens=_limit(max_batch_tokens, "--max-batch-tokens", 16) is None,
+            tpot_target_s=tpot_target_ms / 1000,
+            context=sizing_context,
+        )
+        options.limits = sizing.as_dict()
         state = build_state(options, loaded, codec, name)
         port = bound_port(host, port)
     err.print(
         f"duetime: serving [bold]{name}[/] with policy [bold]{policy}[/] on "
         f"http://{host}:{port}/v1 (KV budget {kv_capacity} tokens)",
+        highlight=False,
+    )
+    why = f"{sizing.source}"
+    if sizing.decode_step_ms is not None:
+        why += (
+            f": decode step {sizing.decode_step_ms:.0f} ms at that batch and "
+            f"{sizing.context_tokens} tokens a sequence, TPOT target {tpot_target_ms:g} ms"
+        )
+    err.print(
+        f"  up to {options.max_num_seqs} sequences at once, {options.max_batch_tokens} "
+        f"tokens a step ({why})",
         highlight=False,
     )
     err.print(
@@ -212,3 +252,63 @@ def _confidence(text: str | None, admission: str) -> float | None:
     if value is not None and admission != "forecast":
         raise ValueError("--deadline-confidence needs --admission forecast (or say off)")
     return value
+
+
+def _limit(text: str, option: str, least: int) -> int | None:
+    """``auto`` (None) or a whole number >= ``least``; a clear error otherwise."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{option} must be a number or auto, got {text!r}") from None
+    if value < least:
+        raise ValueError(f"{option} must be >= {least}, got {value}")
+    return value
+
+
+def _sizing(
+    options: Any,
+    model: Any,
+    *,
+    auto_seqs: bool,
+    auto_tokens: bool,
+    tpot_target_s: float,
+    context: int,
+) -> Any:
+    """The server's batch limits (server/autosize.py): what auto leaves to the model's
+    steps, timed now, or to ``--profile``'s cost model; numbers given stay as given."""
+    from dataclasses import replace
+
+    from duetime.core.cost import LinearStepCost
+    from duetime.server.autosize import ServeLimits, limits_from_cost, measure_step_cost
+
+    if options.profile is None and not (auto_seqs or auto_tokens):
+        return ServeLimits(
+            max_num_seqs=options.max_num_seqs,
+            max_batch_tokens=options.max_batch_tokens,
+            tpot_target_ms=1000 * tpot_target_s,
+            context_tokens=context,
+            decode_step_ms=None,
+            chunk_step_ms=None,
+            source="given",
+            cost=None,
+        )
+    if options.profile is not None:
+        cost, source = LinearStepCost.from_profile(options.profile), "profile"
+    else:
+        err.print("  timing the model's steps to size its batches (a few seconds) ...")
+        cost, source = measure_step_cost(model), "measured at start"
+    limits = limits_from_cost(cost, tpot_target_s=tpot_target_s, context=context, source=source)
+    if auto_seqs:
+        options.max_num_seqs = limits.max_num_seqs
+    if auto_tokens:
+        options.max_batch_tokens = limits.max_batch_tokens
+    if not (auto_seqs and auto_tokens):
+        source = f"{source}, partly given"
+    return replace(
+        limits,
+        max_num_seqs=options.max_num_seqs,
+        max_batch_tokens=options.max_batch_tokens,
+        source=source,
+    )

@@ -83,6 +83,8 @@ class ServerConfig:
     #: /health answers 503 once the engine has held work this long without finishing a
     #: step (a hung engine: the gateway's probe then routes around it).
     stall_after_s: float = 30.0
+    #: The engine's batch limits and how they were chosen (shown in /health, /v1/models).
+    limits: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -207,10 +209,10 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
             status = f"engine stalled: no step finished in {stalled:.0f} s"
         else:
             status = "ok"
-        return JSONResponse(
-            {"status": status, "model": state.config.model_name},
-            status_code=200 if status == "ok" else 503,
-        )
+        body: dict[str, Any] = {"status": status, "model": state.config.model_name}
+        if state.config.limits is not None:
+            body["limits"] = state.config.limits
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -227,6 +229,7 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
                     "created": state.created,
                     "owned_by": "duetime",
                     "max_model_len": state.config.max_context,
+                    **({"duetime_limits": state.config.limits} if state.config.limits else {}),
                 }
             ],
         }

@@ -61,6 +61,9 @@ class ServeOptions:
     eviction: str = "snapkv"  # how KV is dropped when the policy evicts: snapkv or streaming
     stall_after_s: float = 30.0  # /health is 503 once a step has run this long
     request_timeout_s: float = 600.0  # an answer not done by then: 504, its sequence aborted
+    #: How the batch limits were chosen (server/autosize.py), shown in /health and
+    #: /v1/models; None: as given.
+    limits: dict[str, Any] | None = None
 
 
 def load_served_model(options: ServeOptions) -> tuple[Gemma3, Codec, str]:
@@ -141,6 +144,8 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         vocab_size=model.config.vocab_size,
         stall_after_s=options.stall_after_s,
         request_timeout_s=options.request_timeout_s,
+        limits=options.limits
+        or {"max_num_seqs": options.max_num_seqs, "max_batch_tokens": options.max_batch_tokens},
     )
     return ServerState(
         config=cfg,
