@@ -58,7 +58,8 @@ def plot_serve_load(fig: dict[str, Any], path: str | Path) -> Path:
     FigureCanvasAgg(figure)
     left, right = figure.subplots(1, 2)
     for run in fig["runs"]:
-        bands = [b for b in run["bands"] if b["served_forward_ms"] is not None]
+        # a band of one or two steps is a transition, not a regime
+        bands = [b for b in run["bands"] if b["served_steps"] >= 3]
         xs = [b["mean_decoders"] for b in bands]
         (line,) = left.plot(xs, [b["served_forward_ms"] for b in bands], "o-", label=run["run"])
         off = [(b["mean_decoders"], b["offline_forward_ms"]) for b in bands]
