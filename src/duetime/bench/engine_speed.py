@@ -53,13 +53,13 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "fast": {"dtype": "fast"},
     "q8": {"dtype": "q8"},  # bf16 many-row steps where the CPU computes bf16 natively
     "q8-fp32rows": {"dtype": "q8", "bf16_rows": False},  # many-row steps in fp32 everywhere
-    # a prefill chunk's attention in one masked call over every key (before session 26)
+    # a prefill chunk's attention in one masked call over every key, not in blocks
     "q8-oneattn": {"dtype": "q8", "blocked_prefill_attention": False},
-    # the norms as plain torch ops, not the fused C++ ones (before session 29)
+    # the norms as plain torch ops, not the fused C++ ones
     "q8-unfused": {"dtype": "q8", "fused_norms": False},
-    # greedy steps rank the vocabulary in int8, not int4 (before session 30)
+    # greedy steps rank the vocabulary in int8, not int4
     "q8-int8rank": {"dtype": "q8", "int4_ranking": False},
-    # a plain decode step's layers in Python, not the C++ loop (before session 30)
+    # a plain decode step's layers in Python, not the C++ loop
     "q8-pyloop": {"dtype": "q8", "decode_loop": False},
     "fp32-mkl": {"dtype": "fp32", "packed": False, "batched_decode_attention": False},
     "bf16": {"dtype": "bf16"},
@@ -110,8 +110,8 @@ def _page_in(weights: dict[str, torch.Tensor]) -> float:
     """Read one value of every page of the shared weights; the RSS that added, MB.
 
     The weight cache is memory-mapped: its pages come in when first read, by
-    whichever variant is built first, which was charged ~1 GB of own RSS for them
-    (session 25). Read here, they count for none.
+    whichever variant is built first, which would be charged ~1 GB of own RSS for
+    them. Read here, they count for none.
     """
     rss0 = _rss_mb()
     for t in weights.values():

@@ -85,7 +85,7 @@ GRAMMARS: dict[str, tuple[GrammarSpec, Callable[[str], bool]]] = {
 
 
 #: The label suffix of a grammar served with every row's whole logits masked (the
-#: output layer's product over the vocabulary, as before session 30), not a gather.
+#: output layer's product over the vocabulary), not a gather of the allowed columns.
 WHOLE = ":whole"
 
 

@@ -14,7 +14,7 @@ in fp32 with the usual max-subtraction; (sequence, KV head) pairs are spread
 over threads with ``at::parallel_for``. Only unmasked single-token decodes
 (every stored key visible) come here; anything else keeps SDPA.
 
-Up to four query heads of a KV head go together (session 29): each key is read
+Up to four query heads of a KV head go together: each key is read
 once for all of them; the weighted sum keeps their sums for 16-32 columns in
 registers over a block of 128 keys, whose values stay in cache (one head at a
 time, it loaded and stored the output row for every key); the softmax's

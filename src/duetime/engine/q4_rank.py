@@ -58,7 +58,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 GROUP = 64  # input columns per scale
-#: Rows up to which the int4 product ranks the vocabulary (session 30, 2 threads,
+#: Rows up to which the int4 product ranks the vocabulary (2 threads,
 #: 262,144 x 640, ms per product, int4 / fbgemm int8: 1 row 2.1 / 4.3, 4 rows 2.8 / 5.1,
 #: 6 rows 4.4 / 5.6, 8 rows 6.0 / 6.3; `bench engine` q8 over q8-int8rank: b4 1.09-1.15x,
 #: b5 1.02x, b6 0.96-1.01x).
