@@ -73,6 +73,7 @@ def bench_amin(
 ) -> None:
     """Amax / Amin vs H-SF per prediction-interval construction (Chen, Ye, Zhou 2025)."""
     from duetime.bench import amin as bench
+    from duetime.bench import amin_report as report
 
     engine_only = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock,
                    "--max-prompt": max_prompt, "--max-output": max_output,
@@ -101,7 +102,7 @@ def bench_amin(
         f"output mean {w['output_tokens_mean']:.0f} tokens, <= 1,000); the paper used "
         f"LMSYS-Chat-1M; unit = 1 step per time unit, linear = profile {profile}"
     )
-    out.print(bench.table(fig))
+    out.print(report.table(fig))
     for spec, li in fig["learned_intervals"].items():
         out.print(
             f"{spec} intervals on {li['requests']:,} held-out requests: "
@@ -110,9 +111,9 @@ def bench_amin(
             f"{li['alpha_median']:.3f}"
         )
     if fig["two_point"]:
-        out.print(bench.two_point_table(fig))
+        out.print(report.two_point_table(fig))
     out.print(f"wall {fig['wall_s']:.1f} s")
-    save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)
+    save_figures(fig, json_path=json_path, plot=plot, plot_fn=report.plot)
 
 
 def run_engine(
