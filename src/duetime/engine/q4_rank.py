@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from duetime.engine.cpp_ext import CppOps
+from duetime.engine.q8_kernel import PackedWeight
 
 __all__ = [
     "GROUP",
@@ -81,22 +82,12 @@ def q4_available() -> bool:
 
 
 @dataclass(frozen=True)
-class Q4Weight:
+class Q4Weight(PackedWeight):
     """A weight in the kernel's int4 layout (see the module docstring).
 
     ``packed``: ``[out, groups * 32]`` uint8; ``scale``: ``[out, groups]`` fp16,
     ``groups = ceil(in / 64)``; padded columns are zeros.
     """
-
-    packed: torch.Tensor
-    scale: torch.Tensor
-    out_features: int
-    in_features: int
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes one product reads: nibbles plus scales."""
-        return self.packed.nbytes + self.scale.nbytes
 
     def int4(self) -> torch.Tensor:
         """The plain ``[out, in]`` values in [-8, 7] as int8 (tests and references)."""

@@ -34,7 +34,15 @@ import torch
 
 from duetime.engine.cpp_ext import CppOps
 
-__all__ = ["Q8Weight", "build_dir", "q8_available", "q8_linear", "q8_ops", "quantize_q8"]
+__all__ = [
+    "PackedWeight",
+    "Q8Weight",
+    "build_dir",
+    "q8_available",
+    "q8_linear",
+    "q8_ops",
+    "quantize_q8",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +73,8 @@ def q8_available() -> bool:
 
 
 @dataclass(frozen=True)
-class Q8Weight:
-    """An int8 weight in the kernel's layout, with one fp32 scale per output row.
-
-    ``packed``: ``[ceil(out/4), in8/8, 4, 8]`` int8 — blocks of 4 output rows
-    interleaved 8 columns at a time, so the kernel reads one sequential stream
-    per block (``in8``: ``in`` rounded up to 8, zero padded; padded rows are
-    zero too). ``scale``: ``[ceil(out/4) * 4]`` fp32.
-    """
+class PackedWeight:
+    """A quantised weight in a kernel's layout: its packed values and their scales."""
 
     packed: torch.Tensor
     scale: torch.Tensor
@@ -81,8 +83,19 @@ class Q8Weight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes one product reads: int8 weights plus scales."""
+        """Bytes one product reads: packed values plus scales."""
         return self.packed.nbytes + self.scale.nbytes
+
+
+@dataclass(frozen=True)
+class Q8Weight(PackedWeight):
+    """An int8 weight in the kernel's layout, with one fp32 scale per output row.
+
+    ``packed``: ``[ceil(out/4), in8/8, 4, 8]`` int8 — blocks of 4 output rows
+    interleaved 8 columns at a time, so the kernel reads one sequential stream
+    per block (``in8``: ``in`` rounded up to 8, zero padded; padded rows are
+    zero too). ``scale``: ``[ceil(out/4) * 4]`` fp32.
+    """
 
     def int8(self) -> torch.Tensor:
         """The plain ``[out, in]`` int8 matrix (for tests and references; a copy)."""

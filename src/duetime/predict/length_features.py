@@ -239,16 +239,7 @@ class MiniLMEncoder:
                     hidden = self._model(input_ids=batch, attention_mask=mask).last_hidden_state
             return torch.nn.functional.normalize(masked_mean(hidden.float(), mask), dim=-1)
 
-        return encode_in_batches(
-            ids,
-            self.dim,
-            forward,
-            max_tokens=self.max_tokens,
-            batch_size=self.batch_size,
-            threads=self.threads,
-            desc=f"embedding prompts ({self.spec})",
-            progress=progress,
-        )
+        return encode_rows(self, ids, forward, progress)
 
 
 def masked_mean(hidden: Any, mask: Any) -> Any:
@@ -284,6 +275,40 @@ def encode_in_batches(
             out[idx] = forward([seqs[i] for i in idx]).numpy()
             bar.update(len(idx))
     return out
+
+
+class BatchedEncoder(Protocol):
+    """What :func:`encode_rows` reads of an encoder: its batching, threads and name."""
+
+    @property
+    def spec(self) -> str: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def threads(self) -> int | None: ...
+
+
+def encode_rows(
+    encoder: BatchedEncoder,
+    seqs: Sequence[np.ndarray],
+    forward: Callable[[list[np.ndarray]], Any],
+    progress: bool,
+) -> np.ndarray:
+    """:func:`encode_in_batches` as ``encoder`` batches (its rows, batch size, threads)."""
+    return encode_in_batches(
+        seqs,
+        encoder.dim,
+        forward,
+        max_tokens=encoder.max_tokens,
+        batch_size=encoder.batch_size,
+        threads=encoder.threads,
+        desc=f"embedding prompts ({encoder.spec})",
+        progress=progress,
+    )
 
 
 def make_encoder(

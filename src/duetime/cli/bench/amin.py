@@ -136,31 +136,11 @@ def run_engine(
     costs no load.
     """
     from duetime.bench import amin_engine as bench
-    from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context, read_profile
 
     constructions = tuple(c.strip() for c in intervals.split(",") if c.strip())
-    check_dtype(choice.dtype)
-    bench_clock(choice.clock, choice.threads)
-    bench.check_options(
-        requests=requests, seed=seed, kv_capacity=kv_capacity, max_prompt=max_prompt,
-        max_output=max_output, constructions=constructions,
-        context=engine_context(choice.model),
-    )  # fmt: skip
-    if profile is not None:  # read after the load before: a typo cost the load
-        read_profile(profile)
-    fig = bench.run(
-        choice.load(),
-        model_name=choice.label,
-        clock=choice.clock,
-        reps=reps,
-        requests=requests,
-        kv_capacity=kv_capacity,
-        max_prompt=max_prompt,
-        max_output=max_output,
-        constructions=constructions,
-        profile=profile,
-        seed=seed,
-    )
+    sizes = {"requests": requests, "kv_capacity": kv_capacity, "max_prompt": max_prompt,
+             "max_output": max_output, "constructions": constructions, "seed": seed}  # fmt: skip
+    fig = choice.run_bench(bench, checks=sizes, profile=profile, reps=reps, **sizes)
     out.print(bench.table(fig))
     w = fig["workload"]
     out.print(
