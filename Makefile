@@ -30,14 +30,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
+CSRC := $(wildcard src/duetime/engine/csrc/*.cpp src/duetime/engine/csrc/*.h)
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy src
+	$(BIN)/clang-format --dry-run --Werror $(CSRC)
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
+	$(BIN)/clang-format -i $(CSRC)
 
 # Every reproduction that needs no real-engine run (simulator, cost models, predictors),
 # each writing out/bench/<name>.json and, where it plots, .png: about 2 minutes on 2 cores.

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from duetime.bench import engine_speed
+from duetime.bench import engine_machine, engine_speed
 from duetime.engine.config import Gemma3Config
 from duetime.engine.testing import tiny_hf_model
 
@@ -95,8 +95,8 @@ def test_shared_weights_are_paged_in_before_any_variant_is_measured(tmp_path) ->
     save_file({f"w{i}": torch.randn(1024, 1024) for i in range(16)}, str(path))  # 64 MB
     with safe_open(str(path), framework="pt") as f:
         weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open API)
-    first = engine_speed._page_in(weights)
-    again = engine_speed._page_in(weights)
+    first = engine_machine.page_in(weights)
+    again = engine_machine.page_in(weights)
     assert first > 40
     assert again < 8
 
@@ -112,4 +112,4 @@ def test_every_variant_is_compared_with_the_earlier_kernels_it_keeps() -> None:
     assert r["q8"]["speedup_vs_fp32_mkl"] == {"decode_b1": pytest.approx(2.2)}
     assert "speedup_vs_q8_unfused" not in r["q8-unfused"]  # not against itself
     assert engine_speed.ENGINE_VARIANTS["q8-unfused"] == {"dtype": "q8", "fused_norms": False}
-    assert "fused_norms" in engine_speed._MODEL_SWITCHES
+    assert "fused_norms" in engine_speed.MODEL_SWITCHES

@@ -25,7 +25,6 @@ The shared weights are paged in before any variant is built
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import platform
@@ -38,116 +37,30 @@ from typing import Any
 import torch
 
 from duetime.bench.engine_agreement import agreement, agreement_prompts
+from duetime.bench.engine_machine import (
+    cpu_name,
+    kv_bytes_read,
+    memory_bandwidth_gb_s,
+    page_in,
+    peak_rss_mb,
+    rss_mb,
+    rss_reset,
+    weight_bytes,
+)
 from duetime.bench.engine_peers import HFRunner, LlamaCppRunner, llama_cpp_available
 from duetime.bench.engine_speed_report import plot, ratios, table
+from duetime.bench.engine_variants import ENGINE_VARIANTS, MODEL_SWITCHES
 from duetime.engine.batch import SeqChunk
 from duetime.engine.config import Gemma3Config
 from duetime.engine.gemma3 import Gemma3
-from duetime.engine.linear import RescoredInt8Head
 
 __all__ = ["agreement", "memory_bandwidth_gb_s", "plot", "run", "table"]
 
 Weights = dict[str, torch.Tensor]
-ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
-    "fp32": {"dtype": "fp32"},
-    "fast": {"dtype": "fast"},
-    "q8": {"dtype": "q8"},  # bf16 many-row steps where the CPU computes bf16 natively
-    "q8-fp32rows": {"dtype": "q8", "bf16_rows": False},  # many-row steps in fp32 everywhere
-    # a prefill chunk's attention in one masked call over every key (before session 26)
-    "q8-oneattn": {"dtype": "q8", "blocked_prefill_attention": False},
-    # the norms as plain torch ops, not the fused C++ ones (before session 29)
-    "q8-unfused": {"dtype": "q8", "fused_norms": False},
-    # greedy steps rank the vocabulary in int8, not int4 (before session 30)
-    "q8-int8rank": {"dtype": "q8", "int4_ranking": False},
-    # a plain decode step's layers in Python, not the C++ loop (before session 30)
-    "q8-pyloop": {"dtype": "q8", "decode_loop": False},
-    "fp32-mkl": {"dtype": "fp32", "packed": False, "batched_decode_attention": False},
-    "bf16": {"dtype": "bf16"},
-    "int8": {"dtype": "int8"},
-}
-# Variant keys that are attributes of a built Gemma3, not arguments of its constructor.
-_MODEL_SWITCHES = (
-    "batched_decode_attention",
-    "blocked_prefill_attention",
-    "decode_loop",
-    "fused_norms",
-    "int4_ranking",
-)
 # (prompt lengths, decode batch sizes, context tokens before decode, decode steps per rep)
 FULL = ((128, 512, 2048), (1, 4, 16, 64), 128, 8)
 QUICK = ((16, 64), (1, 4), 16, 3)
 TRANSFORMERS_DTYPES = ("fp32", "bf16")  # the dtypes HFRunner is timed in
-
-
-def memory_bandwidth_gb_s(mb: int = 512, reps: int = 5) -> float:
-    """Best-of-``reps`` bandwidth of ``dst.copy_(src)`` (read + write bytes), GB/s."""
-    src = torch.ones(mb * 2**20 // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best / 1e9
-
-
-def _rss_reset() -> None:
-    with contextlib.suppress(OSError):  # Linux only: resets VmHWM to the current RSS
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def _peak_rss_mb() -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def _page_in(weights: dict[str, torch.Tensor]) -> float:
-    """Read one value of every page of the shared weights; the RSS that added, MB.
-
-    The weight cache is memory-mapped: its pages come in when first read, by
-    whichever variant is built first, which was charged ~1 GB of own RSS for them
-    (session 25). Read here, they count for none.
-    """
-    rss0 = _rss_mb()
-    for t in weights.values():
-        if t.numel():
-            t.reshape(-1)[:: max(1, 4096 // t.element_size())].sum()  # a value a 4 KiB page
-    return _rss_mb() - rss0
-
-
-def _rss_mb() -> float:
-    try:
-        return (
-            int(Path("/proc/self/statm").read_text().split()[1])
-            * os.sysconf("SC_PAGE_SIZE")
-            / 2**20
-        )
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
-def _weight_bytes(model: Gemma3, rows: int = 1) -> int:
-    """Weight bytes a step of ``rows`` rows reads (``q8`` reads int8 only for few rows)."""
-
-    def nbytes(lin: Any) -> int:
-        fn = getattr(lin, "bytes_read", None)
-        return int(fn(rows)) if fn is not None else int(lin.nbytes)
-
-    layers = sum(nbytes(lin) for ly in model.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
-    head = model.lm_head
-    if isinstance(head, RescoredInt8Head):  # the bench decodes greedily
-        return layers + head.bytes_read(rows, argmax_only=True)
-    return layers + nbytes(head)
-
-
-def _kv_bytes_read(cfg: Gemma3Config, batch: int, ctx: int, itemsize: int) -> int:
-    per_layer = [min(ctx, cfg.sliding_window) if s else ctx for s in cfg.sliding_layers]
-    return batch * sum(per_layer) * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 def _prompt(g: torch.Generator, n: int, cfg: Gemma3Config) -> list[int]:
@@ -273,7 +186,7 @@ def run(
         cfg, weights = source
     notes: list[str] = []
     bandwidth = memory_bandwidth_gb_s(64 if quick else 512)
-    shared_mb = _page_in(weights)
+    shared_mb = page_in(weights)
 
     # ---- build every runner, one at a time, recording its start-up and peak RSS
     runners: dict[str, Any] = {}
@@ -282,10 +195,10 @@ def run(
     warm = _prompt(g, 8, cfg)
     for name in engines:
         spec = dict(ENGINE_VARIANTS[name])
-        switches = {k: spec.pop(k) for k in _MODEL_SWITCHES if k in spec}
+        switches = {k: spec.pop(k) for k in MODEL_SWITCHES if k in spec}
         gc.collect()
-        _rss_reset()
-        rss0 = _rss_mb()
+        rss_reset()
+        rss0 = rss_mb()
         t = time.perf_counter()
         model = Gemma3(cfg, weights, **spec)
         for switch, on in switches.items():
@@ -296,18 +209,18 @@ def run(
         figs[name] = {
             "kind": "engine",
             "load_s": load_s,
-            "peak_rss_mb": _peak_rss_mb(),
-            "own_rss_mb": _rss_mb() - rss0,
-            "weight_mb": _weight_bytes(model) / 1e6,
-            "weight_mb_by_batch": {b: _weight_bytes(model, b) / 1e6 for b in batches},
+            "peak_rss_mb": peak_rss_mb(),
+            "own_rss_mb": rss_mb() - rss0,
+            "weight_mb": weight_bytes(model) / 1e6,
+            "weight_mb_by_batch": {b: weight_bytes(model, b) / 1e6 for b in batches},
             "kv_itemsize": model.compute_dtype.itemsize,
         }
     for tdt in transformers:
         name = f"transformers-{tdt}"
         try:
             gc.collect()
-            _rss_reset()
-            rss0 = _rss_mb()
+            rss_reset()
+            rss0 = rss_mb()
             t = time.perf_counter()
             hf = HFRunner(cfg, weights, torch.bfloat16 if tdt == "bf16" else torch.float32)
             load_s = time.perf_counter() - t
@@ -319,15 +232,15 @@ def run(
         figs[name] = {
             "kind": "transformers",
             "load_s": load_s,
-            "peak_rss_mb": _peak_rss_mb(),
-            "own_rss_mb": _rss_mb() - rss0,
+            "peak_rss_mb": peak_rss_mb(),
+            "own_rss_mb": rss_mb() - rss0,
             "weight_mb": hf.nbytes / 1e6,
             "kv_itemsize": 2 if tdt == "bf16" else 4,
         }
     if llama_cpp and real and llama_cpp_available():
         assert gguf_path is not None
-        _rss_reset()
-        rss0 = _rss_mb()
+        rss_reset()
+        rss0 = rss_mb()
         t = time.perf_counter()
         lc = LlamaCppRunner(
             Path(gguf_path),
@@ -339,8 +252,8 @@ def run(
         figs["llama.cpp"] = {
             "kind": "llama.cpp",
             "load_s": time.perf_counter() - t,
-            "peak_rss_mb": _peak_rss_mb(),
-            "own_rss_mb": _rss_mb() - rss0,
+            "peak_rss_mb": peak_rss_mb(),
+            "own_rss_mb": rss_mb() - rss0,
             "weight_mb": lc.nbytes / 1e6,
             "kv_itemsize": 2,
         }
@@ -393,7 +306,7 @@ def run(
                 step = _median(ts)
                 kv_ctx = ctx + n_steps * reps // 2
                 weight_mb = f.get("weight_mb_by_batch", {}).get(b, f["weight_mb"])
-                nbytes = weight_mb * 1e6 + _kv_bytes_read(cfg, b, kv_ctx, f["kv_itemsize"])
+                nbytes = weight_mb * 1e6 + kv_bytes_read(cfg, b, kv_ctx, f["kv_itemsize"])
                 roof = b * bandwidth * 1e9 / nbytes
                 f["decode"].append(
                     {
@@ -422,7 +335,7 @@ def run(
         "model": "gemma3-270m" if real else "custom",
         "gguf": str(gguf_path) if real else None,
         "machine": {
-            "cpu": _cpu_name(),
+            "cpu": cpu_name(),
             "cores": os.cpu_count(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
@@ -438,7 +351,7 @@ def run(
             "quick": quick,
         },
         "memory_bandwidth_gb_s": bandwidth,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
         "shared_weights_rss_mb": shared_mb,
         "variants": figs,
         "ratios": ratios(figs),
@@ -446,16 +359,6 @@ def run(
         "notes": notes,
         "wall_s": time.perf_counter() - wall0,
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class _Progress:

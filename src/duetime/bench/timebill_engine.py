@@ -44,11 +44,11 @@ from typing import Any
 import numpy as np
 
 from duetime.bench import timebill as sim_bench
+from duetime.bench.timebill_engine_cost import eviction_samples, fit_engine_cost, short_steps
 from duetime.bench.timebill_engine_report import predictor_report
 from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job
 from duetime.engine.profile import fit_eviction_cost, steps_from_telemetry
-from duetime.predict.ete import StepSample
 
 PAPER_BUDGETS_S = (5.0, 7.5, 10.0)
 BUDGET_SCALES = ("job", "step")
@@ -97,57 +97,6 @@ def periodic(jobs: Sequence[Job], budget_s: float) -> list[Job]:
         new.request.prompt_token_ids = old.request.prompt_token_ids
         new.request.max_tokens = old.request.max_tokens
     return out
-
-
-def short_steps(model: Any, jobs: Sequence[Job], reps: int = 2) -> list[StepSample]:
-    """Prompts of ``N_x/8`` and ``N_x/2`` tokens and a short decode context, timed (after
-    ``measure_steps``' own warm-up); run before the reference so it also warms the engine."""
-    from duetime.engine.profile import ProfileGrid, measure_steps
-
-    lo = min(j.request.prompt_len for j in jobs)
-    short = tuple(sorted({max(lo // 8, 1), max(lo // 2, 1)}))
-    grid = ProfileGrid(
-        prompt_lens=short, batches=(1,), contexts=short[:1], mixed=(), reps=reps,
-        max_setup_tokens=1 << 30,
-    )  # fmt: skip
-    return measure_steps(model, grid)
-
-
-def eviction_samples(model: Any, jobs: Sequence[Job], method: str) -> list[tuple[int, float]]:
-    """Timed evictions (α = 0.5) of the workload's shortest, median and longest prompts:
-    the ``e`` the eviction-cost-aware α* charges (one SnapKV eviction was ~2 decode steps
-    on this engine, which the paper's model does not count)."""
-    from duetime.engine.profile import measure_evictions
-
-    lens = sorted(j.request.prompt_len for j in jobs)
-    picked = sorted({lens[0], lens[len(lens) // 2], lens[-1]})
-    return measure_evictions(model, picked, method="snapkv" if method == "snapkv" else "streaming")
-
-
-def fit_engine_cost(
-    short: Sequence[StepSample], real_steps: Sequence[StepSample]
-) -> tuple[LinearStepCost, dict[str, Any]]:
-    """Fit ``duetime profile``'s step cost to the reference run's own steps (``real_steps``:
-    this workload's prompts and contexts, timed under the same machine load as the runs that
-    follow) plus ``short`` steps (:func:`short_steps`), which spread the points so the
-    quadratic prefill and the per-KV-token slope are not fitted from a handful of nearby
-    lengths."""
-    from duetime.predict.ete import cost_mape_pct, fit_batch_cost, fit_timebill
-
-    t0 = time.perf_counter()
-    samples = [*short, *real_steps]
-    cost = fit_batch_cost(samples, name="timebill-engine-fit")
-    ete = fit_timebill(samples)
-    info = {
-        "source": f"fitted to {len(real_steps)} steps of the reference run and "
-        f"{len(samples) - len(real_steps)} short steps timed by this bench",
-        "timed_steps": len(samples),
-        "fit_mape_pct": cost_mape_pct(cost, samples),
-        "fit_wall_s": time.perf_counter() - t0,
-        "step_cost": {k: getattr(cost, k) for k in ("c0", "c_prefill", "a1", "a2", "b", "d")},
-        "timebill_ete": {"a": ete.a, "b": ete.b, "c": ete.c, "p": ete.p, "q": ete.q},
-    }
-    return cost, info
 
 
 def make_predictor(spec: str, seed: int) -> Any:

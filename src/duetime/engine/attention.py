@@ -22,7 +22,7 @@ __all__ = ["PREFILL_BLOCK", "MaskCache", "attend", "attend_decodes", "attend_pre
 # keys up to their own position only (a sliding layer's, the last ``window`` of
 # them): one call over all keys computes every masked-out score too. In blocks a
 # block attends only to the keys it may see. Measured on Gemma 3 270M (q8, 2
-# threads, one prompt from position 0, session 26): 1,024 / 2,048 / 4,096 tokens
+# threads, one prompt from position 0): 1,024 / 2,048 / 4,096 tokens
 # at 1,642 / 1,345 / 1,278 tok/s in blocks of 256 against 1,280 / 769 / 461 in
 # one call; blocks of 128 or 384 within 5 % of 256; 512 slower by 6-15 %.
 PREFILL_BLOCK = 256

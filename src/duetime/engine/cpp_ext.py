@@ -1,6 +1,7 @@
 """Build-on-first-use C++ ops for the engine's hot spots (int8 GEMV, decode attention).
 
-Each extension is one C++ source held as a string in its module. It is
+Each extension is one C++ file in ``csrc/`` (package data; its local headers
+are inlined, see :func:`read_source`), named by the module that uses it. It is
 compiled with ``torch.utils.cpp_extension.load`` (g++ and ninja) into
 ``${DUETIME_CACHE:-~/.cache/duetime}/torch_ext/<name>-<hash>/``, keyed by a hash
 of the source, the flags and the torch version, so later processes only load
@@ -16,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -26,49 +29,45 @@ __all__ = ["CppOps"]
 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
-# Narrow ATen headers (not ATen/ATen.h): a build takes a few seconds, not a minute.
-# cpp_extension.load on a file we write rather than load_inline, because
-# load_inline prepends <torch/extension.h> (all of ATen + pybind11).
-HEADER = r"""
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <immintrin.h>
-#include <algorithm>
-#include <cstdint>
+# Where the sources live (package data). A line ``#include "x.h"`` names a header
+# here and is replaced by its text, so the build folder gets one self-contained
+# file and the cache key covers every line compiled.
+CSRC = Path(__file__).resolve().parent / "csrc"
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"$', re.MULTILINE)
 
-namespace {
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
-}  // namespace
-"""
+def read_source(file: str, root: Path = CSRC) -> str:
+    """The text of ``root/file`` with its local ``#include "..."`` lines inlined."""
+    text = (root / file).read_text()
+    return _LOCAL_INCLUDE.sub(lambda m: read_source(m.group(1), root).rstrip("\n"), text)
 
 
 class CppOps:
     """One C++ extension: ``torch.ops.<library>`` once built, else ``None``.
 
     ``name``: the extension's name (also the ``TORCH_LIBRARY`` namespace the
-    source registers); ``what``: how the warning names it; ``env``: the
-    variable that disables it when set to ``0``; ``logger``: where the one
-    warning goes (the owning module's, so its tests can capture it).
+    source registers); ``file``: its source in ``csrc/``, read on first use (a
+    missing file is a failed build: logged, then the torch path); ``what``: how
+    the warning names it; ``env``: the variable that disables it when set to
+    ``0``; ``logger``: where the one warning goes (the owning module's, so its
+    tests can capture it).
     """
 
     def __init__(
-        self, name: str, source: str, *, what: str, env: str, logger: logging.Logger
+        self, name: str, file: str, *, what: str, env: str, logger: logging.Logger
     ) -> None:
         self.name = name
-        self.source = HEADER + source
+        self.file = file
         self.what = what
         self.env = env
         self.log = logger
         self._lock = threading.Lock()
         self._state: dict[str, Any] = {}
+
+    @cached_property
+    def source(self) -> str:
+        """The C++ compiled: ``csrc/<file>`` with its local headers inlined."""
+        return read_source(self.file)
 
     def build_dir(self) -> Path:
         """Where the compiled op lives: one folder per (source, flags, torch version)."""

@@ -17,7 +17,7 @@ number of small ops per layer low — on 2 CPU cores op overhead is a real cost.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Literal
 
@@ -31,9 +31,9 @@ from duetime.engine.batch import SeqChunk, StepBatch
 from duetime.engine.config import Gemma3Config
 from duetime.engine.decode_loop import DecodeLoop
 from duetime.engine.kv_cache import KVCache
+from duetime.engine.layer_weights import LayerWeights, Quantize, Weights, quantize_now
 from duetime.engine.linear import (
     Q8_HEAD_MAX_ROWS,
-    Bf16Linear,
     DenseLinear,
     Int8Linear,
     Linear,
@@ -44,81 +44,13 @@ from duetime.engine.linear import (
 )
 from duetime.engine.malloc_tuning import keep_large_blocks
 from duetime.engine.norm_kernel import make_norms
-from duetime.engine.obs_window import ObsWindow
+from duetime.engine.obs_window import watched_rows
 from duetime.engine.q4_rank import q4_available, quantize_q4
-from duetime.engine.q8_kernel import Q8Weight, quantize_q8
 
 __all__ = ["DTYPES", "Dtype", "Gemma3"]
 
 Dtype = Literal["fp32", "fast", "q8", "bf16", "int8"]
 DTYPES: tuple[str, ...] = ("fp32", "fast", "q8", "bf16", "int8")
-Weights = dict[str, torch.Tensor]
-Quantize = Callable[[str, torch.Tensor], Q8Weight]
-"""``(name, fp32 weight) -> int8 weight`` for ``q8`` (``load_model`` passes a cache)."""
-
-
-def _quantize(name: str, weight: torch.Tensor) -> Q8Weight:
-    return quantize_q8(weight)
-
-
-class _Layer:
-    """One decoder layer's prepared weights."""
-
-    __slots__ = (
-        "down",
-        "gate_up",
-        "in_norm",
-        "o",
-        "post_attn",
-        "post_ffw",
-        "pre_ffw",
-        "qk_norm",
-        "qkv",
-    )
-
-    def __init__(
-        self,
-        w: Weights,
-        p: str,
-        cfg: Gemma3Config,
-        kind: str,
-        dt: torch.dtype,
-        quantize: Quantize = _quantize,
-    ) -> None:
-        def lin(*names: str) -> Linear:
-            weight = torch.cat([w[f"{p}.{n}.weight"] for n in names], 0)
-            if kind == "int8":
-                return Int8Linear(weight)
-            if kind.startswith("q8"):  # int8 kernel for few rows, fp32 (or bf16) for more
-                many: Linear
-                if kind == "q8":
-                    many = PackedLinear(weight)
-                elif kind == "q8-bf16":
-                    many = Bf16Linear(weight)
-                else:
-                    many = DenseLinear(weight, dt)
-                key = f"{p}.{'+'.join(names)}"
-                return q8_or(weight, many, quantize=partial(quantize, key))
-            if kind == "packed":
-                return PackedLinear(weight)
-            return DenseLinear(weight, dt)
-
-        def one_plus(name: str) -> torch.Tensor:
-            return 1.0 + w[f"{p}.{name}.weight"].float()
-
-        self.qkv = lin("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        self.o = lin("self_attn.o_proj")
-        self.gate_up = lin("mlp.gate_proj", "mlp.up_proj")
-        self.down = lin("mlp.down_proj")
-        self.in_norm = one_plus("input_layernorm")
-        self.post_attn = one_plus("post_attention_layernorm")
-        self.pre_ffw = one_plus("pre_feedforward_layernorm")
-        self.post_ffw = one_plus("post_feedforward_layernorm")
-        q, k = one_plus("self_attn.q_norm"), one_plus("self_attn.k_norm")
-        # per-head scale for q and k stacked as [heads + kv_heads, head_dim]
-        self.qk_norm = torch.cat(
-            [q.expand(cfg.num_heads, -1), k.expand(cfg.num_kv_heads, -1)], 0
-        ).contiguous()
 
 
 class Gemma3:
@@ -156,7 +88,7 @@ class Gemma3:
         *,
         int8_output: bool | None = None,
         packed: bool | None = None,
-        q8_quantize: Quantize = _quantize,
+        q8_quantize: Quantize = quantize_now,
         bf16_rows: bool | None = None,
     ) -> None:
         if dtype not in DTYPES:
@@ -176,7 +108,7 @@ class Gemma3:
             kind = "q8-bf16" if bf16_rows else "q8" if packed else "q8-dense"
         self.bf16_rows = kind == "q8-bf16"
         self.layers = [
-            _Layer(weights, f"model.layers.{i}", config, kind, cd, q8_quantize)
+            LayerWeights(weights, f"model.layers.{i}", config, kind, cd, q8_quantize)
             for i in range(config.num_layers)
         ]
         embed = weights["model.embed_tokens.weight"]
@@ -307,7 +239,7 @@ class Gemma3:
         masks = MaskCache(cfg.sliding_window)
         n_qk = cfg.num_heads + cfg.num_kv_heads
         # SnapKV's observation window: only watched sequences (prefilling, eviction pending)
-        watched = _watched_rows(batch, kv) if kv.watching else []
+        watched = watched_rows(batch, kv) if kv.watching else []
         norms = self.norms
         layers = self.layers
         h = norms.rms(x, layers[0].in_norm) if layers else x
@@ -446,27 +378,3 @@ class Gemma3:
         freqs = positions[:, None].float() * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(self.compute_dtype), emb.sin().to(self.compute_dtype)
-
-
-def _watched_rows(
-    batch: StepBatch, kv: KVCache
-) -> list[tuple[ObsWindow, slice | torch.Tensor, int]]:
-    """(observation window, the step's rows of the queries it captures, positions the
-    chunk covers) of every watched chunk in the step. A chunk that borrows rows takes
-    the leader's queries for them (same tokens, same positions, same past): as many
-    of the newest as the window still needs besides its own."""
-    out: list[tuple[ObsWindow, slice | torch.Tensor, int]] = []
-    offsets = batch.offsets
-    for c, a, b in zip(batch.chunks, offsets, offsets[1:], strict=False):
-        win = kv.obs_window(c.slot)
-        if win is None:
-            continue
-        assert win.end_pos == c.start_pos, "observation window out of step with the cache"
-        if not c.shared:
-            out.append((win, slice(a, b), b - a))
-            continue
-        lead_end = offsets[c.leader] + c.shared
-        k = min(c.shared, max(0, win.size - (b - a)))
-        rows = torch.cat((torch.arange(lead_end - k, lead_end), torch.arange(a, b)))
-        out.append((win, rows, c.shared + b - a))
-    return out

@@ -273,7 +273,7 @@ def topk_indices(logits: torch.Tensor, k: int, group: int = _TOPK_GROUP) -> torc
 Q8_MAX_ROWS = 8
 # Rows up to which the output layer's ranking product uses the int8 kernel; from 3 rows
 # fbgemm's int8 GEMM (activations quantised too, VNNI where the CPU has it) is faster on
-# its 262,144 x 640 weight: session 29, Gemma 3 270M, 2 threads, ms per product,
+# its 262,144 x 640 weight: Gemma 3 270M, 2 threads, ms per product,
 # kernel / fbgemm: 1 row 4.1 / 5.0, 2 rows 4.3 / 5.7, 3 rows 6.3 / 5.4, 4 rows 8.3 / 5.6,
 # 8 rows 16.8 / 7.0. (Ranking only: the top candidates are re-scored in fp32.)
 Q8_HEAD_MAX_ROWS = 2

@@ -15,9 +15,15 @@ the first decode or eviction, so decode steps never touch it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-__all__ = ["ObsWindow"]
+if TYPE_CHECKING:
+    from duetime.engine.batch import StepBatch
+    from duetime.engine.kv_cache import KVCache
+
+__all__ = ["ObsWindow", "watched_rows"]
 
 
 class ObsWindow:
@@ -82,3 +88,27 @@ class ObsWindow:
     @property
     def nbytes(self) -> int:
         return self.q.nbytes
+
+
+def watched_rows(
+    batch: StepBatch, kv: KVCache
+) -> list[tuple[ObsWindow, slice | torch.Tensor, int]]:
+    """(observation window, the step's rows of the queries it captures, positions the
+    chunk covers) of every watched chunk in the step. A chunk that borrows rows takes
+    the leader's queries for them (same tokens, same positions, same past): as many
+    of the newest as the window still needs besides its own."""
+    out: list[tuple[ObsWindow, slice | torch.Tensor, int]] = []
+    offsets = batch.offsets
+    for c, a, b in zip(batch.chunks, offsets, offsets[1:], strict=False):
+        win = kv.obs_window(c.slot)
+        if win is None:
+            continue
+        assert win.end_pos == c.start_pos, "observation window out of step with the cache"
+        if not c.shared:
+            out.append((win, slice(a, b), b - a))
+            continue
+        lead_end = offsets[c.leader] + c.shared
+        k = min(c.shared, max(0, win.size - (b - a)))
+        rows = torch.cat((torch.arange(lead_end - k, lead_end), torch.arange(a, b)))
+        out.append((win, rows, c.shared + b - a))
+    return out

@@ -21,11 +21,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from duetime.workloads._files import atomic_writer
+
+if TYPE_CHECKING:
+    from duetime.predict.length_model import RLPConfig
 
 # Bump when the checkpoint's layout changes: an older checkpoint is then refused, not misread.
 # 2: one layout for the head and the fine-tuned encoder ("weights", "best_score").
@@ -66,6 +69,47 @@ class TrainedEpochs:
 
     history: list[dict[str, float]]
     best_epoch: int  # 0 when no epoch ran
+
+
+@dataclass(frozen=True, slots=True)
+class RunControl:
+    """How a trainer's epochs run, whatever it trains: ``checkpoint``, ``resume``,
+    ``progress`` and ``stop_after`` as :func:`run_epochs` takes them; ``threads`` caps
+    torch's CPU threads meanwhile (``None``: leave them)."""
+
+    checkpoint: Path | None = None
+    resume: bool = False
+    progress: bool = True
+    stop_after: int | None = None
+    threads: int | None = None
+
+
+def run_rlp_epochs(
+    trainee: Trainee,
+    cfg: RLPConfig,
+    run: RunControl,
+    *,
+    score: str,
+    identity: dict[str, Any],
+    desc: str,
+) -> TrainedEpochs:
+    """:func:`run_epochs` for an RLP trainer: ``cfg``'s epochs and training seed, under
+    ``run``'s checkpointing and thread cap."""
+    from duetime.predict.length_features import torch_threads
+
+    with torch_threads(run.threads):
+        return run_epochs(
+            trainee,
+            epochs=cfg.epochs,
+            seed=cfg.training_seed,
+            score=score,
+            identity=identity,
+            checkpoint=run.checkpoint,
+            resume=run.resume,
+            progress=run.progress,
+            stop_after=run.stop_after,
+            desc=desc,
+        )
 
 
 def run_epochs(

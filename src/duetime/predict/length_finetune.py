@@ -28,7 +28,13 @@ import numpy as np
 from tqdm import tqdm
 
 from duetime.predict.conformal import BucketCDF
-from duetime.predict.epoch_loop import CheckpointError, TrainedEpochs, Trainee, run_epochs
+from duetime.predict.epoch_loop import (
+    CheckpointError,
+    RunControl,
+    TrainedEpochs,
+    Trainee,
+    run_rlp_epochs,
+)
 from duetime.predict.length_ft_encoder import (
     FT_DIM,
     LORA_TARGETS,
@@ -141,8 +147,6 @@ def fit_finetuned(
     """
     import torch
 
-    from duetime.predict.length_features import torch_threads
-
     max_tokens, _ = parse_ft_spec(cfg.encoder)
     check_soft_targets(soft_targets, cfg, len(bundle))
     tr, va = bundle.splits["train"], bundle.splits["val"]
@@ -225,19 +229,9 @@ def fit_finetuned(
     }
     if soft_targets is not None:  # only then: checkpoints of plain runs keep their identity
         identity["soft_targets"] = soft_identity or targets_digest(soft_targets)
-    with torch_threads(threads):
-        epochs = run_epochs(
-            trainee,
-            epochs=cfg.epochs,
-            seed=cfg.training_seed,
-            score="val_mae_tokens",
-            identity=identity,
-            checkpoint=checkpoint,
-            resume=resume,
-            progress=progress,
-            stop_after=stop_after,
-            desc=f"fine-tuning {cfg.encoder} (LoRA r={cfg.lora_rank}) on {device}, {precision}",
-        )
+    run = RunControl(checkpoint, resume, progress, stop_after, threads)
+    desc = f"fine-tuning {cfg.encoder} (LoRA r={cfg.lora_rank}) on {device}, {precision}"
+    epochs = run_rlp_epochs(trainee, cfg, run, score="val_mae_tokens", identity=identity, desc=desc)
     net.eval()
     return export_adapters(net), head_weights(net["head"].cpu(), fm, fs), epochs
 

@@ -34,7 +34,7 @@ import numpy as np
 from duetime.predict.length_features import (
     EMBED_DIM,
     MiniLMEncoder,
-    encode_in_batches,
+    encode_rows,
     load_minilm,
     masked_mean,
     pad,
@@ -182,13 +182,4 @@ class FinetunedMiniLMEncoder:
             with cpu_autocast(self.precision):
                 return pooled_features(self._model, batch, self.max_tokens)
 
-        return encode_in_batches(
-            seqs,
-            self.dim,
-            forward,
-            max_tokens=self.max_tokens,
-            batch_size=self.batch_size,
-            threads=self.threads,
-            desc=f"embedding prompts ({self.spec})",
-            progress=progress,
-        )
+        return encode_rows(self, seqs, forward, progress)

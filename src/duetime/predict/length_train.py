@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from duetime.predict.epoch_loop import TrainedEpochs, Trainee, run_epochs
+from duetime.predict.epoch_loop import RunControl, TrainedEpochs, Trainee, run_rlp_epochs
 from duetime.predict.length_model import HeadWeights, RLPConfig, soft_labels
 
 Task = Literal["classify", "regress"]
@@ -72,8 +72,6 @@ def fit_head(
     """
     import torch
 
-    from duetime.predict.length_features import torch_threads
-
     d_out = cfg.n_classes if task == "classify" else 1
     torch.manual_seed(cfg.training_seed)
     model = _mlp(x_train.shape[1], d_out, cfg.hidden, cfg.dropout)
@@ -128,19 +126,10 @@ def fit_head(
         "data_id": data_id,
         "shape": list(x_train.shape),
     }
-    with torch_threads(threads):
-        epochs = run_epochs(
-            trainee,
-            epochs=cfg.epochs,
-            seed=cfg.training_seed,
-            score="val_loss",
-            identity=identity,
-            checkpoint=checkpoint,
-            resume=resume,
-            progress=progress,
-            stop_after=stop_after,
-            desc=f"training {task} head",
-        )
+    run = RunControl(checkpoint, resume, progress, stop_after, threads)
+    epochs = run_rlp_epochs(
+        trainee, cfg, run, score="val_loss", identity=identity, desc=f"training {task} head"
+    )
     model.eval()
     return model, epochs
 

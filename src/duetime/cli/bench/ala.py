@@ -25,16 +25,17 @@ def bench_ala(
 ) -> None:
     """ALA throughput model vs regression baselines on held-out (ii, oo) pairs; Table I."""
     from duetime.bench import ala as bench
+    from duetime.bench import ala_report as report
 
     with _user_errors():
         prog, cb = _progress(1, "configs")
         with prog:
             fig = bench.run(data, config, seed=seed, sa_iters=sa_iters, progress=cb)
-    for t in bench.tables(fig):
+    for t in report.tables(fig):
         out.print(t)
-    for line in bench.sa_lines(fig):
+    for line in report.sa_lines(fig):
         out.print(line, highlight=False)
     out.print(f"(x: candidate rejected); wall {fig['wall_s']:.1f} s")
     save_figures(
-        fig, json_path=json_path, plot=plot, plot_fn=bench.plot, json_fig=bench.public(fig)
+        fig, json_path=json_path, plot=plot, plot_fn=report.plot, json_fig=report.public(fig)
     )

@@ -73,6 +73,7 @@ def bench_amin(
 ) -> None:
     """Amax / Amin vs H-SF per prediction-interval construction (Chen, Ye, Zhou 2025)."""
     from duetime.bench import amin as bench
+    from duetime.bench import amin_report as report
 
     engine_only = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock,
                    "--max-prompt": max_prompt, "--max-output": max_output,
@@ -101,7 +102,7 @@ def bench_amin(
         f"output mean {w['output_tokens_mean']:.0f} tokens, <= 1,000); the paper used "
         f"LMSYS-Chat-1M; unit = 1 step per time unit, linear = profile {profile}"
     )
-    out.print(bench.table(fig))
+    out.print(report.table(fig))
     for spec, li in fig["learned_intervals"].items():
         out.print(
             f"{spec} intervals on {li['requests']:,} held-out requests: "
@@ -110,9 +111,9 @@ def bench_amin(
             f"{li['alpha_median']:.3f}"
         )
     if fig["two_point"]:
-        out.print(bench.two_point_table(fig))
+        out.print(report.two_point_table(fig))
     out.print(f"wall {fig['wall_s']:.1f} s")
-    save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)
+    save_figures(fig, json_path=json_path, plot=plot, plot_fn=report.plot)
 
 
 def run_engine(
@@ -135,31 +136,11 @@ def run_engine(
     costs no load.
     """
     from duetime.bench import amin_engine as bench
-    from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context, read_profile
 
     constructions = tuple(c.strip() for c in intervals.split(",") if c.strip())
-    check_dtype(choice.dtype)
-    bench_clock(choice.clock, choice.threads)
-    bench.check_options(
-        requests=requests, seed=seed, kv_capacity=kv_capacity, max_prompt=max_prompt,
-        max_output=max_output, constructions=constructions,
-        context=engine_context(choice.model),
-    )  # fmt: skip
-    if profile is not None:  # read after the load before: a typo cost the load
-        read_profile(profile)
-    fig = bench.run(
-        choice.load(),
-        model_name=choice.label,
-        clock=choice.clock,
-        reps=reps,
-        requests=requests,
-        kv_capacity=kv_capacity,
-        max_prompt=max_prompt,
-        max_output=max_output,
-        constructions=constructions,
-        profile=profile,
-        seed=seed,
-    )
+    sizes = {"requests": requests, "kv_capacity": kv_capacity, "max_prompt": max_prompt,
+             "max_output": max_output, "constructions": constructions, "seed": seed}  # fmt: skip
+    fig = choice.run_bench(bench, checks=sizes, profile=profile, reps=reps, **sizes)
     out.print(bench.table(fig))
     w = fig["workload"]
     out.print(

@@ -133,31 +133,11 @@ def run_engine(
     the model's context is read from its config without loading the weights.
     """
     from duetime.bench import deferred_prefill_engine as bench
-    from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context, read_profile
 
-    k_grid = parse_ks(ks)
-    check_dtype(choice.dtype)
-    bench_clock(choice.clock, choice.threads)
-    bench.check_options(
-        capacity=capacity, prompt_len=prompt_len, mean_output=mean_output, requests=requests,
-        ks=k_grid, reps=reps, seed=seed, context=engine_context(choice.model),
-        timed=profile is None,
-    )  # fmt: skip
-    if profile is not None:  # read after the load before: a typo cost the load
-        read_profile(profile)
-    fig = bench.run(
-        choice.load(),
-        model_name=choice.label,
-        clock=choice.clock,
-        reps=reps,
-        capacity=capacity,
-        prompt_len=prompt_len,
-        mean_output=mean_output,
-        requests=requests,
-        ks=k_grid,
-        profile=profile,
-        seed=seed,
-    )
+    sizes = {"capacity": capacity, "prompt_len": prompt_len, "mean_output": mean_output,
+             "requests": requests, "ks": parse_ks(ks), "seed": seed}  # fmt: skip
+    checks = {**sizes, "reps": reps, "timed": profile is None}
+    fig = choice.run_bench(bench, checks=checks, profile=profile, reps=reps, **sizes)
     out.print(bench.table(fig))
     adv = fig["advice"]
     out.print(

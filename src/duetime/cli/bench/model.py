@@ -57,6 +57,25 @@ class EngineChoice:
         """The model, with the clock checked first (see :func:`load_engine`)."""
         return load_engine(self.model, self.dtype, self.threads, self.clock)
 
+    def run_bench(
+        self, bench: Any, *, checks: Mapping[str, Any], profile: str | None, **run: Any
+    ) -> dict[str, Any]:
+        """An engine bench module's ``run`` on this engine, after the checks every
+        ``--engine`` paper bench makes before the model loads, so a typo costs no load:
+        the dtype, the clock, ``bench.check_options(**checks)`` against the model's
+        context (read from its config, not its weights) and the profile, if named."""
+        from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context, read_profile
+
+        check_dtype(self.dtype)
+        bench_clock(self.clock, self.threads)
+        bench.check_options(**checks, context=engine_context(self.model))
+        if profile is not None:
+            read_profile(profile)
+        fig: dict[str, Any] = bench.run(
+            self.load(), model_name=self.label, clock=self.clock, profile=profile, **run
+        )
+        return fig
+
 
 def step_cost_note(fit: Mapping[str, Any]) -> str:
     """``step costs: <source>[, fit MAPE x %]``: where a run's step-cost model came from."""

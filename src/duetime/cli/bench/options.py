@@ -27,6 +27,10 @@ DtypeOpt = Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")]
 ThreadsOpt = Annotated[int, typer.Option(min=1, help="torch threads.")]
 PromptSeedOpt = Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")]
 RepeatsOpt = Annotated[int, typer.Option(min=1, help="Interleaved repetitions (medians).")]
+# The prompt-cache benches' (prefix-cache, shared-prefill) requests: a question after a
+# shared prompt, answered greedily.
+QuestionLenOpt = Annotated[int, typer.Option(min=1, help="Longest question after it, tokens.")]
+NewTokensOpt = Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")]
 
 # The real-engine options of the commands whose `--engine` loads any engine model
 # (`amin`, `deferred-prefill`); unset means "the engine mode's default".

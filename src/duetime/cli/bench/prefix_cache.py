@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from duetime.cli.bench.model import load_prompted_model, questions_after
-from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, PromptSeedOpt, ThreadsOpt
+from duetime.cli.bench.options import (
+    BenchModelOpt,
+    DtypeOpt,
+    NewTokensOpt,
+    PromptSeedOpt,
+    QuestionLenOpt,
+    ThreadsOpt,
+)
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
 
@@ -20,10 +27,8 @@ def bench_prefix_cache(
         int, typer.Option(min=2, max=200, help="Requests sharing the prompt (the 1st fills).")
     ] = 8,
     system_len: Annotated[int, typer.Option(min=16, help="Shared prompt, tokens.")] = 512,
-    question_len: Annotated[
-        int, typer.Option(min=1, help="Longest question after it, tokens.")
-    ] = 64,
-    new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")] = 16,
+    question_len: QuestionLenOpt = 64,
+    new_tokens: NewTokensOpt = 16,
     cache_tokens: Annotated[int, typer.Option(min=16, help="Prefix cache budget, tokens.")] = 4096,
     dtype: DtypeOpt = "q8",
     threads: ThreadsOpt = 2,

@@ -8,7 +8,15 @@ from typing import Annotated
 import typer
 
 from duetime.cli.bench.model import load_prompted_model, questions_after
-from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, PromptSeedOpt, RepeatsOpt, ThreadsOpt
+from duetime.cli.bench.options import (
+    BenchModelOpt,
+    DtypeOpt,
+    NewTokensOpt,
+    PromptSeedOpt,
+    QuestionLenOpt,
+    RepeatsOpt,
+    ThreadsOpt,
+)
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
 
@@ -24,10 +32,8 @@ def bench_shared_prefill(
         int, typer.Option(min=2, max=64, help="Requests behind one system prompt.")
     ] = 8,
     system_len: Annotated[int, typer.Option(min=16, help="The system prompt, tokens.")] = 512,
-    question_len: Annotated[
-        int, typer.Option(min=1, help="Longest question after it, tokens.")
-    ] = 64,
-    new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")] = 16,
+    question_len: QuestionLenOpt = 64,
+    new_tokens: NewTokensOpt = 16,
     repeats: RepeatsOpt = 3,
     dtype: DtypeOpt = "q8",
     threads: ThreadsOpt = 2,

@@ -1,0 +1,251 @@
+// Decode attention from each sequence's own KV tensors; why and how:
+// duetime/engine/attention_kernel.py.
+#include "common.h"
+
+#include <ATen/ops/empty.h>
+#include <cmath>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// exp of 8 floats, for x <= 0 (scores minus their maximum): Cody-Waite range reduction
+// x = n ln2 + r, |r| <= ln2 / 2, then a degree-6 polynomial for e^r (Cephes' expf
+// coefficients, relative error ~1e-7) scaled by 2^n through the exponent bits.
+// Below -87.3 the result is 0, as expf's is (it would be a denormal at most).
+inline __m256 exp_nonpos(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+void check_kv(const at::Tensor& t, int64_t g, int64_t d, const char* what, size_t b) {
+  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.device().is_cpu(),
+              "decode_attention: ", what, "[", b, "] must be a CPU fp32 [kv_heads, S, head_dim]",
+              " tensor, got ", t.sizes(), " ", t.scalar_type());
+  TORCH_CHECK(t.size(0) == g && t.size(2) == d && t.size(1) >= 1 && t.stride(2) == 1,
+              "decode_attention: ", what, "[", b, "] has shape ", t.sizes(), " strides ",
+              t.strides(), "; want [", g, ", S >= 1, ", d, "] with unit stride on head_dim");
+}
+
+constexpr int64_t R = 4;  // query heads of one KV head taken together
+
+// Scores of NR query rows q[r] (row stride D) against S keys (row stride ks):
+// p[r * S + j] = scale * q_r . k_j. Each key is read once for all NR rows.
+template <int NR>
+void scores(const float* q, const float* k, int64_t ks, int64_t S, int64_t D, float scale,
+            float* p) {
+  const int64_t D8 = D - D % 8;
+  for (int64_t j = 0; j < S; ++j) {
+    const float* kj = k + j * ks;
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += 8) {
+      const __m256 kv = _mm256_loadu_ps(kj + d);
+      for (int r = 0; r < NR; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), kv, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      float s = hsum(acc[r]);
+      for (int64_t d = D8; d < D; ++d) s += q[r * D + d] * kj[d];
+      p[r * S + j] = s * scale;
+    }
+  }
+}
+
+// p[0..S) <- exp(p - max) in place, vectorised; returns (max, sum of the exponentials).
+std::pair<float, float> exp_in_place(float* p, int64_t S) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < S; ++j) mx = std::max(mx, p[j]);
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 sv = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= S; j += 8) {
+    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+    _mm256_storeu_ps(p + j, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = hsum(sv);
+  for (; j < S; ++j) {
+    p[j] = std::exp(p[j] - mx);
+    sum += p[j];
+  }
+  return {mx, sum};
+}
+
+inline void scale_row(float* x, float a, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), av));
+  for (; i < n; ++i) x[i] *= a;
+}
+
+// out[r] = sum_j p[r * S + j] v_j for NR rows (row stride D). Keys in blocks of KB (their
+// values stay in cache), and within a block 8 * C columns at a time, their NR sums in
+// registers over the block's keys.
+template <int NR>
+void weighted(const float* p, const float* v, int64_t vs, int64_t S, int64_t D, float* out) {
+  constexpr int C = NR <= 2 ? 4 : 2;  // 8-wide column chunks per pass (NR * C registers)
+  constexpr int64_t KB = 128;
+  const int64_t DC = D - D % (8 * C);
+  for (int64_t j0 = 0; j0 < S; j0 += KB) {
+    const int64_t j1 = std::min(S, j0 + KB);
+    for (int64_t d = 0; d < DC; d += 8 * C) {
+      __m256 acc[NR][C];
+      for (int r = 0; r < NR; ++r)
+        for (int c = 0; c < C; ++c)
+          acc[r][c] = j0 ? _mm256_loadu_ps(out + r * D + d + 8 * c) : _mm256_setzero_ps();
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* vj = v + j * vs + d;
+        __m256 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(vj + 8 * c);
+        for (int r = 0; r < NR; ++r) {
+          const __m256 pr = _mm256_broadcast_ss(p + r * S + j);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
+        }
+      }
+      for (int r = 0; r < NR; ++r)
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * D + d + 8 * c, acc[r][c]);
+    }
+  }
+  for (int64_t d = DC; d < D; ++d)
+    for (int r = 0; r < NR; ++r) {
+      float s = 0.f;
+      for (int64_t j = 0; j < S; ++j) s += p[r * S + j] * v[j * vs + d];
+      out[r * D + d] = s;
+    }
+}
+
+// NR query rows against S keys: out[r] = sum_j exp(score_rj - m_r) v_j, unnormalised,
+// with m_r the rows' largest score and l_r the sum of their exponentials.
+template <int NR>
+void attend_group(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t S,
+                  int64_t D, float scale, float* p, float* out, float* m, float* l) {
+  scores<NR>(q, k, ks, S, D, scale, p);
+  for (int r = 0; r < NR; ++r) std::tie(m[r], l[r]) = exp_in_place(p + r * S, S);
+  weighted<NR>(p, v, vs, S, D, out);
+}
+
+void attend_rows(int64_t nr, const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+                 int64_t S, int64_t D, float scale, float* p, float* out, float* m, float* l) {
+  switch (nr) {
+    case 4: attend_group<4>(q, k, ks, v, vs, S, D, scale, p, out, m, l); break;
+    case 3: attend_group<3>(q, k, ks, v, vs, S, D, scale, p, out, m, l); break;
+    case 2: attend_group<2>(q, k, ks, v, vs, S, D, scale, p, out, m, l); break;
+    default: attend_group<1>(q, k, ks, v, vs, S, D, scale, p, out, m, l); break;
+  }
+}
+
+// Keys per piece when a (sequence, KV head) pair is split over threads.
+constexpr int64_t PIECE = 256;
+
+// q [B, H, D] fp32; keys[b], values[b] [G, S_b, D]. Returns [B, H * D].
+at::Tensor decode_attention(const at::Tensor& q_in, at::TensorList keys, at::TensorList values,
+                            double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat && q_in.device().is_cpu(),
+              "decode_attention: q must be a CPU fp32 [batch, heads, head_dim] tensor, got ",
+              q_in.sizes(), " ", q_in.scalar_type());
+  const at::Tensor q = q_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(int64_t(keys.size()) == B && int64_t(values.size()) == B, "decode_attention: ", B,
+              " queries but ", keys.size(), " keys and ", values.size(), " values");
+  TORCH_CHECK(B >= 1, "decode_attention: empty batch");
+  const int64_t G = keys[0].size(0);
+  TORCH_CHECK(G >= 1 && H % G == 0, "decode_attention: ", H, " heads do not group into ", G,
+              " KV heads");
+  for (size_t b = 0; b < size_t(B); ++b) {
+    check_kv(keys[b], G, D, "keys", b);
+    check_kv(values[b], G, D, "values", b);
+    TORCH_CHECK(keys[b].size(1) == values[b].size(1), "decode_attention: sequence ", b, " has ",
+                keys[b].size(1), " keys but ", values[b].size(1), " values");
+  }
+  const int64_t rep = H / G;
+  at::Tensor y = at::empty({B, H * D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float sc = float(scale);
+  // Fewer (sequence, KV head) pairs than threads (one sequence: one pair for Gemma 3 270M):
+  // each pair's keys go in pieces of PIECE over the threads, and the pieces' partial sums
+  // merge by their maxima (flash-decoding). Otherwise one pair a task.
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> first(size_t(B * G) + 1, 0);  // the pairs' first piece
+  for (int64_t t = 0; t < B * G; ++t) {
+    const int64_t S = keys[size_t(t / G)].size(1);
+    const int64_t n = B * G < threads ? std::min(threads, (S + PIECE - 1) / PIECE) : 1;
+    first[size_t(t) + 1] = first[size_t(t)] + n;
+  }
+  const int64_t pieces = first.back();
+  const bool split = pieces > B * G;
+  // per piece and query row: its unnormalised output, its max and its sum
+  std::vector<float> part(split ? size_t(pieces * rep * D) : 0);
+  std::vector<float> pm(size_t(pieces * rep)), pl(size_t(pieces * rep));
+  at::parallel_for(0, pieces, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+      const int64_t b = t / G, g = t % G, n = first[size_t(t) + 1] - first[size_t(t)];
+      const at::Tensor& K = keys[size_t(b)];
+      const at::Tensor& V = values[size_t(b)];
+      const int64_t S = K.size(1), c = i - first[size_t(t)];
+      const int64_t j0 = S * c / n, j1 = S * (c + 1) / n;  // this piece's keys
+      const int64_t ks = K.stride(1), vs = V.stride(1);
+      const float* kp = K.data_ptr<float>() + g * K.stride(0) + j0 * ks;
+      const float* vp = V.data_ptr<float>() + g * V.stride(0) + j0 * vs;
+      p.resize(size_t(R * (j1 - j0)));
+      for (int64_t r0 = 0; r0 < rep; r0 += R) {
+        const int64_t nr = std::min(R, rep - r0);
+        const int64_t row = b * H + g * rep + r0;  // the first query row of this group
+        float* out = split ? part.data() + (i * rep + r0) * D : yp + row * D;
+        float* m = pm.data() + i * rep + r0;
+        float* l = pl.data() + i * rep + r0;
+        attend_rows(nr, qp + row * D, kp, ks, vp, vs, j1 - j0, D, sc, p.data(), out, m, l);
+        if (!split)
+          for (int64_t r = 0; r < nr; ++r) scale_row(out + r * D, 1.f / l[r], D);
+      }
+    }
+  });
+  if (split) {  // out_r = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c
+    for (int64_t t = 0; t < B * G; ++t) {
+      const int64_t b = t / G, g = t % G;
+      for (int64_t r = 0; r < rep; ++r) {
+        float* out = yp + (b * H + g * rep + r) * D;
+        float mx = -INFINITY;
+        for (int64_t i = first[size_t(t)]; i < first[size_t(t) + 1]; ++i)
+          mx = std::max(mx, pm[size_t(i * rep + r)]);
+        std::fill(out, out + D, 0.f);
+        float total = 0.f;
+        for (int64_t i = first[size_t(t)]; i < first[size_t(t) + 1]; ++i) {
+          const float w = std::exp(pm[size_t(i * rep + r)] - mx);
+          total += w * pl[size_t(i * rep + r)];
+          const float* o = part.data() + (i * rep + r) * D;
+          for (int64_t d = 0; d < D; ++d) out[d] += w * o[d];
+        }
+        scale_row(out, 1.f / total, D);
+      }
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(duetime_attn, m) {
+  m.def("decode(Tensor q, Tensor[] keys, Tensor[] values, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(duetime_attn, CPU, m) { m.impl("decode", &decode_attention); }

@@ -1,0 +1,111 @@
+// A plain decode step's layers in one call; why and how: duetime/engine/decode_loop.py.
+#include "common.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/gelu.h>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using c10::Dispatcher;
+
+// x [T, D]: the residual stream entering layer 0 (embedding * scale). Per layer l
+// (L layers): w[8l .. 8l+7] = qkv, o, gate_up, down as (packed, scale) pairs with
+// n[4l .. 4l+3] outputs; norms[5l .. 5l+4] = in_norm, qk_norm, post_attn, pre_ffw,
+// post_ffw; sliding[l]. bufs[l * T + t]: sequence t's [2, kv_heads, cap, head_dim]
+// buffer of layer l, whose entry len[l * T + t] receives this step's key and value,
+// and whose entries lo[..] .. len[..] (inclusive) the query attends to.
+// Returns the residual stream after the last layer.
+at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList w, at::IntArrayRef n,
+                         at::TensorList norms, at::IntArrayRef sliding, const at::Tensor& cos_l,
+                         const at::Tensor& sin_l, const at::Tensor& cos_g, const at::Tensor& sin_g,
+                         at::TensorList bufs, at::IntArrayRef len, at::IntArrayRef lo,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+                         double scale) {
+  static auto q8 =
+      Dispatcher::singleton()
+          .findSchemaOrThrow("duetime_q8::linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  static auto rms = Dispatcher::singleton()
+                        .findSchemaOrThrow("duetime_norm::rms", "")
+                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  static auto add_rms = Dispatcher::singleton()
+                            .findSchemaOrThrow("duetime_norm::add_rms", "")
+                            .typed<std::tuple<at::Tensor, at::Tensor>(
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, double)>();
+  static auto qk_rope = Dispatcher::singleton()
+                            .findSchemaOrThrow("duetime_norm::qk_rope", "")
+                            .typed<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&,
+                                              const at::Tensor&, const at::Tensor&, double)>();
+  static auto attend =
+      Dispatcher::singleton()
+          .findSchemaOrThrow("duetime_attn::decode", "")
+          .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, double)>();
+  const int64_t L = (int64_t)sliding.size(), T = x_in.size(0);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(),
+              "decode_layers: x must be contiguous fp32 [rows, hidden]");
+  TORCH_CHECK(
+      (int64_t)w.size() == 8 * L && (int64_t)n.size() == 4 * L && (int64_t)norms.size() == 5 * L,
+      "decode_layers: weights, outputs and norms must cover ", L, " layers");
+  TORCH_CHECK(
+      (int64_t)bufs.size() == L * T && (int64_t)len.size() == L * T && (int64_t)lo.size() == L * T,
+      "decode_layers: one buffer, length and start per layer and row");
+  const int64_t n_qk = heads + kv_heads, hd = head_dim;
+  at::Tensor x = x_in;
+  at::Tensor h = rms.call(x, norms[0], eps);
+  std::vector<at::Tensor> keys(T), values(T);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor& cos = sliding[l] ? cos_l : cos_g;
+    const at::Tensor& sin = sliding[l] ? sin_l : sin_g;
+    const at::Tensor qkv = q8.call(h, w[8 * l], w[8 * l + 1], n[4 * l]);
+    const at::Tensor qk = qk_rope.call(qkv, n_qk, norms[5 * l + 1], cos, sin, eps);
+    TORCH_CHECK(qk.is_contiguous() && qkv.is_contiguous(), "decode_layers: strided q/k/v");
+    const float* qkp = qk.data_ptr<float>();
+    const float* vp = qkv.data_ptr<float>() + n_qk * hd;
+    const int64_t qkv_row = qkv.size(1);
+    for (int64_t t = 0; t < T; ++t) {
+      const at::Tensor& buf = bufs[l * T + t];
+      const int64_t cap = buf.size(2), at_ = len[l * T + t], from = lo[l * T + t];
+      TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kFloat && at_ < cap &&
+                      buf.size(1) == kv_heads && buf.size(3) == hd && 0 <= from && from <= at_,
+                  "decode_layers: no room in layer ", l, " of row ", t);
+      float* bp = buf.data_ptr<float>();
+      for (int64_t k = 0; k < kv_heads; ++k) {
+        std::memcpy(bp + (k * cap + at_) * hd, qkp + (t * n_qk + heads + k) * hd,
+                    sizeof(float) * hd);
+        std::memcpy(bp + ((kv_heads + k) * cap + at_) * hd, vp + t * qkv_row + k * hd,
+                    sizeof(float) * hd);
+      }
+      keys[t] = buf.select(0, 0).narrow(1, from, at_ + 1 - from);
+      values[t] = buf.select(0, 1).narrow(1, from, at_ + 1 - from);
+    }
+    const at::Tensor q = qk.narrow(1, 0, heads).contiguous();
+    at::Tensor a = attend.call(q, keys, values, scale);
+    a = q8.call(a, w[8 * l + 2], w[8 * l + 3], n[4 * l + 1]);
+    std::tie(x, h) = add_rms.call(x, a, norms[5 * l + 2], norms[5 * l + 3], eps);
+    const at::Tensor gu = q8.call(h, w[8 * l + 4], w[8 * l + 5], n[4 * l + 2]);
+    const int64_t f = gu.size(1) / 2;
+    at::Tensor act = at::gelu(gu.narrow(1, 0, f), "tanh").mul_(gu.narrow(1, f, f));
+    a = q8.call(act, w[8 * l + 6], w[8 * l + 7], n[4 * l + 3]);
+    if (l + 1 < L) {
+      std::tie(x, h) = add_rms.call(x, a, norms[5 * l + 4], norms[5 * (l + 1)], eps);
+    } else {
+      x = at::add(x, rms.call(a, norms[5 * l + 4], eps));
+    }
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(duetime_loop, m) {
+  m.def(
+      "decode_layers(Tensor x, Tensor[] w, int[] n, Tensor[] norms, int[] sliding, "
+      "Tensor cos_l, Tensor sin_l, Tensor cos_g, Tensor sin_g, Tensor[] bufs, int[] len, "
+      "int[] lo, int heads, int kv_heads, int head_dim, float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(duetime_loop, CPU, m) { m.impl("decode_layers", &decode_layers); }

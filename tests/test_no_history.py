@@ -1,0 +1,52 @@
+"""No history in the tree: no "session" followed by a number in src/, tests/ or docs/.
+
+Such a mark says when something changed, which only git should hold; a reader
+cannot tell what it refers to. Comments, option help, variant names and docs
+say what is, and why, with the figure that decided it. The word is spelled in
+pieces below so that this file does not match its own pattern.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TREES = ("src", "tests", "docs")
+WORD = "sess" + "ion"
+HISTORY = re.compile(WORD + r"s? [0-9]", re.IGNORECASE)
+
+
+def _text_files() -> list[Path]:
+    """Every file under the checked trees that reads as UTF-8 text (images etc. skipped)."""
+    files = []
+    for tree in TREES:
+        for path in sorted((ROOT / tree).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                files.append(path)
+    return files
+
+
+def _hits(text: str) -> list[int]:
+    """Line numbers (from 1) whose text carries a history mark."""
+    return [n for n, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)]
+
+
+def test_pattern_catches_marks_and_spares_plain_use() -> None:
+    marks = [f"{WORD} 12", f"(before {WORD.capitalize()} 3)", f"{WORD}s 2-4", f"{WORD.upper()} 30"]
+    plain = [f"a {WORD}-scoped fixture", f"one {WORD} per client", f"{WORD}_id 7"]
+    assert all(_hits(m) == [1] for m in marks)
+    assert not any(_hits(p) for p in plain)
+
+
+def test_no_history_marks_in_the_tree() -> None:
+    found = []
+    for path in _text_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        found += [f"{path.relative_to(ROOT)}:{n}" for n in _hits(text)]
+    assert not found, f"'{WORD} N' marks history, which git holds; say what is:\n" + "\n".join(
+        found
+    )
