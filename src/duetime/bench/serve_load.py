@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
 from duetime.policies.registry import make_policy
 from duetime.server.app import create_app
+from duetime.server.autosize import size_options
 from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.codec import Codec
 from duetime.server.load_workload import LoadRequest, LoadWorkload
@@ -61,8 +62,10 @@ class ServeLoadConfig:
     requests: Sequence[int] = (60, 80, 100)
     prompt_len: int = 256
     output_len: int = 128
-    max_num_seqs: int | None = None  # None: the server's default
+    max_num_seqs: int | None = None  # None: auto, as `duetime serve` sizes it
     max_batch_tokens: int | None = None
+    tpot_target_ms: float = 100.0  # what auto sizes for (`duetime serve`'s defaults)
+    sizing_context: int = 512
     kv_capacity: int = 32_768
     offline: bool = True  # replay each rate's requests offline too
     seed: int = 0
@@ -234,7 +237,17 @@ def run_serve_load(
     import torch
 
     torch.set_num_threads(cfg.threads)
-    model, codec, name = load_served_model(_options(cfg))
+    sized = _options(cfg)
+    model, codec, name = load_served_model(sized)
+    limits = size_options(
+        sized,
+        model,
+        auto_seqs=cfg.max_num_seqs is None,
+        auto_tokens=cfg.max_batch_tokens is None,
+        tpot_target_s=cfg.tpot_target_ms / 1000,
+        context=cfg.sizing_context,
+    )
+    cfg = replace(cfg, max_num_seqs=sized.max_num_seqs, max_batch_tokens=sized.max_batch_tokens)
     total = len(cfg.rates) * (2 if cfg.offline else 1)
     done = 0
     runs = []
@@ -258,7 +271,9 @@ def run_serve_load(
         "dtype": cfg.dtype,
         "threads": cfg.threads,
         "policy": cfg.policy,
-        "max_num_seqs": _options(cfg).max_num_seqs,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_batch_tokens": cfg.max_batch_tokens,
+        "limits": limits.as_dict(),
         "prompt_len": cfg.prompt_len,
         "output_len": cfg.output_len,
         "runs": runs,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -155,6 +155,7 @@ def serve(
     import torch
 
     from duetime.server.app import create_app
+    from duetime.server.autosize import size_options
     from duetime.server.build import ServeOptions, build_state, load_served_model
     from duetime.server.threaded import run_server
 
@@ -196,7 +197,9 @@ def serve(
             loaded, codec, name = load_served_model(options)
         except ImportError as e:
             _fail(str(e))
-        sizing = _sizing(
+        if options.profile is None and "auto" in (max_num_seqs, max_batch_tokens):
+            err.print("  timing the model's steps to size its batches (a few seconds) ...")
+        sizing = size_options(
             options,
             loaded,
             auto_seqs=_limit(max_num_seqs, "--max-num-seqs", 1) is None,
@@ -265,50 +268,3 @@ def _limit(text: str, option: str, least: int) -> int | None:
     if value < least:
         raise ValueError(f"{option} must be >= {least}, got {value}")
     return value
-
-
-def _sizing(
-    options: Any,
-    model: Any,
-    *,
-    auto_seqs: bool,
-    auto_tokens: bool,
-    tpot_target_s: float,
-    context: int,
-) -> Any:
-    """The server's batch limits (server/autosize.py): what auto leaves to the model's
-    steps, timed now, or to ``--profile``'s cost model; numbers given stay as given."""
-    from dataclasses import replace
-
-    from duetime.core.cost import LinearStepCost
-    from duetime.server.autosize import ServeLimits, limits_from_cost, measure_step_cost
-
-    if options.profile is None and not (auto_seqs or auto_tokens):
-        return ServeLimits(
-            max_num_seqs=options.max_num_seqs,
-            max_batch_tokens=options.max_batch_tokens,
-            tpot_target_ms=1000 * tpot_target_s,
-            context_tokens=context,
-            decode_step_ms=None,
-            chunk_step_ms=None,
-            source="given",
-            cost=None,
-        )
-    if options.profile is not None:
-        cost, source = LinearStepCost.from_profile(options.profile), "profile"
-    else:
-        err.print("  timing the model's steps to size its batches (a few seconds) ...")
-        cost, source = measure_step_cost(model), "measured at start"
-    limits = limits_from_cost(cost, tpot_target_s=tpot_target_s, context=context, source=source)
-    if auto_seqs:
-        options.max_num_seqs = limits.max_num_seqs
-    if auto_tokens:
-        options.max_batch_tokens = limits.max_batch_tokens
-    if not (auto_seqs and auto_tokens):
-        source = f"{source}, partly given"
-    return replace(
-        limits,
-        max_num_seqs=options.max_num_seqs,
-        max_batch_tokens=options.max_batch_tokens,
-        source=source,
-    )

@@ -20,15 +20,21 @@ and the figures they came from are shown in ``/health`` and ``/v1/models``.
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
 
-__all__ = ["ServeLimits", "limits_from_cost", "measure_step_cost"]
+if TYPE_CHECKING:
+    from duetime.server.build import ServeOptions
+
+__all__ = ["ServeLimits", "limits_from_cost", "measure_step_cost", "size_options"]
+
+log = logging.getLogger("duetime.server")
 
 #: The batch limit is never set above this (the executor's KV and the policies'
 #: per-step work grow with it) nor below 1.
@@ -150,3 +156,46 @@ def measure_step_cost(
     coef, _ = nnls(x / scale, y)
     c, a, b, d = (float(v) for v in coef / scale)
     return LinearStepCost.batch(c=c, a=a, b=max(b, 1e-6), d=d)
+
+
+def size_options(
+    options: ServeOptions,
+    model: Any,
+    *,
+    auto_seqs: bool,
+    auto_tokens: bool,
+    tpot_target_s: float,
+    context: int,
+) -> ServeLimits:
+    """Set ``options``' batch limits as the module says and return how they were chosen:
+    what is auto (``auto_seqs``, ``auto_tokens``) comes from the model's steps, timed
+    now, or from ``options.profile``'s cost model; a number given stays as given."""
+    if options.profile is None and not (auto_seqs or auto_tokens):
+        return ServeLimits(
+            max_num_seqs=options.max_num_seqs,
+            max_batch_tokens=options.max_batch_tokens,
+            tpot_target_ms=1000 * tpot_target_s,
+            context_tokens=context,
+            decode_step_ms=None,
+            chunk_step_ms=None,
+            source="given",
+            cost=None,
+        )
+    if options.profile is not None:
+        cost, source = LinearStepCost.from_profile(options.profile), "profile"
+    else:
+        log.info("timing the model's steps to size its batches")
+        cost, source = measure_step_cost(model), "measured at start"
+    limits = limits_from_cost(cost, tpot_target_s=tpot_target_s, context=context, source=source)
+    if auto_seqs:
+        options.max_num_seqs = limits.max_num_seqs
+    if auto_tokens:
+        options.max_batch_tokens = limits.max_batch_tokens
+    if not (auto_seqs and auto_tokens):
+        source = f"{source}, partly given"
+    return replace(
+        limits,
+        max_num_seqs=options.max_num_seqs,
+        max_batch_tokens=options.max_batch_tokens,
+        source=source,
+    )

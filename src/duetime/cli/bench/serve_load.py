@@ -28,11 +28,16 @@ def bench_serve_load(
     prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens (synthetic).")] = 256,
     output_len: Annotated[int, typer.Option(min=1, help="Answer tokens (ignore-EOS).")] = 128,
     max_num_seqs: Annotated[
-        int | None, typer.Option(min=1, help="Largest running batch (default: the server's).")
+        int | None,
+        typer.Option(min=1, help="Largest running batch (default: auto, as duetime serve)."),
     ] = None,
     max_batch_tokens: Annotated[
-        int | None, typer.Option(min=16, help="Tokens per step (default: the server's).")
+        int | None,
+        typer.Option(min=16, help="Tokens per step (default: auto, as duetime serve)."),
     ] = None,
+    tpot_target_ms: Annotated[
+        float, typer.Option(min=1.0, help="The decode step auto sizes for (duetime serve's).")
+    ] = 100.0,
     offline: Annotated[
         bool, typer.Option(help="Replay each rate's requests through the engine offline too.")
     ] = True,
@@ -64,6 +69,7 @@ def bench_serve_load(
             output_len=output_len,
             max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
+            tpot_target_ms=tpot_target_ms,
             offline=offline,
             seed=seed,
         )
@@ -73,7 +79,8 @@ def bench_serve_load(
             fig = run_serve_load(cfg, cb)
     title = (
         f"{fig['model']} {fig['dtype']}, {fig['threads']} threads, {fig['policy']}, "
-        f"max_num_seqs {fig['max_num_seqs']}: {prompt_len} in / {output_len} out"
+        f"max_num_seqs {fig['max_num_seqs']}, max_batch_tokens {fig['max_batch_tokens']} "
+        f"({fig['limits']['source']}): {prompt_len} in / {output_len} out"
     )
     by_rate = rate_rows(fig)
     keys = list(dict.fromkeys(k for _, row in by_rate for k in row))
