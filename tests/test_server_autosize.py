@@ -66,3 +66,22 @@ def test_health_and_models_show_the_limits() -> None:
 )
 def test_serve_refuses_a_bad_limit(option: str, value: str) -> None:
     cli_refused("serve", "--model", "tiny", option, value, names=option)
+
+
+def test_the_fit_keeps_decode_steps_apart_from_prefill_steps() -> None:
+    """Decode steps of a few ms set the limits; a 2-second prefill step in the same least
+    squares would swamp them (it gave 5 ms a decoder where the truth was 2.5)."""
+    from duetime.server.autosize import _fit
+
+    c, a, b, d = 0.018, 0.00065, 0.0025, 6e-6
+    rows: list[tuple[float, int, int, int]] = []
+    for batch, ctx in ((1, 33), (16, 33), (64, 33), (8, 513)):
+        rows.append((c + a * batch * (ctx - 1) * 1.3, batch * (ctx - 1), 0, 0))  # prefill
+        for k in range(3):
+            kv = batch * (ctx + k)
+            rows.append((c + b * batch + d * kv, 0, batch, kv))
+    cost = _fit(rows)
+    assert cost.c0 == pytest.approx(c, rel=1e-3)
+    assert cost.b == pytest.approx(b, rel=1e-3)
+    assert cost.d == pytest.approx(d, rel=1e-2)
+    assert cost.a1 == pytest.approx(a * 1.3, rel=1e-2)

@@ -148,13 +148,23 @@ def measure_step_cost(
             kv.free(s)
         if i == 0:
             rows.clear()  # the warm-up
-    y = np.array([r[0] for r in rows])
-    x = np.array([[1.0, r[1], r[2], r[3]] for r in rows])
+    return _fit(rows)
+
+
+def _fit(rows: list[tuple[float, int, int, int]]) -> LinearStepCost:
+    """``c``, ``b``, ``d`` from the decode steps alone (non-negative least squares), then
+    ``a`` from the prefill steps less ``c``: one fit over both lets the long prefill
+    steps' residuals swamp the decode steps' few milliseconds, which the limits rest on."""
     from scipy.optimize import nnls
 
+    dec = [r for r in rows if r[1] == 0]
+    pre = [r for r in rows if r[1] > 0]
+    y = np.array([r[0] for r in dec])
+    x = np.array([[1.0, r[2], r[3]] for r in dec])
     scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
     coef, _ = nnls(x / scale, y)
-    c, a, b, d = (float(v) for v in coef / scale)
+    c, b, d = (float(v) for v in coef / scale)
+    a = float(np.median([max(r[0] - c, 0.0) / r[1] for r in pre])) if pre else 0.0
     return LinearStepCost.batch(c=c, a=a, b=max(b, 1e-6), d=d)
 
 
