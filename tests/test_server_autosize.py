@@ -87,3 +87,23 @@ def test_the_fit_keeps_decode_steps_apart_from_prefill_steps() -> None:
     assert cost.d == pytest.approx(d, rel=1e-2)
     # the median row's per-token cost: P = 512 and 2,048 cost 1.125 a and 1.5 a a token
     assert cost.a1 == pytest.approx(a * (1.125 + 1.5) / 2, rel=1e-2)
+
+
+def test_the_steps_timed_at_start_let_admission_judge_the_first_request() -> None:
+    """Before any served step, a deadline no forecast can meet is refused at arrival when
+    the start-up timing seeded the step-time fit; without a model it cannot be judged."""
+    body = {
+        "model": "duetime-tiny",
+        "prompt": "Hello there",
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "deadline_ms": 200,
+    }
+    slow = LinearStepCost.batch(c=0.05, a=0.001, b=0.01, d=0.0)  # 60 ms a decode step
+    codes = []
+    for measured in (slow, None):
+        options = ServeOptions(model="tiny", predictor=None, measured_cost=measured)
+        state = build_state(options, *load_served_model(options))
+        with serve_in_thread(create_app(state)) as url:
+            codes.append(httpx.post(url + "/v1/completions", json=body, timeout=60).status_code)
+    assert codes == [429, 200]

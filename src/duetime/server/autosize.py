@@ -196,6 +196,7 @@ def size_options(
     else:
         log.info("timing the model's steps to size its batches")
         cost, source = measure_step_cost(model), "measured at start"
+        options.measured_cost = cost
     limits = limits_from_cost(cost, tpot_target_s=tpot_target_s, context=context, source=source)
     if auto_seqs:
         options.max_num_seqs = limits.max_num_seqs

@@ -64,6 +64,9 @@ class ServeOptions:
     #: How the batch limits were chosen (server/autosize.py), shown in /health and
     #: /v1/models; None: as given.
     limits: dict[str, Any] | None = None
+    #: The model's steps timed at start (server/autosize.py): the online step-time fit's
+    #: prior, until the served steps replace it. None: nothing is judged before them.
+    measured_cost: LinearStepCost | None = None
 
 
 def load_served_model(options: ServeOptions) -> tuple[Gemma3, Codec, str]:
@@ -86,7 +89,9 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
     from duetime.server.app import ServerConfig, ServerState
 
     cost = LinearStepCost.from_profile(options.profile) if options.profile else None
-    timer = StepTimer(prior=cost)
+    # a profile fixes the cost model; the model's steps timed at start only seed the
+    # online fit, so that admission judges the first requests too
+    timer = StepTimer(prior=cost or options.measured_cost)
     kwargs = dict(options.policy_kwargs or {})
     policy = make_policy(options.policy, **kwargs)  # fail now, not on the engine thread
     if options.admission not in ADMISSION_MODES:
@@ -114,7 +119,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
             kv_capacity=options.kv_capacity,
             max_num_seqs=options.max_num_seqs,
             max_batch_tokens=options.max_batch_tokens,
-            cost=cost,
+            cost=cost or options.measured_cost,
             telemetry=options.telemetry,
             check_accounting=False,
             eviction=options.eviction,
