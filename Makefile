@@ -6,7 +6,7 @@ PIP     := $(BIN)/python -m pip
 STAMP   := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 
-.PHONY: run demo test lint format bench bench-sim bench-peers clean setup
+.PHONY: run demo test lint format bench bench-sim bench-peers bench-serve-peers clean setup
 
 setup: $(STAMP)
 
@@ -67,6 +67,14 @@ bench-peers: $(STAMP)
 	$(PIP) install -c constraints.txt "llama-cpp-python==$(LLAMA_CPP_VERSION)"
 	$(BIN)/duetime bench engine --engine q8 --transformers bf16 \
 		--prefill 512 --batch 1,16 --json out/bench-engine-peers.json
+
+# Opt-in: `duetime serve` beside vLLM CPU and llama-server under the same load
+# (`vllm bench serve` and `duetime load`, rates 1/4/inf), one server at a time.
+# The first run installs vLLM CPU in its own venv (~15 min, ~13 GB under
+# ~/.cache/duetime-peers) and builds llama-server (~8 min); then about 40 minutes.
+# Options (PEERS, PEERS_OUT, PEERS_CACHE, DUETIME_SERVE_ARGS, ...): docs/serve-peers.md.
+bench-serve-peers: $(STAMP)
+	bash scripts/serve_peers.sh
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info src/*.egg-info .pytest_cache .ruff_cache .mypy_cache
