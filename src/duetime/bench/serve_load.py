@@ -39,7 +39,7 @@ from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
 from duetime.policies.registry import make_policy
 from duetime.server.app import create_app
-from duetime.server.autosize import size_options
+from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS, size_options
 from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.codec import Codec
 from duetime.server.load_workload import LoadRequest, LoadWorkload
@@ -64,7 +64,7 @@ class ServeLoadConfig:
     output_len: int = 128
     max_num_seqs: int | None = None  # None: auto, as `duetime serve` sizes it
     max_batch_tokens: int | None = None
-    tpot_target_ms: float = 100.0  # what auto sizes for (`duetime serve`'s defaults)
+    tpot_target_ms: float = DEFAULT_TPOT_TARGET_MS  # what auto sizes for, as `duetime serve`
     sizing_context: int = 512
     kv_capacity: int = 32_768
     offline: bool = True  # replay each rate's requests offline too

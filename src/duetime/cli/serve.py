@@ -20,6 +20,7 @@ from duetime.cli.common import (
     parse_confidence,
     writable,
 )
+from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S
 
 _DTYPE_HELP = (
@@ -65,8 +66,12 @@ def serve(
     ] = "auto",
     tpot_target_ms: Annotated[
         float,
-        typer.Option(min=1.0, help="The decode step (time per output token) auto sizes for."),
-    ] = 100.0,
+        typer.Option(
+            min=1.0,
+            help="The decode step (time per output token) auto sizes for; the default, 5 "
+            "tokens a second, is about reading speed (docs/serve-load.md).",
+        ),
+    ] = DEFAULT_TPOT_TARGET_MS,
     sizing_context: Annotated[
         int,
         typer.Option(min=1, help="Tokens a running sequence holds, as auto sizing assumes."),

@@ -36,6 +36,11 @@ __all__ = ["ServeLimits", "limits_from_cost", "measure_step_cost", "size_options
 
 log = logging.getLogger("duetime.server")
 
+#: The pace auto sizing keeps a stream at: 5 tokens a second, about reading speed. At
+#: 100 ms (the first default) Gemma q8 ran 7-14 sequences on 2 cores, and `vllm bench
+#: serve` at 1 request/s (256 in / 128 out) queued its requests for a median TTFT of
+#: 12 s, against 0.37 s for vLLM CPU in the same run (docs/results.md#serve-peers).
+DEFAULT_TPOT_TARGET_MS = 200.0
 #: The batch limit is never set above this (the executor's KV and the policies'
 #: per-step work grow with it) nor below 1.
 MAX_SEQS_CAP = 256

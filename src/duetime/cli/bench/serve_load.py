@@ -9,6 +9,7 @@ import typer
 
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _progress, _user_errors, bench_app, out
+from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS
 
 
 @bench_app.command("serve-load")
@@ -37,7 +38,7 @@ def bench_serve_load(
     ] = None,
     tpot_target_ms: Annotated[
         float, typer.Option(min=1.0, help="The decode step auto sizes for (duetime serve's).")
-    ] = 100.0,
+    ] = DEFAULT_TPOT_TARGET_MS,
     offline: Annotated[
         bool, typer.Option(help="Replay each rate's requests through the engine offline too.")
     ] = True,
