@@ -48,11 +48,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
+from duetime.server.body_fields import MAX_MS, MAX_TOKENS_LIMIT
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
 from duetime.server.gateway_pool import Gateway, model_ids
 from duetime.server.gateway_routing import Backend, GatewayConfig, choose_backend, routable
 from duetime.server.paths import StripTrailingSlash
-from duetime.server.schemas import MAX_MS, MAX_TOKENS_LIMIT
 
 __all__ = [
     "Backend",
