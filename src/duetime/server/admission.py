@@ -49,8 +49,8 @@ from duetime.core.grammar import AnswerWork
 from duetime.core.image import EngineImage
 from duetime.core.policy import Policy
 from duetime.core.request import Job, Request
-from duetime.server.engine_loop import EngineStats
 from duetime.server.forecast_errors import ForecastErrors
+from duetime.server.loop_outcomes import EngineStats
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S, RecentLoad
 from duetime.server.step_timer import StepTimer
 from duetime.sim.forecast import forecast

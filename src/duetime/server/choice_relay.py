@@ -10,11 +10,11 @@ from duetime.core.request import Job
 from duetime.engine.grammar import TokenGrammar
 from duetime.engine.logprobs import LogprobLog
 from duetime.server.codec import Detokenizer
-from duetime.server.engine_loop import Submission
 from duetime.server.relay import Relay
 from duetime.server.schemas import ChatCompletionRequest, CompletionRequest
 from duetime.server.server_state import ServerState
 from duetime.server.streams import Outcome, Stream
+from duetime.server.submissions import Submission
 
 __all__ = ["choice", "echo"]
 
