@@ -34,6 +34,10 @@ deadline stretched by the ``c`` quantile of its recent errors
 copy). A request that allows KV eviction (``kv_eviction`` not ``off``) is
 accepted anyway, flagged as degraded: the policy (TimeBill) may trade quality
 for time. Until the step timer has a model, deadlines are not judged at all.
+
+This module holds :class:`Admission` (the queue, the estimate, the choice between
+the two); the forecast is :mod:`~duetime.server.admission_forecast`, the verdict and
+the answers a forecast assumes :mod:`~duetime.server.admission_ask`.
 """
 
 from __future__ import annotations
@@ -42,54 +46,27 @@ import logging
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from dataclasses import replace as dataclass_replace
 
 from duetime.core.grammar import AnswerWork
 from duetime.core.image import EngineImage
 from duetime.core.policy import Policy
-from duetime.core.request import Job, Request
-from duetime.server.engine_loop import EngineStats
+from duetime.core.request import Job
+from duetime.server.admission_ask import Verdict, _Ask, assumed_answer
+from duetime.server.admission_forecast import ByForecast
 from duetime.server.forecast_errors import ForecastErrors
+from duetime.server.loop_outcomes import EngineStats
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S, RecentLoad
 from duetime.server.step_timer import StepTimer
-from duetime.sim.forecast import forecast
 
 __all__ = ["ADMISSION_MODES", "Admission", "Verdict", "assumed_answer"]
 
 ADMISSION_MODES = ("forecast", "estimate")
 
-#: Accepted structured answers whose assumed work is kept for later forecasts (the newest).
-_WORK_KEPT = 4096
-
 log = logging.getLogger("duetime.server")
 
 
-@dataclass(slots=True, frozen=True)
-class Verdict:
-    accept: bool
-    reason: str = ""
-    why: str = ""  # "queue" or "deadline" for a refusal (the metric label)
-    retry_after_s: int = 0
-    predicted_finish_s: float | None = None  # seconds from now
-    degraded: bool = False
-    which: int = 0  # the request judged that a refusal is about (index into those judged)
-
-
-def assumed_answer(req: Request, generated: int = 0, most: int | None = None) -> int:
-    """Answer tokens a forecast takes ``req`` to have, ``generated`` of them made: its
-    predicted length (without one, ``max_tokens`` or the ``most`` it can be), or the top
-    of the predicted interval once the answer has passed the point; at least one more
-    than it has."""
-    cap = req.max_tokens if most is None else max(1, min(req.max_tokens, most))
-    p = req.predicted
-    if p is None:
-        return cap
-    n = p.point if generated < p.point else p.hi
-    return int(min(cap, max(generated + 1, math.ceil(n))))
-
-
-class Admission:
+class Admission(ByForecast):
     def __init__(
         self,
         timer: StepTimer,
@@ -239,30 +216,6 @@ class Admission:
                     return verdict
         return self._by_estimate(ask, stats, queued)
 
-    def _remember(self, rid: int, steps: int, rows: int) -> None:
-        self._work[rid] = AnswerWork(steps, rows)
-        while len(self._work) > _WORK_KEPT:
-            self._work.popitem(last=False)
-
-    def _assumed(self, req: Request, generated: int = 0) -> Job:
-        """What a forecast takes an accepted request (``generated`` tokens made) to be: a
-        structured one as the work it was accepted for, what is left of it; any other as
-        :func:`assumed_answer` tokens, a step each."""
-        work = self._work.get(req.rid)
-        if work is None:
-            return Job(req, output_len=assumed_answer(req, generated))
-        if generated <= 0:
-            return Job(req, output_len=work.steps, ride_rows=work.rows)
-        # made so far: tokens (its steps' and the rows that rode), so what is left is
-        # that share of its steps and of its rows
-        left = max(0.0, 1.0 - generated / (work.steps + work.rows))
-        steps = max(1, math.ceil(work.steps * left))
-        rows = work.rows * left
-        # (Job.ride_rows spreads over every decode step of the answer: these rows over
-        # the steps left)
-        spread = rows * (generated + steps - 1) / steps
-        return Job(req, output_len=generated + steps, ride_rows=round(spread))
-
     def _by_estimate(self, ask: _Ask, stats: EngineStats, queued: int) -> Verdict:
         """Each sequence by :meth:`judge`, behind the ones before it."""
         verdict = Verdict(True)
@@ -286,92 +239,6 @@ class Admission:
                 verdict = one
         return verdict
 
-    def _by_forecast(
-        self,
-        ask: _Ask,
-        budget_s: float,
-        image: EngineImage,
-        pending: Sequence[Job],
-        arriving: int = 0,
-    ) -> Verdict | None:
-        """All sequences in one fork (``budget_s``: the ask's), with the load expected
-        beside them (their burst's companions, ``arriving`` of them known; later
-        requests like the recent ones); None where there is no step model to forecast
-        with."""
-        cost = self.timer.as_cost()
-        assert self.policy is not None
-        if cost is None:
-            return None
-        jobs = ask.jobs
-        now = jobs[0].request.arrival
-        deadline = now + budget_s
-        horizon = deadline + budget_s  # far enough to say by how much it misses
-        known = {live.request.rid for live in image.seqs}
-        arrivals = [
-            self._assumed(j.request)
-            for j in pending
-            if j.request.rid not in known  # (a job being handed over may be in both)
-        ]
-        arrivals += [ask.assumed(j) for j in jobs]
-        ahead = len(image.seqs) + len(arrivals) - len(jobs)
-        future = self.recent.future(
-            now, horizon, joining=len(jobs), arriving=arriving, like=ask.assumed(jobs[0])
-        )
-        policy = image.fork_policy()
-        fc = forecast(
-            image,
-            self.policy() if policy is None else policy,
-            cost,
-            job_of=lambda live: self._assumed(live.request, live.generated),
-            arrivals=[*arrivals, *future],
-            cached=ask.cached,
-            horizon=horizon,
-            watch=[j.request.rid for j in jobs],
-        )
-        self.forecast_walls.append(fc.wall_s)
-        ends = [fc.finish.get(j.request.rid) for j in jobs]
-        for job, end in zip(jobs, ends, strict=True):
-            job.request.forecast_finish = end  # as forecast: what the errors are learned from
-        margin = 1.0 if self.errors is None else self.errors.margin()
-        late = [
-            i for i, end in enumerate(ends) if end is None or now + (end - now) * margin > deadline
-        ]
-        if not late:
-            done = max(e for e in ends if e is not None)
-            return Verdict(True, predicted_finish_s=done - now)
-        if ask.allows_eviction:
-            return Verdict(True, "accepted with KV eviction allowed", degraded=True)
-        i = late[0]
-        end = ends[i]
-        if end is None:
-            when = f"not within {2 * budget_s * 1000:.0f} ms"
-            retry = math.ceil(budget_s)
-        else:
-            when = f"in {(end - now) * 1000:.0f} ms"
-            if margin != 1.0:
-                assert self.errors is not None
-                when += (
-                    f", x{margin:.2f} for {self.errors.confidence:.0%} confidence (the recent "
-                    f"forecasts' errors): {(end - now) * margin * 1000:.0f} ms"
-                )
-            when += f" > {budget_s * 1000:.0f} ms"
-            retry = math.ceil(now + (end - now) * margin - deadline)
-        with_it = sum(1 for j in future if j.request.arrival <= now)
-        more = f", {with_it} arriving with it" if with_it else ""
-        if len(future) > with_it:
-            more += f", {len(future) - with_it} more like the recent ones arriving"
-        return Verdict(
-            False,
-            f"the deadline cannot be met: a forecast of the engine ({ahead} other requests "
-            f"on it or accepted{more}; {ask.assumed(jobs[i]).output_len} tokens assumed for "
-            "this answer) "
-            f"has it finish {when}",
-            why="deadline",
-            retry_after_s=max(1, retry),
-            predicted_finish_s=None if end is None else end - now,
-            which=i,
-        )
-
     def _queue_full(self, stats: EngineStats, queued: int) -> Verdict:
         drain = self.timer.prefill_time(stats.waiting_prefill_tokens)
         return Verdict(
@@ -380,33 +247,3 @@ class Admission:
             why="queue",
             retry_after_s=max(1, math.ceil(drain)),
         )
-
-
-@dataclass(slots=True, frozen=True)
-class _Ask:
-    """The sequences of one HTTP request and what judging them takes (see
-    :meth:`Admission.admit`)."""
-
-    jobs: Sequence[Job]
-    budget_s: float | None
-    allows_eviction: bool
-    cached: Mapping[int, int]
-    longest: int | None
-    work: AnswerWork | None = None
-
-    def assumed(self, job: Job) -> Job:
-        """What a forecast plays one of them as: its assumed answer a step a token, no
-        more steps than its grammar's answers took, the forced rows riding in them."""
-        tokens = assumed_answer(job.request, most=self.longest)
-        return Job(job.request, int(self.at_most_steps(tokens)), ride_rows=self.ride_rows(tokens))
-
-    def at_most_steps(self, tokens: float) -> float:
-        """``tokens`` judged as steps: no more than its grammar's answers took."""
-        return tokens if self.work is None else min(tokens, self.work.steps)
-
-    def ride_rows(self, tokens: float) -> int:
-        """The forced rows riding in the steps of an answer of ``tokens`` tokens: its
-        grammar's answers' rows, no more than the tokens its steps do not make."""
-        if self.work is None:
-            return 0
-        return int(min(self.work.rows, max(tokens - self.at_most_steps(tokens), 0)))

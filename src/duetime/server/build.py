@@ -85,8 +85,9 @@ def load_served_model(options: ServeOptions) -> tuple[Gemma3, Codec, str]:
 
 
 def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -> Any:
-    """A :class:`~duetime.server.app.ServerState` with its engine loop (not started yet)."""
-    from duetime.server.app import ServerConfig, ServerState
+    """A :class:`~duetime.server.server_state.ServerState` with its engine loop (not
+    started yet)."""
+    from duetime.server.server_state import ServerConfig, ServerState
 
     cost = LinearStepCost.from_profile(options.profile) if options.profile else None
     # a profile fixes the cost model; the model's steps timed at start only seed the

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from duetime.server.schemas import ChatMessage, ToolDef
+from duetime.server.chat_messages import ChatMessage, ToolDef
 
 _ROLE = {
     "system": "System",

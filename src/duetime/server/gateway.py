@@ -4,9 +4,12 @@ The gateway does not generate. It admits, orders and routes requests to
 backends (``duetime serve`` processes, or a vLLM/SGLang fleet) and passes their
 answers, streamed or whole, through byte for byte.
 
-This module is the HTTP side (parsing, forwarding, streaming relay, failures);
-the routing rule and per-backend estimates are in :mod:`.gateway_routing`, the
-slots, wait queue, health and metrics in :mod:`.gateway_pool`.
+This module is the HTTP side: the app, its routes, and a request forwarded with its
+one retry. What it reads of a body and how it watches the client are in
+:mod:`.gateway_request`, a whole answer and a backend's failures in
+:mod:`.gateway_upstream`, a streamed answer's relay in :mod:`.gateway_stream`; the
+routing rule and per-backend estimates are in :mod:`.gateway_routing`, the slots,
+wait queue, health and metrics in :mod:`.gateway_pool`.
 
 * **Routing**: each backend keeps its in-flight count and EWMAs of the time to
   first token and the seconds per output token seen on completed answers; the
@@ -45,14 +48,20 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
 from duetime.server.gateway_pool import Gateway, model_ids
+from duetime.server.gateway_request import (
+    _ClientGoneError,
+    _request_fields,
+    _unless_client_leaves,
+)
 from duetime.server.gateway_routing import Backend, GatewayConfig, choose_backend, routable
+from duetime.server.gateway_stream import _open_stream, stream_tokens
+from duetime.server.gateway_upstream import _BackendFailedError, _whole
 from duetime.server.paths import StripTrailingSlash
-from duetime.server.schemas import MAX_MS, MAX_TOKENS_LIMIT
 
 __all__ = [
     "Backend",
@@ -60,69 +69,12 @@ __all__ = [
     "GatewayConfig",
     "choose_backend",
     "create_gateway_app",
+    "model_ids",
     "routable",
+    "stream_tokens",
 ]
 
 log = logging.getLogger("duetime.gateway")
-
-_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-
-
-class _BackendFailedError(Exception):
-    def __init__(self, backend: Backend, cause: BaseException) -> None:
-        super().__init__(f"backend {backend.url} failed: {type(cause).__name__}: {cause}")
-        self.backend = backend
-
-
-# --- the app ----------------------------------------------------------------------------
-def _request_fields(body: Any, chat: bool) -> tuple[int, float | None, int, str | None, bool]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    mt = body.get("max_completion_tokens") if chat else None
-    if mt is None:
-        mt = body.get("max_tokens")
-    if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
-        mt = 256 if chat else _DEFAULT_MAX_TOKENS
-    if mt > MAX_TOKENS_LIMIT:  # the backend refuses it too; here it would overflow the estimate
-        raise ApiError(400, f"max_tokens must be <= {MAX_TOKENS_LIMIT}", param="max_tokens")
-    ms = body.get("deadline_ms", body.get("time_budget_ms"))
-    if isinstance(ms, int | float) and not isinstance(ms, bool) and ms > MAX_MS:
-        raise ApiError(400, f"deadline_ms must be <= {MAX_MS:.0f}", param="deadline_ms")
-    deadline = float(ms) / 1000.0 if isinstance(ms, int | float) and ms > 0 else None
-    prio = body.get("priority", 0)
-    prio = prio if isinstance(prio, int) and not isinstance(prio, bool) else 0
-    model = body.get("model") if isinstance(body.get("model"), str) else None
-    return mt, deadline, prio, model, bool(body.get("stream", False))
-
-
-_TAIL_BYTES = 8192  # the end of a stream, where its usage / duetime summary event sits
-
-
-def stream_tokens(tail: bytes) -> int | None:
-    """The answer's length from the last events of a stream, if they say it.
-
-    ``usage.completion_tokens`` (when the client asked for usage) or duetime's
-    ``duetime.completion_tokens``; a duetime backend sends one event per batch
-    of tokens, not per token, so counting events would make it look ~30x slower.
-    """
-    for line in reversed(tail.split(b"\n")):
-        if not line.startswith(b"data: {"):
-            continue
-        try:
-            event = json.loads(line[len(b"data: ") :])
-        except ValueError:
-            continue  # the first line of the tail may be cut
-        for box in (event.get("usage"), event.get("duetime")):
-            n = box.get("completion_tokens") if isinstance(box, dict) else None
-            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
-                return n
-    return None
-
-
-def _sse_error(message: str, backend: str) -> bytes:
-    err = {"message": message, "type": "server_error", "param": None, "code": "backend_failed"}
-    err["backend"] = backend
-    return b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
 
 
 def create_gateway_app(
@@ -270,191 +222,3 @@ async def _forward(gw: Gateway, request: Request, path: str, *, chat: bool) -> R
     gw.m_requests.labels("failed").inc()
     msg = str(last) if last is not None else "the deadline passed before a retry"
     raise ApiError(502, msg, type="server_error", code="backend_failed")
-
-
-class _ClientGoneError(Exception):
-    """The client disconnected while its request waited or ran upstream."""
-
-
-async def _unless_client_leaves(request: Request, work: Any, poll_s: float = 0.25) -> Any:
-    """Await ``work``, cancelling it (which closes an upstream request) if the client leaves.
-
-    Starlette tells a handler about a disconnect only when asked, so it is polled.
-    Work that completes although it was cancelled returns (or raises) as usual:
-    the caller goes on, sends to a client that is gone, and counts one outcome.
-    """
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.wait({task})
-                if task.cancelled():
-                    raise _ClientGoneError
-                # It finished meanwhile: its result stands, since dropping it would drop
-                # a backend slot (acquire) or count an answered request twice (_whole).
-                return task.result()
-    except BaseException:
-        task.cancel()
-        raise
-
-
-def _still_working(e: httpx.TransportError) -> bool:
-    """A timeout after the request reached the backend, which may still be working on it.
-
-    Such a request is not retried and its backend not marked down. A connect
-    timeout is not one: nothing reached the backend, as with a refused
-    connection, so retrying elsewhere is safe.
-    """
-    return isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout)
-
-
-def _timed_out(gw: Gateway, b: Backend, elapsed_s: float, e: Exception) -> ApiError:
-    """A backend timeout: 504, not retried and not marked down; its estimate learns it is slow."""
-    gw.m_requests.labels("http_504").inc()
-    b.observe(None, elapsed_s, 1, gw.config.ewma_alpha)
-    gw.timed_out(b)
-    return ApiError(504, f"backend {b.url} timed out ({type(e).__name__})", type="server_error")
-
-
-def _failed(gw: Gateway, b: Backend, t0: float, e: httpx.TransportError) -> Exception:
-    """What a transport error before any byte reached the client becomes: a 504 for a
-    backend still working on it, else the backend is down and the request may retry."""
-    if _still_working(e):
-        return _timed_out(gw, b, time.monotonic() - t0, e)
-    gw.mark(b, False)
-    return _BackendFailedError(b, e)
-
-
-def _headers(b: Backend, upstream: httpx.Response) -> dict[str, str]:
-    h = {"X-Duetime-Backend": b.url}
-    if "retry-after" in upstream.headers:
-        h["Retry-After"] = upstream.headers["retry-after"]
-    return h
-
-
-def _passed_through(b: Backend, upstream: httpx.Response, content: bytes) -> Response:
-    """A whole upstream answer (any status) for the client, as the backend sent it."""
-    ctype = upstream.headers.get("content-type", "application/json")
-    return Response(
-        content, status_code=upstream.status_code, media_type=ctype, headers=_headers(b, upstream)
-    )
-
-
-async def _whole(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int) -> Response:
-    assert gw.client is not None
-    t0 = time.monotonic()
-    try:
-        r = await gw.client.post(
-            b.url + path, content=raw, headers={"content-type": "application/json"}
-        )
-    except httpx.TransportError as e:
-        raise _failed(gw, b, t0, e) from e
-    finally:
-        gw.release(b)
-    e2e = time.monotonic() - t0
-    gw.answered(b)
-    if r.status_code == 200:
-        with suppress(ValueError, KeyError, TypeError, AttributeError):
-            data = r.json()
-            tokens = int(data["usage"]["completion_tokens"])
-            ttft_ms = (data.get("duetime") or {}).get("ttft_ms")
-            b.observe(
-                None if ttft_ms is None else ttft_ms / 1000.0, e2e, tokens, gw.config.ewma_alpha
-            )
-        gw.m_requests.labels("ok").inc()
-    else:
-        gw.m_requests.labels(f"http_{r.status_code}").inc()
-    return _passed_through(b, r, r.content)
-
-
-async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int) -> Response:
-    """Open the upstream stream and read its first bytes before answering, so that a
-    backend that fails that early is retried and the client never sees it.
-
-    Whatever ends it (an error, the client leaving, the relay finishing), the
-    upstream response is closed and the slot given back exactly once.
-    """
-    assert gw.client is not None
-    t0 = time.monotonic()
-    req = gw.client.build_request(
-        "POST", b.url + path, content=raw, headers={"content-type": "application/json"}
-    )
-    r: httpx.Response | None = None
-    closed = False
-
-    async def close() -> None:
-        nonlocal closed
-        if not closed:
-            closed = True
-            try:
-                if r is not None:
-                    await r.aclose()
-            finally:  # even if closing was cancelled, or the slot would leak
-                gw.release(b)
-
-    try:
-        r = await gw.client.send(req, stream=True)
-        if r.status_code != 200:  # an error answer is read whole and passed through
-            content = await r.aread()
-            await close()
-            gw.answered(b)
-            gw.m_requests.labels(f"http_{r.status_code}").inc()
-            return _passed_through(b, r, content)
-        chunks = r.aiter_raw()
-        try:
-            first = await chunks.__anext__()
-        except StopAsyncIteration:
-            first = b""
-    except httpx.TransportError as e:
-        err = _failed(gw, b, t0, e)  # first: the slot freed next must not go to b if it hangs
-        await close()
-        raise err from e
-    except BaseException:  # the client left (cancelled) before the first byte
-        await close()
-        raise
-    ttft = time.monotonic() - t0
-    assert r is not None
-
-    async def relay() -> AsyncIterator[bytes]:
-        sent = first
-        tail = first[-_TAIL_BYTES:]
-        events = first.count(b"\n\n")
-        outcome = "client_gone"
-        try:
-            if first:
-                yield first
-            try:
-                async for chunk in chunks:
-                    sent = chunk
-                    tail = (tail + chunk)[-_TAIL_BYTES:]
-                    events += chunk.count(b"\n\n")
-                    yield chunk
-                outcome = "ok"
-            except httpx.TransportError as e:
-                timeout = isinstance(e, httpx.TimeoutException)
-                if timeout:  # a slow backend is not a dead one, but it may be hanging
-                    gw.timed_out(b)
-                else:
-                    gw.mark(b, False)
-                outcome = "timeout_midstream" if timeout else "failed_midstream"
-                how = "timed out" if timeout else "failed"
-                msg = f"backend {b.url} {how} mid-stream ({type(e).__name__}): answer incomplete"
-                pad = b"" if not sent or sent.endswith(b"\n\n") else b"\n\n"
-                yield pad + _sse_error(msg, b.url) + b"data: [DONE]\n\n"
-        finally:  # count first: under a cancelled client, the await in close() may raise
-            gw.m_requests.labels(outcome).inc()
-            if outcome == "ok":
-                gw.answered(b)
-                tokens = stream_tokens(tail)
-                if tokens is None:  # one event per token (vLLM), less role / finish / [DONE]
-                    tokens = max(1, min(max_tokens, events - 2))
-                b.observe(ttft, time.monotonic() - t0, tokens, gw.config.ewma_alpha)
-            await close()
-
-    headers = _headers(b, r)
-    headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)

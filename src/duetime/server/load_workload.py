@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from duetime.core.request import Job, TimeUtility
-from duetime.server.schemas import MAX_MS
+from duetime.server.body_fields import MAX_MS
 
 if TYPE_CHECKING:
     from duetime.workloads.trace import TraceLine
@@ -232,7 +232,7 @@ def _tuf_problem(tuf: TimeUtility) -> str | None:
     """Why duetime's server would refuse ``tuf`` (only it reads the field), or None."""
     from pydantic import ValidationError
 
-    from duetime.server.schemas import TUFSpec
+    from duetime.server.body_fields import TUFSpec
 
     try:
         TUFSpec.model_validate(tuf_body(tuf))

@@ -16,7 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from duetime.server.engine_loop import EngineStats
+from duetime.server.loop_outcomes import EngineStats
 from duetime.server.streams import Outcome
 
 __all__ = ["ResponseCounter", "ServerMetrics"]

@@ -18,7 +18,7 @@ from duetime.server.codec import Detokenizer
 from duetime.server.engine_loop import EngineLoop
 from duetime.server.errors import ApiError
 from duetime.server.logprob_format import LoggedToken
-from duetime.server.schemas import TimingInfo
+from duetime.server.response_shapes import TimingInfo
 from duetime.server.streams import Outcome, Stream
 
 __all__ = ["Relay", "safe_end"]

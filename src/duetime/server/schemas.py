@@ -1,5 +1,12 @@
 """Request and response bodies of the OpenAI-compatible API, with duetime's time fields.
 
+The four endpoint bodies live here; their parts each have a module, re-exported
+here: the bounds, strict text and time fields (:mod:`~duetime.server.body_fields`),
+the answer's constraints (:mod:`~duetime.server.answer_constraints`), the sampling
+fields both generation endpoints share (:mod:`~duetime.server.sampling_fields`),
+chat messages and tools (:mod:`~duetime.server.chat_messages`) and the response
+shapes (:mod:`~duetime.server.response_shapes`).
+
 Standard OpenAI fields keep their names and meaning; fields duetime does not
 implement (``user``, ``metadata``, ...) are accepted and ignored, as vLLM does,
 so existing clients work unchanged. The time-aware extensions
@@ -33,360 +40,72 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from duetime.core.grammar import GrammarSpec
-from duetime.core.request import MAX_TUF_MAGNITUDE
-from duetime.core.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
+from duetime.server.answer_constraints import (
+    MAX_GRAMMAR_CHARS,
+    JsonSchemaFormat,
+    ResponseFormat,
+    StructuredOutputs,
+)
+from duetime.server.body_fields import (
+    MAX_CHOICES,
+    MAX_MS,
+    MAX_PROMPTS,
+    MAX_TOKENS_LIMIT,
+    StreamOptions,
+    Text,
+    TimeFields,
+    TUFSpec,
+    _Body,
+)
+from duetime.server.chat_messages import (
+    ChatMessage,
+    ContentPart,
+    FunctionCall,
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    ToolCall,
+    ToolDef,
+    _forces_call,
+    _shown_tools,
+)
+from duetime.server.response_shapes import ErrorBody, ErrorResponse, TimingInfo, Usage
+from duetime.server.sampling_fields import _Common
 from duetime.server.tool_calls import ForcedTools
 
-#: Upper bound on any millisecond field: about 11.6 days, far past any sane deadline.
-MAX_MS = 1e9
-#: Upper bound on max_tokens accepted at all (the context length is checked later).
-MAX_TOKENS_LIMIT = 1 << 20
-#: Upper bound on n, the choices (sequences) one request may ask for.
-MAX_CHOICES = 16
-#: Upper bound on the prompts of one completions request (each gets n choices).
-MAX_PROMPTS = 64
-
-
-def _unicode(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"character {e.start} is a lone surrogate ({text[e.start]!a}): not valid Unicode"
-        ) from None
-    return text
-
-
-#: A string that can be encoded: what the tokenizer, the metrics and the logs receive.
-Text = Annotated[str, AfterValidator(_unicode)]
-
-
-class _Body(BaseModel):
-    """What every part of a request body shares: strict types, and no NaN or Infinity
-    (JSON parsers read them; a bound check would then report a misleading reason)."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False)
-
-
-class TUFSpec(_Body):
-    """TimelyLLM's time-utility function ``TUF(t) = min(β, α·(t − ERT) + β)``, times in ms."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    ert_ms: float = Field(ge=0, le=MAX_MS, description="Expected response time (ms).")
-    beta: float = Field(1.0, gt=0, le=MAX_TUF_MAGNITUDE, description="Utility before ERT.")
-    alpha: float = Field(
-        -2.0, le=0, ge=-MAX_TUF_MAGNITUDE, description="Slope after ERT (utility per second)."
-    )
-
-
-class TimeFields(_Body):
-    """duetime's extensions, shared by both endpoints (send them through ``extra_body``)."""
-
-    deadline_ms: float | None = Field(
-        None,
-        gt=0,
-        le=MAX_MS,
-        description="Deadline for the whole answer, in ms after the server receives the request.",
-    )
-    time_budget_ms: float | None = Field(
-        None, gt=0, le=MAX_MS, description="Alias of deadline_ms (TimeBill's time budget T)."
-    )
-    priority: int = Field(0, ge=-1000, le=1000, description="Larger is more important.")
-    tuf: TUFSpec | None = Field(None, description="Time-utility function for utility policies.")
-    overrun: Literal["kill", "skip_next"] | None = Field(
-        None,
-        description="What happens past the deadline (policies that support it): kill the request "
-        "or skip the next ones of its class.",
-    )
-    kv_eviction: Literal["off", "auto"] | Annotated[float, Field(ge=0, lt=1)] = Field(
-        "off",
-        description="'off', 'auto' (the policy may evict KV to meet the deadline, e.g. TimeBill) "
-        "or a fixed eviction ratio in [0, 1). Allowing eviction lets admission accept a request "
-        "with degraded quality instead of answering 429.",
-    )
-    ignore_eos: bool = Field(False, description="Generate exactly max_tokens (benchmarks).")
-    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT, description="Never stop before this.")
-    segment: Literal["sentence", "paragraph", "action"] | None = Field(
-        None,
-        description="TimelyLLM segmented generation: suspend after each sentence, paragraph or "
-        "robot action (a line like move(50)) keeping the KV cache, and resume when the client is "
-        "expected to want more (reading time at 300 words/min; at once for actions).",
-    )
-    klass: Text = Field("default", max_length=64, description="Request class (per-class stats).")
-
-    def allows_eviction(self) -> bool:
-        """Whether the request lets the policy drop KV (a fixed ratio of 0 does not)."""
-        if isinstance(self.kv_eviction, str):
-            return self.kv_eviction == "auto"
-        return self.kv_eviction > 0
-
-    def deadline_s(self) -> float | None:
-        ms = self.deadline_ms if self.deadline_ms is not None else self.time_budget_ms
-        return None if ms is None else ms / 1000.0
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-#: Upper bound on a regular expression or grammar's text.
-MAX_GRAMMAR_CHARS = 1 << 16
-
-
-class JsonSchemaFormat(_Body):
-    """OpenAI's ``response_format.json_schema``: the answer is JSON under ``schema``."""
-
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    name: Text = Field("response", max_length=256)
-    description: Text | None = None
-    schema_: dict[str, Any] | None = Field(
-        None, alias="schema", description="The JSON schema (absent: any JSON value)."
-    )
-    strict: bool | None = Field(
-        None, description="Accepted; the schema is always enforced, strict or not."
-    )
-
-
-class ResponseFormat(_Body):
-    """OpenAI's ``response_format``: plain text, any JSON object, or JSON under a schema."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs a json_schema object")
-        return self
-
-
-class StructuredOutputs(_Body):
-    """vLLM's ``structured_outputs``: exactly one constraint on the answer."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    json_: dict[str, Any] | Text | None = Field(
-        None, alias="json", description="A JSON schema (an object, or its text)."
-    )
-    regex: Text | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
-    choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(
-        None, min_length=1, max_length=4096
-    )
-    grammar: Text | None = Field(
-        None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="Lark or GBNF."
-    )
-    json_object: bool | None = Field(None, description="true: any JSON object.")
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> StructuredOutputs:
-        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            names = ", ".join(g.rstrip("_") for g in given) or "none"
-            raise ValueError(
-                "give exactly one of json, regex, choice, grammar, json_object; got " + names
-            )
-        return self
-
-    def spec(self, field: str) -> GrammarSpec:
-        if self.json_ is not None:
-            return GrammarSpec.json_schema(self.json_, f"{field}.json")
-        if self.regex is not None:
-            return GrammarSpec("regex", self.regex, f"{field}.regex")
-        if self.choice is not None:
-            return GrammarSpec.choice(self.choice, f"{field}.choice")
-        if self.grammar is not None:
-            return GrammarSpec("grammar", self.grammar, f"{field}.grammar")
-        return GrammarSpec.json_schema({"type": "object"}, f"{field}.json_object")
-
-
-class _Common(TimeFields):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = Field(min_length=1, max_length=256)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    temperature: float = Field(
-        0.0,
-        ge=0,
-        le=2,
-        description="0 (the default, unlike OpenAI's 1): greedy, the same answer every time; "
-        "above 0: sample from the logits divided by it.",
-    )
-    top_p: float = Field(
-        1.0, gt=0, le=1, description="Sample from the likeliest tokens holding this much mass."
-    )
-    top_k: int = Field(
-        -1, ge=-1, description="vLLM's extension: sample from the k likeliest (-1 or 0: all)."
-    )
-    min_p: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        description="vLLM's extension: drop tokens less likely than min_p times the likeliest.",
-    )
-    seed: int | None = Field(
-        None, ge=-(1 << 63), lt=1 << 64, description="Makes sampling reproducible."
-    )
-    presence_penalty: float = Field(
-        0.0,
-        ge=-MAX_PENALTY,
-        le=MAX_PENALTY,
-        description="Subtracted once from each token the answer holds.",
-    )
-    frequency_penalty: float = Field(
-        0.0,
-        ge=-MAX_PENALTY,
-        le=MAX_PENALTY,
-        description="Subtracted per occurrence in the answer so far.",
-    )
-    repetition_penalty: float = Field(
-        1.0,
-        gt=0,
-        description="vLLM's extension: logits of tokens in the prompt or answer are divided by "
-        "it (multiplied when negative); 1 changes nothing.",
-    )
-    n: int = Field(
-        1,
-        ge=1,
-        le=MAX_CHOICES,
-        description=f"Choices to generate (1 to {MAX_CHOICES}), each a sequence of its own: "
-        "choice i samples with seed + i.",
-    )
-    stop: Text | list[Annotated[Text, Field(min_length=1, max_length=256)]] | None = Field(
-        None, description="Up to 4 stop strings; the answer ends before the first one."
-    )
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None,
-        max_length=64,
-        description="vLLM's extension: token ids that end the answer (the ending token is "
-        "part of it), after min_tokens.",
-    )
-    user: str | None = None
-    response_format: ResponseFormat | None = Field(
-        None,
-        description="OpenAI's: json_object (any JSON object) or json_schema constrain the "
-        "answer's tokens to valid JSON (under the schema); text (the default) does not.",
-    )
-    structured_outputs: StructuredOutputs | None = Field(
-        None,
-        description="vLLM's extension: the answer matches a JSON schema, a regex, one of a "
-        "list of strings or a Lark/GBNF grammar.",
-    )
-    guided_json: dict[str, Any] | Text | None = Field(
-        None, description="vLLM's older form of structured_outputs.json."
-    )
-    guided_regex: Text | None = Field(
-        None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="Older structured regex."
-    )
-    guided_choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(
-        None, min_length=1, max_length=4096, description="Older structured_outputs.choice."
-    )
-    guided_grammar: Text | None = Field(
-        None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="Older grammar form."
-    )
-    logit_bias: dict[str, float] | None = Field(
-        None,
-        max_length=1024,
-        description="Token id (as a string) -> a bias in [-100, 100] added to its logit "
-        "before sampling or the arg-max; -100 bans the token in effect.",
-    )
-
-    def grammar(self) -> GrammarSpec | None:
-        """The constraint on the answer, if any (at most one may be given)."""
-        specs = []
-        fmt = self.response_format
-        if fmt is not None and fmt.type == "json_object":
-            specs.append(GrammarSpec.json_schema({"type": "object"}, "response_format"))
-        elif fmt is not None and fmt.json_schema is not None and fmt.type == "json_schema":
-            schema = fmt.json_schema.schema_
-            specs.append(
-                GrammarSpec.json_schema({} if schema is None else schema, "response_format")
-            )
-        if self.structured_outputs is not None:
-            specs.append(self.structured_outputs.spec("structured_outputs"))
-        if self.guided_json is not None:
-            specs.append(GrammarSpec.json_schema(self.guided_json, "guided_json"))
-        if self.guided_regex is not None:
-            specs.append(GrammarSpec("regex", self.guided_regex, "guided_regex"))
-        if self.guided_choice is not None:
-            specs.append(GrammarSpec.choice(self.guided_choice, "guided_choice"))
-        if self.guided_grammar is not None:
-            specs.append(GrammarSpec("grammar", self.guided_grammar, "guided_grammar"))
-        if len(specs) > 1:
-            names = ", ".join(s.field.split(".")[0] for s in specs)
-            raise ValueError(f"one constraint on the answer at a time, got {names}")
-        return specs[0] if specs else None
-
-    def sampling(self, choice: int = 0) -> SamplingParams:
-        """How the engine picks choice ``choice``'s tokens (greedy at temperature 0); its
-        seed is ``seed + choice``, kept in the 64 bits a generator takes."""
-        seed = self.seed
-        if seed is not None and choice:
-            seed = (seed + choice) % (1 << 64)
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=max(self.top_k, 0),
-            min_p=self.min_p,
-            seed=seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=self.token_biases(),
-        )
-
-    @model_validator(mode="after")
-    def _one_grammar(self) -> Any:
-        self.grammar()  # raises where several constraints were given
-        return self
-
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def _bias_numbers(cls, v: Any) -> Any:
-        """Integers are biases too (strict mode would refuse ``{"5": 100}``)."""
-        if isinstance(v, dict):
-            return {k: float(b) if type(b) is int else b for k, b in v.items()}
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
-            if not key.isdigit() or key != str(int(key)):
-                raise ValueError(f"keys are token ids written as strings, not {key!r}")
-            if abs(bias) > MAX_LOGIT_BIAS:
-                raise ValueError(f"token {key}: a bias must be in [-100, 100], not {bias:g}")
-        return v
-
-    def token_biases(self) -> tuple[tuple[int, float], ...]:
-        """``logit_bias`` as (token id, bias) pairs, ids ascending."""
-        return tuple(sorted((int(k), b) for k, b in (self.logit_bias or {}).items()))
-
-    @field_validator("stop")
-    @classmethod
-    def _few_stops(cls, v: str | list[str] | None) -> list[str] | None:
-        if v is None:
-            return None
-        stops = [v] if isinstance(v, str) else v
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
-        return stops
+__all__ = [
+    "MAX_CHOICES",
+    "MAX_GRAMMAR_CHARS",
+    "MAX_MS",
+    "MAX_PROMPTS",
+    "MAX_TOKENS_LIMIT",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ContentPart",
+    "DetokenizeRequest",
+    "ErrorBody",
+    "ErrorResponse",
+    "FunctionCall",
+    "FunctionDef",
+    "JsonSchemaFormat",
+    "NamedFunction",
+    "NamedToolChoice",
+    "ResponseFormat",
+    "StreamOptions",
+    "StructuredOutputs",
+    "TUFSpec",
+    "Text",
+    "TimeFields",
+    "TimingInfo",
+    "TokenizeRequest",
+    "ToolCall",
+    "ToolDef",
+    "Usage",
+]
 
 
 class CompletionRequest(_Common):
@@ -455,98 +174,6 @@ class CompletionRequest(_Common):
         if v is not None and v != 1:
             raise ValueError("best_of must be 1: one answer per request")
         return v
-
-
-class ContentPart(_Body):
-    type: Literal["text"]
-    text: Text
-
-
-class FunctionCall(_Body):
-    """A call an earlier assistant turn made (sent back in the conversation)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    name: Text = Field(min_length=1, max_length=64)
-    arguments: Text = Field(max_length=MAX_GRAMMAR_CHARS)
-
-
-class ToolCall(_Body):
-    model_config = ConfigDict(extra="ignore")
-
-    id: Text | None = Field(None, max_length=256)
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Body):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[ContentPart] | None = None
-    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
-    tool_call_id: Text | None = Field(None, max_length=256)
-
-    @model_validator(mode="after")
-    def _has_content(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-
-_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
-
-
-class FunctionDef(_Body):
-    """OpenAI's ``tools[].function``: a function the answer may call."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    name: str = Field(pattern=_FUNCTION_NAME)
-    description: Text | None = Field(None, max_length=4096)
-    parameters: dict[str, Any] | None = Field(
-        None, description="JSON schema of the arguments (absent: no arguments)."
-    )
-    strict: bool | None = None
-
-    def arguments_schema(self) -> dict[str, Any]:
-        return self.parameters if self.parameters is not None else _NO_ARGUMENTS
-
-
-_NO_ARGUMENTS: dict[str, Any] = {
-    "type": "object",
-    "properties": {},
-    "additionalProperties": False,
-}
-
-
-class ToolDef(_Body):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(_Body):
-    model_config = ConfigDict(extra="ignore")
-
-    name: str = Field(pattern=_FUNCTION_NAME)
-
-
-class NamedToolChoice(_Body):
-    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
@@ -690,17 +317,6 @@ class TokenizeRequest(_Body):
         return _shown_tools(self.tools, self.tool_choice)
 
 
-def _forces_call(tools: list[ToolDef] | None, choice: Any) -> bool:
-    """Whether ``tool_choice`` makes the answer a call to one of ``tools``."""
-    return bool(tools) and (choice == "required" or isinstance(choice, NamedToolChoice))
-
-
-def _shown_tools(tools: list[ToolDef] | None, choice: Any) -> list[ToolDef]:
-    """The tools a chat prompt shows the model: all of them where the answer must call
-    one, none otherwise (with "none" they are ignored)."""
-    return list(tools or ()) if _forces_call(tools, choice) else []
-
-
 class DetokenizeRequest(_Body):
     """vLLM's ``POST /detokenize``: token ids back to text."""
 
@@ -708,39 +324,3 @@ class DetokenizeRequest(_Body):
 
     model: str | None = Field(None, max_length=256)
     tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1 << 20)
-
-
-class TimingInfo(BaseModel):
-    """What duetime reports about one answer (top-level ``duetime`` field of a response)."""
-
-    ttft_ms: float | None
-    e2e_ms: float | None
-    deadline_met: bool | None
-    kv_eviction_ratio: float
-    predicted_tokens: float | None
-    #: When admission's forecast had the answer done, ms after arrival (requests with a
-    #: deadline, judged by forecast); compare with ``e2e_ms``.
-    predicted_e2e_ms: float | None = None
-    preemptions: int = 0
-    #: Tokens in the answer (also in a stream's last event, where usage may be absent):
-    #: what a gateway's speed estimate divides by.
-    completion_tokens: int | None = None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error object."""
-
-    error: ErrorBody
