@@ -92,19 +92,55 @@ install_vllm() {
   vllm_installed && vllm_converted || die "vllm_cpu.sh ran but $VENV or $VMODEL is incomplete"
 }
 
+# Flags that keep ggml off AMX where the CPU advertises it but the VM faults on it
+# (a Firecracker guest here: the kernel grants XTILEDATA, then `tilezero` is SIGILL,
+# and -march=native would build ggml's AMX kernels). Decided by running one tile op.
+amx_off_flags() {
+  local d ok=0
+  d=$(mktemp -d)
+  cat >"$d/p.c" <<'C'
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+  unsigned char cfg[64];
+  if (syscall(SYS_arch_prctl, 0x1023, 18)) return 1; /* ARCH_REQ_XCOMP_PERM, XTILEDATA */
+  memset(cfg, 0, sizeof cfg);
+  cfg[0] = 1; cfg[16] = 64; cfg[48] = 16;
+  _tile_loadconfig(cfg);
+  _tile_zero(0);
+  _tile_release();
+  return 0;
+}
+C
+  if gcc -O1 -mamx-tile -o "$d/p" "$d/p.c" >/dev/null 2>&1; then ("$d/p") >/dev/null 2>&1 && ok=1; fi
+  rm -rf "$d"
+  [ $ok = 1 ] || echo "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+}
+
 build_llama() {
-  if [ -x "$LLAMA_BIN" ]; then log "llama-server: already built at $LLAMA_BIN"; return; fi
-  log "llama-server: building llama.cpp from llama-cpp-python $LLAMA_CPP_VERSION (~8 min on 2 cores)"
+  local extra stamp="$LLAMA_SRC/build/serve-peers-flags.txt"
+  extra=$(amx_off_flags)
+  if [ -x "$LLAMA_BIN" ] && [ "$(cat "$stamp" 2>/dev/null)" = "native $extra" ]; then
+    log "llama-server: already built at $LLAMA_BIN"; return
+  fi
+  log "llama-server: building llama.cpp from llama-cpp-python $LLAMA_CPP_VERSION" \
+    "(~8 min on 2 quiet cores)${extra:+, without AMX ($extra)}"
   mkdir -p "$LCPP"
   local sdist="$LCPP/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
+  # --no-binary of this package only: with :all: pip builds every build dependency from source
   [ -f "$sdist" ] || env -u PIP_CONSTRAINT "$DPY" -m pip download -q --no-deps --no-binary llama-cpp-python \
     "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$LCPP" || die "pip download llama-cpp-python failed"
   [ -d "$LLAMA_SRC" ] || tar xzf "$sdist" -C "$LCPP" || die "cannot unpack $sdist"
+  rm -f "$stamp"
   cmake -S "$LLAMA_SRC" -B "$LLAMA_SRC/build" -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON \
-    -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release >"$LCPP/cmake.log" 2>&1 ||
+    -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$extra" -DCMAKE_CXX_FLAGS="$extra" \
+    >"$LCPP/cmake.log" 2>&1 ||
     { tail -n 20 "$LCPP/cmake.log"; die "cmake configure failed (log: $LCPP/cmake.log)"; }
   cmake --build "$LLAMA_SRC/build" --target llama-server -j"$(nproc)" >"$LCPP/build.log" 2>&1 ||
     { tail -n 20 "$LCPP/build.log"; die "llama-server build failed (log: $LCPP/build.log)"; }
+  echo "native $extra" >"$stamp"
 }
 
 if has install "$STEPS"; then
@@ -155,7 +191,24 @@ stop_server() {  # TERM the server's process group, wait for it to go, KILL afte
   wait "$pid" 2>/dev/null || true
   log "server $pid stopped after $((SECONDS - t0)) s"
 }
-trap 'stop_server' EXIT
+CLIENT_PID=""
+in_background() {  # run "$@" as a job the INT/TERM trap can interrupt (a foreground one defers it)
+  "$@" &
+  CLIENT_PID=$!
+  local rc=0
+  wait "$CLIENT_PID" || rc=$?
+  CLIENT_PID=""
+  return $rc
+}
+cleanup() {
+  if [ -n "$CLIENT_PID" ]; then  # the job's subshell and its child, `timeout`, which passes it on
+    pkill -TERM -P "$CLIENT_PID" 2>/dev/null || true
+    kill -TERM "$CLIENT_PID" 2>/dev/null || true
+    wait "$CLIENT_PID" 2>/dev/null || true
+  fi
+  stop_server
+}
+trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 start_server() {  # start_server NAME PORT LOG: own session, so stopping reaches its children
@@ -224,10 +277,10 @@ if has run "$STEPS"; then
         STEP="$client against $server, rate $rate, $n requests"
         log "$STEP"
         if [ "$client" = vllm-bench ]; then
-          run_vllm_bench "$port" "$model" "$rate" "$n" "$sdir" ||
+          in_background run_vllm_bench "$port" "$model" "$rate" "$n" "$sdir" ||
             { tail -n 20 "$sdir/$client-rate-$rate.log" >&2; die "see $sdir/$client-rate-$rate.log"; }
         else
-          run_duetime_load "$port" "$model" "$rate" "$n" "$sdir" ||
+          in_background run_duetime_load "$port" "$model" "$rate" "$n" "$sdir" ||
             { tail -n 20 "$sdir/$client-rate-$rate.log" >&2; die "see $sdir/$client-rate-$rate.log"; }
         fi
       done
