@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from duetime.cpu import cpu_name
 from duetime.engine.config import Gemma3Config
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.linear import RescoredInt8Head
@@ -101,13 +101,3 @@ def weight_bytes(model: Gemma3, rows: int = 1) -> int:
 def kv_bytes_read(cfg: Gemma3Config, batch: int, ctx: int, itemsize: int) -> int:
     per_layer = [min(ctx, cfg.sliding_window) if s else ctx for s in cfg.sliding_layers]
     return batch * sum(per_layer) * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"

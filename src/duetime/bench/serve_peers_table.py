@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from duetime.cpu import cpu_name
+
 __all__ = ["Row", "machine_line", "main", "read_rows", "render"]
 
 CLIENTS = ("vllm-bench", "duetime-load")
@@ -122,22 +124,12 @@ def read_rows(out_dir: Path, servers: list[str] | None = None) -> list[Row]:
     return rows
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def machine_line(today: dt.date | None = None) -> str:
     """CPU model, cores this process may use, and the date: the context every
     figure below needs, since absolute speeds move from one day to the next."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     day = (today or dt.date.today()).isoformat()
-    return f"Machine: {_cpu_model()}, {cores} cores, {day}."
+    return f"Machine: {cpu_name()}, {cores} cores, {day}."
 
 
 def _ms(v: float | None) -> str:
