@@ -207,3 +207,17 @@ class Job:
         if k < len(self.segment_gap_estimates):
             return self.segment_gap_estimates[k]
         return self.gap(k)
+
+
+def assumed_answer(req: Request, generated: int = 0, most: int | None = None) -> int:
+    """Answer tokens a forecast takes ``req`` to have, ``generated`` of them made: its
+    predicted length (without one, ``max_tokens`` or the ``most`` it can be), or the top
+    of the predicted interval once the answer has passed the point; at least one more
+    than it has. Server admission and the fleet's routers forecast by this one rule: a
+    forecast sees no oracle."""
+    cap = req.max_tokens if most is None else max(1, min(req.max_tokens, most))
+    p = req.predicted
+    if p is None:
+        return cap
+    n = p.point if generated < p.point else p.hi
+    return int(min(cap, max(generated + 1, math.ceil(n))))

@@ -3,12 +3,11 @@ answer a forecast assumes for each, and the verdict."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from duetime.core.grammar import AnswerWork
-from duetime.core.request import Job, Request
+from duetime.core.request import Job, assumed_answer
 
 __all__ = ["Verdict", "assumed_answer"]
 
@@ -22,19 +21,6 @@ class Verdict:
     predicted_finish_s: float | None = None  # seconds from now
     degraded: bool = False
     which: int = 0  # the request judged that a refusal is about (index into those judged)
-
-
-def assumed_answer(req: Request, generated: int = 0, most: int | None = None) -> int:
-    """Answer tokens a forecast takes ``req`` to have, ``generated`` of them made: its
-    predicted length (without one, ``max_tokens`` or the ``most`` it can be), or the top
-    of the predicted interval once the answer has passed the point; at least one more
-    than it has."""
-    cap = req.max_tokens if most is None else max(1, min(req.max_tokens, most))
-    p = req.predicted
-    if p is None:
-        return cap
-    n = p.point if generated < p.point else p.hi
-    return int(min(cap, max(generated + 1, math.ceil(n))))
 
 
 @dataclass(slots=True, frozen=True)

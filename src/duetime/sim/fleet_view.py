@@ -6,7 +6,7 @@ admission calls (``server/admission.py``), run on the replica's
 :class:`~duetime.core.image.EngineImage` under a fork of its policy and its cost
 model. Like the server it does not know how long answers will be: each request
 is taken to need its predicted length (without a prediction, its ``max_tokens``),
-the rule of the server's ``assumed_answer``; a router sees no oracle.
+the rule of ``core.request.assumed_answer``, as server admission; a router sees no oracle.
 """
 
 from __future__ import annotations
@@ -16,23 +16,10 @@ from collections.abc import Callable
 
 from duetime.core.image import LiveSeq
 from duetime.core.policy import Policy
-from duetime.core.request import Job, Request
+from duetime.core.request import Job, Request, assumed_answer
 from duetime.core.sequence import Seq
 from duetime.sim.forecast import forecast
 from duetime.sim.replica import Replica
-
-
-def assumed_tokens(req: Request, generated: int = 0) -> int:
-    """Answer tokens a forecast takes ``req`` to have, ``generated`` made: its predicted
-    length, or the top of its predicted interval once past it, or ``max_tokens``
-    without a prediction; at least one more than made (``server/admission.py``'s
-    ``assumed_answer`` rule)."""
-    cap = req.max_tokens
-    p = req.predicted
-    if p is None:
-        return cap
-    n = p.point if generated < p.point else p.hi
-    return int(min(cap, max(generated + 1, math.ceil(n))))
 
 
 def prefix_hit(replica: Replica, req: Request) -> int:
@@ -55,14 +42,14 @@ def forecast_finish(
     sim = replica.sim
     image = sim.image()
     policy = image.fork_policy() or fresh_policy()
-    arrivals = [Job(j.request, output_len=assumed_tokens(j.request)) for _, j in replica.inbox]
-    arrivals.append(Job(req, output_len=assumed_tokens(req)))
+    arrivals = [Job(j.request, output_len=assumed_answer(j.request)) for _, j in replica.inbox]
+    arrivals.append(Job(req, output_len=assumed_answer(req)))
     horizon = math.inf
     if req.deadline is not None:
         horizon = req.deadline + max(req.deadline - now, 1.0)  # far enough to say how late
 
     def job_of(live: LiveSeq) -> Job:
-        return Job(live.request, output_len=assumed_tokens(live.request, live.generated))
+        return Job(live.request, output_len=assumed_answer(live.request, live.generated))
 
     hit = prefix_hit(replica, req)
     fc = forecast(
