@@ -165,6 +165,9 @@ class EngineLoop(LoopOutcomes):
         if self._thread is not None:
             raise RuntimeError("engine loop already started")
         self.executor.start_clock()
+        # stats and image before the first request: one that arrives before the thread's
+        # first round is forecast against the empty engine, not judged by the estimate
+        self._refresh_stats()
         self._thread = threading.Thread(target=self._main, name="duetime-engine", daemon=True)
         self._thread.start()
 
