@@ -2,7 +2,7 @@
 
 Under a grammar most of an answer may be forced (a JSON object's keys and
 punctuation, the rest of an enum value), and forced runs ride along in one step
-(jump-forward, ``engine/executor.py``): a robot command of 28 tokens took 5
+(jump-forward, ``engine/executor_forced.py``): a robot command of 28 tokens took 5
 steps on Gemma 3 270M. Admission assumes a step a token, so with only the
 grammar's longest text to go by (``GrammarSpec.max_answer_tokens``, a byte a
 token) it took such a request for many times longer than it is and refused it
