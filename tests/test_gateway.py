@@ -82,7 +82,7 @@ def _start_backend() -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 30.0) -> None:
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
