@@ -54,6 +54,9 @@ class ChaosPolicy(QueuePolicy):
         room = snap.max_num_seqs - len(snap.running) + len(dec.preempt) + len(dec.cancel)
         room += len(dec.suspend) - len(dec.resume)
         free = snap.kv_free - snap.num_decoding - 1
+        # what the base policy's own resumes take (swapped-out KV comes back)
+        suspended = {s.rid: s for s in snap.suspended}
+        free -= sum(suspended[rid].resume_tokens for rid in dec.resume if rid in suspended)
         if not dec.prefill:
             for s in list(snap.suspended):
                 if room <= 0 or free <= 0 or s.rid in touched or s.kv_offloaded:
