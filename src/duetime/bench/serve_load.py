@@ -29,18 +29,21 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from duetime.bench.serve_load_steps import served_summary, steps_by_band
 from duetime.core.request import Job, Request
-from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
-from duetime.policies.registry import make_policy
 from duetime.server.app import create_app
 from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS, size_options
-from duetime.server.build import ServeOptions, build_state, load_served_model
+from duetime.server.build import (
+    ServeOptions,
+    build_state,
+    load_served_model,
+    served_executor,
+)
 from duetime.server.codec import Codec
 from duetime.server.load_workload import LoadRequest, LoadWorkload
 from duetime.server.step_log import StepLog
@@ -70,7 +73,6 @@ class ServeLoadConfig:
     offline: bool = True  # replay each rate's requests offline too
     seed: int = 0
     client_timeout_s: float = 1800.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def requests_at(self, i: int) -> int:
         reqs = list(self.requests)
@@ -151,9 +153,14 @@ def _client(
 
 
 def _served(
-    cfg: ServeLoadConfig, model: Gemma3, codec: Codec, name: str, rate: float, n: int, tmp: Path
+    cfg: ServeLoadConfig,
+    opts: ServeOptions,
+    served: tuple[Gemma3, Codec, str],
+    rate: float,
+    n: int,
+    tmp: Path,
 ) -> dict[str, Any]:
-    state = build_state(_options(cfg), model, codec, name)
+    state = build_state(opts, *served)
     log = StepLog()
     state.engine.step_log = log
     with serve_in_thread(create_app(state)) as url:
@@ -175,7 +182,7 @@ def _served(
     }
 
 
-def _jobs(cfg: ServeLoadConfig, codec: Codec, plan: Sequence[LoadRequest]) -> list[Job]:
+def _jobs(codec: Codec, plan: Sequence[LoadRequest]) -> list[Job]:
     """The load's requests as the server makes them: its prompts' ids, ignore-EOS."""
     jobs = []
     for i, lr in enumerate(plan):
@@ -193,25 +200,17 @@ def _jobs(cfg: ServeLoadConfig, codec: Codec, plan: Sequence[LoadRequest]) -> li
 
 
 def _offline(
-    cfg: ServeLoadConfig, model: Gemma3, codec: Codec, plan: Sequence[LoadRequest], tmp: Path
+    opts: ServeOptions,
+    model: Gemma3,
+    codec: Codec,
+    plan: Sequence[LoadRequest],
+    tmp: Path,
 ) -> dict[str, Any]:
     """The same requests at the same arrival times through the same executor, with no
     server: its steps (telemetry) and its output tokens/s."""
-    opts = _options(cfg)
     telemetry = tmp / "offline-steps.jsonl"
-    ex = EngineExecutor(
-        make_policy(opts.policy),
-        model,
-        kv_capacity=opts.kv_capacity,
-        max_num_seqs=opts.max_num_seqs,
-        max_batch_tokens=opts.max_batch_tokens,
-        telemetry=telemetry,
-        check_accounting=False,
-        eviction=opts.eviction,
-        prefix_cache_tokens=opts.prefix_cache_tokens,
-    )
-    ex.eos_token_id = codec.eos_id
-    jobs = _jobs(cfg, codec, plan)
+    ex = served_executor(opts, model, codec, telemetry=telemetry)
+    jobs = _jobs(codec, plan)
     result = ex.run(jobs)
     steps = [json.loads(line) for line in telemetry.read_text().splitlines() if line]
     records = [r for r in result.records if r.finish is not None]
@@ -237,17 +236,17 @@ def run_serve_load(
     import torch
 
     torch.set_num_threads(cfg.threads)
-    sized = _options(cfg)
-    model, codec, name = load_served_model(sized)
+    opts = _options(cfg)  # sized once below, then every rate's server and replay use it
+    model, codec, name = load_served_model(opts)
     limits = size_options(
-        sized,
+        opts,
         model,
         auto_seqs=cfg.max_num_seqs is None,
         auto_tokens=cfg.max_batch_tokens is None,
         tpot_target_s=cfg.tpot_target_ms / 1000,
         context=cfg.sizing_context,
     )
-    cfg = replace(cfg, max_num_seqs=sized.max_num_seqs, max_batch_tokens=sized.max_batch_tokens)
+    cfg = replace(cfg, max_num_seqs=opts.max_num_seqs, max_batch_tokens=opts.max_batch_tokens)
     total = len(cfg.rates) * (2 if cfg.offline else 1)
     done = 0
     runs = []
@@ -255,12 +254,12 @@ def run_serve_load(
         n = cfg.requests_at(i)
         with tempfile.TemporaryDirectory(prefix="duetime-serve-load-") as d:
             tmp = Path(d)
-            served = _served(cfg, model, codec, name, rate, n, tmp)
+            served = _served(cfg, opts, (model, codec, name), rate, n, tmp)
             done += 1
             if progress:
                 progress(done, total)
             plan = _plan(cfg, rate, n)
-            offline = _offline(cfg, model, codec, plan, tmp) if cfg.offline else None
+            offline = _offline(opts, model, codec, plan, tmp) if cfg.offline else None
             if offline is not None:
                 done += 1
                 if progress:

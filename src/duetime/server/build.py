@@ -25,7 +25,13 @@ from duetime.server.forecast_errors import ForecastErrors, check_confidence
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S
 from duetime.server.step_timer import StepTimer
 
-__all__ = ["DEFAULT_CONFIDENCE", "ServeOptions", "build_state", "load_served_model"]
+__all__ = [
+    "DEFAULT_CONFIDENCE",
+    "ServeOptions",
+    "build_state",
+    "load_served_model",
+    "served_executor",
+]
 
 #: The share of accepted requests with a deadline that should meet it (docs/server.md:
 #: 0.976 met at 0.95 in `duetime bench admission`'s default load, against 0.902 without).
@@ -113,28 +119,16 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
     forecasts = options.admission == "forecast"
     errors = ForecastErrors(confidence) if forecasts and confidence is not None else None
 
-    def make_executor() -> EngineExecutor:
-        ex = EngineExecutor(
-            make_policy(options.policy, **kwargs),
-            model,
-            kv_capacity=options.kv_capacity,
-            max_num_seqs=options.max_num_seqs,
-            max_batch_tokens=options.max_batch_tokens,
-            cost=cost or options.measured_cost,
-            telemetry=options.telemetry,
-            check_accounting=False,
-            eviction=options.eviction,
-            prefix_cache_tokens=options.prefix_cache_tokens,
-        )
-        ex.eos_token_id = codec.eos_id
-        return ex
-
     predictor = _predictor(options)
     served = None
     if predictor is not None and options.length_window:
         served = ServedLengths(window=options.length_window)
     # the image: what a forecast forks from, and how far the running answers are
     images = forecasts or served is not None
+
+    def make_executor() -> EngineExecutor:
+        return served_executor(options, model, codec, cost=cost)
+
     engine = EngineLoop(make_executor, timer=timer, fixed_cost=cost is not None, images=images)
     if predictor is None and getattr(policy, "needs_prediction", False):
         raise ValueError(
@@ -167,6 +161,34 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         predictor=predictor,
         served_lengths=served,
     )
+
+
+def served_executor(
+    options: ServeOptions,
+    model: Gemma3,
+    codec: Codec,
+    *,
+    cost: LinearStepCost | None = None,
+    telemetry: Path | None = None,
+) -> EngineExecutor:
+    """The executor the server steps (a fresh one after a failed step), and the one
+    `bench serve-load` replays offline: ``cost`` a profile's fixed model, else the one
+    timed at start (:attr:`ServeOptions.measured_cost`); ``telemetry`` overrides the
+    options' step log."""
+    ex = EngineExecutor(
+        make_policy(options.policy, **dict(options.policy_kwargs or {})),
+        model,
+        kv_capacity=options.kv_capacity,
+        max_num_seqs=options.max_num_seqs,
+        max_batch_tokens=options.max_batch_tokens,
+        cost=cost or options.measured_cost,
+        telemetry=telemetry or options.telemetry,
+        check_accounting=False,
+        eviction=options.eviction,
+        prefix_cache_tokens=options.prefix_cache_tokens,
+    )
+    ex.eos_token_id = codec.eos_id
+    return ex
 
 
 def _predictor(options: ServeOptions) -> JobPredictor | None:
