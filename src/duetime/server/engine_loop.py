@@ -218,8 +218,8 @@ class EngineLoop(LoopOutcomes):
             self._refresh_stats()
             t_refresh = perf_counter()
             self._wait(self._idle_wait_s)
-            times = {"refresh": t_refresh - t_drain, "idle": perf_counter() - t_refresh}
-            self._log(t0, t_drain - t0, times, None)
+            idle = perf_counter() - t_refresh
+            self._log(t0, None, drain=t_drain - t0, refresh=t_refresh - t_drain, idle=idle)
             return
         done_before = ex.n_done
         self._deliver_s = 0.0
@@ -243,38 +243,30 @@ class EngineLoop(LoopOutcomes):
         if nxt is not None and nxt >= 0:
             self._wait(min(self._idle_wait_s, max(0.0, nxt - ex.clock_now())))
         forward = shape[0] if shape is not None else 0.0
-        times = {
-            "schedule": max(0.0, t_tick - t_drain - forward - self._deliver_s),
-            "forward": forward,
-            "refresh": t_refresh - t_tick,
-            "deliver": self._deliver_s + t_deliver - t_refresh,
-            "idle": perf_counter() - t_deliver,
-        }
-        self._log(t0, t_drain - t0, times, shape)
+        self._log(
+            t0,
+            shape,
+            drain=t_drain - t0,
+            schedule=max(0.0, t_tick - t_drain - forward - self._deliver_s),
+            forward=forward,
+            refresh=t_refresh - t_tick,
+            deliver=self._deliver_s + t_deliver - t_refresh,
+            idle=perf_counter() - t_deliver,
+        )
 
-    def _log(
-        self,
-        t0: float,
-        drain: float,
-        times: dict[str, float],
-        shape: tuple[float, int, int, int] | None,
-    ) -> None:
-        """One :class:`StepRow` into :attr:`step_log`, if one is kept."""
+    def _log(self, t0: float, shape: tuple[float, int, int, int] | None, **parts: float) -> None:
+        """One :class:`StepRow` into :attr:`step_log`, if one is kept: the round's
+        ``parts`` (seconds; the rest 0) and its step's shape."""
         if self.step_log is None:
             return
         _, prefill, decoders, kv = shape if shape is not None else (0.0, 0, 0, 0)
         self.step_log.add(
             StepRow(
                 start=t0 - self._t_origin,
-                drain=drain,
-                schedule=times.get("schedule", 0.0),
-                forward=times.get("forward", 0.0),
-                deliver=times.get("deliver", 0.0),
-                refresh=times.get("refresh", 0.0),
-                idle=times.get("idle", 0.0),
                 decoders=decoders,
                 prefill_tokens=prefill,
                 kv_tokens=kv,
+                **parts,
             )
         )
 

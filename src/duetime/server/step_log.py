@@ -28,12 +28,12 @@ class StepRow:
     """One round of the engine thread (seconds; the step's shape where one ran)."""
 
     start: float  # engine clock
-    drain: float
-    schedule: float
-    forward: float
-    deliver: float
-    refresh: float
-    idle: float
+    drain: float = 0.0
+    schedule: float = 0.0
+    forward: float = 0.0
+    deliver: float = 0.0
+    refresh: float = 0.0
+    idle: float = 0.0
     decoders: int = 0
     prefill_tokens: int = 0
     kv_tokens: int = 0
