@@ -176,6 +176,8 @@ def serve(
         if not isinstance(kwargs, dict):
             raise ValueError("--policy-args must be a JSON object")
         torch.set_num_threads(threads)
+        seqs = _limit(max_num_seqs, "--max-num-seqs", 1)  # None: auto
+        chunk = _limit(max_batch_tokens, "--max-batch-tokens", 16)
         options = ServeOptions(
             model=model,
             served_model_name=served_model_name,
@@ -183,8 +185,8 @@ def serve(
             policy_kwargs=kwargs,
             dtype=dtype,
             kv_capacity=kv_capacity,
-            max_num_seqs=_limit(max_num_seqs, "--max-num-seqs", 1) or 32,
-            max_batch_tokens=_limit(max_batch_tokens, "--max-batch-tokens", 16) or 2048,
+            max_num_seqs=seqs or 32,  # auto: set once the model is timed
+            max_batch_tokens=chunk or 2048,
             max_waiting=max_waiting,
             admission=admission,
             deadline_confidence=_confidence(deadline_confidence, admission),
@@ -202,13 +204,13 @@ def serve(
             loaded, codec, name = load_served_model(options)
         except ImportError as e:
             _fail(str(e))
-        if options.profile is None and "auto" in (max_num_seqs, max_batch_tokens):
+        if options.profile is None and None in (seqs, chunk):
             err.print("  timing the model's steps to size its batches (a few seconds) ...")
         sizing = size_options(
             options,
             loaded,
-            auto_seqs=_limit(max_num_seqs, "--max-num-seqs", 1) is None,
-            auto_tokens=_limit(max_batch_tokens, "--max-batch-tokens", 16) is None,
+            auto_seqs=seqs is None,
+            auto_tokens=chunk is None,
             tpot_target_s=tpot_target_ms / 1000,
             context=sizing_context,
         )
