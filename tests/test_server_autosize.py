@@ -107,3 +107,11 @@ def test_the_steps_timed_at_start_let_admission_judge_the_first_request() -> Non
         with serve_in_thread(create_app(state)) as url:
             codes.append(httpx.post(url + "/v1/completions", json=body, timeout=60).status_code)
     assert codes == [429, 200]
+
+
+def test_a_given_limit_is_kept_and_its_figures_shown() -> None:
+    cost = LinearStepCost.batch(c=0.010, a=0.0007, b=0.003, d=0.00001)
+    lim = limits_from_cost(cost, tpot_target_s=0.1, context=512, source="profile", seqs=20)
+    assert lim.max_num_seqs == 20
+    assert lim.decode_step_ms == pytest.approx(10 + 8.12 * 20)  # of the 20 kept
+    assert lim.max_batch_tokens == 64  # the chunk still sized, beside 20 decoders

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -74,8 +74,11 @@ def limits_from_cost(
     tpot_target_s: float,
     context: int,
     source: str,
+    seqs: int | None = None,
+    chunk: int | None = None,
 ) -> ServeLimits:
-    """The limits the module describes, under the batch cost model ``cost``."""
+    """The limits the module describes, under the batch cost model ``cost``; ``seqs`` or
+    ``chunk`` given are kept (the figures are then those of the limits kept)."""
     if not tpot_target_s > 0:
         raise ValueError(f"the TPOT target must be > 0, got {tpot_target_s}")
     if context < 1:
@@ -84,13 +87,15 @@ def limits_from_cost(
     def decode(d: int) -> float:
         return cost.c0 + cost.b * d + cost.d * d * context
 
-    seqs = 1
-    while seqs < MAX_SEQS_CAP and decode(seqs + 1) <= tpot_target_s:
-        seqs += 1
+    if seqs is None:
+        seqs = 1
+        while seqs < MAX_SEQS_CAP and decode(seqs + 1) <= tpot_target_s:
+            seqs += 1
     base = decode(seqs)
-    chunk = CHUNK_UNIT
-    while chunk < MAX_CHUNK and base + cost.a1 * (chunk + CHUNK_UNIT) <= 2 * tpot_target_s:
-        chunk += CHUNK_UNIT
+    if chunk is None:
+        chunk = CHUNK_UNIT
+        while chunk < MAX_CHUNK and base + cost.a1 * (chunk + CHUNK_UNIT) <= 2 * tpot_target_s:
+            chunk += CHUNK_UNIT
     return ServeLimits(
         max_num_seqs=seqs,
         max_batch_tokens=chunk,
@@ -185,7 +190,7 @@ def size_options(
     """Set ``options``' batch limits as the module says and return how they were chosen:
     what is auto (``auto_seqs``, ``auto_tokens``) comes from the model's steps, timed
     now, or from ``options.profile``'s cost model; a number given stays as given."""
-    if options.profile is None and not (auto_seqs or auto_tokens):
+    if not (auto_seqs or auto_tokens):
         return ServeLimits(
             max_num_seqs=options.max_num_seqs,
             max_batch_tokens=options.max_batch_tokens,
@@ -202,16 +207,16 @@ def size_options(
         log.info("timing the model's steps to size its batches")
         cost, source = measure_step_cost(model), "measured at start"
         options.measured_cost = cost
-    limits = limits_from_cost(cost, tpot_target_s=tpot_target_s, context=context, source=source)
-    if auto_seqs:
-        options.max_num_seqs = limits.max_num_seqs
-    if auto_tokens:
-        options.max_batch_tokens = limits.max_batch_tokens
     if not (auto_seqs and auto_tokens):
         source = f"{source}, partly given"
-    return replace(
-        limits,
-        max_num_seqs=options.max_num_seqs,
-        max_batch_tokens=options.max_batch_tokens,
+    limits = limits_from_cost(
+        cost,
+        tpot_target_s=tpot_target_s,
+        context=context,
         source=source,
+        seqs=None if auto_seqs else options.max_num_seqs,
+        chunk=None if auto_tokens else options.max_batch_tokens,
     )
+    options.max_num_seqs = limits.max_num_seqs
+    options.max_batch_tokens = limits.max_batch_tokens
+    return limits
