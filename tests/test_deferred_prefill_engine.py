@@ -129,8 +129,9 @@ def test_bench_deferred_prefill_engine_bad_options(args: list[str], message: str
 
 def test_advise_accepts_a_profile_fitted_on_this_machine(model: Any, tmp_path: Path) -> None:
     """`advise deferred-prefill --profile` reads what `duetime profile` writes."""
-    from duetime.engine.profile import ProfileGrid, measure_steps, profile_payload
+    from duetime.engine.profile import ProfileGrid, measure_steps
     from duetime.metrics import write_json
+    from duetime.predict.cost_report import profile_payload
 
     samples = measure_steps(model, ProfileGrid.quick())
     payload = profile_payload(

@@ -159,7 +159,8 @@ def test_validate_compares_engine_and_simulator_per_request(model: Any, tmp_path
     import json
 
     from duetime.bench import validate
-    from duetime.engine.profile import ProfileGrid, measure_steps, profile_payload
+    from duetime.engine.profile import ProfileGrid, measure_steps
+    from duetime.predict.cost_report import profile_payload
 
     payload = profile_payload(
         measure_steps(model, ProfileGrid.quick()), name="tiny", source="test",

@@ -99,8 +99,9 @@ def test_too_few_samples_is_a_clear_error() -> None:
 def test_profile_of_a_tiny_engine_loads_into_the_simulator(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
-    from duetime.engine.profile import ProfileGrid, measure_steps, profile_payload
+    from duetime.engine.profile import ProfileGrid, measure_steps
     from duetime.engine.testing import engine_from_hf, tiny_hf_model
+    from duetime.predict.cost_report import profile_payload
     from duetime.sim.profiles import load_profile
 
     model = engine_from_hf(tiny_hf_model(seed=0))
@@ -148,9 +149,9 @@ def test_evictions_are_timed_and_priced_into_the_profile(tmp_path) -> None:  # t
         fit_eviction_cost,
         measure_evictions,
         measure_steps,
-        profile_payload,
     )
     from duetime.engine.testing import engine_from_hf, tiny_hf_model
+    from duetime.predict.cost_report import profile_payload
     from duetime.sim.profiles import load_profile
 
     model = engine_from_hf(tiny_hf_model(seed=0))

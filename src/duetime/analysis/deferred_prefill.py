@@ -147,9 +147,12 @@ class DeferredPrefillModel:
             capacity=capacity,
             alpha=alpha,
             c_p=cost.c0 + cost.c_prefill,
-            prefill_per_prompt=cost.a1 * d0 + cost.a2 * d0 * d0,
+            # the prompt's own work (its rows' bands included) over a step's fixed part
+            prefill_per_prompt=cost.step_time(d0, d0 * d0, 0, 0) - cost.c0 - cost.c_prefill,
             c_d=cost.c0,
-            t_d=cost.b + cost.d * (d0 + (1 - alpha) / alpha),
+            # a decoder's share of a full batch's step (b with no bands)
+            t_d=(cost.decode_step(capacity, 0) - cost.c0) / capacity
+            + cost.d * (d0 + (1 - alpha) / alpha),
         )
 
     def to_cost(self, prompt_len: int) -> LinearStepCost:

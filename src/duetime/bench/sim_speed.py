@@ -30,8 +30,8 @@ def rate_for_running(jobs: list[Job], cost: LinearStepCost, target_running: floa
     p = np.array([j.request.prompt_len for j in jobs], dtype=float)
     o = float(np.mean([j.output_len for j in jobs]))
     b = target_running
-    step = cost.c0 + cost.b * b + cost.d * b * (p.mean() + o / 2)
-    w_p = float(np.mean(cost.a1 * p + cost.a2 * p * p)) + cost.c_prefill
+    step = cost.decode_step(max(round(b), 1), b * (p.mean() + o / 2))
+    w_p = float(np.mean([cost.step_time(n, n * n, 0, 0) - cost.c0 for n in p]))
     return b / (o * step + b * w_p)
 
 

@@ -20,8 +20,13 @@ TimeBill (Eq. 5–6): prefill ``aN² + bN + c`` and decode ``p·N_kv + q`` are
 ``c0=q, c_prefill=c−q, a1=b, a2=a, d=p``. The batch form of Vidur and of the
 Amin/Amax paper, ``c + a·P + b·D + d·KV``, sets the rest to zero.
 
-Because the model is linear in KV, k pure-decode steps of a fixed batch are an
-arithmetic series; :meth:`LinearStepCost.decode_span` and
+The engine's kernels change with a step's row count (int8 kernels for a few
+rows, bf16 matmuls for many): ``bands`` (:mod:`duetime.core.cost_bands`) add a
+piecewise ``intercept + slope·rows`` on top, one piece per regime. Without bands
+the model is the plain linear one.
+
+Because the model is linear in KV (and the bands depend on the batch only), k
+pure-decode steps of a fixed batch are an arithmetic series; :meth:`LinearStepCost.decode_span` and
 :meth:`LinearStepCost.decode_steps_within` let the simulator jump over them.
 """
 
@@ -32,6 +37,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from duetime.core.cost_bands import BandCost, CostBandError, bands_time, step_rows
 
 
 class CostModel(Protocol):
@@ -86,6 +93,7 @@ class LinearStepCost:
     d: float = 0.0
     s: float = 0.0
     e: float = 0.0
+    bands: tuple[BandCost, ...] = ()
     name: str = "linear"
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -94,10 +102,13 @@ class LinearStepCost:
             v = getattr(self, k)
             if not math.isfinite(v) or v < 0:
                 raise CostModelError(f"cost coefficient {k} must be finite and >= 0, got {v}")
-        if not self.c0 + self.b >= MIN_STEP_S:
+        if not all(isinstance(b, BandCost) for b in self.bands):
+            raise CostModelError("bands must be BandCost objects")
+        one = self.decode_step(1, 0)
+        if not one >= MIN_STEP_S:
             raise CostModelError(
-                f"a decode step must cost at least {MIN_STEP_S:g} s: need c0 + b >= "
-                f"{MIN_STEP_S:g}, got {self.c0 + self.b:g}"
+                f"a decode step must cost at least {MIN_STEP_S:g} s: need c0 + b (+ the "
+                f"bands of one row) >= {MIN_STEP_S:g}, got {one:g}"
             )
 
     # --- constructors ---------------------------------------------------------
@@ -135,17 +146,25 @@ class LinearStepCost:
         if wrong:  # float() read "0.01" and true as numbers
             raise CostModelError(f"{path}: coefficients must be numbers: {sorted(wrong)}")
         values = {k: float(coeffs.get(k, 0.0)) for k in _COEFFS}
-        meta = {k: v for k, v in raw.items() if k not in ("coefficients", "name")}
+        raw_bands = raw.get("bands", [])
+        if not isinstance(raw_bands, list) or not all(isinstance(b, dict) for b in raw_bands):
+            raise CostModelError(f"{path}: 'bands' must be a list of band objects")
+        meta = {k: v for k, v in raw.items() if k not in ("coefficients", "name", "bands")}
         try:
-            return cls(**values, name=str(raw.get("name", path.stem)), meta=meta)
-        except CostModelError as e:
+            bands = tuple(BandCost.from_dict(b) for b in raw_bands)
+            return cls(**values, bands=bands, name=str(raw.get("name", path.stem)), meta=meta)
+        except (CostModelError, CostBandError) as e:
             raise CostModelError(f"{path}: {e}") from None
 
     def to_profile(self) -> dict[str, Any]:
         d = asdict(self)
         meta = d.pop("meta")
         name = d.pop("name")
-        return {"name": name, "coefficients": d, **meta}
+        d.pop("bands")
+        out: dict[str, Any] = {"name": name, "coefficients": d}
+        if self.bands:
+            out["bands"] = [b.as_dict() for b in self.bands]
+        return {**out, **meta}
 
     # --- costs ----------------------------------------------------------------
     def step_time(
@@ -160,7 +179,35 @@ class LinearStepCost:
         t += self.b * decode_seqs + self.d * kv_tokens + self.s * swap_tokens
         if prefill_tokens > 0:
             t += self.c_prefill
+        if self.bands:
+            t += bands_time(self.bands, *step_rows(prefill_tokens, decode_seqs))
         return t
+
+    def decode_step(self, decode_seqs: int, kv_tokens: float) -> float:
+        """One pure-decode step of ``decode_seqs`` sequences attending ``kv_tokens``."""
+        t = self.c0 + self.b * decode_seqs + self.d * kv_tokens
+        if self.bands:
+            t += bands_time(self.bands, decode_seqs, decode_seqs)
+        return t
+
+    def scaled(self, *, compute: float = 1.0, memory: float = 1.0) -> LinearStepCost:
+        """This model on a machine ``compute``/``memory`` times as slow in the per-row and the
+        fixed/KV terms (the bands are per-row kernel work: they scale with ``compute``)."""
+        from dataclasses import replace
+
+        return replace(
+            self,
+            c0=self.c0 * memory,
+            c_prefill=self.c_prefill * memory,
+            d=self.d * memory,
+            a1=self.a1 * compute,
+            a2=self.a2 * compute,
+            b=self.b * compute,
+            bands=tuple(
+                replace(b, intercept=b.intercept * compute, slope=b.slope * compute)
+                for b in self.bands
+            ),
+        )
 
     def eviction_time(self, kv_tokens: int) -> float:
         """Seconds to evict part of a sequence that holds ``kv_tokens`` tokens of KV."""
@@ -173,13 +220,13 @@ class LinearStepCost:
     def decode_span(self, k: int, decode_seqs: int, kv_tokens: int) -> float:
         # step i (0-based) attends kv_tokens + i·D tokens:
         # Σ_{i<k} (C + d·(KV + i·D)) = k·(C + d·KV) + d·D·k(k−1)/2
-        base = self.c0 + self.b * decode_seqs + self.d * kv_tokens
+        base = self.decode_step(decode_seqs, kv_tokens)
         return k * base + self.d * decode_seqs * k * (k - 1) / 2.0
 
     def decode_steps_within(self, horizon: float, decode_seqs: int, kv_tokens: int) -> int:
         if horizon <= 0:
             return 0
-        base = self.c0 + self.b * decode_seqs + self.d * kv_tokens
+        base = self.decode_step(decode_seqs, kv_tokens)
         g = self.d * decode_seqs  # growth of the step time per step
         if g <= 0:
             return int(horizon / base * (1 + 1e-12))

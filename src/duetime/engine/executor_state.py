@@ -124,7 +124,7 @@ class EngineState(ExecutorCore):
         self.eos_token_id: int | None = model.config.eos_token_id
         # rid → the tokens that end its answer (EOS, a client's stop ids), from min_tokens on
         self.stop_tokens: dict[int, StopRule] = {}
-        self.last_step: tuple[float, int, int, int] | None = None  # (s, prefill, decoders, kv)
+        self.last_step: tuple[float, int, int, int, int] | None = None  # (s, P, D, KV, attn)
         self.on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
         # Segmented generation by text (TimelyLLM's stop checker): rid → its checker.
         self.segmenters: dict[int, TextSegmenter] = {}

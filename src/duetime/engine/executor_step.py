@@ -115,7 +115,7 @@ class EngineStep(LogitNeeds):
         if self.check_accounting:
             self._check_kv()
         rode = sum(len(r) for r in riding.values())
-        self.last_step = (dt, computed + rode, len(decoders), kv_attended)
+        self.last_step = (dt, computed + rode, len(decoders), kv_attended, attn)
         self._log_step(computed, attn, len(decoders), kv_attended, dt)
         return dt
 

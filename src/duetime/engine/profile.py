@@ -31,7 +31,20 @@ from duetime.core.request import Job
 from duetime.engine.batch import SeqChunk
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.kv_cache import KVCache
+from duetime.predict.cost_report import fit_eviction_cost
 from duetime.predict.ete import StepSample, step_kind
+
+__all__ = [
+    "NoiseShape",
+    "ProfileGrid",
+    "fit_eviction_cost",
+    "measure_evictions",
+    "measure_noise",
+    "measure_steps",
+    "noise_floor_pct",
+    "serving_steps",
+    "steps_from_telemetry",
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,9 +52,12 @@ class ProfileGrid:
     """Shapes to time. ``max_setup_tokens`` bounds D·L so set-up stays short."""
 
     prompt_lens: Sequence[int] = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
-    batches: Sequence[int] = (1, 2, 4, 8, 16, 32)
-    contexts: Sequence[int] = (32, 128, 512, 1024)
-    mixed: Sequence[tuple[int, int, int]] = ((64, 4, 128), (256, 8, 128), (128, 16, 256))
+    # every kernel regime (1-2, 3-4, 5-8 and 9+ rows for Gemma q8) gets two batch sizes or more
+    batches: Sequence[int] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    contexts: Sequence[int] = (32, 256, 1024)
+    mixed: Sequence[tuple[int, int, int]] = (
+        (32, 1, 128), (64, 2, 128), (64, 4, 128), (256, 8, 128), (128, 16, 256), (256, 32, 64),
+    )  # fmt: skip
     reps: int = 3
     max_setup_tokens: int = 8192
 
@@ -143,6 +159,55 @@ def measure_steps(
     return samples
 
 
+@dataclass(slots=True, frozen=True)
+class NoiseShape:
+    """One step shape repeated: its median time and its spread."""
+
+    name: str
+    median_s: float
+    spread_pct: float  # mean absolute deviation from the median, % of the median
+
+
+def measure_noise(model: Gemma3, reps: int = 15) -> list[NoiseShape]:
+    """The machine's noise floor: identical steps repeated ``reps`` times each.
+
+    Why: a cost model cannot predict a step closer than the step repeats itself, and
+    on shared machines that spread moves (3 % on a quiet day here, 8-15 % on a busy
+    one). Shapes: one sequence decoding, 16 decoding (context 128 each), a 256-token
+    prompt alone. Each decoder's context grows by a token a repeat (128 to 143: the
+    KV term of a step moves well under 1 %).
+    """
+    t = _Timer(model)
+    steps: list[tuple[str, Callable[[], float]]] = []
+    for d in (1, 16):
+        kv = model.new_kv_cache()
+        slots = t.setup(kv, d, 128)
+
+        def decode(kv: KVCache = kv, slots: list[int] = slots) -> float:
+            return t.time_step(t.decode_chunks(kv, slots), kv)
+
+        steps.append((f"decode b{d} ctx128", decode))
+
+    def prefill() -> float:
+        kv = model.new_kv_cache()
+        return t.time_step([SeqChunk(kv.allocate(256), t.ids(256), 0)], kv)
+
+    steps.append(("prefill 256", prefill))
+    out = []
+    for name, step in steps:
+        step()  # warm-up
+        xs = sorted(step() for _ in range(reps))
+        med = xs[len(xs) // 2]
+        spread = 100.0 * sum(abs(x - med) for x in xs) / len(xs) / med
+        out.append(NoiseShape(name, med, spread))
+    return out
+
+
+def noise_floor_pct(shapes: Sequence[NoiseShape]) -> float:
+    """The floor one figure gives: the mean spread of the repeated shapes."""
+    return sum(s.spread_pct for s in shapes) / len(shapes)
+
+
 def measure_evictions(
     model: Gemma3,
     lengths: Sequence[int] = (128, 256, 512),
@@ -183,12 +248,6 @@ def measure_evictions(
             if rep:
                 out.append((held, dt))
     return out
-
-
-def fit_eviction_cost(samples: Sequence[tuple[int, float]]) -> float:
-    """``e`` in seconds per KV token held, least squares through the origin (0 if none)."""
-    n = sum(h * h for h, _ in samples)
-    return sum(h * s for h, s in samples) / n if n else 0.0
 
 
 def steps_from_telemetry(path: Path) -> list[StepSample]:
@@ -268,47 +327,3 @@ def serving_steps(
         finally:
             ex.close()
         return steps_from_telemetry(path)
-
-
-def profile_payload(
-    samples: Sequence[StepSample],
-    *,
-    name: str,
-    source: str,
-    kv_capacity_tokens: int,
-    max_num_seqs: int,
-    max_batch_tokens: int,
-    holdout: float = 0.25,
-    seed: int = 0,
-    evictions: Sequence[tuple[int, float]] = (),
-) -> dict[str, object]:
-    """Fit both models on a train split, score them on the held-out split, pack a profile.
-
-    The coefficients written are refitted on *all* samples (the held-out
-    scores say how well that procedure generalises). ``evictions``
-    (:func:`measure_evictions`) set the eviction coefficient ``e``. The result is what
-    ``LinearStepCost.from_profile`` and ``duetime sim --profile`` read.
-    """
-    from duetime.predict.ete import evaluate, fit_batch_cost, fit_timebill, split_samples
-
-    train, test = split_samples(samples, holdout, seed)
-    heldout = evaluate(fit_batch_cost(train), fit_timebill(train), test)
-    cost = fit_batch_cost(samples, name=name)
-    if evictions:
-        cost = dataclasses.replace(cost, e=fit_eviction_cost(evictions))
-    ete = fit_timebill(samples)
-    payload = cost.to_profile()
-    payload.update(
-        {
-            "kv_capacity_tokens": kv_capacity_tokens,
-            "max_num_seqs": max_num_seqs,
-            "max_batch_tokens": max_batch_tokens,
-            "units": "seconds per unit; t = c0 + c_prefill*[P>0] + a1*P + a2*A + b*D + d*KV",
-            "source": source,
-            "timebill_ete": {"a": ete.a, "b": ete.b, "c": ete.c, "p": ete.p, "q": ete.q},
-            "heldout": {**heldout, "samples": len(test), "train_samples": len(train)},
-            "evictions": [{"kv_tokens": h, "seconds": sec} for h, sec in evictions],
-            "samples": len(samples),
-        }
-    )
-    return payload

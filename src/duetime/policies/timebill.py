@@ -209,11 +209,11 @@ class TimeBill(QueuePolicy):
         # Tokens still to generate, as a WCET length counted from this point (Eq. 7 runs
         # N̂_W − 1 decode steps after the prefill's first token).
         n_w = wcet_length(n_hat, n_max, self.k) - seq.generated + 1
-        p, q, growth = cost.d, cost.c0 + cost.b, cost.d
+        p, q, growth = cost.d, cost.decode_step(1, 0), cost.d
         if self.batch_aware:
             d = max(snap.num_decoding, 1)
             kv_others = sum(s.kv_tokens for s in snap.running if s.decoding and s is not seq)
-            q = cost.c0 + cost.b * d + cost.d * kv_others
+            q = cost.decode_step(d, kv_others)
             growth = cost.d * d
 
         def alpha_for(budget_s: float) -> float:

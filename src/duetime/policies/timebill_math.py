@@ -55,11 +55,20 @@ def ete_from_cost(cost: LinearStepCost) -> TimeBillETE:
     sequence ``c0 + b + d·N_kv``, so ``a = a2, b = a1, c = c0 + c_prefill, p = d, q = c0 + b``
     (the inverse of :meth:`LinearStepCost.timebill` when ``c ≥ q``; otherwise ``c`` comes back
     as ``q``: ``timebill()`` stores ``c_prefill = max(c − q, 0)``, so the round trip gives
-    ``max(c, q)``).
+    ``max(c, q)``). With row bands (:mod:`duetime.core.cost_bands`) a prompt's cost is
+    linear plus ``a2·N²`` only within a band, so ``b`` and ``c`` are read off the band long
+    prompts fall in (two points, both past the last edge); ``q`` is one sequence's step.
     """
-    return TimeBillETE(
-        a=cost.a2, b=cost.a1, c=cost.c0 + cost.c_prefill, p=cost.d, q=cost.c0 + cost.b
-    )
+    if not cost.bands:
+        return TimeBillETE(
+            a=cost.a2, b=cost.a1, c=cost.c0 + cost.c_prefill, p=cost.d, q=cost.c0 + cost.b
+        )
+    n1 = 1 + max((int(b.lo) for b in cost.bands), default=0) + 1
+    n2 = 2 * n1
+    lin1 = cost.prefill_time(n1) - cost.a2 * n1 * n1
+    lin2 = cost.prefill_time(n2) - cost.a2 * n2 * n2
+    slope = (lin2 - lin1) / (n2 - n1)
+    return TimeBillETE(a=cost.a2, b=slope, c=lin1 - slope * n1, p=cost.d, q=cost.decode_step(1, 0))
 
 
 def decode_phase_time(

@@ -185,16 +185,7 @@ class SimRunner:
 
         cost, cfg = load_profile(s.profile)
         m, c = s.mem_scale, s.compute_scale
-        self.cost = dataclasses.replace(
-            cost,
-            c0=cost.c0 * m,
-            c_prefill=cost.c_prefill * m,
-            d=cost.d * m,
-            a1=cost.a1 * c,
-            a2=cost.a2 * c,
-            b=cost.b * c,
-            name=s.name,
-        )
+        self.cost = dataclasses.replace(cost.scaled(compute=c, memory=m), name=s.name)
         self.cfg = cfg
         if s.kv_capacity is not None:
             self.cfg.kv_capacity = s.kv_capacity

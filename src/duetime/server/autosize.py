@@ -20,6 +20,7 @@ and the figures they came from are shown in ``/health`` and ``/v1/models``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
+from duetime.predict.ete import step_kind
 
 if TYPE_CHECKING:
     from duetime.server.build import ServeOptions
@@ -85,16 +87,21 @@ def limits_from_cost(
         raise ValueError(f"context must be >= 1 token, got {context}")
 
     def decode(d: int) -> float:
-        return cost.c0 + cost.b * d + cost.d * d * context
+        return cost.decode_step(d, d * context)
 
     if seqs is None:
         seqs = 1
         while seqs < MAX_SEQS_CAP and decode(seqs + 1) <= tpot_target_s:
             seqs += 1
     base = decode(seqs)
+    batch = seqs
+
+    def with_chunk(n: int) -> float:  # a first chunk of n prompt tokens beside the decoders
+        return cost.step_time(n, float(n * n), batch, batch * context)
+
     if chunk is None:
         chunk = CHUNK_UNIT
-        while chunk < MAX_CHUNK and base + cost.a1 * (chunk + CHUNK_UNIT) <= 2 * tpot_target_s:
+        while chunk < MAX_CHUNK and with_chunk(chunk + CHUNK_UNIT) <= 2 * tpot_target_s:
             chunk += CHUNK_UNIT
     return ServeLimits(
         max_num_seqs=seqs,
@@ -102,7 +109,7 @@ def limits_from_cost(
         tpot_target_ms=1000 * tpot_target_s,
         context_tokens=context,
         decode_step_ms=1000 * base,
-        chunk_step_ms=1000 * (base + cost.a1 * chunk),
+        chunk_step_ms=1000 * with_chunk(chunk),
         source=source,
         cost={
             "c_s": cost.c0,
@@ -116,23 +123,25 @@ def limits_from_cost(
 def measure_step_cost(
     model: Any,
     *,
-    batches: tuple[int, ...] = (1, 16, 64),
-    short: int = 32,
-    long: int = 512,
-    long_batch: int = 8,
+    batches: tuple[int, ...] = (1, 2, 4, 6, 8, 16, 32, 64),
+    context: int = 32,
+    prompts: tuple[int, ...] = (64, 256, 512),
     reps: int = 3,
 ) -> LinearStepCost:
-    """Time the model's own steps and fit ``c + a·P + b·D + d·KV`` (seconds).
+    """Time the model's own steps and fit the step-cost model ``duetime profile`` fits.
 
-    Each batch in ``batches`` is prefilled with ``short``-token prompts in one step
-    (the prefill rows: ``a``), then decodes ``reps`` steps (``c``, ``b``); one batch of
-    ``long_batch`` sequences at ``long`` tokens gives the cost of the KV attended
-    (``d``). A first, untimed cell warms the kernels up (their first call builds or
-    loads them).
+    Each batch in ``batches`` (two or more in each kernel regime of Gemma q8: 1-2,
+    3-4, 5-8 and 9+ rows) is prefilled with ``context``-token prompts (untimed), then
+    decodes ``reps`` timed steps; each prompt length in ``prompts`` is prefilled alone
+    ``reps`` times. A first, untimed cell warms the kernels up (their first call builds
+    or loads them). The fit (:func:`duetime.predict.ete.fit_batch_cost`) has a band per
+    regime the model reports (:func:`duetime.engine.cost_regimes.regimes_of`).
     """
     from duetime.engine.batch import SeqChunk
+    from duetime.engine.cost_regimes import regimes_of
+    from duetime.predict.ete import StepSample, fit_batch_cost
 
-    rows: list[tuple[float, int, int, int]] = []  # seconds, P, D, KV
+    samples: list[StepSample] = []
     g = np.random.default_rng(0)
     vocab = model.config.vocab_size
     bos = model.config.bos_token_id
@@ -140,42 +149,27 @@ def measure_step_cost(
     def prompt(n: int) -> list[int]:
         return [bos, *(int(t) for t in g.integers(min(3, vocab - 1), vocab, n - 1))]
 
-    cells = [(1, short)] + [(b, short) for b in batches] + [(long_batch, long)]
-    for i, (batch, length) in enumerate(cells):
+    for i, batch in enumerate((1, *batches)):
         kv = model.new_kv_cache()
         slots = [kv.allocate() for _ in range(batch)]
-        chunks = [SeqChunk(s, prompt(length), 0) for s in slots]
-        t0 = time.perf_counter()
-        model.step(chunks, kv, argmax_only=True)
-        rows.append((time.perf_counter() - t0, batch * length, 0, 0))
+        model.step([SeqChunk(s, prompt(context), 0) for s in slots], kv, argmax_only=True)
         for _ in range(reps):
             attended = sum(kv.seq_len(s) + 1 for s in slots)
             step = [SeqChunk(s, [100], kv.seq_len(s)) for s in slots]
             t0 = time.perf_counter()
             model.step(step, kv, argmax_only=True)
-            rows.append((time.perf_counter() - t0, 0, batch, attended))
-        for s in slots:
-            kv.free(s)
-        if i == 0:
-            rows.clear()  # the warm-up
-    return _fit(rows)
-
-
-def _fit(rows: list[tuple[float, int, int, int]]) -> LinearStepCost:
-    """``c``, ``b``, ``d`` from the decode steps alone (non-negative least squares), then
-    ``a`` from the prefill steps less ``c``: one fit over both lets the long prefill
-    steps' residuals swamp the decode steps' few milliseconds, which the limits rest on."""
-    from scipy.optimize import nnls
-
-    dec = [r for r in rows if r[1] == 0]
-    pre = [r for r in rows if r[1] > 0]
-    y = np.array([r[0] for r in dec])
-    x = np.array([[1.0, r[2], r[3]] for r in dec])
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-    coef, _ = nnls(x / scale, y)
-    c, b, d = (float(v) for v in coef / scale)
-    a = float(np.median([max(r[0] - c, 0.0) / r[1] for r in pre])) if pre else 0.0
-    return LinearStepCost.batch(c=c, a=a, b=max(b, 1e-6), d=d)
+            if i:  # the first cell is the warm-up
+                samples.append(StepSample(0, 0.0, batch, attended, time.perf_counter() - t0))
+    for n in prompts:
+        for _ in range(reps):
+            kv = model.new_kv_cache()
+            chunk = [SeqChunk(kv.allocate(), prompt(n), 0)]
+            t0 = time.perf_counter()
+            model.step(chunk, kv, argmax_only=True)
+            samples.append(StepSample(n, float(n * n), 0, 0, time.perf_counter() - t0))
+    samples = [dataclasses.replace(s, kind=step_kind(s.prefill_tokens, s.decode_seqs))
+               for s in samples]  # fmt: skip
+    return fit_batch_cost(samples, name="measured at start", regimes=regimes_of(model))
 
 
 def size_options(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from duetime.core.cost import LinearStepCost
+from duetime.core.cost_bands import CostRegimes
 from duetime.engine.eviction import EVICTION_METHODS
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
@@ -98,7 +99,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
     cost = LinearStepCost.from_profile(options.profile) if options.profile else None
     # a profile fixes the cost model; the model's steps timed at start only seed the
     # online fit, so that admission judges the first requests too
-    timer = StepTimer(prior=cost or options.measured_cost)
+    timer = StepTimer(prior=cost or options.measured_cost, regimes=_regimes(model))
     kwargs = dict(options.policy_kwargs or {})
     policy = make_policy(options.policy, **kwargs)  # fail now, not on the engine thread
     if options.admission not in ADMISSION_MODES:
@@ -201,3 +202,10 @@ def _predictor(options: ServeOptions) -> JobPredictor | None:
             "use 'learned', 'learned:<path>' or 'none'"
         )
     return make_job_predictor(spec)
+
+
+def _regimes(model: Any) -> CostRegimes | None:
+    """The model's kernel regimes for the online fit (None for a model that has none)."""
+    from duetime.engine.cost_regimes import regimes_of
+
+    return regimes_of(model) if isinstance(model, Gemma3) else None

@@ -229,7 +229,7 @@ class EngineLoop(LoopOutcomes):
             self._fail_all(traceback.format_exc())
             return
         t_tick = perf_counter()
-        shape = ex.last_step if nxt is None else None  # (seconds, P, D, KV) of its step
+        shape = ex.last_step if nxt is None else None  # (seconds, P, D, KV, attn) of its step
         if shape is not None and self.timer.observe(*shape) and not self._fixed_cost:
             ex.cost = self.timer.as_cost()
         # the image without the ended ones before their clients hear: a request sent
@@ -254,12 +254,14 @@ class EngineLoop(LoopOutcomes):
             idle=perf_counter() - t_deliver,
         )
 
-    def _log(self, t0: float, shape: tuple[float, int, int, int] | None, **parts: float) -> None:
+    def _log(
+        self, t0: float, shape: tuple[float, int, int, int, int] | None, **parts: float
+    ) -> None:
         """One :class:`StepRow` into :attr:`step_log`, if one is kept: the round's
         ``parts`` (seconds; the rest 0) and its step's shape."""
         if self.step_log is None:
             return
-        _, prefill, decoders, kv = shape if shape is not None else (0.0, 0, 0, 0)
+        _, prefill, decoders, kv, _ = shape if shape is not None else (0.0, 0, 0, 0, 0)
         self.step_log.add(
             StepRow(
                 start=t0 - self._t_origin,

@@ -1,0 +1,129 @@
+"""Where a loaded model's kernels change with a step's row count: its cost regimes.
+
+The step-cost model prices each regime as its own band
+(:mod:`duetime.core.cost_bands`). The edges are read off the objects the model
+runs (each :class:`~duetime.engine.linear.Q8Linear`'s ``max_rows``, the decode
+loop's, the output layer's int4 and int8 ranking limits), not restated, so a
+changed limit moves the bands with it. A new row-count switch must be added
+here: ``tests/test_cost_regimes_guard.py`` times nothing but traces which code
+each row count runs, and fails when two row counts in one band take different paths.
+"""
+
+from __future__ import annotations
+
+from duetime.core.cost_bands import CostRegimes
+from duetime.engine.gemma3 import Gemma3
+from duetime.engine.linear import Q8Linear, RescoredInt8Head
+
+__all__ = ["regimes_of", "traced_paths", "unpriced_switches"]
+
+
+def regimes_of(model: Gemma3) -> CostRegimes:
+    """The row-count edges at which ``model``'s layer and output-layer kernels change."""
+    rows: set[int] = set()
+    for layer in model.layers:
+        for product in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if isinstance(product, Q8Linear):
+                rows.add(product.max_rows)
+    loop = model._loop if model.decode_loop else None
+    if loop is not None:
+        rows.add(loop.max_rows)
+    head_rows: set[int] = set()
+    head = model.lm_head
+    if isinstance(head, RescoredInt8Head):
+        if head.coarse_enabled:
+            head_rows.add(head.coarse_rows)
+        rank = head._int8
+        if isinstance(rank, Q8Linear):
+            head_rows.add(rank.max_rows)
+    return CostRegimes(rows=tuple(sorted(rows)), head_rows=tuple(sorted(head_rows)))
+
+
+#: Modules whose calls depend on memory and bookkeeping, not on a kernel choice: the KV
+#: store grows its buffers when a step crosses its capacity, whatever the rows.
+_NOT_KERNELS = ("duetime.engine.kv_store", "duetime.engine.kv_cache")
+
+
+def traced_paths(model: Gemma3, decoders: int, prompt: int = 0) -> frozenset[str]:
+    """The engine functions one greedy step of ``decoders`` decoding sequences (context 6)
+    plus, with ``prompt > 0``, one prompt chunk of that many tokens calls.
+
+    Why a trace: a kernel switch shows up as different code running, whatever the
+    timings on the machine that runs the test; two row counts that run the same code
+    cost the same per row.
+    """
+    import sys
+    from types import FrameType
+    from typing import Any
+
+    from duetime.engine.batch import SeqChunk
+
+    kv = model.new_kv_cache()
+    slots = [kv.allocate(64) for _ in range(decoders)]
+    if slots:
+        model.step([SeqChunk(s, [5] * 6, 0) for s in slots], kv)
+    chunks = [SeqChunk(s, [7], kv.seq_len(s)) for s in slots]
+    if prompt:
+        chunks.append(SeqChunk(kv.allocate(64), [9] * prompt, 0))
+    seen: set[str] = set()
+
+    def record(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            mod = str(frame.f_globals.get("__name__", ""))
+            if mod.startswith("duetime.engine") and not mod.startswith(_NOT_KERNELS):
+                seen.add(f"{mod}.{frame.f_code.co_qualname}")
+
+    sys.setprofile(record)
+    try:
+        model.step(chunks, kv, argmax_only=True)
+    finally:
+        sys.setprofile(None)
+    return frozenset(seen)
+
+
+def unpriced_switches(
+    model: Gemma3, regimes: CostRegimes, max_rows: int = 24, prompt: int = 3
+) -> list[str]:
+    """Row counts the cost model prices alike although the engine runs different code.
+
+    Steps of 1..``max_rows`` decoders, alone and beside a ``prompt``-token chunk, are
+    traced (:func:`traced_paths`); within each cell of the model (rows band, output
+    rows band, prompt or not) every step must run the same functions. Each message
+    names the two steps and the functions only one of them ran. Empty: every switch
+    the engine has within the range is a band edge of ``regimes``.
+    """
+    from duetime.core.cost_bands import step_rows
+
+    first: dict[tuple[int, int, bool], tuple[int, frozenset[str]]] = {}
+    problems: list[str] = []
+    for with_prompt in (False, True):
+        for d in range(1, max_rows + 1):
+            p = prompt if with_prompt else 0
+            rows, head = step_rows(p, d)
+            cell = (
+                regimes_band(regimes, "rows", rows),
+                regimes_band(regimes, "head_rows", head),
+                with_prompt,
+            )
+            paths = traced_paths(model, d, p)
+            if cell not in first:
+                first[cell] = (d, paths)
+                continue
+            d0, paths0 = first[cell]
+            if paths != paths0:
+                only = sorted(paths ^ paths0)
+                what = "beside a prompt chunk" if with_prompt else "alone"
+                problems.append(
+                    f"{d0} and {d} decoders {what} run different code ({', '.join(only)}) "
+                    f"but the cost model prices them in one band: add the row count where "
+                    f"the engine switches to duetime.engine.cost_regimes.regimes_of"
+                )
+                first[cell] = (d, paths)
+    return problems
+
+
+def regimes_band(regimes: CostRegimes, axis: str, value: float) -> int:
+    """The band index of ``value`` on ``axis`` (``rows`` or ``head_rows``)."""
+    from duetime.core.cost_bands import band_index
+
+    return band_index(regimes.edges(axis), value)  # type: ignore[arg-type]

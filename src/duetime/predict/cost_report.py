@@ -1,0 +1,166 @@
+"""A fitted step-cost model judged against the machine: its error beside the noise floor.
+
+A model cannot predict a step closer than the step repeats itself, so an error
+figure alone says little: 9 % is poor on a quiet machine whose steps repeat
+within 3 %, and as good as it gets on a busy one whose steps spread by 10 %.
+``profile`` and ``validate`` print the error next to the floor: below 1.5x the
+floor the model is at the machine's limit; above it, the table of step shapes
+(decode batch band x prompt size) says where it misses most.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from duetime.core.cost import LinearStepCost
+from duetime.core.cost_bands import CostRegimes
+from duetime.predict.ete import (
+    StepSample,
+    evaluate,
+    fit_batch_cost,
+    fit_timebill,
+    split_samples,
+)
+
+__all__ = [
+    "AT_LIMIT_FACTOR",
+    "at_noise_limit",
+    "fit_eviction_cost",
+    "floor_verdict",
+    "miss_table",
+    "profile_payload",
+]
+
+#: Error within this factor of the noise floor: the model is as good as the machine allows.
+AT_LIMIT_FACTOR = 1.5
+_PROMPT_EDGES = (0, 64, 256, 1024)
+
+
+def floor_verdict(error_pct: float, floor_pct: float | None) -> str:
+    """One line: the error beside the floor, and what that means."""
+    if floor_pct is None:
+        return f"error {error_pct:.1f} % (no noise floor measured)"
+    ratio = error_pct / floor_pct if floor_pct > 0 else float("inf")
+    if at_noise_limit(error_pct, floor_pct):
+        return (
+            f"error {error_pct:.1f} % vs noise floor {floor_pct:.1f} % ({ratio:.1f}x): "
+            "at the machine's limit"
+        )
+    return (
+        f"error {error_pct:.1f} % vs noise floor {floor_pct:.1f} % ({ratio:.1f}x, above "
+        f"{AT_LIMIT_FACTOR}x): the model misses; see the table of step shapes"
+    )
+
+
+def at_noise_limit(error_pct: float | None, floor_pct: float | None) -> bool | None:
+    """Whether the error is within :data:`AT_LIMIT_FACTOR` of the floor (None: unknown)."""
+    if error_pct is None or floor_pct is None:
+        return None
+    return error_pct <= AT_LIMIT_FACTOR * floor_pct
+
+
+def _batch_bands(regimes: CostRegimes | None) -> tuple[int, ...]:
+    edges = set() if regimes is None else {*regimes.rows, *regimes.head_rows}
+    return tuple(sorted(edges | {32}))
+
+
+def _label(edges: Sequence[int], value: int, *, zero: bool = False) -> str:
+    if zero and value == 0:
+        return "0"
+    lo = 0
+    for hi in edges:
+        if value <= hi:
+            return f"{lo + 1}-{hi}"
+        lo = hi
+    return f"{lo + 1}+"
+
+
+def miss_table(
+    cost: LinearStepCost, samples: Sequence[StepSample], regimes: CostRegimes | None = None
+) -> list[dict[str, Any]]:
+    """MAPE and median signed error per (decode batch band, prompt tokens) cell, worst first."""
+    cells: dict[tuple[str, str], list[float]] = {}
+    batch_edges = _batch_bands(regimes)
+    for s in samples:
+        pred = cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
+        key = (
+            "0" if s.decode_seqs == 0 else _label(batch_edges, s.decode_seqs),
+            _label(_PROMPT_EDGES[1:], s.prefill_tokens, zero=True),
+        )
+        cells.setdefault(key, []).append((pred - s.seconds) / s.seconds)
+    rows = [
+        {
+            "decoders": k[0],
+            "prompt_tokens": k[1],
+            "steps": len(v),
+            "mape_pct": float(100 * np.mean(np.abs(v))),
+            "median_error_pct": float(100 * np.median(v)),
+        }
+        for k, v in cells.items()
+    ]
+    return sorted(rows, key=lambda r: -r["mape_pct"])
+
+
+def fit_eviction_cost(samples: Sequence[tuple[int, float]]) -> float:
+    """``e`` in seconds per KV token held, least squares through the origin (0 if none)."""
+    n = sum(h * h for h, _ in samples)
+    return sum(h * s for h, s in samples) / n if n else 0.0
+
+
+def profile_payload(
+    samples: Sequence[StepSample],
+    *,
+    name: str,
+    source: str,
+    kv_capacity_tokens: int,
+    max_num_seqs: int,
+    max_batch_tokens: int,
+    regimes: CostRegimes | None = None,
+    noise_floor_pct: float | None = None,
+    noise: Sequence[dict[str, Any]] = (),
+    holdout: float = 0.25,
+    seed: int = 0,
+    evictions: Sequence[tuple[int, float]] = (),
+) -> dict[str, object]:
+    """Fit both models on a train split, score them on the held-out split, pack a profile.
+
+    The coefficients written are refitted on *all* samples (the held-out scores say
+    how well that procedure generalises). ``regimes``: the engine's kernel bands
+    (``duetime.engine.cost_regimes.regimes_of``). ``evictions`` (KV tokens held,
+    seconds: ``duetime.engine.profile.measure_evictions``) set ``e``. The
+    result is what ``LinearStepCost.from_profile`` and ``duetime sim --profile`` read.
+    """
+    train, test = split_samples(samples, holdout, seed)
+    fitted = fit_batch_cost(train, regimes=regimes)
+    heldout = evaluate(fitted, fit_timebill(train), test)
+    cost = fit_batch_cost(samples, name=name, regimes=regimes)
+    if evictions:
+        cost = dataclasses.replace(cost, e=fit_eviction_cost(evictions))
+    ete = fit_timebill(samples)
+    error = heldout["batch_model_mape_pct"]
+    payload = cost.to_profile()
+    payload.update(
+        {
+            "kv_capacity_tokens": kv_capacity_tokens,
+            "max_num_seqs": max_num_seqs,
+            "max_batch_tokens": max_batch_tokens,
+            "units": "seconds per unit; t = c0 + c_prefill*[P>0] + a1*P + a2*A + b*D + d*KV "
+            "+ per band on its axis (rows = P + D, head_rows = D + [P>0]): "
+            "intercept + slope*rows",
+            "source": source,
+            "timebill_ete": {"a": ete.a, "b": ete.b, "c": ete.c, "p": ete.p, "q": ete.q},
+            "heldout": {**heldout, "samples": len(test), "train_samples": len(train)},
+            "noise_floor_pct": noise_floor_pct,
+            "noise": list(noise),
+            "verdict": None if error is None else floor_verdict(error, noise_floor_pct),
+            "at_noise_limit": at_noise_limit(error, noise_floor_pct),
+            "misses": miss_table(fitted, test, regimes),
+            "evictions": [{"kv_tokens": h, "seconds": sec} for h, sec in evictions],
+            "samples": len(samples),
+        }
+    )
+    return payload
