@@ -101,7 +101,7 @@ def engine_costs(
     shapes: list[Shape] = [((p,), 0, 0) for p in sorted({16, half, max_prompt})]
     shapes += [((), d, c) for d in (1, 2, 4, 8) for c in (half, ctx)]
     shapes += [((half,), 2, ctx // 2), ((max_prompt,), 4, ctx // 2), ((16,), 4, ctx)]
-    return fit_cost(time_shapes(model, shapes, 2, clock), name="engine-fitted")
+    return fit_cost(time_shapes(model, shapes, 2, clock), name="engine-fitted", model=model)
 
 
 def check_fits(jobs: list[Job], specs: dict[str, str], memory: int) -> None:

@@ -128,7 +128,7 @@ def engine_costs(
     ctx = timed_contexts(prompt_len, mean_output)
     shapes: list[Shape] = [((prompt_len,) * m, 0, 0) for m in sizes]
     shapes += [((), x, c) for x in sizes for c in ctx]
-    return fit_cost(time_shapes(model, shapes, REPS, clock), name="engine-fitted")
+    return fit_cost(time_shapes(model, shapes, REPS, clock), name="engine-fitted", model=model)
 
 
 def run_real(

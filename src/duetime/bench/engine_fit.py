@@ -200,11 +200,16 @@ def time_shapes(
     return samples
 
 
-def fit_cost(samples: Sequence[StepSample], name: str) -> tuple[LinearStepCost, dict[str, Any]]:
-    """The simulator's step cost fitted to ``samples``, and how well it fits them."""
+def fit_cost(
+    samples: Sequence[StepSample], name: str, model: Any = None
+) -> tuple[LinearStepCost, dict[str, Any]]:
+    """The simulator's step cost fitted to ``samples`` (with a band per kernel regime of
+    ``model``, when given), and how well it fits them."""
+    from duetime.engine.cost_regimes import regimes_of
     from duetime.predict.ete import fit_batch_cost
 
-    cost = fit_batch_cost(samples, name=name)
+    regimes = regimes_of(model) if model is not None else None
+    cost = fit_batch_cost(samples, name=name, regimes=regimes)
     info = {
         "source": f"fitted to {len(samples)} engine steps timed by this bench",
         "timed_steps": len(samples),

@@ -65,6 +65,7 @@ class EngineScale:
 
 def calibrate(model: Any, reps: int = 2) -> tuple[LinearStepCost, EngineScale]:
     """Time a small grid of steps, fit the step cost, derive the two scale factors."""
+    from duetime.engine.cost_regimes import regimes_of
     from duetime.engine.profile import ProfileGrid, measure_steps
     from duetime.predict.ete import fit_batch_cost
 
@@ -76,7 +77,9 @@ def calibrate(model: Any, reps: int = 2) -> tuple[LinearStepCost, EngineScale]:
         reps=reps,
         max_setup_tokens=1024,
     )
-    cost = fit_batch_cost(measure_steps(model, grid), name="engine-calibrated")
+    cost = fit_batch_cost(
+        measure_steps(model, grid), name="engine-calibrated", regimes=regimes_of(model)
+    )
     return cost, scale_for(cost)
 
 
