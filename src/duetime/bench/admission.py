@@ -279,7 +279,11 @@ def _accepted_figures(sent: Sequence[Outcome], span_s: float | None) -> dict[str
         out["forecast_over_actual_p10"] = float(np.percentile(ratio, 10))
         out["forecast_over_actual_p50"] = statistics.median(ratio)
         out["forecast_over_actual_p90"] = float(np.percentile(ratio, 90))
-        out["e2e_forecast_mape_pct"] = 100 * statistics.fmean(abs(p - a) / a for p, a in pairs)
+        errors = [abs(p - a) / a for p, a in pairs]
+        out["e2e_forecast_mape_pct"] = 100 * statistics.fmean(errors)
+        # the figures `duetime validate` gives for the simulator, for the server's forecasts
+        out["e2e_forecast_err_median_pct"] = 100 * statistics.median(errors)
+        out["e2e_forecast_err_p90_pct"] = 100 * float(np.percentile(errors, 90))
     return out
 
 
@@ -332,6 +336,8 @@ TABLE_KEYS = (
     "e2e_p90_s",
     "forecast_over_actual_p50",
     "e2e_forecast_mape_pct",
+    "e2e_forecast_err_median_pct",
+    "e2e_forecast_err_p90_pct",
     "length_mae_tokens",
     "forecast_ms_p50",
     "forecast_ms_p99",
