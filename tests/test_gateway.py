@@ -17,9 +17,10 @@ import pytest
 from typer.testing import CliRunner
 
 from duetime.cli import app as cli_app
-from duetime.server.gateway import Backend, GatewayConfig, choose_backend, create_gateway_app
+from duetime.server.gateway import Backend, GatewayConfig, create_gateway_app
 from duetime.server.threaded import serve_in_thread
 from tests.factories import prometheus_samples
+from tests.gateway_choice import routed
 
 MODEL = "duetime-tiny"
 DUETIME = Path(sys.executable).with_name("duetime")
@@ -28,15 +29,15 @@ DUETIME = Path(sys.executable).with_name("duetime")
 def test_routing_picks_earliest_predicted_finish() -> None:
     fast = Backend("http://a", up=True, in_flight=3, ttft_s=0.01, tpot_s=0.001)  # 4*0.11
     slow = Backend("http://b", up=True, in_flight=0, ttft_s=0.05, tpot_s=0.01)  # 1*1.05
-    assert choose_backend([fast, slow], 100, max_inflight=8) is fast
+    assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (fast, True)
     slow.tpot_s = 0.002  # 1 * 0.25 < 0.44
-    assert choose_backend([fast, slow], 100, max_inflight=8) is slow
+    assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (slow, True)
     slow.up = False
-    assert choose_backend([fast, slow], 100, max_inflight=8) is fast
-    fast.in_flight = 8  # at its cap
-    assert choose_backend([fast, slow], 100, max_inflight=8) is None
+    assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (fast, True)
+    fast.in_flight = 8  # at its cap: the request waits for a slot there
+    assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (fast, False)
     slow.up, slow.models = True, ["other-model"]
-    assert choose_backend([fast, slow], 100, max_inflight=8, model=MODEL) is None
+    assert routed([fast, slow], 100, max_inflight=8, mono=0.0, model=MODEL) == (fast, False)
 
 
 def test_ewma_learns_from_answers() -> None:
