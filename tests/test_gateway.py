@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -97,8 +98,9 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 60.0) -> No
     pytest.fail(f"backend {url} did not start")
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
+@contextmanager
+def _fleet(router: str) -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
+    """Two `duetime serve` backends behind a gateway routing with ``router``."""
     if not DUETIME.exists():
         pytest.skip("the duetime console script is not installed next to the interpreter")
     started = [_start_backend(), _start_backend()]
@@ -107,7 +109,9 @@ def fleet() -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
     try:
         for p, u in started:
             _wait_healthy(p, u)
-        config = GatewayConfig(max_inflight=3, health_interval_s=0.2, request_timeout_s=60.0)
+        config = GatewayConfig(
+            max_inflight=3, health_interval_s=0.2, request_timeout_s=60.0, router=router
+        )
         with serve_in_thread(create_gateway_app(urls, config)) as gw:
             yield procs, urls, gw
     finally:
@@ -115,6 +119,12 @@ def fleet() -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
+    with _fleet("forecast") as f:
+        yield f
 
 
 def _parse_sse(text: str) -> list[object]:
@@ -182,7 +192,18 @@ def _check_answer(res: dict, max_tokens: int) -> str:
 def test_burst_survives_a_backend_killed_midway(
     fleet: tuple[list[subprocess.Popen], list[str], str],
 ) -> None:
-    procs, urls, gw = fleet
+    _kill_one_midway(*fleet)
+
+
+def test_burst_survives_a_backend_killed_midway_under_lor() -> None:
+    """The same with a router of the simulated fleet: least outstanding requests."""
+    with _fleet("lor") as (procs, urls, gw):
+        _kill_one_midway(procs, urls, gw)
+        assert httpx.get(gw + "/health", trust_env=False).json()["router"] == "lor"
+
+
+def _kill_one_midway(procs: list[subprocess.Popen], urls: list[str], gw: str) -> None:
+    """A burst of 24; backend 0 killed once busy: each request answered exactly once."""
     n, max_tokens = 24, 40
 
     async def run() -> list[dict]:
