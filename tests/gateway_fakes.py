@@ -268,7 +268,12 @@ class Seen:
 
 
 async def call(
-    app: Any, method: str, path: str, body: bytes = b"", leave_after_s: float | None = None
+    app: Any,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    leave_after_s: float | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Seen:
     """One HTTP request to an ASGI app, as uvicorn would pass it; the client may leave."""
     seen = Seen()
@@ -285,7 +290,8 @@ async def call(
         "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"host", b"gateway"), (b"content-type", b"application/json")],
+        "headers": [(b"host", b"gateway"), (b"content-type", b"application/json")]
+        + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 8000),
     }

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -17,9 +18,10 @@ import pytest
 from typer.testing import CliRunner
 
 from duetime.cli import app as cli_app
-from duetime.server.gateway import Backend, GatewayConfig, choose_backend, create_gateway_app
+from duetime.server.gateway import Backend, GatewayConfig, create_gateway_app
 from duetime.server.threaded import serve_in_thread
 from tests.factories import prometheus_samples
+from tests.gateway_choice import routed
 
 MODEL = "duetime-tiny"
 DUETIME = Path(sys.executable).with_name("duetime")
@@ -28,15 +30,15 @@ DUETIME = Path(sys.executable).with_name("duetime")
 def test_routing_picks_earliest_predicted_finish() -> None:
     fast = Backend("http://a", up=True, in_flight=3, ttft_s=0.01, tpot_s=0.001)  # 4*0.11
     slow = Backend("http://b", up=True, in_flight=0, ttft_s=0.05, tpot_s=0.01)  # 1*1.05
-    assert choose_backend([fast, slow], 100, max_inflight=8) is fast
+    assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (fast, True)
     slow.tpot_s = 0.002  # 1 * 0.25 < 0.44
-    assert choose_backend([fast, slow], 100, max_inflight=8) is slow
+    assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (slow, True)
     slow.up = False
-    assert choose_backend([fast, slow], 100, max_inflight=8) is fast
-    fast.in_flight = 8  # at its cap
-    assert choose_backend([fast, slow], 100, max_inflight=8) is None
+    assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (fast, True)
+    fast.in_flight = 8  # at its cap: the request waits for a slot there
+    assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (fast, False)
     slow.up, slow.models = True, ["other-model"]
-    assert choose_backend([fast, slow], 100, max_inflight=8, model=MODEL) is None
+    assert routed([fast, slow], 100, max_inflight=8, mono=0.0, model=MODEL) == (fast, False)
 
 
 def test_ewma_learns_from_answers() -> None:
@@ -96,8 +98,9 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 60.0) -> No
     pytest.fail(f"backend {url} did not start")
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
+@contextmanager
+def _fleet(router: str) -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
+    """Two `duetime serve` backends behind a gateway routing with ``router``."""
     if not DUETIME.exists():
         pytest.skip("the duetime console script is not installed next to the interpreter")
     started = [_start_backend(), _start_backend()]
@@ -106,7 +109,9 @@ def fleet() -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
     try:
         for p, u in started:
             _wait_healthy(p, u)
-        config = GatewayConfig(max_inflight=3, health_interval_s=0.2, request_timeout_s=60.0)
+        config = GatewayConfig(
+            max_inflight=3, health_interval_s=0.2, request_timeout_s=60.0, router=router
+        )
         with serve_in_thread(create_gateway_app(urls, config)) as gw:
             yield procs, urls, gw
     finally:
@@ -114,6 +119,12 @@ def fleet() -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
+    with _fleet("forecast") as f:
+        yield f
 
 
 def _parse_sse(text: str) -> list[object]:
@@ -181,7 +192,18 @@ def _check_answer(res: dict, max_tokens: int) -> str:
 def test_burst_survives_a_backend_killed_midway(
     fleet: tuple[list[subprocess.Popen], list[str], str],
 ) -> None:
-    procs, urls, gw = fleet
+    _kill_one_midway(*fleet)
+
+
+def test_burst_survives_a_backend_killed_midway_under_lor() -> None:
+    """The same with a router of the simulated fleet: least outstanding requests."""
+    with _fleet("lor") as (procs, urls, gw):
+        _kill_one_midway(procs, urls, gw)
+        assert httpx.get(gw + "/health", trust_env=False).json()["router"] == "lor"
+
+
+def _kill_one_midway(procs: list[subprocess.Popen], urls: list[str], gw: str) -> None:
+    """A burst of 24; backend 0 killed once busy: each request answered exactly once."""
     n, max_tokens = 24, 40
 
     async def run() -> list[dict]:

@@ -140,6 +140,7 @@ def _scenario(draw: Any) -> tuple[list[FakeBackend], list[Client], GatewayConfig
         request_timeout_s=READ_TIMEOUT_S,
         suspect_after_timeouts=draw(st.sampled_from([0, 1, 3])),
         suspect_cooldown_s=draw(st.sampled_from([0.05, 30.0])),
+        router=draw(st.sampled_from(["forecast", "forecast", "lor", "round-robin", "random"])),
     )
     return backends, clients, config
 

@@ -27,6 +27,7 @@ from duetime.server.errors import ApiError
 from duetime.server.gateway import (
     Gateway,
     GatewayConfig,
+    Grant,
     _ClientGoneError,
     _open_stream,
     _request_fields,
@@ -174,7 +175,7 @@ def test_a_stream_that_times_out_is_504_and_its_backend_stays_up() -> None:
         b.up = True
         b.in_flight = 1  # the slot _forward took
         with pytest.raises(ApiError) as info:
-            await _open_stream(gw, b, "/v1/completions", b"{}", 16)
+            await _open_stream(gw, Grant(b, 0.0, 0.0), "/v1/completions", b"{}", 16)
         assert info.value.status == 504
         assert b.up  # slow is not dead: no retry elsewhere, no "down"
         assert b.in_flight == 0

@@ -1,8 +1,8 @@
 """A backend that answers /health but hangs on completions: suspect after N timeouts.
 
-Before, such a backend stayed "up" for the health probe and took every request
-the healthy backends had no room for, each one hanging until its timeout.
-Now ``suspect_after_timeouts`` read timeouts in a row eject it for
+Such a backend stays "up" for the health probe; without a suspect state it would
+take every request the healthy backends have no room for, each one hanging until
+its timeout. ``suspect_after_timeouts`` read timeouts in a row eject it for
 ``suspect_cooldown_s`` while another backend can serve the request; then it
 is on probation (one request at a time) until an answer arrives whole.
 """
@@ -17,7 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from duetime.cli import app as cli_app
-from duetime.server.gateway import Backend, GatewayConfig, choose_backend, create_gateway_app
+from duetime.server.gateway import Backend, GatewayConfig, create_gateway_app
+from tests.gateway_choice import routed
 from tests.gateway_fakes import MODEL, FakeBackend, FakeFleet, Seen, call
 
 BODY = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 16}).encode()
@@ -26,18 +27,18 @@ BODY = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 16}).encode()
 def test_routing_passes_over_a_suspect_backend_until_it_answers() -> None:
     hung = Backend("http://a", up=True, timeouts=3, suspect_until=100.0)
     ok = Backend("http://b", up=True, in_flight=2, ttft_s=9.0)  # slow-looking and full
-    assert choose_backend([hung, ok], 16, max_inflight=2, now=50.0) is None  # wait for b
+    assert routed([hung, ok], 16, max_inflight=2, mono=50.0) == (ok, False)  # wait for b
     ok.in_flight = 1
-    assert choose_backend([hung, ok], 16, max_inflight=2, now=50.0) is ok
+    assert routed([hung, ok], 16, max_inflight=2, mono=50.0) == (ok, True)
     # No other backend: better a suspect one than a 503.
-    assert choose_backend([hung], 16, max_inflight=2, now=50.0) is hung
+    assert routed([hung], 16, max_inflight=2, mono=50.0) == (hung, True)
     ok.up = False
-    assert choose_backend([hung, ok], 16, max_inflight=2, now=50.0) is hung
+    assert routed([hung, ok], 16, max_inflight=2, mono=50.0) == (hung, True)
     # Cool-down over: on probation, one request at a time.
     ok.up, ok.in_flight = True, 2
-    assert choose_backend([hung, ok], 16, max_inflight=2, now=100.0) is hung
+    assert routed([hung, ok], 16, max_inflight=2, mono=100.0) == (hung, True)
     hung.in_flight = 1
-    assert choose_backend([hung, ok], 16, max_inflight=2, now=100.0) is None
+    assert routed([hung, ok], 16, max_inflight=2, mono=100.0)[1] is False  # both full: wait
 
 
 async def _until(cond: Any, limit_s: float = 20.0) -> None:

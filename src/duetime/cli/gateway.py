@@ -1,4 +1,5 @@
-"""`duetime gateway`: deadline-aware admission and routing over OpenAI-compatible backends."""
+"""`duetime gateway`: deadline-aware admission and routing over OpenAI-compatible backends,
+by the routers `duetime sim --router` runs."""
 
 from __future__ import annotations
 
@@ -87,6 +88,15 @@ def gateway(
         float,
         typer.Option(min=0.0, help="Seconds a suspect backend gets only what no other can take."),
     ] = 30.0,
+    router: Annotated[
+        str,
+        typer.Option(
+            help="Router choosing each request's backend (`duetime routers` lists them; the "
+            "ones `duetime sim --router` runs). forecast: earliest forecast finish, and a 429 "
+            "for a deadline no backend's forecast meets."
+        ),
+    ] = "forecast",
+    seed: Annotated[int, typer.Option(help="Seed of the router (random, power-of-two).")] = 0,
     profile: Annotated[
         list[str], typer.Option(help="URL=path.json with ttft_s/tpot_s seeds (repeatable).")
     ] = [],  # noqa: B006
@@ -95,7 +105,13 @@ def gateway(
     header_timeout: HeaderTimeoutOpt = 30.0,
     log_level: LogLevelOpt = "info",
 ) -> None:
-    """Route OpenAI requests over several backends by predicted finish (docs/gateway.md)."""
+    """Route OpenAI requests over several backends with a fleet router (docs/gateway.md).
+
+    Deadlines: the body's deadline_ms, or the headers x-deadline-ms, x-slo-ttft-ms and
+    x-slo-tpot-ms (ms; the schedule ends at ttft + tpot * max_tokens). A refusal is 429
+    with Retry-After; an answer names its backend and forecast in X-Duetime-Backend and
+    X-Duetime-Forecast-Ms.
+    """
 
     from duetime.server.gateway import GatewayConfig, create_gateway_app
     from duetime.server.threaded import run_server
@@ -113,12 +129,15 @@ def gateway(
             request_timeout_s=request_timeout,
             suspect_after_timeouts=suspect_after,
             suspect_cooldown_s=suspect_cooldown,
+            router=router,
+            router_seed=seed,
         )
         gw_app = create_gateway_app(urls, config, profiles)
         port = bound_port(host, port)
     err.print(
         f"duetime gateway on http://{host}:{port}/v1 over {len(urls)} backend(s): "
-        + ", ".join(urls),
+        + ", ".join(urls)
+        + f"; router {router}",
         highlight=False,
     )
     run_server(

@@ -8,17 +8,22 @@ This module is the HTTP side: the app, its routes, and a request forwarded with 
 one retry. What it reads of a body and how it watches the client are in
 :mod:`.gateway_request`, a whole answer and a backend's failures in
 :mod:`.gateway_upstream`, a streamed answer's relay in :mod:`.gateway_stream`; the
-routing rule and per-backend estimates are in :mod:`.gateway_routing`, the slots,
+per-backend estimates are in :mod:`.gateway_routing`, the fleet snapshot the
+router sees in :mod:`.gateway_fleet`, the router's answers carried out, the slots,
 wait queue, health and metrics in :mod:`.gateway_pool`.
 
-* **Routing**: each backend keeps its in-flight count and EWMAs of the time to
-  first token and the seconds per output token seen on completed answers; the
-  predicted finish of a new request there is ``(in_flight + 1) * (ttft +
-  tpot * max_tokens)``. The request goes to the backend with the earliest one.
-* **Admission**: a request whose ``deadline_ms`` no backend is predicted to meet
-  is refused at once with 429 and ``Retry-After``.
-* **Ordering**: when every backend is at ``max_inflight``, requests wait in a
-  queue ordered by absolute deadline (then priority, then arrival).
+* **Routing**: a router of :mod:`duetime.routers` (``GatewayConfig.router``, the
+  routers ``duetime sim --router`` runs) chooses each request's backend from a
+  :class:`~duetime.core.router.FleetSnapshot` of the backends: in flight,
+  waiting, and a forecast finish from each backend's moving averages of the time
+  to first token and the seconds per output token, ``now + (ahead + 1) * (ttft +
+  tpot * max_tokens)``. The default, ``forecast``, takes the earliest one.
+* **Admission**: deadlines come from the body (``deadline_ms``) or headers
+  (``x-deadline-ms``; llm-d's ``x-slo-ttft-ms`` and ``x-slo-tpot-ms``); a router's
+  refusal, and a TTFT bound no backend's forecast meets, are 429 with
+  ``Retry-After`` at once. The answer names its backend and forecast in headers.
+* **Ordering**: a request routed to a backend at ``max_inflight`` waits for a
+  slot there, ordered by absolute deadline (then priority, then arrival).
 * **Failures**: a connection error (refused, reset, connect timeout) marks the
   backend down at once (the health probe brings it back). A request that
   failed before any byte reached its client is retried once on another
@@ -52,23 +57,28 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
+from duetime.server.gateway_fleet import Ask, Grant, make_offer
 from duetime.server.gateway_pool import Gateway, model_ids
 from duetime.server.gateway_request import (
     _ClientGoneError,
     _request_fields,
     _unless_client_leaves,
+    earliest,
+    header_deadlines,
 )
-from duetime.server.gateway_routing import Backend, GatewayConfig, choose_backend, routable
+from duetime.server.gateway_routing import Backend, GatewayConfig, routable
 from duetime.server.gateway_stream import _open_stream, stream_tokens
 from duetime.server.gateway_upstream import _BackendFailedError, _whole
 from duetime.server.paths import StripTrailingSlash
 
 __all__ = [
+    "Ask",
     "Backend",
     "Gateway",
     "GatewayConfig",
-    "choose_backend",
+    "Grant",
     "create_gateway_app",
+    "make_offer",
     "model_ids",
     "routable",
     "stream_tokens",
@@ -143,6 +153,7 @@ def create_gateway_app(
                     for b in gw.backends
                 ],
                 "queued": len(gw._queue),
+                "router": gw.router.name,
             },
             status_code=200 if ok else 503,
         )
@@ -185,20 +196,21 @@ async def _forward(gw: Gateway, request: Request, path: str, *, chat: bool) -> R
         except ValueError as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
         max_tokens, deadline, prio, model, stream = _request_fields(body, chat)
+        by_header, ttft = header_deadlines(request.headers, max_tokens)
     except ApiError as e:  # a refused body is an outcome too: /metrics counts every request
         gw.m_requests.labels(f"http_{e.status}").inc()
         raise
+    # bytes / 4: a rough token count for the snapshot; the gateway does not tokenize
+    ask = Ask(max_tokens, earliest(deadline, by_header), ttft, prio, model, len(raw) // 4)
     t0 = time.monotonic()
     tried: set[str] = set()
     last: _BackendFailedError | None = None
     for _attempt in range(2):  # one retry on another backend, only while nothing was sent
-        left = None if deadline is None else deadline - (time.monotonic() - t0)
-        if left is not None and left <= 0:
+        now_ask = ask.later(time.monotonic() - t0)
+        if now_ask.deadline_s is not None and now_ask.deadline_s <= 0:
             break
         try:
-            b = await _unless_client_leaves(
-                request, gw.acquire(max_tokens, left, prio, model, frozenset(tried))
-            )
+            grant = await _unless_client_leaves(request, gw.admit(now_ask, frozenset(tried)))
         except _ClientGoneError:
             gw.m_requests.labels("client_gone").inc()
             return Response(status_code=499)
@@ -207,12 +219,12 @@ async def _forward(gw: Gateway, request: Request, path: str, *, chat: bool) -> R
                 break
             gw.m_requests.labels(f"http_{e.status}").inc()
             raise
-        tried.add(b.url)
+        tried.add(grant.backend.url)
         if last is not None:
             gw.m_retries.inc()
         try:
             send = _open_stream if stream else _whole
-            return await _unless_client_leaves(request, send(gw, b, path, raw, max_tokens))
+            return await _unless_client_leaves(request, send(gw, grant, path, raw, max_tokens))
         except _ClientGoneError:  # the cancellation closed the upstream request
             gw.m_requests.labels("client_gone").inc()
             return Response(status_code=499)

@@ -1,9 +1,18 @@
-"""The gateway's shared state: its backends, their health, the wait queue, the metrics.
+"""The gateway's shared state: its backends, their health, the router, the wait queue.
 
-:class:`Gateway` hands out backend slots (``acquire`` / ``release``), holds
-requests that find every backend full in a queue ordered by deadline, then
-priority, then arrival, and keeps each backend's up/down and suspect state
-from health probes and from what forwarded requests saw.
+:class:`Gateway` asks its router (:mod:`duetime.routers`) where each request
+goes and carries the answer out as the simulated fleet (``sim/fleet.py``) does:
+
+* ``Route(i)``: a slot on backend ``i`` now if it has one, else the request
+  waits for one there (ordered by deadline, then priority, then arrival);
+* ``Wait(key)``: the fleet queue, smallest key first, offered to the router
+  again each time a request ends;
+* ``Refuse(reason, retry_after_s)``: 429 with ``Retry-After`` and the reason.
+
+A request waiting for a backend that goes down or turns suspect is offered to
+the router again, as the simulated fleet offers a failed replica's requests.
+The gateway also keeps each backend's up/down and suspect state from health
+probes and from what forwarded requests saw (``admit`` / ``release``).
 """
 
 from __future__ import annotations
@@ -14,14 +23,18 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from duetime.core.router import Refuse, Route, Router, Wait
+from duetime.routers import make_router
 from duetime.server.errors import ApiError
-from duetime.server.gateway_routing import Backend, GatewayConfig, choose_backend, routable
+from duetime.server.gateway_fleet import Ask, Grant, make_offer, refusal
+from duetime.server.gateway_routing import Backend, GatewayConfig
 
 log = logging.getLogger("duetime.gateway")
 
@@ -36,13 +49,18 @@ def model_ids(payload: Any) -> list[dict[str, Any]]:
 
 @dataclass(order=True, slots=True)
 class _Waiter:
-    deadline: float
+    """A request waiting: for a slot on ``backend`` (its key: the absolute deadline,
+    inf without one), or in the fleet queue (``backend`` None; its key: the router's)."""
+
+    key: float
     neg_priority: int
     seq: int
-    max_tokens: int = field(compare=False)
-    model: str | None = field(compare=False)
+    ask: Ask = field(compare=False)
+    arrival: float = field(compare=False)
     exclude: frozenset[str] = field(compare=False)
     future: asyncio.Future = field(compare=False)
+    backend: int | None = field(default=None, compare=False)
+    forecast: tuple[float, float] = field(default=(0.0, 0.0), compare=False)
 
 
 class Gateway:
@@ -65,6 +83,8 @@ class Gateway:
                 b.tpot_s = float(p.get("tpot_s", b.tpot_s))
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
+        self.router: Router = make_router(self.config.router, seed=self.config.router_seed)
+        self.t0 = time.monotonic()  # the routers' clock starts at 0 here
         self.client: httpx.AsyncClient | None = None
         self.registry = CollectorRegistry()
         self.m_up = Gauge(
@@ -103,7 +123,15 @@ class Gateway:
         if up:
             self._pump()
         else:
-            self._fail_stranded()
+            i = self.backends.index(b)
+            # What waited for b is routed again; what waits in the fleet queue with no
+            # backend left for its model fails now (503) instead of waiting out its timeout.
+            self._offer_again(
+                lambda w: (
+                    w.backend == i
+                    or (w.backend is None and not self._up_for(w.ask.model, w.exclude))
+                )
+            )
 
     def timed_out(self, b: Backend) -> None:
         """Count a read timeout; ``suspect_after_timeouts`` in a row make ``b`` suspect.
@@ -117,6 +145,8 @@ class Gateway:
                 log.warning("backend %s is suspect: %d timeouts in a row", b.url, b.timeouts)
             b.suspect_until = time.monotonic() + self.config.suspect_cooldown_s
             self.m_suspect.labels(b.url).set(1)
+            i = self.backends.index(b)
+            self._offer_again(lambda w: w.backend == i)  # not left to wait on a hang
 
     def answered(self, b: Backend) -> None:
         """An answer (of any status) arrived whole: ``b`` does not hang."""
@@ -146,6 +176,94 @@ class Gateway:
             await asyncio.gather(*(self.probe(b) for b in self.backends), return_exceptions=True)
             await asyncio.sleep(self.config.health_interval_s)
 
+    # --- routing ------------------------------------------------------------------
+    def clock(self) -> float:
+        """The routers' clock: seconds since the gateway started (a snapshot's ``now``)."""
+        return time.monotonic() - self.t0
+
+    def _queued(self) -> list[int]:
+        """Requests waiting for a slot on each backend (the snapshot's ``waiting``)."""
+        n = [0] * len(self.backends)
+        for w in self._queue:
+            if w.backend is not None and not w.future.done():
+                n[w.backend] += 1
+        return n
+
+    def _decide(self, w: _Waiter) -> bool:
+        """Ask the router about ``w`` now and carry the answer out: True when it was
+        granted a slot, False when it is to wait (bound to a backend, or in the fleet
+        queue). Raises the refusals (429, 503) and a router's mistake (500)."""
+        mono = time.monotonic()
+        now = mono - self.t0
+        offer = make_offer(
+            self.backends,
+            self._queued(),
+            w.ask,
+            rid=w.seq,
+            arrival=w.arrival,
+            now=now,
+            mono=mono,
+            max_inflight=self.config.max_inflight,
+            exclude=w.exclude,
+        )
+        dec = self.router.route(offer.snap)
+        if isinstance(dec, Route):
+            i = dec.replica
+            if not (0 <= i < len(self.backends) and offer.snap.up[i]):
+                raise ApiError(
+                    500,
+                    f"router {self.router.name!r} chose backend {i}, which was not offered",
+                    type="server_error",
+                    code="router_error",
+                )
+            w.backend = i
+            w.key = math.inf if w.ask.deadline_s is None else w.arrival + w.ask.deadline_s
+            w.forecast = (
+                float(offer.finish[i]) - w.arrival,
+                float(offer.first[i]) - w.arrival,
+            )
+            return self._try_grant(w, mono)
+        if isinstance(dec, Wait):
+            w.backend = None
+            w.key = dec.key
+            return False
+        if isinstance(dec, Refuse):
+            code = "refused" if w.ask.deadline_s is None else "deadline_unreachable"
+            raise refusal(dec.reason, dec.retry_after_s, code)
+        raise ApiError(500, f"router {self.router.name!r} answered {dec!r}", type="server_error")
+
+    def _try_grant(self, w: _Waiter, mono: float) -> bool:
+        """Give ``w`` a slot on its backend if that one is up and has room."""
+        assert w.backend is not None
+        b = self.backends[w.backend]
+        if not (b.up and b.in_flight < b.limit(mono, self.config.max_inflight)):
+            return False
+        if not w.future.done():
+            w.future.set_result(Grant(self._take(b), *w.forecast))
+        return True
+
+    def _offer_again(self, which: Callable[[_Waiter], bool]) -> None:
+        """Offer the waiters ``which`` selects to the router again (their backend went
+        down or turned suspect), as the simulated fleet offers a failed replica's."""
+        gone: list[_Waiter] = []
+        for w in sorted(self._queue):
+            if w.future.done():
+                gone.append(w)
+            elif which(w):
+                w.backend = None
+                if self._decide_queued(w):
+                    gone.append(w)
+        self._drop(gone)
+
+    def _decide_queued(self, w: _Waiter) -> bool:
+        """``_decide`` for a waiter already queued: True when it leaves the queue
+        (granted, or failed with the refusal its client then gets)."""
+        try:
+            return self._decide(w)
+        except ApiError as e:
+            w.future.set_exception(e)
+            return True
+
     # --- slots --------------------------------------------------------------------
     def _take(self, b: Backend) -> Backend:
         b.in_flight += 1
@@ -158,43 +276,36 @@ class Gateway:
         self._pump()
 
     def _pump(self) -> None:
-        """Hand free slots to waiters, earliest deadline first.
-
-        A waiter whose backends are all busy does not hold up the ones behind it
-        that another (free) backend can serve: requests for different models, or
-        retries that exclude a backend, share one queue.
-        """
+        """Hand free slots to the waiters bound to each backend, earliest deadline first,
+        and offer the fleet queue to the router again, smallest key first, until one
+        is told to wait again (as the simulated fleet does when a request ends)."""
+        if not self._queue:
+            return
+        mono = time.monotonic()
         served: list[_Waiter] = []
+        fleet_open = True
         for w in sorted(self._queue):
-            if not any(b.up and b.in_flight < self.config.max_inflight for b in self.backends):
-                break
             if w.future.done():
                 served.append(w)
-                continue
-            cands = [b for b in self.backends if b.url not in w.exclude]
-            b = choose_backend(cands, w.max_tokens, self.config.max_inflight, w.model)
-            if b is not None:
-                w.future.set_result(self._take(b))
-                served.append(w)
+            elif w.backend is not None:
+                if self._try_grant(w, mono):
+                    served.append(w)
+            elif fleet_open:
+                if self._decide_queued(w):
+                    served.append(w)
+                elif w.backend is None:
+                    fleet_open = False
         self._drop(served)
 
     def _drop(self, waiters: list[_Waiter]) -> None:
         if waiters:
             gone = {id(w) for w in waiters}
             self._queue = [w for w in self._queue if id(w) not in gone]
-            heapq.heapify(self._queue)
+        heapq.heapify(self._queue)  # keys change when a waiter is routed again
         self.m_queued.set(len(self._queue))
 
     def _up_for(self, model: str | None, exclude: frozenset[str] = frozenset()) -> list[Backend]:
         return [b for b in self.backends if b.up and b.url not in exclude and b.serves(model)]
-
-    def _fail_stranded(self) -> None:
-        """Fail the waiters that no backend still up could serve (their model's went down)."""
-        stranded = [w for w in self._queue if not self._up_for(w.model, w.exclude)]
-        for w in stranded:
-            if not w.future.done():
-                w.future.set_exception(_no_backend(w.model))
-        self._drop(stranded)
 
     async def acquire(
         self,
@@ -204,34 +315,27 @@ class Gateway:
         model: str | None,
         exclude: frozenset[str] = frozenset(),
     ) -> Backend:
-        """A backend slot: at once if one is free, else after the requests due earlier."""
-        if model is not None:
+        """A backend slot for a request known by its body fields alone (see :meth:`admit`)."""
+        ask = Ask(max_tokens, deadline_s, None, priority, model)
+        return (await self.admit(ask, exclude)).backend
+
+    async def admit(self, ask: Ask, exclude: frozenset[str] = frozenset()) -> Grant:
+        """A backend slot for ``ask``, where the router sends it: at once if that backend
+        has room, else when a slot frees there for it. Raises the refusals."""
+        if ask.model is not None:
             known = {m for b in self.backends for m in b.models}
-            if known and model not in known:
+            if known and ask.model not in known:
                 raise ApiError(
                     404,
-                    f"model {model!r} does not exist; the backends serve {sorted(known)}",
+                    f"model {ask.model!r} does not exist; the backends serve {sorted(known)}",
                     type="not_found_error",
                     param="model",
                     code="model_not_found",
                 )
-        up = self._up_for(model, exclude)
-        if not up:
-            raise _no_backend(model)
-        if deadline_s is not None:
-            # Predicted finish including the queue ahead, spread over the backends it may use.
-            pool = routable(up, time.monotonic())
-            share = len(self._queue) / len(pool)
-            best = min((share + b.in_flight + 1) * b.request_time(max_tokens) for b in pool)
-            if best > deadline_s:
-                raise ApiError(
-                    429,
-                    f"deadline unreachable: the earliest predicted finish is {best * 1000:.0f} ms, "
-                    f"the deadline {deadline_s * 1000:.0f} ms",
-                    type="rate_limit_error",
-                    code="deadline_unreachable",
-                    headers={"Retry-After": str(max(1, math.ceil(best - deadline_s)))},
-                )
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        w = _Waiter(math.inf, -ask.priority, next(self._seq), ask, self.clock(), exclude, fut)
+        if self._decide(w):
+            return fut.result()
         if len(self._queue) >= self.config.max_queue:
             raise ApiError(
                 429,
@@ -240,12 +344,8 @@ class Gateway:
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
-        now = time.monotonic()
-        due = math.inf if deadline_s is None else now + deadline_s
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        w = _Waiter(due, -priority, next(self._seq), max_tokens, model, exclude, fut)
         heapq.heappush(self._queue, w)
-        self._pump()
+        self.m_queued.set(len(self._queue))
         try:
             # Not asyncio.wait_for: on Python 3.11 it returns a result that arrives
             # together with a cancellation, so a client that left just as a slot was
@@ -254,7 +354,7 @@ class Gateway:
                 return await fut
         except BaseException as e:  # the client left, or no slot came in time
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.release(fut.result())  # granted just as the wait ended: give it back
+                self.release(fut.result().backend)  # granted just as the wait ended
             if isinstance(e, TimeoutError):
                 raise ApiError(
                     504, "timed out waiting for a backend", type="server_error"
@@ -263,8 +363,3 @@ class Gateway:
         finally:
             if w in self._queue:
                 self._drop([w])
-
-
-def _no_backend(model: str | None) -> ApiError:
-    what = "no backend" if model is None else f"no backend serving {model!r}"
-    return ApiError(503, f"{what} is up", type="server_error", code="no_backend")

@@ -1,10 +1,20 @@
-"""What the gateway reads of a request body (its answer's length, deadline, priority,
-model and whether it streams), and how it watches the client while the request waits
-for a backend or runs there."""
+"""What the gateway reads of a request (its answer's length, deadlines, priority, model
+and whether it streams, from the body and from llm-d's SLO headers), and how it watches
+the client while the request waits for a backend or runs there.
+
+Deadlines come in three forms, all in milliseconds after the gateway receives the
+request: the body's ``deadline_ms`` (or ``time_budget_ms``), a plain ``x-deadline-ms``
+header, and llm-d's ``x-slo-ttft-ms`` (a bound on the first token) with
+``x-slo-tpot-ms`` (a pace per output token), whose schedule ends the whole answer at
+``ttft + tpot * max_tokens``. The earliest whole-answer deadline counts; the TTFT
+bound is judged on its own. A pace without a TTFT bound sets no deadline.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import Request
@@ -33,6 +43,52 @@ def _request_fields(body: Any, chat: bool) -> tuple[int, float | None, int, str 
     prio = prio if isinstance(prio, int) and not isinstance(prio, bool) else 0
     model = body.get("model") if isinstance(body.get("model"), str) else None
     return mt, deadline, prio, model, bool(body.get("stream", False))
+
+
+#: The deadline headers the gateway reads (lower case, as HTTP/2 and Starlette give them).
+DEADLINE_HEADER = "x-deadline-ms"
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
+
+
+def _header_ms(headers: Mapping[str, str], name: str) -> float | None:
+    """A header's milliseconds: a finite number > 0 and <= MAX_MS, else a 400 naming it."""
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        ms = float(raw.strip())
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and 0 < ms <= MAX_MS):
+        raise ApiError(
+            400,
+            f"header {name} must be a number of milliseconds > 0 and <= {MAX_MS:.0f}, "
+            f"got {raw[:40]!r}",
+            param=name,
+            code="invalid_header",
+        )
+    return ms
+
+
+def header_deadlines(
+    headers: Mapping[str, str], max_tokens: int
+) -> tuple[float | None, float | None]:
+    """(whole-answer deadline, TTFT bound) in seconds from the deadline headers (None: not
+    given). Every header given is checked, whether or not it sets a deadline."""
+    plain = _header_ms(headers, DEADLINE_HEADER)
+    ttft = _header_ms(headers, SLO_TTFT_HEADER)
+    tpot = _header_ms(headers, SLO_TPOT_HEADER)
+    schedule = None if ttft is None or tpot is None else ttft + tpot * max_tokens
+    given = [ms for ms in (plain, schedule) if ms is not None]
+    deadline = min(given) / 1000.0 if given else None
+    return deadline, None if ttft is None else ttft / 1000.0
+
+
+def earliest(*deadlines: float | None) -> float | None:
+    """The earliest of the deadlines given (None when none is)."""
+    given = [d for d in deadlines if d is not None]
+    return min(given) if given else None
 
 
 class _ClientGoneError(Exception):

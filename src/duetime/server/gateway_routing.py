@@ -1,16 +1,15 @@
-"""How the gateway picks a backend: per-backend estimates and the routing rule.
+"""What the gateway knows of each backend: its configuration, health and estimates.
 
-Pure bookkeeping, no I/O, so the rule is testable with an explicit clock: a
-request goes to the up backend with room and the earliest predicted finish
-``(in_flight + 1) * (ttft + tpot * max_tokens)``, passing over backends that
-are suspect (read timeouts in a row) while another can take it.
+Pure bookkeeping, no I/O, so it is testable with an explicit clock. Each
+backend keeps its in-flight count and moving averages of the time to first
+token and the seconds per output token seen on completed answers; from these
+the gateway forecasts, for the routers of :mod:`duetime.core.router`, when a
+request would end there (:mod:`.gateway_fleet`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger("duetime.gateway")
@@ -36,6 +35,12 @@ class GatewayConfig:
     #: Seconds a suspect backend gets no request that another backend could take;
     #: after that it is on probation (one request at a time) until one is answered.
     suspect_cooldown_s: float = 30.0
+    #: The :mod:`duetime.routers` router that chooses each request's backend
+    #: (``duetime routers`` lists them); ``forecast`` goes to the earliest forecast
+    #: finish and refuses a deadline no backend's forecast meets.
+    router: str = "forecast"
+    #: Seed of the router (the random ones draw from it).
+    router_seed: int = 0
 
 
 @dataclass(slots=True)
@@ -64,12 +69,13 @@ class Backend:
         """Whether a request for ``model`` may go here (a backend not yet listed takes any)."""
         return model is None or not self.models or model in self.models
 
-    def request_time(self, max_tokens: int) -> float:
-        return self.ttft_s + self.tpot_s * max(1, max_tokens)
+    def limit(self, now: float, max_inflight: int) -> int:
+        """Requests this backend may hold at once: one while on probation."""
+        return 1 if self.on_probation(now) else max_inflight
 
-    def predicted_finish(self, max_tokens: int) -> float:
-        """Seconds from now until a new request of ``max_tokens`` would end here."""
-        return (self.in_flight + 1) * self.request_time(max_tokens)
+    def request_time(self, max_tokens: int) -> float:
+        """Seconds one request of ``max_tokens`` takes here alone, by the estimates."""
+        return self.ttft_s + self.tpot_s * max(1, max_tokens)
 
     def observe(self, ttft_s: float | None, e2e_s: float, tokens: int, alpha: float) -> None:
         ttft = e2e_s if ttft_s is None else min(ttft_s, e2e_s)
@@ -86,29 +92,3 @@ def routable(backends: list[Backend], now: float) -> list[Backend]:
     """The backends a request may go to: those not ejected, else all (better a
     suspect backend than none, as Envoy's panic mode and SGLang's router do)."""
     return [b for b in backends if not b.ejected(now)] or backends
-
-
-def choose_backend(
-    backends: list[Backend],
-    max_tokens: int,
-    max_inflight: int,
-    model: str | None = None,
-    now: float | None = None,
-) -> Backend | None:
-    """The up backend with room and the earliest predicted finish (None: none has room).
-
-    A suspect backend is passed over, even when the others are full (the request
-    waits for them instead of hanging), unless no other backend serves the model;
-    on probation it takes one request at a time.
-    """
-    now = time.monotonic() if now is None else now
-    usable = [b for b in backends if b.up and b.serves(model)]
-    best: Backend | None = None
-    best_t = math.inf
-    for b in routable(usable, now):
-        if b.in_flight >= (1 if b.on_probation(now) else max_inflight):
-            continue
-        t = b.predicted_finish(max_tokens)
-        if t < best_t:
-            best, best_t = b, t
-    return best

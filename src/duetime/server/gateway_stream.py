@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from duetime.server.gateway_fleet import Grant
 from duetime.server.gateway_pool import Gateway
-from duetime.server.gateway_routing import Backend
 from duetime.server.gateway_upstream import _failed, _headers, _passed_through
 
 _TAIL_BYTES = 8192  # the end of a stream, where its usage / duetime summary event sits
@@ -45,7 +45,7 @@ def _sse_error(message: str, backend: str) -> bytes:
     return b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
 
 
-async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int) -> Response:
+async def _open_stream(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens: int) -> Response:
     """Open the upstream stream and read its first bytes before answering, so that a
     backend that fails that early is retried and the client never sees it.
 
@@ -53,6 +53,7 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
     upstream response is closed and the slot given back exactly once.
     """
     assert gw.client is not None
+    b = g.backend
     t0 = time.monotonic()
     req = gw.client.build_request(
         "POST", b.url + path, content=raw, headers={"content-type": "application/json"}
@@ -77,7 +78,7 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
             await close()
             gw.answered(b)
             gw.m_requests.labels(f"http_{r.status_code}").inc()
-            return _passed_through(b, r, content)
+            return _passed_through(g, r, content)
         chunks = r.aiter_raw()
         try:
             first = await chunks.__anext__()
@@ -129,6 +130,6 @@ async def _open_stream(gw: Gateway, b: Backend, path: str, raw: bytes, max_token
                 b.observe(ttft, time.monotonic() - t0, tokens, gw.config.ewma_alpha)
             await close()
 
-    headers = _headers(b, r)
+    headers = _headers(g, r)
     headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)

@@ -11,6 +11,7 @@ import httpx
 from fastapi.responses import Response
 
 from duetime.server.errors import ApiError
+from duetime.server.gateway_fleet import Grant
 from duetime.server.gateway_pool import Gateway
 from duetime.server.gateway_routing import Backend
 
@@ -48,23 +49,30 @@ def _failed(gw: Gateway, b: Backend, t0: float, e: httpx.TransportError) -> Exce
     return _BackendFailedError(b, e)
 
 
-def _headers(b: Backend, upstream: httpx.Response) -> dict[str, str]:
-    h = {"X-Duetime-Backend": b.url}
+def _headers(g: Grant, upstream: httpx.Response) -> dict[str, str]:
+    """The backend the answer came from and the forecasts it was routed on (ms after
+    the gateway received the request), beside the backend's own ``Retry-After``."""
+    h = {
+        "X-Duetime-Backend": g.backend.url,
+        "X-Duetime-Forecast-Ms": f"{g.forecast_s * 1000:.1f}",
+        "X-Duetime-First-Token-Forecast-Ms": f"{g.first_token_s * 1000:.1f}",
+    }
     if "retry-after" in upstream.headers:
         h["Retry-After"] = upstream.headers["retry-after"]
     return h
 
 
-def _passed_through(b: Backend, upstream: httpx.Response, content: bytes) -> Response:
+def _passed_through(g: Grant, upstream: httpx.Response, content: bytes) -> Response:
     """A whole upstream answer (any status) for the client, as the backend sent it."""
     ctype = upstream.headers.get("content-type", "application/json")
     return Response(
-        content, status_code=upstream.status_code, media_type=ctype, headers=_headers(b, upstream)
+        content, status_code=upstream.status_code, media_type=ctype, headers=_headers(g, upstream)
     )
 
 
-async def _whole(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int) -> Response:
+async def _whole(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens: int) -> Response:
     assert gw.client is not None
+    b = g.backend
     t0 = time.monotonic()
     try:
         r = await gw.client.post(
@@ -87,4 +95,4 @@ async def _whole(gw: Gateway, b: Backend, path: str, raw: bytes, max_tokens: int
         gw.m_requests.labels("ok").inc()
     else:
         gw.m_requests.labels(f"http_{r.status_code}").inc()
-    return _passed_through(b, r, r.content)
+    return _passed_through(g, r, r.content)

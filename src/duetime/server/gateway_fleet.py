@@ -1,0 +1,167 @@
+"""The gateway's backends as a fleet for the routers of :mod:`duetime.core.router`.
+
+A router sees a :class:`~duetime.core.router.FleetSnapshot` and never learns
+whether simulated replicas (``sim/fleet.py``) or the gateway's backends are
+behind it. This module builds that snapshot from what the gateway knows of each
+backend, with no I/O and an explicit clock:
+
+* ``running``: the requests the gateway has in flight there; ``waiting``: those
+  routed there and held by the gateway until a slot frees (the backend's own
+  queue is not seen); ``kv_used`` / ``kv_capacity`` 0 / 1 and every prefix hit
+  0 (unknown to the gateway, so those routers fall back to their load tie-break);
+* ``forecast(i)``: the estimate rule ``now + (ahead + 1) * (ttft + tpot *
+  max_tokens)`` with ``ahead`` the running plus waiting count and ``ttft`` /
+  ``tpot`` the backend's moving averages: each request ahead is taken to cost as
+  much as this one;
+* ``up``: the backends the request may go to. Down ones, those not serving its
+  model and those a retry excludes are never offered; suspect ones only when all
+  are; with a TTFT bound only those whose first-token forecast meets it; and a
+  backend at its in-flight limit only when none has room (a request sent where
+  a slot is free starts now; the others wait for one).
+
+The gateway answers on its own where the simulated fleet does: 503 when no
+backend is up for the model (the fleet's "every replica is down"), and 429 when
+no backend's first-token forecast meets the request's TTFT bound, a bound the
+simulator's requests do not carry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from duetime.core.request import Request
+from duetime.core.router import FleetSnapshot
+from duetime.server.errors import ApiError
+from duetime.server.gateway_routing import Backend, routable
+
+_EPS = 1e-9  # a forecast equal to its bound meets it (float noise aside)
+
+
+@dataclass(slots=True, frozen=True)
+class Ask:
+    """What the gateway reads of a request to route it; times in seconds after arrival."""
+
+    max_tokens: int
+    deadline_s: float | None = None  # the whole answer
+    ttft_s: float | None = None  # the first token (llm-d's x-slo-ttft-ms)
+    priority: int = 0
+    model: str | None = None
+    prompt_len: int = 1  # the gateway does not tokenize: a rough count, >= 1
+
+    def later(self, elapsed_s: float) -> Ask:
+        """The same ask ``elapsed_s`` later (a retry): its bounds are that much closer."""
+
+        def less(t: float | None) -> float | None:
+            return None if t is None else t - elapsed_s
+
+        return Ask(
+            self.max_tokens,
+            less(self.deadline_s),
+            less(self.ttft_s),
+            self.priority,
+            self.model,
+            self.prompt_len,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class Grant:
+    """A backend slot, and the forecasts it was routed on (seconds after arrival)."""
+
+    backend: Backend
+    forecast_s: float
+    first_token_s: float
+
+
+@dataclass(slots=True)
+class Offer:
+    """One routing question: the router's snapshot and the forecasts behind it."""
+
+    snap: FleetSnapshot
+    finish: np.ndarray  # absolute forecast finish per backend
+    first: np.ndarray  # absolute forecast first token per backend
+
+
+def no_backend(model: str | None) -> ApiError:
+    """503: nothing up that serves ``model`` (the fleet's own refusal)."""
+    what = "no backend" if model is None else f"no backend serving {model!r}"
+    return ApiError(503, f"{what} is up", type="server_error", code="no_backend")
+
+
+def refusal(message: str, retry_after_s: float, code: str) -> ApiError:
+    """429 with ``Retry-After`` (whole seconds, at least 1) and the reason."""
+    after = max(1, math.ceil(retry_after_s)) if math.isfinite(retry_after_s) else 1
+    return ApiError(
+        429, message, type="rate_limit_error", code=code, headers={"Retry-After": str(after)}
+    )
+
+
+def make_offer(
+    backends: list[Backend],
+    queued: list[int],
+    ask: Ask,
+    *,
+    rid: int,
+    arrival: float,
+    now: float,
+    mono: float,
+    max_inflight: int,
+    exclude: frozenset[str] = frozenset(),
+) -> Offer:
+    """The snapshot for ``ask`` at ``now`` (gateway clock; ``mono``: the monotonic clock
+    the suspect cool-downs count on). Raises the gateway's own 503 / 429."""
+    n = len(backends)
+    usable = [b.up and b.serves(ask.model) and b.url not in exclude for b in backends]
+    if not any(usable):
+        raise no_backend(ask.model)
+    pool = {id(b) for b in routable([b for b, u in zip(backends, usable, strict=True) if u], mono)}
+    offered = np.array([id(b) in pool for b in backends], dtype=bool)
+    running = np.array([b.in_flight for b in backends], dtype=np.int64)
+    waiting = np.array(queued, dtype=np.int64)
+    limit = np.array([b.limit(mono, max_inflight) for b in backends], dtype=np.int64)
+    alone = np.array([b.request_time(ask.max_tokens) for b in backends])
+    ttft = np.array([b.ttft_s for b in backends])
+    ahead = running + waiting
+    finish = now + (ahead + 1) * alone
+    # A slot frees about every alone / limit seconds once the backend is full.
+    first = now + ttft + np.maximum(0, ahead + 1 - limit) * alone / limit
+    if ask.ttft_s is not None:
+        due = arrival + ask.ttft_s
+        meets = offered & (first <= due + _EPS)
+        if not meets.any():
+            late = float(first[offered].min()) - due
+            raise refusal(
+                f"no backend can send the first token within {ask.ttft_s * 1000:.0f} ms "
+                f"(x-slo-ttft-ms): the earliest forecast is {late * 1000:.0f} ms late",
+                late,
+                "ttft_unreachable",
+            )
+        offered = meets
+    room = offered & (running < limit)
+    if room.any():
+        offered = room
+    deadline = None if ask.deadline_s is None else arrival + ask.deadline_s
+    req = Request(
+        rid=rid,
+        arrival=arrival,
+        prompt_len=max(1, ask.prompt_len),
+        max_tokens=ask.max_tokens,
+        deadline=deadline,
+        priority=ask.priority,
+    )
+    ends = [float(x) for x in finish]
+    snap = FleetSnapshot(
+        now=now,
+        request=req,
+        up=offered,
+        running=running,
+        waiting=waiting,
+        kv_used=np.zeros(n, dtype=np.int64),
+        kv_capacity=np.ones(n, dtype=np.int64),
+        prefix_lookup=lambda i: 0,
+        forecast_of=lambda i: ends[i],
+    )
+    return Offer(snap, finish, first)

@@ -1,0 +1,59 @@
+"""Where the gateway's router sends a request, for tests that set backend states by hand.
+
+``estimate_rule`` is the estimate rule written out on its own, as a reference:
+the up backend with room and the earliest ``(in_flight + 1) * (ttft + tpot *
+max_tokens)``, passing over suspect backends while another serves the model, one
+request at a time on probation. The ``forecast`` router on the gateway's
+snapshot must choose as it does.
+"""
+
+from __future__ import annotations
+
+import math
+
+from duetime.core.router import Route
+from duetime.routers import make_router
+from duetime.server.gateway import Ask, Backend, make_offer, routable
+
+
+def estimate_rule(
+    backends: list[Backend], max_tokens: int, max_inflight: int, model: str | None, mono: float
+) -> Backend | None:
+    """The reference choice (None: every backend it may use is full)."""
+    usable = [b for b in backends if b.up and b.serves(model)]
+    best: Backend | None = None
+    best_t = math.inf
+    for b in routable(usable, mono):
+        if b.in_flight >= b.limit(mono, max_inflight):
+            continue
+        t = (b.in_flight + 1) * (b.ttft_s + b.tpot_s * max(1, max_tokens))
+        if t < best_t:
+            best, best_t = b, t
+    return best
+
+
+def routed(
+    backends: list[Backend],
+    max_tokens: int,
+    *,
+    max_inflight: int,
+    mono: float,
+    model: str | None = None,
+    router: str = "forecast",
+) -> tuple[Backend, bool]:
+    """The backend ``router`` picks on the gateway's snapshot (nothing queued, now 0),
+    and whether it has a slot free now (else the request waits for one there)."""
+    offer = make_offer(
+        backends,
+        [0] * len(backends),
+        Ask(max_tokens, model=model),
+        rid=1,
+        arrival=0.0,
+        now=0.0,
+        mono=mono,
+        max_inflight=max_inflight,
+    )
+    dec = make_router(router).route(offer.snap)
+    assert isinstance(dec, Route), dec
+    b = backends[dec.replica]
+    return b, b.in_flight < b.limit(mono, max_inflight)
