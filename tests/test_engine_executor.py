@@ -178,6 +178,9 @@ def test_validate_compares_engine_and_simulator_per_request(model: Any, tmp_path
     assert fig["requests_compared"] == 6
     assert fig["e2e_rel_err_median_pct"] is not None
     assert fig["e2e_rel_err_median_pct"] >= 0
+    # the profile priced the real run's own steps, every one of them in the table
+    assert fig["step_mape_pct"] is not None
+    assert sum(row["steps"] for row in fig["step_misses"]) == fig["real_steps"]
     assert (tmp_path / "v.png").stat().st_size > 5_000
 
 

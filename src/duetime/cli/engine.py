@@ -20,9 +20,11 @@ def _pct(v: object) -> str:
     return "-" if v is None else f"{float(v):.2f} %"  # type: ignore[arg-type]
 
 
-def _print_misses(rows: list[dict[str, object]], top: int = 8) -> None:
-    """The step shapes the model misses most (held-out steps), as a small table."""
-    console.print("where the model misses most (held-out steps, worst first):")
+def _print_misses(
+    rows: list[dict[str, object]], what: str = "held-out steps", top: int = 8
+) -> None:
+    """The step shapes the model misses most, as a small table."""
+    console.print(f"where the model misses most ({what}, worst first):")
     head = f"  {'decoders':>9} {'prompt tok':>10} {'steps':>6} {'MAPE %':>7} {'median %':>9}"
     console.print(head)
     for r in rows[:top]:
@@ -220,7 +222,7 @@ def validate(
     from duetime.engine import load_model
     from duetime.engine.profile import measure_noise, noise_floor_pct
     from duetime.metrics import render_table, write_json
-    from duetime.predict.cost_report import floor_verdict
+    from duetime.predict.cost_report import AT_LIMIT_FACTOR, floor_verdict
 
     with _user_errors():
         if not Path(profile).exists():
@@ -240,10 +242,17 @@ def validate(
     median = fig["e2e_rel_err_median_pct"]
     fig["noise_floor_pct"] = floor
     fig["verdict"] = None if median is None else floor_verdict(median, floor)
-    console.print(render_table([("real vs sim", fig)], keys=[k for k in fig if k != "verdict"]))
+    skip = ("verdict", "step_misses")
+    console.print(render_table([("real vs sim", fig)], keys=[k for k in fig if k not in skip]))
     console.print(
         f"median e2e {fig['verdict']} (the floor: identical steps repeated now)\n"
         "target: median e2e error <= 5 %, p90 <= 10 % (Vidur: < 9 % against real GPUs)"
     )
+    step_error = fig["step_mape_pct"]
+    if step_error is not None:
+        console.print(f"the profile on this run's {fig['real_steps']} steps: "
+                      f"{floor_verdict(step_error, floor)}")  # fmt: skip
+        if step_error > AT_LIMIT_FACTOR * floor:
+            _print_misses(fig["step_misses"], "this run's steps")
     if json_path is not None:
         write_json(json_path, fig)
