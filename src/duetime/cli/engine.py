@@ -24,13 +24,17 @@ def _print_misses(
     rows: list[dict[str, object]], what: str = "held-out steps", top: int = 8
 ) -> None:
     """The step shapes the model misses most, as a small table."""
-    console.print(f"where the model misses most ({what}, worst first):")
-    head = f"  {'decoders':>9} {'prompt tok':>10} {'steps':>6} {'MAPE %':>7} {'median %':>9}"
+    console.print(f"where the model misses most ({what}, by share of the error):")
+    head = (
+        f"  {'decoders':>9} {'prompt tok':>10} {'steps':>6} {'MAPE %':>7} {'median %':>9} "
+        f"{'share %':>8}"
+    )
     console.print(head)
     for r in rows[:top]:
         console.print(
             f"  {r['decoders']!s:>9} {r['prompt_tokens']!s:>10} {r['steps']!s:>6} "
-            f"{float(r['mape_pct']):>7.1f} {float(r['median_error_pct']):>+9.1f}"  # type: ignore[arg-type]
+            f"{float(r['mape_pct']):>7.1f} {float(r['median_error_pct']):>+9.1f} "  # type: ignore[arg-type]
+            f"{float(r['error_share_pct']):>8.1f}"  # type: ignore[arg-type]
         )
 
 

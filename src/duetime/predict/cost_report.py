@@ -82,7 +82,11 @@ def _label(edges: Sequence[int], value: int, *, zero: bool = False) -> str:
 def miss_table(
     cost: LinearStepCost, samples: Sequence[StepSample], regimes: CostRegimes | None = None
 ) -> list[dict[str, Any]]:
-    """MAPE and median signed error per (decode batch band, prompt tokens) cell, worst first."""
+    """MAPE and median signed error per (decode batch band, prompt tokens) cell.
+
+    Ordered by the cell's share of the total error (steps x MAPE), largest first: a
+    cell of one unlucky step is noise, one of many steps a regime the model misses.
+    """
     cells: dict[tuple[str, str], list[float]] = {}
     batch_edges = _batch_bands(regimes)
     for s in samples:
@@ -92,17 +96,19 @@ def miss_table(
             _label(_PROMPT_EDGES[1:], s.prefill_tokens, zero=True),
         )
         cells.setdefault(key, []).append((pred - s.seconds) / s.seconds)
-    rows = [
+    total = sum(len(v) * float(np.mean(np.abs(v))) for v in cells.values()) or 1.0
+    rows: list[dict[str, Any]] = [
         {
             "decoders": k[0],
             "prompt_tokens": k[1],
             "steps": len(v),
             "mape_pct": float(100 * np.mean(np.abs(v))),
             "median_error_pct": float(100 * np.median(v)),
+            "error_share_pct": 100.0 * len(v) * float(np.mean(np.abs(v))) / total,
         }
         for k, v in cells.items()
     ]
-    return sorted(rows, key=lambda r: -r["mape_pct"])
+    return sorted(rows, key=lambda r: -r["error_share_pct"])
 
 
 def fit_eviction_cost(samples: Sequence[tuple[int, float]]) -> float:
