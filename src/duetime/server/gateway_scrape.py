@@ -24,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
-from prometheus_client import Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from duetime.server.backend_metrics import MetricsFormatError, parse_metrics
 from duetime.server.gateway_pool import Gateway
@@ -72,22 +74,29 @@ def check_metrics(urls: list[str], timeout_s: float = 2.0) -> list[str]:
     return warnings
 
 
-class Scraper:
-    """Scrapes the gateway's backends and reports how fresh each one's figures are."""
+class Scraper(Collector):
+    """Scrapes the gateway's backends and reports how fresh each one's figures are (in
+    ``/health``, and as a gauge of the gateway's ``/metrics``, judged when it is read)."""
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         cfg = gw.config
         self.max_age_s = cfg.scrape_max_age_s
         self.timeout_s = max(0.1, min(1.0, cfg.scrape_max_age_s))
-        self.m_stale = Gauge(
+        gw.registry.register(self)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        if not self.enabled:
+            return
+        g = GaugeMetricFamily(
             "duetime_gateway_backend_metrics_stale",
             "1 while the backend's own /metrics is not trusted (none, too old, or unreadable)",
-            ["backend"],
-            registry=gw.registry,
+            labels=["backend"],
         )
-        for b in gw.backends:
-            self.m_stale.labels(b.url).set(1)
+        mono = time.monotonic()
+        for b in self.gw.backends:
+            g.add_metric([b.url], 0.0 if b.scrape.fresh(mono, self.max_age_s) else 1.0)
+        yield g
 
     @property
     def enabled(self) -> bool:
@@ -113,7 +122,6 @@ class Scraper:
             s.error, s.load = str(e), None  # a format not understood is never trusted
         except Exception as e:  # unreachable: the last good scrape ages out on its own
             s.error = f"/metrics not reachable ({type(e).__name__})"
-        self.m_stale.labels(b.url).set(0 if s.fresh(time.monotonic(), self.max_age_s) else 1)
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(b) for b in self.gw.backends), return_exceptions=True)
