@@ -83,6 +83,7 @@ class FakeBackend:
     gate: asyncio.Event | None = None  # if set, answers wait for it (tests order events)
     hang: bool = False  # while True, every completion hangs (health stays fine)
     shield_close: bool = True  # False: closing a body can be cancelled (httpcore shields it)
+    metrics: str | None = None  # its /metrics text; None: duetime serve's, from its state
     attempts: list[Attempt] = field(default_factory=list)
     current: int = 0
     peak: int = 0
@@ -248,7 +249,22 @@ class FakeFleet(httpx.AsyncBaseTransport):
             return httpx.Response(200, json={"status": "ok"})
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL}]})
+        if request.url.path == "/metrics":
+            if b.is_down():
+                raise httpx.ConnectError("connection refused", request=request)
+            return httpx.Response(200, text=b.metrics or duetime_metrics(b.current, 0, 0))
         return await b.complete(request)
+
+
+def duetime_metrics(running: int, waiting: int, kv_used: int, kv_capacity: int = 4096) -> str:
+    """The gauges ``duetime serve`` publishes (src/duetime/server/metrics.py), as it writes them."""
+    return (
+        f"# TYPE duetime_queue_length gauge\nduetime_queue_length {waiting}.0\n"
+        f"# TYPE duetime_running gauge\nduetime_running {running}.0\n"
+        "# TYPE duetime_suspended gauge\nduetime_suspended 0.0\n"
+        f"# TYPE duetime_kv_used_tokens gauge\nduetime_kv_used_tokens {kv_used}.0\n"
+        f"# TYPE duetime_kv_capacity_tokens gauge\nduetime_kv_capacity_tokens {kv_capacity}.0\n"
+    )
 
 
 # --- the client side ------------------------------------------------------------------

@@ -275,3 +275,40 @@ def test_unreachable_deadline_and_models(
     # a trailing slash reaches the route (was a bare 307), on the gateway as on a backend
     r = httpx.post(gw + "/v1/completions/", json={**body, "deadline_ms": None}, trust_env=False)
     assert r.status_code == 200, r.text
+
+
+def test_lor_routes_by_the_backends_own_metrics() -> None:
+    """Backend 0 is kept busy by a client that bypasses the gateway: only its own /metrics
+    tells the gateway so (by the gateway's counts alone the two tie, and backend 0 wins)."""
+    with _fleet("lor") as (_, urls, gw):
+
+        async def run() -> tuple[dict, list[str | None]]:
+            async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
+                long = {"model": MODEL, "prompt": "busy", "max_tokens": 400, "ignore_eos": True}
+                direct = [
+                    asyncio.create_task(client.post(urls[0] + "/v1/completions", json=long))
+                    for _ in range(4)
+                ]
+                health: dict = {}
+                for _ in range(100):  # until a scrape shows backend 0 at work
+                    health = (await client.get(gw + "/health")).json()
+                    m = health["backends"][0]["metrics"]
+                    if not m["stale"] and m["running"] + m["waiting"] >= 2:
+                        break
+                    await asyncio.sleep(0.05)
+                to = []
+                for i in range(3):
+                    r = await client.post(gw + "/v1/completions", json={**long, "max_tokens": 4})
+                    assert r.status_code == 200, r.text
+                    to.append(r.headers.get("x-duetime-backend"))
+                    assert i or not direct[0].done(), "backend 0 went idle before the test ran"
+                await asyncio.gather(*direct)
+                return health, to
+
+        health, to = asyncio.run(run())
+        busy, idle = (b["metrics"] for b in health["backends"])
+        assert busy["kind"] == idle["kind"] == "duetime"
+        assert busy["running"] + busy["waiting"] >= 2, busy
+        assert busy["kv_used"] > 0
+        assert busy["kv_capacity"] > 0
+        assert to == [urls[1]] * 3

@@ -97,6 +97,24 @@ def gateway(
         ),
     ] = "forecast",
     seed: Annotated[int, typer.Option(help="Seed of the router (random, power-of-two).")] = 0,
+    scrape_interval_ms: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Milliseconds between reads of each backend's Prometheus /metrics (duetime "
+            "serve's or vLLM's running, waiting, KV use, prefix-cache hits; the router sees "
+            "them plus what the gateway sent and saw end since). 0: off, for backends of "
+            "another kind. A /metrics of neither format is an error at start.",
+        ),
+    ] = 250.0,
+    scrape_max_age_ms: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="A scrape older than this is not trusted: the router sees the gateway's own "
+            "counts for that backend, and /health reports its metrics stale.",
+        ),
+    ] = 1000.0,
     profile: Annotated[
         list[str], typer.Option(help="URL=path.json with ttft_s/tpot_s seeds (repeatable).")
     ] = [],  # noqa: B006
@@ -110,14 +128,20 @@ def gateway(
     Deadlines: the body's deadline_ms, or the headers x-deadline-ms, x-slo-ttft-ms and
     x-slo-tpot-ms (ms; the schedule ends at ttft + tpot * max_tokens). A refusal is 429
     with Retry-After; an answer names its backend and forecast in X-Duetime-Backend and
-    X-Duetime-Forecast-Ms.
+    X-Duetime-Forecast-Ms. Each backend's /metrics is read every --scrape-interval-ms.
     """
 
     from duetime.server.gateway import GatewayConfig, create_gateway_app
+    from duetime.server.gateway_scrape import check_metrics
     from duetime.server.threaded import run_server
 
     with _user_errors():
         urls = _check_backends(backend, allow_remote)
+        if 0 < scrape_max_age_ms < scrape_interval_ms:
+            raise ValueError(
+                f"--scrape-max-age-ms {scrape_max_age_ms:g} is below --scrape-interval-ms "
+                f"{scrape_interval_ms:g}: every scrape would be stale before the next"
+            )
         try:
             profiles = _load_profiles(profile, urls)
         except json.JSONDecodeError as e:
@@ -131,7 +155,12 @@ def gateway(
             suspect_cooldown_s=suspect_cooldown,
             router=router,
             router_seed=seed,
+            scrape_interval_s=scrape_interval_ms / 1000.0,
+            scrape_max_age_s=scrape_max_age_ms / 1000.0,
         )
+        if scrape_interval_ms > 0:  # an unreadable /metrics stops here, naming its URL
+            for warning in check_metrics(urls):
+                err.print(f"warning: {warning}", highlight=False)
         gw_app = create_gateway_app(urls, config, profiles)
         port = bound_port(host, port)
     err.print(

@@ -10,12 +10,16 @@ one retry. What it reads of a body and how it watches the client are in
 :mod:`.gateway_upstream`, a streamed answer's relay in :mod:`.gateway_stream`; the
 per-backend estimates are in :mod:`.gateway_routing`, the fleet snapshot the
 router sees in :mod:`.gateway_fleet`, the router's answers carried out, the slots,
-wait queue, health and metrics in :mod:`.gateway_pool`.
+wait queue, health and metrics in :mod:`.gateway_pool`, the scrapes of each
+backend's own ``/metrics`` in :mod:`.gateway_scrape`.
 
 * **Routing**: a router of :mod:`duetime.routers` (``GatewayConfig.router``, the
   routers ``duetime sim --router`` runs) chooses each request's backend from a
-  :class:`~duetime.core.router.FleetSnapshot` of the backends: in flight,
-  waiting, and a forecast finish from each backend's moving averages of the time
+  :class:`~duetime.core.router.FleetSnapshot` of the backends: running, waiting,
+  KV use and prefix-cache hit rate as each backend's own ``/metrics`` last said
+  (``scrape_interval_s``), moved by what the gateway sent and saw end since (its
+  own counts alone once a scrape is older than ``scrape_max_age_s``), and a
+  forecast finish from each backend's moving averages of the time
   to first token and the seconds per output token, ``now + (ahead + 1) * (ttft +
   tpot * max_tokens)``. The default, ``forecast``, takes the earliest one.
 * **Admission**: deadlines come from the body (``deadline_ms``) or headers
@@ -67,6 +71,7 @@ from duetime.server.gateway_request import (
     header_deadlines,
 )
 from duetime.server.gateway_routing import Backend, GatewayConfig, routable
+from duetime.server.gateway_scrape import Scraper
 from duetime.server.gateway_stream import _open_stream, stream_tokens
 from duetime.server.gateway_upstream import _BackendFailedError, _whole
 from duetime.server.paths import StripTrailingSlash
@@ -100,6 +105,7 @@ def create_gateway_app(
     """
     gw = Gateway(backends, config, profiles)
     cfg = gw.config
+    scraper = Scraper(gw)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -111,13 +117,17 @@ def create_gateway_app(
             transport=transport,
         )
         await asyncio.gather(*(gw.probe(b) for b in gw.backends), return_exceptions=True)
-        task = asyncio.create_task(gw.health_loop())
+        tasks = [asyncio.create_task(gw.health_loop())]
+        if scraper.enabled:  # the first requests are routed on scraped state too
+            await scraper.scrape_all()
+            tasks.append(asyncio.create_task(scraper.loop()))
         try:
             yield
         finally:
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
             await gw.client.aclose()
 
     app = FastAPI(title="duetime gateway", version="0.1", lifespan=lifespan)
@@ -149,6 +159,7 @@ def create_gateway_app(
                         "tpot_ms": round(b.tpot_s * 1000, 3),
                         "suspect": b.suspect_until > 0,
                         "timeouts": b.timeouts,
+                        "metrics": scraper.health(b),
                     }
                     for b in gw.backends
                 ],

@@ -5,10 +5,17 @@ whether simulated replicas (``sim/fleet.py``) or the gateway's backends are
 behind it. This module builds that snapshot from what the gateway knows of each
 backend, with no I/O and an explicit clock:
 
-* ``running``: the requests the gateway has in flight there; ``waiting``: those
-  routed there and held by the gateway until a slot frees (the backend's own
-  queue is not seen); ``kv_used`` / ``kv_capacity`` 0 / 1 and every prefix hit
-  0 (unknown to the gateway, so those routers fall back to their load tie-break);
+* from a fresh scrape of the backend's own ``/metrics`` (:mod:`.backend_load`):
+  ``running`` and ``waiting`` as the backend counts them (other clients' requests
+  included), moved by what the gateway sent and saw end since the scrape, plus the
+  requests the gateway holds for a slot there; ``kv_used`` / ``kv_capacity`` in
+  tokens; ``prefix_hit(i)`` the prompt's length times the backend's recent
+  prefix-cache hit rate (the share of queried prompt tokens its cache supplied:
+  a backend-wide figure, not this prompt's own match);
+* without one (scraping off, none yet, or older than the staleness bound): the
+  gateway's own counts: ``running`` its requests in flight there, ``waiting``
+  those it holds for a slot there, ``kv_used`` / ``kv_capacity`` 0 / 1 and every
+  prefix hit 0 (so those routers fall back to their load tie-break);
 * ``forecast(i)``: the estimate rule ``now + (ahead + 1) * (ttft + tpot *
   max_tokens)`` with ``ahead`` the running plus waiting count and ``ttft`` /
   ``tpot`` the backend's moving averages: each request ahead is taken to cost as
@@ -110,17 +117,31 @@ def make_offer(
     mono: float,
     max_inflight: int,
     exclude: frozenset[str] = frozenset(),
+    max_age_s: float | None = None,
 ) -> Offer:
     """The snapshot for ``ask`` at ``now`` (gateway clock; ``mono``: the monotonic clock
-    the suspect cool-downs count on). Raises the gateway's own 503 / 429."""
+    the suspect cool-downs and scrape ages count on). ``max_age_s``: the age past which
+    a backend's scrape is not used (None: scrapes are not used at all). Raises the
+    gateway's own 503 / 429."""
     n = len(backends)
     usable = [b.up and b.serves(ask.model) and b.url not in exclude for b in backends]
     if not any(usable):
         raise no_backend(ask.model)
     pool = {id(b) for b in routable([b for b, u in zip(backends, usable, strict=True) if u], mono)}
     offered = np.array([id(b) in pool for b in backends], dtype=bool)
-    running = np.array([b.in_flight for b in backends], dtype=np.int64)
+    in_flight = np.array([b.in_flight for b in backends], dtype=np.int64)
+    running = in_flight.copy()
     waiting = np.array(queued, dtype=np.int64)
+    kv_used = np.zeros(n, dtype=np.int64)
+    kv_capacity = np.ones(n, dtype=np.int64)
+    hit_rate = [0.0] * n
+    if max_age_s is not None:
+        for i, b in enumerate(backends):
+            if b.scrape.fresh(mono, max_age_s):
+                e = b.scrape.estimate(b.sent, b.done, ask.prompt_len)
+                running[i], kv_used[i], kv_capacity[i] = e.running, e.kv_used, e.kv_capacity
+                waiting[i] += e.waiting  # the backend's queue, then the gateway's for it
+                hit_rate[i] = e.hit_rate
     limit = np.array([b.limit(mono, max_inflight) for b in backends], dtype=np.int64)
     alone = np.array([b.request_time(ask.max_tokens) for b in backends])
     ttft = np.array([b.ttft_s for b in backends])
@@ -140,7 +161,7 @@ def make_offer(
                 "ttft_unreachable",
             )
         offered = meets
-    room = offered & (running < limit)
+    room = offered & (in_flight < limit)  # the gateway's own slots decide who starts now
     if room.any():
         offered = room
     deadline = None if ask.deadline_s is None else arrival + ask.deadline_s
@@ -159,9 +180,9 @@ def make_offer(
         up=offered,
         running=running,
         waiting=waiting,
-        kv_used=np.zeros(n, dtype=np.int64),
-        kv_capacity=np.ones(n, dtype=np.int64),
-        prefix_lookup=lambda i: 0,
+        kv_used=kv_used,
+        kv_capacity=kv_capacity,
+        prefix_lookup=lambda i: round(req.prompt_len * hit_rate[i]),
         forecast_of=lambda i: ends[i],
     )
     return Offer(snap, finish, first)

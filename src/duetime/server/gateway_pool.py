@@ -205,6 +205,7 @@ class Gateway:
             mono=mono,
             max_inflight=self.config.max_inflight,
             exclude=w.exclude,
+            max_age_s=self.config.scrape_max_age_s if self.config.scrape_interval_s > 0 else None,
         )
         dec = self.router.route(offer.snap)
         if isinstance(dec, Route):
@@ -267,11 +268,13 @@ class Gateway:
     # --- slots --------------------------------------------------------------------
     def _take(self, b: Backend) -> Backend:
         b.in_flight += 1
+        b.sent += 1
         self.m_inflight.labels(b.url).set(b.in_flight)
         return b
 
     def release(self, b: Backend) -> None:
         b.in_flight -= 1
+        b.done += 1
         self.m_inflight.labels(b.url).set(b.in_flight)
         self._pump()
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from duetime.server.backend_load import Scraped
+
 log = logging.getLogger("duetime.gateway")
 
 _DEFAULT_TTFT_S = 0.05
@@ -41,6 +43,12 @@ class GatewayConfig:
     router: str = "forecast"
     #: Seed of the router (the random ones draw from it).
     router_seed: int = 0
+    #: Seconds between scrapes of each backend's Prometheus /metrics (its own running,
+    #: waiting, KV and prefix-cache figures: :mod:`.backend_metrics`); 0 turns it off.
+    scrape_interval_s: float = 0.25
+    #: A scrape older than this is not trusted: the router sees the gateway's own
+    #: counts for that backend, and /health reports its metrics stale.
+    scrape_max_age_s: float = 1.0
 
 
 @dataclass(slots=True)
@@ -56,6 +64,9 @@ class Backend:
     models: list[str] = field(default_factory=list)
     timeouts: int = 0  # read timeouts in a row; any answer that arrives whole resets it
     suspect_until: float = 0.0  # monotonic end of the cool-down; 0: not suspect
+    sent: int = 0  # requests the gateway has sent here (only grows: scrapes count from it)
+    done: int = 0  # of those, the ones that ended
+    scrape: Scraped = field(default_factory=Scraped)  # its own /metrics, last read
 
     def ejected(self, now: float) -> bool:
         """Suspect and within its cool-down: no traffic while another backend can take it."""
