@@ -181,6 +181,7 @@ def test_validate_compares_engine_and_simulator_per_request(model: Any, tmp_path
     # the profile priced the real run's own steps, every one of them in the table
     assert fig["step_mape_pct"] is not None
     assert sum(row["steps"] for row in fig["step_misses"]) == fig["real_steps"]
+    assert fig["step_seconds_real_over_model"] > 0
     assert (tmp_path / "v.png").stat().st_size > 5_000
 
 

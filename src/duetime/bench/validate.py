@@ -166,6 +166,14 @@ def run(
     fig.update(compare(real.records, sim.records))
     # the profile's step model on this run's own steps: where the e2e error comes from
     fig["step_mape_pct"] = cost_mape_pct(cost, steps) if steps else None
+    # what e2e sums see: a model on the median step runs short where steps are skewed
+    predicted = sum(
+        cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
+        for s in steps
+    )  # fmt: skip
+    fig["step_seconds_real_over_model"] = (
+        sum(s.seconds for s in steps) / predicted if predicted > 0 else None
+    )
     fig["step_misses"] = miss_table(cost, steps, _regimes(model)) if steps else []
     if plot is not None:
         _plot(real.records, sim.records, plot)
