@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import pytest
+from fastapi import FastAPI
 
-from duetime.core.cost import LinearStepCost
+from duetime.core.cost import CostModelError, LinearStepCost
 from duetime.server.app import create_app
+from duetime.server.gateway import Backend, GatewayConfig, create_gateway_app
+from duetime.server.gateway_profiles import cost_of
 from duetime.server.threaded import serve_in_thread
 from duetime.sim.profiles import load_profile
 from tests.test_server import MODEL, _state
@@ -64,3 +69,42 @@ def test_a_given_profile_is_named(tmp_path: Path) -> None:
     with serve_in_thread(create_app(state)) as url:
         p = httpx.get(url + "/v1/profile", trust_env=False).json()
     assert p["origin"] == {"kind": f"given profile {path}", "steps": 0}
+
+
+def test_the_gateway_reads_a_backends_published_model_and_prices_on_it_until_answers() -> None:
+    state = _state(measured_cost=COST)
+    config = GatewayConfig(health_interval_s=0.2, scrape_interval_s=0, profile_interval_s=0.2)
+    # the second backend answers 404 everywhere: not `duetime serve`
+    with ExitStack() as stack:
+        url = stack.enter_context(serve_in_thread(create_app(state)))
+        foreign = stack.enter_context(serve_in_thread(FastAPI()))
+        gw = stack.enter_context(serve_in_thread(create_gateway_app([url, foreign], config)))
+        health = httpx.get(gw + "/health", trust_env=False).json()
+    mine, other = health["backends"]
+    assert mine["profile"]["status"] == "ok"
+    assert mine["profile"]["origin"] == {"kind": "measured at start", "steps": 0}
+    assert mine["profile"]["coefficients"]["c0"] == COST.c0
+    assert mine["profile"]["in_use"] is True
+    assert other["profile"] == {"read": True, "status": "not published"}
+
+
+def test_a_published_model_prices_a_request_until_the_backend_answers() -> None:
+    b = Backend("http://a")
+    assert b.estimates(100, 10) == (b.ttft_s, b.request_time(10))  # nothing published
+    b.published.cost = COST
+    ttft, alone = b.estimates(100, 10)
+    assert ttft == pytest.approx(COST.prefill_time(100))
+    assert alone == pytest.approx(ttft + COST.decode_span(9, 1, 100))
+    assert b.estimates(400, 10)[0] > ttft  # its own prompt is priced
+    b.observe(0.5, 1.4, 10, alpha=0.2)  # answers seen: the moving averages lead
+    assert b.estimates(100, 10) == (pytest.approx(0.5), pytest.approx(0.5 + 0.1 * 10))
+    seeded = Backend("http://b", seeded=True)
+    seeded.published.cost = COST
+    assert seeded.estimates(100, 10) == (seeded.ttft_s, seeded.request_time(10))
+
+
+def test_a_published_profile_body_that_is_no_model_is_refused() -> None:
+    assert cost_of(COST.to_profile()) == COST
+    for bad in ({}, {"coefficients": {"zz": 1.0}}, {"coefficients": {"c0": "x"}}, []):
+        with pytest.raises(CostModelError):
+            cost_of(bad)
