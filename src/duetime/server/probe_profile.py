@@ -54,8 +54,10 @@ __all__ = ["ProbeGrid", "ProbeRun", "decode_samples", "probe_server", "run_probe
 class ProbeGrid:
     """What to send: each prompt length alone and at each concurrency, ``reps`` times.
 
-    The default takes about 2-3 minutes against Gemma 3 270M on 2 CPU cores; ``quick``
-    about 20 s (a smoke test; its held-out score rests on a handful of samples).
+    The default is 60 probes (225 requests) of at most 8 streams x 24 tokens, sized for a
+    few minutes against Gemma 3 270M on 2 CPU cores (not yet timed against it); ``quick``
+    is 27 probes (63 requests) of 12 tokens, a smoke test whose held-out score rests on
+    about 16 samples.
     """
 
     prompts: tuple[int, ...] = (16, 64, 128, 256, 512)
