@@ -76,8 +76,32 @@ def profile(
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the report here.", callback=writable)
     ] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            help="Profile this OpenAI-compatible server black-box (timed streamed "
+            "requests) instead of the embedded engine.",
+        ),
+    ] = None,
+    served_model: Annotated[
+        str | None,
+        typer.Option(help="With --url: the model to probe (default: the first listed)."),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(min=1.0, help="With --url: seconds a probe request may take.")
+    ] = 120.0,
 ) -> None:
-    """Time real engine steps and fit the step-cost models (TimeBill ETE + batch form)."""
+    """Time real engine steps and fit the step-cost models (TimeBill ETE + batch form);
+    with --url, time any OpenAI-compatible server's streamed tokens instead."""
+    if url is not None:
+        from duetime.cli.profile_url import profile_url
+
+        profile_url(
+            url, model=served_model, quick=quick, out=out, json_path=json_path,
+            kv_capacity=kv_capacity, max_num_seqs=max_num_seqs,
+            max_batch_tokens=max_batch_tokens, timeout_s=timeout,
+        )  # fmt: skip
+        return
     from duetime.engine import load_model
     from duetime.engine.cost_regimes import regimes_of
     from duetime.engine.profile import (

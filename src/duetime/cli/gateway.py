@@ -118,6 +118,15 @@ def gateway(
     profile: Annotated[
         list[str], typer.Option(help="URL=path.json with ttft_s/tpot_s seeds (repeatable).")
     ] = [],  # noqa: B006
+    profile_interval: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Seconds between reads of each duetime serve backend's published step-cost "
+            "model (GET /v1/profile; shown in /health, prices its requests until it has "
+            "answered one). 0: off.",
+        ),
+    ] = 10.0,
     allow_remote: Annotated[bool, typer.Option(help="Allow backends off loopback.")] = False,
     shutdown_timeout: ShutdownTimeoutOpt = 30,
     header_timeout: HeaderTimeoutOpt = 30.0,
@@ -157,6 +166,7 @@ def gateway(
             router_seed=seed,
             scrape_interval_s=scrape_interval_ms / 1000.0,
             scrape_max_age_s=scrape_max_age_ms / 1000.0,
+            profile_interval_s=profile_interval,
         )
         if scrape_interval_ms > 0:  # an unreadable /metrics stops here, naming its URL
             for warning in check_metrics(urls):

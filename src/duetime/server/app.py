@@ -1,8 +1,9 @@
 """`duetime serve`: the OpenAI-compatible, deadline-aware HTTP front of the engine.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not),
-``/v1/models``, ``/health``, ``/metrics`` (Prometheus), and vLLM's ``/tokenize`` /
-``/detokenize``. Each request becomes a
+``/v1/models``, ``/v1/profile`` (the fitted step-cost model:
+:mod:`~duetime.server.published_profile`), ``/health``, ``/metrics`` (Prometheus),
+and vLLM's ``/tokenize`` / ``/detokenize``. Each request becomes a
 :class:`~duetime.core.request.Job` on the engine thread; its deadline, priority
 and time-utility function are what the policy schedules by. Handlers only
 tokenize, judge admission and relay tokens, so the event loop never waits on
@@ -30,6 +31,7 @@ from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
 from duetime.server.metrics import ResponseCounter
 from duetime.server.one_request import serve
 from duetime.server.paths import StripTrailingSlash
+from duetime.server.published_profile import published_profile
 from duetime.server.request_checks import check_model
 from duetime.server.response_shapes import ErrorResponse
 from duetime.server.schemas import (
@@ -47,6 +49,7 @@ _ROUTES = frozenset(
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
+        "/v1/profile",
         "/health",
         "/metrics",
         "/tokenize",
@@ -104,6 +107,20 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/profile", responses={503: {"model": ErrorResponse}})
+    async def profile() -> JSONResponse:
+        body = published_profile(state)
+        if body is None:
+            raise ApiError(
+                503,
+                "no step-cost model yet: no --profile was given, none was measured at "
+                "start, and too few steps have been served for the online fit",
+                type="server_error",
+                code="no_cost_model",
+                headers={"Retry-After": "5"},
+            )
+        return JSONResponse(body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

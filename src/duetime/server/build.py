@@ -99,7 +99,15 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
     cost = LinearStepCost.from_profile(options.profile) if options.profile else None
     # a profile fixes the cost model; the model's steps timed at start only seed the
     # online fit, so that admission judges the first requests too
-    timer = StepTimer(prior=cost or options.measured_cost, regimes=_regimes(model))
+    if cost is not None:
+        prior_source = f"given profile {options.profile}"
+    elif options.measured_cost is not None:
+        prior_source = "measured at start"
+    else:
+        prior_source = "given"
+    timer = StepTimer(
+        prior=cost or options.measured_cost, prior_source=prior_source, regimes=_regimes(model)
+    )
     kwargs = dict(options.policy_kwargs or {})
     policy = make_policy(options.policy, **kwargs)  # fail now, not on the engine thread
     if options.admission not in ADMISSION_MODES:

@@ -11,7 +11,8 @@ one retry. What it reads of a body and how it watches the client are in
 per-backend estimates are in :mod:`.gateway_routing`, the fleet snapshot the
 router sees in :mod:`.gateway_fleet`, the router's answers carried out, the slots,
 wait queue, health and metrics in :mod:`.gateway_pool`, the scrapes of each
-backend's own ``/metrics`` in :mod:`.gateway_scrape`.
+backend's own ``/metrics`` in :mod:`.gateway_scrape`, the reads of each backend's
+published step-cost model in :mod:`.gateway_profiles`.
 
 * **Routing**: a router of :mod:`duetime.routers` (``GatewayConfig.router``, the
   routers ``duetime sim --router`` runs) chooses each request's backend from a
@@ -63,6 +64,7 @@ from prometheus_client import generate_latest
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
 from duetime.server.gateway_fleet import Ask, Grant, make_offer
 from duetime.server.gateway_pool import Gateway, model_ids
+from duetime.server.gateway_profiles import ProfileReader
 from duetime.server.gateway_request import (
     _ClientGoneError,
     _request_fields,
@@ -106,6 +108,7 @@ def create_gateway_app(
     gw = Gateway(backends, config, profiles)
     cfg = gw.config
     scraper = Scraper(gw)
+    profiles_reader = ProfileReader(gw)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -121,6 +124,9 @@ def create_gateway_app(
         if scraper.enabled:  # the first requests are routed on scraped state too
             await scraper.scrape_all()
             tasks.append(asyncio.create_task(scraper.loop()))
+        if profiles_reader.enabled:
+            await profiles_reader.read_all()
+            tasks.append(asyncio.create_task(profiles_reader.loop()))
         try:
             yield
         finally:
@@ -160,6 +166,7 @@ def create_gateway_app(
                         "suspect": b.suspect_until > 0,
                         "timeouts": b.timeouts,
                         "metrics": scraper.health(b),
+                        "profile": profiles_reader.health(b),
                     }
                     for b in gw.backends
                 ],

@@ -18,8 +18,9 @@ backend, with no I/O and an explicit clock:
   prefix hit 0 (so those routers fall back to their load tie-break);
 * ``forecast(i)``: the estimate rule ``now + (ahead + 1) * (ttft + tpot *
   max_tokens)`` with ``ahead`` the running plus waiting count and ``ttft`` /
-  ``tpot`` the backend's moving averages: each request ahead is taken to cost as
-  much as this one;
+  ``tpot`` the backend's moving averages (before its first answer, its published
+  cost model on this request's prompt and length, where it publishes one): each
+  request ahead is taken to cost as much as this one;
 * ``up``: the backends the request may go to. Down ones, those not serving its
   model and those a retry excludes are never offered; suspect ones only when all
   are; with a TTFT bound only those whose first-token forecast meets it; and a
@@ -143,8 +144,9 @@ def make_offer(
                 waiting[i] += e.waiting  # the backend's queue, then the gateway's for it
                 hit_rate[i] = e.hit_rate
     limit = np.array([b.limit(mono, max_inflight) for b in backends], dtype=np.int64)
-    alone = np.array([b.request_time(ask.max_tokens) for b in backends])
-    ttft = np.array([b.ttft_s for b in backends])
+    est = [b.estimates(ask.prompt_len, ask.max_tokens) for b in backends]
+    ttft = np.array([t for t, _ in est])
+    alone = np.array([a for _, a in est])
     ahead = running + waiting
     finish = now + (ahead + 1) * alone
     # A slot frees about every alone / limit seconds once the backend is full.

@@ -81,6 +81,7 @@ class Gateway:
             if p:
                 b.ttft_s = float(p.get("ttft_s", b.ttft_s))
                 b.tpot_s = float(p.get("tpot_s", b.tpot_s))
+                b.seeded = True
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
         self.router: Router = make_router(self.config.router, seed=self.config.router_seed)

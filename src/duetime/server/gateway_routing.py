@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
+from duetime.core.cost import LinearStepCost
 from duetime.server.backend_load import Scraped
 
 log = logging.getLogger("duetime.gateway")
@@ -49,6 +51,21 @@ class GatewayConfig:
     #: A scrape older than this is not trusted: the router sees the gateway's own
     #: counts for that backend, and /health reports its metrics stale.
     scrape_max_age_s: float = 1.0
+    #: Seconds between reads of each backend's published step-cost model
+    #: (``GET /v1/profile`` of `duetime serve`: :mod:`.gateway_profiles`); 0 turns it off.
+    #: The model moves slowly (an online fit over the last 256 steps), so seldom is enough.
+    profile_interval_s: float = 10.0
+
+
+@dataclass(slots=True)
+class PublishedCost:
+    """A backend's own step-cost model as it last published it (``GET /v1/profile``)."""
+
+    cost: LinearStepCost | None = None
+    body: dict[str, Any] | None = None  # the profile JSON, as read
+    at: float | None = None  # monotonic time of the last good read
+    #: "ok", "no model yet" (503), "not published" (404: not `duetime serve`), or the error.
+    status: str = "not read"
 
 
 @dataclass(slots=True)
@@ -61,12 +78,14 @@ class Backend:
     ttft_s: float = _DEFAULT_TTFT_S  # EWMA (or the profile's value until observed)
     tpot_s: float = _DEFAULT_TPOT_S  # EWMA of seconds per output token
     observed: int = 0
+    seeded: bool = False  # ttft_s / tpot_s given by hand (--profile URL=path): they lead
     models: list[str] = field(default_factory=list)
     timeouts: int = 0  # read timeouts in a row; any answer that arrives whole resets it
     suspect_until: float = 0.0  # monotonic end of the cool-down; 0: not suspect
     sent: int = 0  # requests the gateway has sent here (only grows: scrapes count from it)
     done: int = 0  # of those, the ones that ended
     scrape: Scraped = field(default_factory=Scraped)  # its own /metrics, last read
+    published: PublishedCost = field(default_factory=PublishedCost)  # its own cost model
 
     def ejected(self, now: float) -> bool:
         """Suspect and within its cool-down: no traffic while another backend can take it."""
@@ -87,6 +106,21 @@ class Backend:
     def request_time(self, max_tokens: int) -> float:
         """Seconds one request of ``max_tokens`` takes here alone, by the estimates."""
         return self.ttft_s + self.tpot_s * max(1, max_tokens)
+
+    def estimates(self, prompt_len: int, max_tokens: int) -> tuple[float, float]:
+        """``(ttft, alone)``: seconds to the first token and for the whole request alone.
+
+        Before any answer is observed here, a published cost model prices this request's
+        own prompt and length (a prefill of ``prompt_len``, then ``max_tokens - 1`` steps of
+        one sequence) instead of the blind 50 ms + 20 ms a token; once answers arrive, the
+        moving averages, which see the backend's real load, take over.
+        """
+        cost = self.published.cost
+        if self.observed or self.seeded or cost is None:
+            return self.ttft_s, self.request_time(max_tokens)
+        n = max(1, prompt_len)
+        ttft = cost.prefill_time(n)
+        return ttft, ttft + cost.decode_span(max(0, max_tokens - 1), 1, n)
 
     def observe(self, ttft_s: float | None, e2e_s: float, tokens: int, alpha: float) -> None:
         ttft = e2e_s if ttft_s is None else min(ttft_s, e2e_s)

@@ -33,6 +33,7 @@ class StepTimer:
         self,
         prior: LinearStepCost | None = None,
         *,
+        prior_source: str = "given",
         regimes: CostRegimes | None = None,
         window: int = 256,
         min_steps: int = 16,
@@ -45,6 +46,8 @@ class StepTimer:
         self._since_fit = refit_every  # the first fit comes as soon as min_steps are in
         self._lock = threading.Lock()
         self._cost: LinearStepCost | None = prior
+        self._prior_source = prior_source
+        self._fitted_on = 0  # steps the current model was fitted to (0: the prior)
 
     @property
     def ready(self) -> bool:
@@ -81,6 +84,7 @@ class StepTimer:
             return  # keep the last model: one odd window must not take admission down
         with self._lock:
             self._cost = cost
+            self._fitted_on = len(self._rows)
         self._since_fit = 0
 
     def step_time(self, prefill: int, decoders: int, kv: int) -> float:
@@ -100,6 +104,18 @@ class StepTimer:
         """The current fit as the simulator's cost model (what policies read)."""
         with self._lock:
             return self._cost
+
+    def origin(self) -> tuple[str | None, int]:
+        """Where the current model came from, and the steps it was fitted to: the prior's
+        source (say ``"given profile"`` or ``"measured at start"``) and 0, or
+        ``"online fit"`` and the window's steps at the last fit; None with no model.
+        What ``GET /v1/profile`` tells a gateway about how far to trust the model."""
+        with self._lock:
+            if self._cost is None:
+                return None, 0
+            if self._fitted_on:
+                return "online fit", self._fitted_on
+            return self._prior_source, 0
 
     def coefficients(self) -> dict[str, object] | None:
         with self._lock:

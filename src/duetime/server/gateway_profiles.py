@@ -1,0 +1,100 @@
+"""Reading each backend's published step-cost model (``GET /v1/profile``).
+
+`duetime serve` publishes the cost model it fits online to its own steps
+(:mod:`.published_profile`). The gateway reads it at start and every
+``profile_interval_s`` after (default 10 s: the fit moves slowly), keeps it in
+the backend's state, shows it in ``/health``, and prices a request on it while
+the backend has answered nothing yet (:meth:`.Backend.estimates`): a model of the
+backend's own steps beats a blind 50 ms + 20 ms a token.
+
+Other servers do not publish one: a 404 is recorded as "not published" (fit one
+with `duetime profile --url` instead), and nothing else changes. A read that fails
+keeps the last good model: the cost of a step does not change because one read
+timed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from duetime.core.cost import CostModelError, LinearStepCost
+from duetime.core.cost_bands import BandCost, CostBandError
+from duetime.server.gateway_pool import Gateway
+from duetime.server.gateway_routing import Backend
+
+__all__ = ["ProfileReader", "cost_of"]
+
+log = logging.getLogger("duetime.gateway")
+
+
+def cost_of(body: Any) -> LinearStepCost:
+    """The cost model of a profile JSON object. Raises :class:`CostModelError`."""
+    if not isinstance(body, dict) or not isinstance(body.get("coefficients"), dict):
+        raise CostModelError("a profile is an object with a 'coefficients' object")
+    try:
+        coeffs: dict[str, Any] = {str(k): float(v) for k, v in body["coefficients"].items()}
+        bands = tuple(BandCost.from_dict(b) for b in body.get("bands") or [])
+        return LinearStepCost(**coeffs, bands=bands, name=str(body.get("name", "published")))
+    except (CostBandError, TypeError, ValueError) as e:
+        raise CostModelError(f"not a usable profile: {e}") from None
+
+
+class ProfileReader:
+    """Reads the backends' published cost models on the gateway's client."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+
+    @property
+    def enabled(self) -> bool:
+        return self.gw.config.profile_interval_s > 0
+
+    async def read(self, b: Backend) -> None:
+        """Read ``b``'s ``/v1/profile`` once; whatever it answers, the loop goes on."""
+        client = self.gw.client
+        assert client is not None
+        p = b.published
+        try:
+            r = await client.get(b.url + "/v1/profile", timeout=2.0)
+            if r.status_code == 200:
+                body = r.json()
+                p.cost, p.body, p.at, p.status = cost_of(body), body, time.monotonic(), "ok"
+            elif r.status_code in (404, 405):
+                p.status = "not published"
+            elif r.status_code == 503:
+                p.status = "no model yet"
+            else:
+                p.status = f"/v1/profile answered HTTP {r.status_code}"
+        except (CostModelError, ValueError) as e:
+            if p.status != str(e):
+                log.warning("backend %s: /v1/profile: %s", b.url, e)
+            p.status = f"/v1/profile: {e}"
+        except Exception as e:  # unreachable now: keep the last good model
+            p.status = f"/v1/profile not reachable ({type(e).__name__})"
+
+    async def read_all(self) -> None:
+        await asyncio.gather(*(self.read(b) for b in self.gw.backends), return_exceptions=True)
+
+    async def loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.gw.config.profile_interval_s)
+            await self.read_all()
+
+    def health(self, b: Backend) -> dict[str, Any]:
+        """``b``'s entry under ``profile`` in the gateway's ``/health``."""
+        p = b.published
+        if not self.enabled:
+            return {"read": False}
+        out: dict[str, Any] = {"read": True, "status": p.status}
+        if p.body is not None and p.at is not None:
+            out.update(
+                age_s=round(time.monotonic() - p.at, 1),
+                name=p.body.get("name"),
+                origin=p.body.get("origin"),
+                coefficients=p.body.get("coefficients"),
+                in_use=not (b.observed or b.seeded),
+            )
+        return out
