@@ -31,4 +31,4 @@ class LeastOutstanding:
         pass
 
     def route(self, snap: FleetSnapshot) -> RouteDecision:
-        return Route(least(snap.running + snap.waiting, snap.up))
+        return Route(least(snap.outstanding, snap.up))

@@ -48,6 +48,7 @@ class Replica:
         "max_time",
         "planned",
         "sim",
+        "stale",
         "state",
         "up",
         "wake",
@@ -65,6 +66,7 @@ class Replica:
         self.idle_calls = 0
         self.up = True
         self.failing = False  # failed: removed from the fleet at its next tick
+        self.stale = False  # its figures changed since the fleet's arrays last took them
         self.max_time = max_time
 
     # --- what the fleet reads -------------------------------------------------------
