@@ -267,40 +267,55 @@ class Fleet:
         heap = self._heap
         reps = self.replicas
         predictor = self.predictor
+        # Both lists end in a sentinel at infinity, so the loop reads the next time of
+        # each without a bounds test (it runs a few times per request).
+        arrivals = [job.request.arrival for job in pending]
+        arrivals.append(math.inf)
+        fails.append((math.inf, -1))
+        inf = math.inf
+        heappop, heappush = heapq.heappop, heapq.heappush
+        stale = self._stale
         i = f = 0
+        t_fail = fails[0][0]
         shown = 0
         while True:
-            t_arr = pending[i].request.arrival if i < n_jobs else math.inf
-            t_fail = fails[f][0] if f < len(fails) else math.inf
+            t_arr = arrivals[i]
             while heap and heap[0][2] != reps[heap[0][1]].epoch:
-                heapq.heappop(heap)  # a plan an arrival or failure cut short
-            t_rep = heap[0][0] if heap else math.inf
-            if t_fail <= t_arr and t_fail <= t_rep and t_fail < math.inf:
+                heappop(heap)  # a plan an arrival or failure cut short
+            t_rep = heap[0][0] if heap else inf
+            if t_fail <= t_arr and t_fail <= t_rep and t_fail < inf:
                 self.now = t_fail
                 self._fail(fails[f][1], t_fail)
                 f += 1
-            elif t_arr <= t_rep and t_arr < math.inf:
+                t_fail = fails[f][0]
+            elif t_arr <= t_rep and t_arr < inf:
                 job = pending[i]
                 i += 1
                 self.now = t_arr
                 if predictor is not None and job.request.predicted is None:
                     job.request.predicted = predictor.predict_job(job)
                 self._route(job, t_arr)
-            elif t_rep < math.inf:
-                _, r, _ = heapq.heappop(heap)
+            elif t_rep < inf:
+                _, r, _ = heappop(heap)
                 rep = reps[r]
                 rep.epoch += 1
-                done = rep.sim.n_done
+                sim = rep.sim
+                done = sim.n_done
                 rep.take_planned()
-                self.now = max(self.now, rep.sim.now)
+                if sim.now > self.now:
+                    self.now = sim.now
                 if rep.failing:
                     self._remove(rep)
                     continue
                 rep.tick()
-                self._touch(rep)
-                self._schedule(rep)
-                if self._queue and rep.sim.n_done != done:
-                    self._retry_queue(rep.sim.now)
+                if not rep.stale:  # (_touch, written out)
+                    rep.stale = True
+                    stale.append(rep)
+                t = rep.next_time()  # (_schedule, written out)
+                if t is not None:
+                    heappush(heap, (t, r, rep.epoch))
+                if self._queue and sim.n_done != done:
+                    self._retry_queue(sim.now)
             else:
                 break
             if progress is not None and i - shown >= 1000:
