@@ -342,15 +342,16 @@ class Fleet:
     def _result(self, pending: list[Job], wall_s: float) -> FleetResult:
         records: list[RequestRecord] = []
         reps = self.replicas
+        kept = [r.sim.records for r in reps]
         refusals = self.refusal_records
-        last = self.routes.last
+        last = self.routes.last_replicas()
         for job in pending:
             rid = job.request.rid
-            rec = refusals.get(rid)  # a refusal is final: nothing routes it after
+            rec = refusals.get(rid) if refusals else None  # a refusal is final
             if rec is None:
-                owner = last(rid)
+                owner = last.get(rid)
                 if owner is not None:
-                    rec = reps[owner].sim.records.get(rid)
+                    rec = kept[owner].get(rid)
             if rec is not None:
                 records.append(rec)
         per = [replica_result(r) for r in reps]

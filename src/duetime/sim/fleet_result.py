@@ -4,6 +4,7 @@ fleet's result, and a replica's own result as the single-engine simulator report
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from duetime.core.cost import LinearStepCost
 from duetime.core.record import RequestRecord
@@ -55,7 +56,7 @@ def replica_result(rep: Replica) -> SimResult:
         if rep.up or r.finish is not None or r.cancelled_at is not None
     ]
     return SimResult(
-        records=sorted(recs, key=lambda r: (r.request.arrival, r.request.rid)),
+        records=sorted(recs, key=attrgetter("request.arrival", "request.rid")),
         sim_time=sim.now,
         engine_steps=sim.engine_steps,
         decode_steps=sim.clock.steps,

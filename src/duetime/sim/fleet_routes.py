@@ -35,6 +35,14 @@ class RouteLog(Mapping[int, list[int]]):
         again = self._again.get(rid)
         return again[-1] if again else self._first.get(rid)
 
+    def last_replicas(self) -> dict[int, int]:
+        """``rid → the replica it was last sent to``, for every request routed (one
+        copy of the first routes, then the few reroutes over it)."""
+        last = dict(self._first)
+        for rid, again in self._again.items():
+            last[rid] = again[-1]
+        return last
+
     def __getitem__(self, rid: int) -> list[int]:
         return [self._first[rid], *self._again.get(rid, ())]
 
