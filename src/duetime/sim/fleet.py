@@ -23,6 +23,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import attrgetter
 
 import numpy as np
 
@@ -256,7 +257,7 @@ class Fleet:
 
     def _run(self, jobs: Iterable[Job], progress: Callable[[int, int], None] | None) -> FleetResult:
         t0 = time.perf_counter()
-        pending = sorted(jobs, key=lambda j: (j.request.arrival, j.request.rid))
+        pending = sorted(jobs, key=attrgetter("request.arrival", "request.rid"))
         n_jobs = len(pending)
         if n_jobs and not pending[-1].request.arrival <= MAX_TIME_S:
             raise SimulationError(
