@@ -49,21 +49,38 @@ class ExecutorCore(Images):
 
     # --- policy interface ------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
-        self._hit_memo.clear()  # the cache may have changed since the last call
-        return EngineSnapshot(
-            now=self.now,
-            waiting=self.waiting,  # type: ignore[arg-type]
-            running=self.running.values(),  # type: ignore[arg-type]
-            prefilling=self.prefilling.values(),  # type: ignore[arg-type]
-            suspended=self.suspended.values(),  # type: ignore[arg-type]
-            kv_capacity=self.kv_capacity,
-            kv_free=self.kv_capacity - self.kv_used,
-            max_num_seqs=self.max_num_seqs,
-            max_batch_tokens=self.max_batch_tokens,
-            num_decoding=self._n_dec,
-            cost=self.step_cost_model(),
-            prefix_lookup=None if self.prefix_cache is None else self._lookup_hit,
+        """The state a policy sees now. One object per executor, brought up to date at
+        each call: its containers are the executor's live ones already, so only the
+        figures change, and a scheduling point costs no new snapshot."""
+        if self._hit_memo:
+            self._hit_memo.clear()  # the cache may have changed since the last call
+        snap = self._snap
+        if snap is None:
+            snap = self._snap = EngineSnapshot(
+                now=self.now,
+                waiting=self.waiting,  # type: ignore[arg-type]
+                running=self.running.values(),  # type: ignore[arg-type]
+                prefilling=self.prefilling.values(),  # type: ignore[arg-type]
+                suspended=self.suspended.values(),  # type: ignore[arg-type]
+                kv_capacity=self.kv_capacity,
+                kv_free=0,
+                max_num_seqs=self.max_num_seqs,
+                max_batch_tokens=self.max_batch_tokens,
+                prefix_lookup=None if self.prefix_cache is None else self._lookup_hit,
+            )
+        snap.now = self.now
+        snap.kv_capacity = cap = self.kv_capacity
+        snap.kv_free = (
+            cap
+            - self._static_kv
+            - self._dec_kv_base
+            - self._n_dec * (self.clock.steps - self._dec_mark)
         )
+        snap.max_num_seqs = self.max_num_seqs
+        snap.max_batch_tokens = self.max_batch_tokens
+        snap.num_decoding = self._n_dec
+        snap.cost = self.step_cost_model()
+        return snap
 
     def step_cost_model(self) -> CostModel | None:
         """The cost model policies may use to estimate times (None if unknown)."""

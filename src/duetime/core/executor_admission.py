@@ -54,7 +54,8 @@ class Admission(StepBooks):
             raise PolicyError(f"policy {self.policy.name!r}: {what} of unknown request {rid}")
         return seq
 
-    def _apply(self, dec: Decision) -> list[tuple[Seq, int]]:
+    def _apply_changes(self, dec: Decision) -> None:
+        """Carry out a decision's cancels, preemptions, suspends, resumes and evictions."""
         name = self.policy.name
         for rid in dec.cancel:
             seq = self._get(rid, "cancel")
@@ -134,17 +135,29 @@ class Admission(StepBooks):
             elif not seq.kv_offloaded:
                 self._static_kv -= n
             self.records[rid].kv_evicted_ratio = alpha
+
+    def _apply(self, dec: Decision) -> list[tuple[Seq, int]]:
+        """Carry ``dec`` out in its fixed order; returns the step's prefill chunks."""
+        if dec.cancel or dec.preempt or dec.suspend or dec.resume or dec.evict:
+            self._apply_changes(dec)  # (most scheduling points change none of these)
         chunks: list[tuple[Seq, int]] = []
+        if not dec.prefill:
+            if self.borrowed:
+                self.borrowed = {}
+            return chunks
+        name = self.policy.name
         named: set[int] = set()
+        seqs = self.seqs
+        cache = self.prefix_cache
         for rid, n in dec.prefill:
-            seq = self._get(rid, "prefill")
+            seq = seqs.get(rid) or self._get(rid, "prefill")
             if rid in named:
                 # Both chunks would start where the prefill stands: the same tokens twice
                 # (the engine's cache would store them twice, the books count them twice).
                 raise PolicyError(f"policy {name!r}: prefill of request {rid} twice in one step")
             named.add(rid)
             if seq.status is SeqStatus.WAITING:
-                cached = self._on_admit(seq, self._prefix_hit(seq))
+                cached = self._on_admit(seq, [] if cache is None else self._prefix_hit(seq))
                 if not 0 <= cached < seq.prefill_target:  # the step must compute a token
                     raise ExecutorError(
                         f"request {rid}: {cached} cached tokens of a {seq.prefill_target}-token "
@@ -159,10 +172,10 @@ class Admission(StepBooks):
                     self._static_kv += cached
                     self.prefill_cached_tokens += cached
                 self.records[rid].cached_prompt_tokens = min(cached, seq.req.prompt_len)
-            elif seq.status is not SeqStatus.RUNNING or seq.prefill_done:
+            elif seq.status is not SeqStatus.RUNNING or seq.prefilled >= seq.prefill_target:
                 raise PolicyError(f"policy {name!r}: prefill of request {rid} in {seq!r}")
-            n = seq.prefill_remaining if n <= 0 else min(n, seq.prefill_remaining)
-            chunks.append((seq, n))
+            left = seq.prefill_target - seq.prefilled
+            chunks.append((seq, left if n <= 0 or n > left else n))
         self._share_prefills(chunks)
         return chunks
 
@@ -170,7 +183,9 @@ class Admission(StepBooks):
         name = self.policy.name
         if prefill_only and not chunks:
             raise PolicyError(f"policy {name!r}: a prefill-only step without a prefill")
-        p_tokens = sum(n for _, n in chunks)
+        p_tokens = 0
+        for _, n in chunks:
+            p_tokens += n
         n_dec = 0 if prefill_only else self._n_dec
         if p_tokens + n_dec > self.max_batch_tokens:
             raise PolicyError(
@@ -182,7 +197,10 @@ class Admission(StepBooks):
                 f"policy {name!r}: {len(self.running)} running sequences, "
                 f"over max_num_seqs={self.max_num_seqs}"
             )
-        need = self.kv_used + p_tokens + n_dec
+        kv_used = (
+            self._static_kv + self._dec_kv_base + self._n_dec * (self.clock.steps - self._dec_mark)
+        )
+        need = kv_used + p_tokens + n_dec
         if need > self.kv_capacity:
             raise PolicyError(
                 f"policy {name!r}: next step needs {need} KV tokens, "

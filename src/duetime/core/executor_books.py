@@ -26,15 +26,24 @@ class KVBooks(PrefixBooks):
         self._dec_kv_base = self._dec_kv()
         self._dec_mark = self.clock.steps
 
+    # (the sums are written out in the properties below: they are read at every
+    # scheduling point, where a call more per read shows in a fleet's wall time)
     @property
     def kv_used(self) -> int:
         """KV tokens on the policy's books (parked suspended KV is not)."""
-        return self._static_kv + self._dec_kv()
+        return (
+            self._static_kv + self._dec_kv_base + self._n_dec * (self.clock.steps - self._dec_mark)
+        )
 
     @property
     def kv_device(self) -> int:
         """KV tokens physically on the device: ``kv_used`` plus parked suspended KV."""
-        return self._static_kv + self._dec_kv() + self._parked_kv
+        return (
+            self._static_kv
+            + self._dec_kv_base
+            + self._n_dec * (self.clock.steps - self._dec_mark)
+            + self._parked_kv
+        )
 
     # --- suspended KV: park on suspend, page out under pressure -----------------
     def _park(self, seq: Seq) -> None:
@@ -72,23 +81,30 @@ class KVBooks(PrefixBooks):
             over -= kv
 
     def _start_decoding(self, seq: Seq) -> None:
-        self._rebase()
+        steps = self.clock.steps
+        n = self._n_dec
+        self._dec_kv_base += n * (steps - self._dec_mark)  # (_rebase, written out)
+        self._dec_mark = steps
         seq._start_decoding()
-        self._n_dec += 1
+        self._n_dec = n + 1
         self._dec_kv_base += seq.kv_tokens
-        self._ride += self._ride_rate(seq)
+        if self._jobs[seq.rid].ride_rows:
+            self._ride += self._ride_rate(seq)
         stop = self._stop_point(seq)
-        heapq.heappush(
-            self._stop_heap, (self.clock.steps + stop - seq.generated, seq.order, seq._epoch, seq)
-        )
+        heapq.heappush(self._stop_heap, (steps + stop - seq.generated, seq.order, seq._epoch, seq))
         if self._chains:
             self._push_block_due(seq)
 
     def _stop_decoding(self, seq: Seq) -> None:
-        self._rebase()
-        self._dec_kv_base -= seq.kv_tokens
-        self._n_dec -= 1
-        self._ride = self._ride - self._ride_rate(seq) if self._n_dec else 0.0
+        steps = self.clock.steps
+        n = self._n_dec
+        self._dec_kv_base += n * (steps - self._dec_mark) - seq.kv_tokens
+        self._dec_mark = steps
+        self._n_dec = n = n - 1
+        if not n:
+            self._ride = 0.0
+        elif self._jobs[seq.rid].ride_rows:
+            self._ride -= self._ride_rate(seq)
         seq._stop_decoding()
 
     def _ride_rate(self, seq: Seq) -> float:
@@ -120,6 +136,11 @@ class KVBooks(PrefixBooks):
             self.waiting.remove(seq)
 
     def _track_peak(self) -> None:
-        used = self.kv_device
+        used = (
+            self._static_kv
+            + self._dec_kv_base
+            + self._n_dec * (self.clock.steps - self._dec_mark)
+            + self._parked_kv
+        )
         if used > self.kv_peak:
             self.kv_peak = used

@@ -142,6 +142,8 @@ class PrefixBooks(ExecutorState):
             self.borrowed = {}
         if len(chunks) < 2 or not self.share_prefills:
             return
+        if all(s.req.prompt_token_ids is None and s.req.prefix_group is None for s, _ in chunks):
+            return  # nothing says any two prompts begin alike (what _share_key reads)
         # Chunks that can share begin alike where they start: bucketing them by that
         # first block keeps a step of k unrelated chunks at k lookups, not k² comparisons.
         leaders: dict[Hashable, list[tuple[Seq, int]]] = {}

@@ -18,6 +18,7 @@ from duetime.core.prefix_cache import PrefixCache, block_key
 from duetime.core.record import RequestRecord
 from duetime.core.request import Job
 from duetime.core.sequence import DecodeClock, Seq
+from duetime.core.snapshot import EngineSnapshot
 from duetime.core.waiting import WaitingQueue
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ class ExecutorState:
         # rid → its prefix hit, looked up for this scheduling point's policy (the cache
         # does not change between the policy's call and the decision's admissions)
         self._hit_memo: dict[int, int] = {}
+        self._snap: EngineSnapshot | None = None  # the one snapshot policies are handed
 
     # --- hooks for executors with real memory (no-ops here) --------------------
     def _on_admit(self, seq: Seq, prefix: list[Any]) -> int:

@@ -150,22 +150,23 @@ class StepBooks(KVBooks):
         any_done = False
         while heap and heap[0][0] <= steps:
             _, _, epoch, seq = heapq.heappop(heap)
-            if not seq.decoding or seq._epoch != epoch:
+            if not seq._decoding or seq._epoch != epoch:
                 continue  # stale: preempted, suspended or re-started since
             any_done = True
             self._reach_stop(seq)
         return any_done
 
     def _reach_stop(self, seq: Seq) -> None:
-        rec = self.records[seq.rid]
-        job = self._jobs[seq.rid]
+        rid = seq.rid
+        rec = self.records[rid]
         target = rec.target_tokens
         self._stop_decoding(seq)
-        del self.running[seq.rid]
+        del self.running[rid]
         rec.segment_done.append(self.now)
-        if seq.generated >= target:
+        if seq._gen_base >= target:  # (``generated``: it has stopped decoding)
             self._finish(seq)
             return
+        job = self._jobs[rid]
         k = seq.segment_index
         gap = job.gap(k)
         nxt = job.segments[k + 1] if k + 1 < len(job.segments) else target
@@ -218,7 +219,10 @@ class StepBooks(KVBooks):
         """A released sequence has its whole answer: free its KV and close its record."""
         rec = self.records[seq.rid]
         seq.status = SeqStatus.FINISHED
-        self._drop_kv(seq)
+        if self._chains:
+            self._drop_kv(seq)
+        else:  # (no prefix-cache chain to drop: only the executor's hook)
+            self._on_drop_kv(seq)
         self.n_done += 1
         rec.finish = self.now
         rec.output_tokens = seq.generated
@@ -231,7 +235,9 @@ class StepBooks(KVBooks):
         if self._n_dec and not prefill_only:
             self.clock.steps += 1
             self.tokens_generated += self._n_dec
-        p_tokens = sum(n for _, n in chunks)
+        p_tokens = 0
+        for _, n in chunks:
+            p_tokens += n
         self.prefill_tokens += p_tokens
         if self.borrowed:  # rows a chunk copied from another were not computed
             self.prefill_tokens -= sum(rows for _, rows in self.borrowed.values())
@@ -254,5 +260,8 @@ class StepBooks(KVBooks):
             # Join the decoders; one whose stop is already reached (a one-token
             # answer, a segment of one) is popped by _finish_due right below.
             self._start_decoding(seq)
-        self._offer_blocks(chunks)  # before _finish_due frees a finished one's KV
-        self._finish_due()
+        if self._chains:  # (only a prefix cache's chains have blocks to offer)
+            self._offer_blocks(chunks)  # before _finish_due frees a finished one's KV
+        heap = self._stop_heap
+        if heap and heap[0][0] <= self.clock.steps:
+            self._finish_due()

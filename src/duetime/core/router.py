@@ -77,7 +77,12 @@ class FleetSnapshot:
     replica failed: never route there), ``running`` (sequences holding a batch
     slot), ``waiting`` (queued on the replica, suspended ones included, and those
     routed there that it has not yet taken in), ``kv_used`` / ``kv_capacity``
-    (KV tokens). They are the fleet's live arrays, not copies: never mutate them.
+    (KV tokens), and :attr:`outstanding` (running plus waiting, Vidur's LOR count:
+    most routers rank by it, so a fleet keeps it, ``kept_outstanding``, rather than
+    have each router add the two arrays per request). They are the fleet's live
+    arrays, not copies: never mutate them. A fleet may hand the same snapshot
+    object, updated, to its next question: a router reads it during ``route`` and
+    keeps none of it.
 
     Two figures cost more than a lookup and are computed only when asked for:
     :meth:`prefix_hit` (prompt tokens of ``request`` the replica's prefix cache
@@ -97,6 +102,7 @@ class FleetSnapshot:
     kv_capacity: IntArray
     prefix_lookup: Callable[[int], int]
     forecast_of: Callable[[int], float | None]
+    kept_outstanding: IntArray | None = None  # running + waiting, where the fleet keeps it
 
     @property
     def n(self) -> int:
@@ -106,7 +112,8 @@ class FleetSnapshot:
     @property
     def outstanding(self) -> IntArray:
         """Requests each replica holds: running plus waiting (Vidur's LOR count)."""
-        return self.running + self.waiting
+        kept = self.kept_outstanding
+        return self.running + self.waiting if kept is None else kept
 
     def up_indices(self) -> IntArray:
         """Indices of the replicas that are up, ascending."""

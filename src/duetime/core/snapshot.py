@@ -21,7 +21,9 @@ class EngineSnapshot:
     ``prefilling`` is the subset of ``running`` whose prefill is unfinished
     (chunked prefill in progress). The lists are
     the executor's live containers, not copies (a copy per step would cost more
-    than the step): never mutate them. ``kv_free`` and ``kv_capacity`` count
+    than the step): never mutate them. For the same reason an executor hands its
+    policy one snapshot object, brought up to date at each scheduling point: a
+    policy reads it during ``schedule`` and keeps none of it. ``kv_free`` and ``kv_capacity`` count
     tokens. ``cost`` is the executor's step-cost model (the fitted profile on
     the real engine), so a policy can estimate execution times the same way in
     both executors. ``max_num_seqs`` and ``max_batch_tokens`` are the engine's

@@ -47,7 +47,7 @@ class ForecastDeadline:
                 retry_after_s=max(1.0, 0.0 if best < 0 else best_end - due),
             )
         if best < 0:  # no deadline, and no forecast finished: the least loaded
-            load = snap.running + snap.waiting
+            load = snap.outstanding
             ups = snap.up_indices()
             best = int(ups[load[ups].argmin()])
         return Route(best)

@@ -24,7 +24,7 @@ class LeastKV:
 
     def route(self, snap: FleetSnapshot) -> RouteDecision:
         use = snap.kv_used / snap.kv_capacity
-        load = snap.running + snap.waiting
+        load = snap.outstanding
         # np.lexsort sorts by its last key first: use, then load, then index
         order = np.lexsort((np.arange(snap.n), load, np.where(snap.up, use, np.inf)))
         return Route(int(order[0]))

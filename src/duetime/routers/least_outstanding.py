@@ -20,6 +20,9 @@ _BIG = np.iinfo(np.int64).max
 
 def least(values: np.ndarray, up: np.ndarray) -> int:
     """Index of the smallest value among up replicas (the lowest index on ties)."""
+    i = int(values.argmin())  # the first smallest of all: when it is up, it is the
+    if up[i]:  # first smallest among the up ones too (a lower up one would be first)
+        return i
     return int(np.where(up, values, _BIG).argmin())
 
 
@@ -31,4 +34,4 @@ class LeastOutstanding:
         pass
 
     def route(self, snap: FleetSnapshot) -> RouteDecision:
-        return Route(least(snap.running + snap.waiting, snap.up))
+        return Route(least(snap.outstanding, snap.up))

@@ -27,5 +27,5 @@ class PowerOfTwo:
         if len(up) == 1:
             return Route(int(up[0]))
         a, b = (int(up[k]) for k in self._rng.choice(len(up), size=2, replace=False))
-        load = snap.running + snap.waiting
+        load = snap.outstanding
         return Route(a if load[a] <= load[b] else b)

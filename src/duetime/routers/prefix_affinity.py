@@ -30,7 +30,7 @@ class PrefixAffinity:
         self.cap = cap
 
     def route(self, snap: FleetSnapshot) -> RouteDecision:
-        load = snap.running + snap.waiting
+        load = snap.outstanding
         up = snap.up
         floor = int(load[up].min())
         best, best_key = -1, (0, 0, 0)

@@ -23,53 +23,23 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
-from duetime.core.cost import LinearStepCost
 from duetime.core.policy import Policy
 from duetime.core.record import RequestRecord
-from duetime.core.request import MAX_TIME_S, Job
+from duetime.core.request import MAX_TIME_S, Job, Request
 from duetime.core.router import FleetSnapshot, Refuse, Route, Router, RouterError, Wait
 from duetime.predict.oracle import JobPredictor
+from duetime.sim.fleet_result import FleetResult, ReplicaSpec, replica_result
+from duetime.sim.fleet_routes import RouteLog
 from duetime.sim.fleet_view import forecast_finish, prefix_hit
+from duetime.sim.gc_pause import gc_paused
 from duetime.sim.replica import Replica, State
-from duetime.sim.simulator import SimConfig, SimResult, SimulationError, Simulator
+from duetime.sim.simulator import SimulationError, Simulator
 
-
-@dataclass(slots=True)
-class ReplicaSpec:
-    """One replica's engine: its step-cost model and limits, and a name for tables."""
-
-    cost: LinearStepCost
-    config: SimConfig
-    name: str = "replica"
-
-
-@dataclass(slots=True)
-class FleetResult:
-    """The fleet's records (one per request: where it ended, or its refusal), each
-    replica's own result, and counts of what the router decided.
-
-    ``routes[rid]`` lists the replicas a request was sent to, in order (more than one
-    only after a failure); ``refused[rid]`` is the refusal's reason for a request
-    that never ran to its end because the router turned it away."""
-
-    records: list[RequestRecord]
-    replicas: list[SimResult]
-    names: list[str]
-    routes: dict[int, list[int]]
-    refused: dict[int, str]
-    counters: dict[str, int]
-    sim_time: float
-    wall_s: float
-    router_calls: int
-    failed_replicas: list[int] = field(default_factory=list)
-
-    @property
-    def engine_steps(self) -> int:
-        return sum(r.engine_steps for r in self.replicas)
+__all__ = ["Fleet", "FleetResult", "ReplicaSpec"]
 
 
 class Fleet:
@@ -103,14 +73,18 @@ class Fleet:
             if not (math.isfinite(t) and t >= 0):
                 raise ValueError(f"replica {i}'s failure time must be finite and >= 0, got {t}")
         self.up = np.ones(n, dtype=bool)
+        self.n_up = n
         self.running = np.zeros(n, dtype=np.int64)
         self.waiting = np.zeros(n, dtype=np.int64)
+        self.outstanding = np.zeros(n, dtype=np.int64)
         self.kv_used = np.zeros(n, dtype=np.int64)
         self.kv_capacity = np.array([s.config.kv_capacity for s in specs], dtype=np.int64)
-        self.routes: dict[int, list[int]] = {}
+        # Replicas whose figures changed since the arrays were last written: written
+        # when a router next looks (a replica often moves several times in between).
+        self._stale: list[Replica] = []
+        self.routes = RouteLog()
         self.refused: dict[int, str] = {}
         self.refusal_records: dict[int, RequestRecord] = {}
-        self.owner: dict[int, int] = {}  # rid → the replica it was last routed to
         self._orphans: set[int] = set()  # rids a failed replica held: offered again
         self.counters = {"routed": 0, "refused": 0, "rerouted": 0, "failed": 0, "waited": 0}
         self.router_calls = 0
@@ -118,14 +92,52 @@ class Fleet:
         self._queue: list[tuple[float, int, Job]] = []  # the fleet queue: (key, order, job)
         self._order = 0
         self.now = 0.0
+        # One snapshot, updated for each question (routers keep none of it): the
+        # request asked about, and the forecasts made for it so far.
+        self._asked: Request | None = None
+        self._forecasts: dict[int, float | None] = {}
+        self._snap = FleetSnapshot(
+            now=0.0,
+            request=Request(rid=-1, arrival=0.0, prompt_len=1),
+            up=self.up,
+            running=self.running,
+            waiting=self.waiting,
+            kv_used=self.kv_used,
+            kv_capacity=self.kv_capacity,
+            prefix_lookup=self._prefix_hit,
+            forecast_of=self._forecast,
+            kept_outstanding=self.outstanding,
+        )
 
     # --- the replicas' figures, kept in arrays for the snapshot ---------------------
-    def _refresh(self, rep: Replica) -> None:
-        i = rep.index
-        sim = rep.sim
-        self.running[i] = len(sim.running)
-        self.waiting[i] = rep.waiting
-        self.kv_used[i] = sim.kv_used
+    def _touch(self, rep: Replica) -> None:
+        """The replica's figures changed: write them before a router next looks."""
+        if not rep.stale:
+            rep.stale = True
+            self._stale.append(rep)
+
+    def _refresh(self) -> None:
+        """Write the figures of every replica that changed since the last question."""
+        running, waiting, outstanding, kv_used = (
+            self.running,
+            self.waiting,
+            self.outstanding,
+            self.kv_used,
+        )
+        for rep in self._stale:
+            rep.stale = False
+            i = rep.index
+            if rep.state is State.DONE and not rep.up:
+                running[i] = waiting[i] = outstanding[i] = kv_used[i] = 0
+                continue
+            sim = rep.sim
+            r = len(sim.running)
+            w = len(sim.waiting) + len(sim.suspended) + len(rep.inbox)
+            running[i] = r
+            waiting[i] = w
+            outstanding[i] = r + w
+            kv_used[i] = sim.kv_used
+        self._stale.clear()
 
     def _schedule(self, rep: Replica) -> None:
         """Put the replica's next scheduling point on the heap (if it has one)."""
@@ -134,48 +146,52 @@ class Fleet:
             heapq.heappush(self._heap, (t, rep.index, rep.epoch))
 
     # --- routing --------------------------------------------------------------------
+    def _prefix_hit(self, i: int) -> int:
+        assert self._asked is not None, "asked outside a question"
+        return prefix_hit(self.replicas[i], self._asked)
+
+    def _forecast(self, i: int) -> float | None:
+        memo = self._forecasts
+        if i not in memo:
+            req = self._asked
+            assert req is not None, "asked outside a question"
+            memo[i] = forecast_finish(self.replicas[i], req, self._snap.now, self.new_policy)
+        return memo[i]
+
     def _snapshot(self, job: Job, now: float) -> FleetSnapshot:
-        req = job.request
-        memo: dict[int, float | None] = {}
-        reps = self.replicas
-
-        def forecast_of(i: int) -> float | None:
-            if i not in memo:
-                memo[i] = forecast_finish(reps[i], req, now, self.new_policy)
-            return memo[i]
-
-        return FleetSnapshot(
-            now=now,
-            request=req,
-            up=self.up,
-            running=self.running,
-            waiting=self.waiting,
-            kv_used=self.kv_used,
-            kv_capacity=self.kv_capacity,
-            prefix_lookup=lambda i: prefix_hit(reps[i], req),
-            forecast_of=forecast_of,
-        )
+        """The fleet snapshot for ``job`` at ``now``: the one object, brought up to date."""
+        if self._stale:
+            self._refresh()
+        if self._forecasts:
+            self._forecasts = {}
+        snap = self._snap
+        snap.now = now
+        snap.request = self._asked = job.request
+        return snap
 
     def _route(self, job: Job, now: float, *, retry: bool = False) -> bool:
         """Ask the router about ``job`` at ``now`` and carry the answer out; False when
         it is to wait (a job already in the fleet queue stays where it is)."""
         rid = job.request.rid
-        if not self.up.any():
+        if not self.n_up:
             self._refuse(job, now, "every replica is down")
             return True
         self.router_calls += 1
         dec = self.router.route(self._snapshot(job, now))
-        if isinstance(dec, Route):
+        if type(dec) is Route or isinstance(dec, Route):
             i = dec.replica
             if not (0 <= i < len(self.replicas) and self.up[i]):
                 raise RouterError(f"router {self.router.name!r} chose replica {i}, which is down")
             rep = self.replicas[i]
-            self.routes.setdefault(rid, []).append(i)
-            self.owner[rid] = i
-            self.counters["rerouted" if rid in self._orphans else "routed"] += 1
+            if self._orphans and rid in self._orphans:
+                self.routes.again(rid, i)
+                self.counters["rerouted"] += 1
+            else:
+                self.routes.first(rid, i)
+                self.counters["routed"] += 1
             if rep.deliver(job, now):
                 self._schedule(rep)
-            self._refresh(rep)
+            self._touch(rep)
             return True
         if isinstance(dec, Wait):
             if not retry:
@@ -212,6 +228,7 @@ class Fleet:
         if not self.up[i]:
             return
         self.up[i] = False
+        self.n_up -= 1
         rep.up = False
         rep.failing = True
         if rep.cut(t) or rep.state is State.DONE:
@@ -225,11 +242,9 @@ class Fleet:
         rep.state = State.DONE
         orphans = rep.in_flight()
         rep.inbox.clear()
-        self.running[rep.index] = self.waiting[rep.index] = self.kv_used[rep.index] = 0
+        self._touch(rep)  # a failed replica's figures are written as zeros
         for job in orphans:
-            rid = job.request.rid
-            self.owner.pop(rid, None)
-            self._orphans.add(rid)
+            self._orphans.add(job.request.rid)
             self._route(job, now)
 
     # --- main loop ------------------------------------------------------------------
@@ -237,8 +252,12 @@ class Fleet:
         self, jobs: Iterable[Job], progress: Callable[[int, int], None] | None = None
     ) -> FleetResult:
         """Simulate until every request ended, was refused, or the clock passed ``max_time``."""
+        with gc_paused():
+            return self._run(jobs, progress)
+
+    def _run(self, jobs: Iterable[Job], progress: Callable[[int, int], None] | None) -> FleetResult:
         t0 = time.perf_counter()
-        pending = sorted(jobs, key=lambda j: (j.request.arrival, j.request.rid))
+        pending = sorted(jobs, key=attrgetter("request.arrival", "request.rid"))
         n_jobs = len(pending)
         if n_jobs and not pending[-1].request.arrival <= MAX_TIME_S:
             raise SimulationError(
@@ -249,40 +268,55 @@ class Fleet:
         heap = self._heap
         reps = self.replicas
         predictor = self.predictor
+        # Both lists end in a sentinel at infinity, so the loop reads the next time of
+        # each without a bounds test (it runs a few times per request).
+        arrivals = [job.request.arrival for job in pending]
+        arrivals.append(math.inf)
+        fails.append((math.inf, -1))
+        inf = math.inf
+        heappop, heappush = heapq.heappop, heapq.heappush
+        stale = self._stale
         i = f = 0
+        t_fail = fails[0][0]
         shown = 0
         while True:
-            t_arr = pending[i].request.arrival if i < n_jobs else math.inf
-            t_fail = fails[f][0] if f < len(fails) else math.inf
+            t_arr = arrivals[i]
             while heap and heap[0][2] != reps[heap[0][1]].epoch:
-                heapq.heappop(heap)  # a plan an arrival or failure cut short
-            t_rep = heap[0][0] if heap else math.inf
-            if t_fail <= t_arr and t_fail <= t_rep and t_fail < math.inf:
+                heappop(heap)  # a plan an arrival or failure cut short
+            t_rep = heap[0][0] if heap else inf
+            if t_fail <= t_arr and t_fail <= t_rep and t_fail < inf:
                 self.now = t_fail
                 self._fail(fails[f][1], t_fail)
                 f += 1
-            elif t_arr <= t_rep and t_arr < math.inf:
+                t_fail = fails[f][0]
+            elif t_arr <= t_rep and t_arr < inf:
                 job = pending[i]
                 i += 1
                 self.now = t_arr
                 if predictor is not None and job.request.predicted is None:
                     job.request.predicted = predictor.predict_job(job)
                 self._route(job, t_arr)
-            elif t_rep < math.inf:
-                _, r, _ = heapq.heappop(heap)
+            elif t_rep < inf:
+                _, r, _ = heappop(heap)
                 rep = reps[r]
                 rep.epoch += 1
-                done = rep.sim.n_done
+                sim = rep.sim
+                done = sim.n_done
                 rep.take_planned()
-                self.now = max(self.now, rep.sim.now)
+                if sim.now > self.now:
+                    self.now = sim.now
                 if rep.failing:
                     self._remove(rep)
                     continue
                 rep.tick()
-                self._refresh(rep)
-                self._schedule(rep)
-                if self._queue and rep.sim.n_done != done:
-                    self._retry_queue(rep.sim.now)
+                if not rep.stale:  # (_touch, written out)
+                    rep.stale = True
+                    stale.append(rep)
+                t = rep.next_time()  # (_schedule, written out)
+                if t is not None:
+                    heappush(heap, (t, r, rep.epoch))
+                if self._queue and sim.n_done != done:
+                    self._retry_queue(sim.now)
             else:
                 break
             if progress is not None and i - shown >= 1000:
@@ -309,16 +343,19 @@ class Fleet:
     def _result(self, pending: list[Job], wall_s: float) -> FleetResult:
         records: list[RequestRecord] = []
         reps = self.replicas
+        kept = [r.sim.records for r in reps]
+        refusals = self.refusal_records
+        last = self.routes.last_replicas()
         for job in pending:
             rid = job.request.rid
-            owner = self.owner.get(rid)
-            if owner is not None:
-                rec = reps[owner].sim.records.get(rid)
-                if rec is not None:
-                    records.append(rec)
-            elif rid in self.refusal_records:
-                records.append(self.refusal_records[rid])
-        per = [_replica_result(r) for r in reps]
+            rec = refusals.get(rid) if refusals else None  # a refusal is final
+            if rec is None:
+                owner = last.get(rid)
+                if owner is not None:
+                    rec = kept[owner].get(rid)
+            if rec is not None:
+                records.append(rec)
+        per = [replica_result(r) for r in reps]
         return FleetResult(
             records=records,
             replicas=per,
@@ -331,27 +368,3 @@ class Fleet:
             router_calls=self.router_calls,
             failed_replicas=sorted(i for i, r in enumerate(reps) if not r.up),
         )
-
-
-def _replica_result(rep: Replica) -> SimResult:
-    """The replica's counters as a :class:`SimResult`; its records are those it ended."""
-    sim = rep.sim
-    recs = [
-        r
-        for r in sim.records.values()
-        if rep.up or r.finish is not None or r.cancelled_at is not None
-    ]
-    return SimResult(
-        records=sorted(recs, key=lambda r: (r.request.arrival, r.request.rid)),
-        sim_time=sim.now,
-        engine_steps=sim.engine_steps,
-        decode_steps=sim.clock.steps,
-        policy_calls=sim.policy_calls,
-        preemptions=sim.preemptions,
-        wall_s=0.0,
-        kv_peak=sim.kv_peak,
-        tokens_generated=sim.tokens_generated,
-        mean_in_system=sim._area / sim.now if sim.now > 0 else 0.0,
-        mean_running=sim._area_run / sim.now if sim.now > 0 else 0.0,
-        counters=dict(sim.counters),
-    )

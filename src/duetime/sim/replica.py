@@ -48,6 +48,8 @@ class Replica:
         "max_time",
         "planned",
         "sim",
+        "span",
+        "stale",
         "state",
         "up",
         "wake",
@@ -59,12 +61,14 @@ class Replica:
         self.inbox: deque[tuple[float, Job]] = deque()  # (routed at, job), in routing order
         self.state = State.ASLEEP
         self.planned = 0  # steps of the planned decode run
+        self.span: float | None = None  # its seconds, once asked (taking it needs them)
         self.horizon = math.inf  # the replica's own next event
         self.wake = math.inf  # the policy's last wake_at
         self.epoch = 0  # bumped whenever the time the heap holds for it goes stale
         self.idle_calls = 0
         self.up = True
         self.failing = False  # failed: removed from the fleet at its next tick
+        self.stale = False  # its figures changed since the fleet's arrays last took them
         self.max_time = max_time
 
     # --- what the fleet reads -------------------------------------------------------
@@ -80,7 +84,9 @@ class Replica:
         if state is State.READY:
             return self.sim.now
         if state is State.DECODE:
-            return self.sim._decode_end(self.planned)
+            sim = self.sim
+            self.span = span = sim._decode_span_s(self.planned)
+            return sim._decode_end(self.planned, span)
         if state is State.IDLE:
             return self.sim.now + max(self.horizon - self.sim.now, 0.0)
         return None
@@ -114,7 +120,7 @@ class Replica:
         """The heap reached the planned event: take it (then :meth:`tick`)."""
         sim = self.sim
         if self.state is State.DECODE:
-            sim._decode_apply(self.planned)
+            sim._decode_apply(self.planned, self.span)  # (planned, then left alone)
         elif self.state is State.IDLE:
             sim._advance(max(self.horizon - sim.now, 0.0))
         self.state = State.READY
@@ -128,11 +134,17 @@ class Replica:
         while inbox and inbox[0][0] <= now:
             sim.admit_arrival(inbox.popleft()[1])
         timers = sim._timers
-        while timers and timers[0] <= now:
-            heapq.heappop(timers)
-        if self.wake <= now:
-            self.wake = math.inf
-        own = min(timers[0] if timers else math.inf, self.wake)
+        if timers:
+            while timers and timers[0] <= now:
+                heapq.heappop(timers)
+            own = timers[0] if timers else math.inf
+        else:
+            own = math.inf
+        wake = self.wake
+        if wake <= now:
+            self.wake = wake = math.inf
+        if wake < own:
+            own = wake
         if not sim.running and not sim.waiting and not sim.suspended:
             self.state = State.ASLEEP
             return
@@ -141,19 +153,21 @@ class Replica:
             return
         dec = sim.policy.schedule(sim.snapshot())
         sim.policy_calls += 1
-        if dec.wake_at is not None and dec.wake_at > now:
-            self.wake = min(self.wake, dec.wake_at)
+        wake_at = dec.wake_at
+        if wake_at is not None and wake_at > now:
+            self.wake = min(self.wake, wake_at)
             own = min(own, self.wake)
         chunks = sim._apply(dec)
         sim._check_limits(chunks, dec.prefill_only)
         if chunks or sim._n_dec:
             self.idle_calls = 0
-        self.horizon = min(own, self.max_time)
+        self.horizon = own if own < self.max_time else self.max_time
         if chunks:
             sim._prefill_step(chunks, dec.prefill_only)
             self.state = State.READY
         elif sim._n_dec:
             self.planned = sim._decode_plan(self.horizon)
+            self.span = None
             self.state = State.DECODE
         elif sim._pending_swap or sim._pending_evict_s:
             sim._prefill_step([])

@@ -123,8 +123,9 @@ class Simulator(ExecutorCore):
         hold: ``prefill_only``)."""
         p_tokens = 0.0
         attn = 0.0
+        lent = self.borrowed
         for seq, n in chunks:
-            rows = self.computed_rows(seq, n)
+            rows = self.computed_rows(seq, n) if lent else n
             p_tokens += rows
             attn += rows * (seq.prefilled + n)
         swap = self._pending_swap
@@ -145,17 +146,18 @@ class Simulator(ExecutorCore):
         Nothing is changed but dropping stale stop entries; a fleet plans a run, and
         cuts it short (plans again) if a request is routed here before it ends."""
         d = self._n_dec
-        kv = self._dec_kv()
+        steps = self.clock.steps
+        kv = self._dec_kv_base + d * (steps - self._dec_mark)
         heap = self._stop_heap
-        while heap and (not heap[0][3].decoding or heap[0][3]._epoch != heap[0][2]):
+        while heap and (not heap[0][3]._decoding or heap[0][3]._epoch != heap[0][2]):
             heapq.heappop(heap)  # drop stale entries so they do not shorten the jump
-        k = self._stop_heap[0][0] - self.clock.steps if self._stop_heap else 1 << 62
+        k = heap[0][0] - steps if heap else 1 << 62
         # Device room, parked KV included: a run that would need a page-out stops
         # there, so the next call pages out exactly when the engine would.
-        free = self.cfg.kv_capacity - self.kv_device
+        free = self.cfg.kv_capacity - (self._static_kv + kv + self._parked_kv)
         k = min(k, free // d)
         if horizon_time < math.inf:
-            ride = self._ride_step_s(d, kv)
+            ride = self._ride_step_s(d, kv) if self._ride else 0.0
             horizon = horizon_time - self.now
             kt = self._steps_within(horizon, d, kv, ride)
             if self.cost.decode_span(kt, d, kv) + kt * ride < horizon:
@@ -169,33 +171,40 @@ class Simulator(ExecutorCore):
         """Seconds ``k`` pure-decode steps of the current batch take (what
         :meth:`_decode_apply` advances the clock by, pending eviction work aside)."""
         d = self._n_dec
-        kv = self._dec_kv()
-        dt = self.cost.decode_span(k, d, kv) + k * self._ride_step_s(d, kv)
+        kv = self._dec_kv_base + d * (self.clock.steps - self._dec_mark)
+        dt = self.cost.decode_span(k, d, kv)
+        dt += k * self._ride_step_s(d, kv) if self._ride else 0.0
         if self._pending_swap:
             dt += self.cost.step_time(0, 0.0, 0, 0, self._pending_swap) - self.cost.step_time(
                 0, 0.0, 0, 0
             )
         return dt
 
-    def _decode_end(self, k: int) -> float:
-        """The clock after :meth:`_decode_apply` of ``k`` steps (same arithmetic)."""
-        dt = self._decode_span_s(k)
+    def _decode_end(self, k: int, span: float | None = None) -> float:
+        """The clock after :meth:`_decode_apply` of ``k`` steps (same arithmetic);
+        ``span`` as there."""
+        dt = self._decode_span_s(k) if span is None else span
         if self._pending_evict_s:
             dt += self._pending_evict_s
         return self.now + dt
 
-    def _decode_apply(self, k: int) -> None:
-        """Take ``k`` pure-decode steps at once (a run :meth:`_decode_plan` measured)."""
+    def _decode_apply(self, k: int, span: float | None = None) -> None:
+        """Take ``k`` pure-decode steps at once (a run :meth:`_decode_plan` measured);
+        ``span``: what :meth:`_decode_span_s` gave for them, where it was asked already
+        and nothing has changed since."""
         d = self._n_dec
-        dt = self._decode_span_s(k)
+        dt = self._decode_span_s(k) if span is None else span
         self._pending_swap = 0
         self._advance(dt)
         self.clock.steps += k
         self.engine_steps += k
         self.tokens_generated += k * d
         self._track_peak()
-        self._offer_blocks([])  # the blocks the run completed, before finishers leave
-        self._finish_due()
+        if self._chains:  # the blocks the run completed, before finishers leave
+            self._offer_blocks([])
+        heap = self._stop_heap
+        if heap and heap[0][0] <= self.clock.steps:
+            self._finish_due()
 
     def _ride_step_s(self, d: int, kv: int) -> float:
         """Seconds the decoders' riding rows add to each decode step (0 without any)."""
