@@ -136,3 +136,17 @@ def test_timebill_reads_its_prompt_curve_off_the_long_prompts_band() -> None:
 def test_a_banded_decode_step_must_still_cost_something() -> None:
     with pytest.raises(CostModelError, match="at least"):
         LinearStepCost(bands=(BandCost("rows", 8, math.inf, 0.05, 0.0),))
+
+
+def test_the_floor_pools_repeats_from_both_ends_of_a_run() -> None:
+    """A machine that slowed by 10 % between the two bursts of repeats: each burst alone
+    is steady, the pooled floor shows the move and the drift names it."""
+    from duetime.engine.profile import NoiseShape, noise_drift_pct, noise_floor_pct, pool_noise
+
+    first = [NoiseShape.of("decode", [0.100] * 8), NoiseShape.of("prefill", [0.200] * 8)]
+    last = [NoiseShape.of("decode", [0.110] * 8), NoiseShape.of("prefill", [0.220] * 8)]
+    assert noise_floor_pct(first) == 0.0
+    assert noise_drift_pct(first, last) == pytest.approx(10.0)
+    pooled = pool_noise(first, last)
+    assert [len(s.seconds) for s in pooled] == [16, 16]
+    assert noise_floor_pct(pooled) == pytest.approx(100 * 0.5 * 0.010 / 0.110, rel=1e-9)

@@ -109,7 +109,9 @@ def profile(
         measure_evictions,
         measure_noise,
         measure_steps,
+        noise_drift_pct,
         noise_floor_pct,
+        pool_noise,
         serving_steps,
     )
     from duetime.metrics import write_json
@@ -125,8 +127,11 @@ def profile(
         model = load_model(dtype=dtype)  # type: ignore[arg-type]
         load_s = time.perf_counter() - t0
         grid = ProfileGrid.quick() if quick else ProfileGrid()
-        prog, cb = _progress(1, "profiling")
+        noise_reps = 4 if quick else 15
         t0 = time.perf_counter()
+        with console.status("repeating identical steps for the noise floor (start)"):
+            noise_first = measure_noise(model, reps=noise_reps)
+        prog, cb = _progress(1, "profiling")
         with prog:
             samples = measure_steps(model, grid, progress=cb)
         grid_steps = len(samples)
@@ -142,8 +147,9 @@ def profile(
                     max_output=8 if quick else 64,
                 )
         evictions = measure_evictions(model, (32, 64) if quick else (128, 256, 512))
-        with console.status("repeating identical steps for the noise floor"):
-            noise = measure_noise(model, reps=4 if quick else 15)
+        with console.status("repeating identical steps for the noise floor (end)"):
+            noise_last = measure_noise(model, reps=noise_reps)
+        noise = pool_noise(noise_first, noise_last)
         measure_s = time.perf_counter() - t0
         name = f"gemma3-270m-cpu-{dtype}-t{threads}"
         source = (
@@ -162,6 +168,7 @@ def profile(
             regimes=regimes_of(model),
             noise_floor_pct=noise_floor_pct(noise),
             noise=[dataclasses.asdict(n) for n in noise],
+            noise_drift_pct=noise_drift_pct(noise_first, noise_last),
             evictions=evictions,
         )
         write_json(out, payload)
@@ -184,6 +191,7 @@ def profile(
         "ete_prefill_mape_pct": held["ete_prefill_mape_pct"],
         "ete_decode_mape_pct": held["ete_decode_mape_pct"],
         "noise_floor_pct": payload["noise_floor_pct"],
+        "noise_drift_pct": payload["noise_drift_pct"],
         "noise": payload["noise"],
         "verdict": payload["verdict"],
         "at_noise_limit": payload["at_noise_limit"],
@@ -199,7 +207,9 @@ def profile(
         f"mixed {_pct(held['model_mixed_mape_pct'])}; TimeBill's ETE form: prompts "
         f"{_pct(held['ete_prefill_mape_pct'])}, one-sequence decodes "
         f"{_pct(held['ete_decode_mape_pct'])}\n"
-        f"{payload['verdict']}; SnapKV eviction {1e6 * cost_e:.1f} µs per KV token held"
+        f"{payload['verdict']} (the floor: identical steps repeated at the start and the end; "
+        f"their median moved {float(payload['noise_drift_pct'] or 0.0):.1f} %)\n"  # type: ignore[arg-type]
+        f"SnapKV eviction {1e6 * cost_e:.1f} µs per KV token held"
     )
     if payload["at_noise_limit"] is False:
         _print_misses(report["misses"])
@@ -248,7 +258,12 @@ def validate(
     """Same workload through the real engine and the simulator: per-request error."""
     from duetime.bench import validate as v
     from duetime.engine import load_model
-    from duetime.engine.profile import measure_noise, noise_floor_pct
+    from duetime.engine.profile import (
+        measure_noise,
+        noise_drift_pct,
+        noise_floor_pct,
+        pool_noise,
+    )
     from duetime.metrics import render_table, write_json
     from duetime.predict.cost_report import AT_LIMIT_FACTOR, floor_verdict
 
@@ -260,20 +275,25 @@ def validate(
         v.check_policy(policy, predictor)  # before the load: hsf failed only once running
         _set_threads(threads)
         model = load_model(dtype=dtype)  # type: ignore[arg-type]
-        with console.status("repeating identical steps for the noise floor"):
-            floor = noise_floor_pct(measure_noise(model))
+        with console.status("repeating identical steps for the noise floor (start)"):
+            first = measure_noise(model)
         fig = v.run(
             model=model, profile=profile, policy=policy, requests=requests, rate=rate,
             seed=seed, max_prompt=max_prompt, max_output=max_output, plot=plot,
             eviction=eviction, predictor=predictor,
         )  # fmt: skip
+        with console.status("repeating identical steps for the noise floor (end)"):
+            last = measure_noise(model)
+        floor = noise_floor_pct(pool_noise(first, last))
+        fig["noise_drift_pct"] = noise_drift_pct(first, last)
     median = fig["e2e_rel_err_median_pct"]
     fig["noise_floor_pct"] = floor
     fig["verdict"] = None if median is None else floor_verdict(median, floor)
     skip = ("verdict", "step_misses")
     console.print(render_table([("real vs sim", fig)], keys=[k for k in fig if k not in skip]))
     console.print(
-        f"median e2e {fig['verdict']} (the floor: identical steps repeated now)\n"
+        f"median e2e {fig['verdict']} (the floor: identical steps repeated before and "
+        f"after the run; their median moved {fig['noise_drift_pct']:.1f} %)\n"
         "target: median e2e error <= 5 %, p90 <= 10 % (Vidur: < 9 % against real GPUs)"
     )
     step_error = fig["step_mape_pct"]

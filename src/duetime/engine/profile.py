@@ -41,7 +41,9 @@ __all__ = [
     "measure_evictions",
     "measure_noise",
     "measure_steps",
+    "noise_drift_pct",
     "noise_floor_pct",
+    "pool_noise",
     "serving_steps",
     "steps_from_telemetry",
 ]
@@ -166,6 +168,36 @@ class NoiseShape:
     name: str
     median_s: float
     spread_pct: float  # mean absolute deviation from the median, % of the median
+    seconds: tuple[float, ...] = ()  # every repeat, in order
+
+    @classmethod
+    def of(cls, name: str, seconds: Sequence[float]) -> NoiseShape:
+        xs = sorted(seconds)
+        med = xs[len(xs) // 2]
+        spread = 100.0 * sum(abs(x - med) for x in xs) / len(xs) / med
+        return cls(name, med, spread, tuple(seconds))
+
+
+def pool_noise(*runs: Sequence[NoiseShape]) -> list[NoiseShape]:
+    """The repeats of each shape from several :func:`measure_noise` runs, as one.
+
+    Why: 15 repeats back to back show the jitter of a minute, not how the machine's
+    speed moves over a run (a profile and its validation run minutes apart here
+    differed by up to 10 % on the same shape). Repeating at the start and at the end
+    and pooling puts that drift into the floor.
+    """
+    names = [s.name for s in runs[0]]
+    return [
+        NoiseShape.of(n, [x for run in runs for s in run if s.name == n for x in s.seconds])
+        for n in names
+    ]
+
+
+def noise_drift_pct(first: Sequence[NoiseShape], last: Sequence[NoiseShape]) -> float:
+    """Mean over the shapes of how far the median step moved from ``first`` to ``last``, %."""
+    pairs = zip(first, last, strict=True)
+    moved = [100.0 * abs(b.median_s - a.median_s) / a.median_s for a, b in pairs]
+    return sum(moved) / len(moved)
 
 
 def measure_noise(model: Gemma3, reps: int = 15) -> list[NoiseShape]:
@@ -196,10 +228,7 @@ def measure_noise(model: Gemma3, reps: int = 15) -> list[NoiseShape]:
     out = []
     for name, step in steps:
         step()  # warm-up
-        xs = sorted(step() for _ in range(reps))
-        med = xs[len(xs) // 2]
-        spread = 100.0 * sum(abs(x - med) for x in xs) / len(xs) / med
-        out.append(NoiseShape(name, med, spread))
+        out.append(NoiseShape.of(name, [step() for _ in range(reps)]))
     return out
 
 
