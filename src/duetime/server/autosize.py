@@ -1,8 +1,9 @@
 """The server's batch limits from its own step costs: the largest batch that meets a TPOT.
 
 A running batch trades each stream's pace for the server's throughput: a decode
-step of D sequences costs about ``c + b·D + d·KV`` (the simulator's batch model,
-KV the tokens attended), so more sequences mean more tokens a second in all and
+step of D sequences costs about ``c + b·D + d·KV`` plus the band of its kernel
+regime (the simulator's step-cost model, KV the tokens attended), so more
+sequences mean more tokens a second in all and
 a slower token for each. A fixed limit is right for one machine only (the same
 32 sequences took 126 ms a step on one day and 70 on another here). So at start
 the server times a few steps of its own model, fits that model, and takes:
