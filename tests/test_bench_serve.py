@@ -28,6 +28,7 @@ def test_bench_serve_tiny_writes_per_policy_rows(tmp_path: Path) -> None:
         assert 0.0 <= row["deadline_hit_rate"] <= 1.0
     o = fig["overhead"]
     assert o["added_latency_p50_ms"] > 0
+    assert o["gateway_added_latency_p50_ms"] > 0  # a hop through the gateway costs something
     assert o["noop_req_s"] > 0
 
 

@@ -108,6 +108,7 @@ def _overhead(model: Gemma3, codec: Codec, name: str, n: int) -> dict[str, Any]:
     state = build_state(options, noop, codec, name)  # type: ignore[arg-type]
     body = {"model": name, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
     added: list[float] = []
+    direct: list[float] = []
     with serve_in_thread(create_app(state)) as url, httpx.Client(base_url=url) as client:
         for _ in range(10):  # warm-up
             client.post("/v1/completions", json=body).raise_for_status()
@@ -116,7 +117,9 @@ def _overhead(model: Gemma3, codec: Codec, name: str, n: int) -> dict[str, Any]:
             r = client.post("/v1/completions", json=body)
             e2e = time.perf_counter() - t0
             r.raise_for_status()
+            direct.append(e2e)
             added.append(e2e - r.json()["duetime"]["e2e_ms"] / 1000.0)
+        gateway = _through_gateway(url, body, n)
         import asyncio
 
         async def closed_loop(clients: int, seconds: float) -> int:
@@ -142,7 +145,35 @@ def _overhead(model: Gemma3, codec: Codec, name: str, n: int) -> dict[str, Any]:
         "added_latency_p90_ms": 1000 * added[int(0.9 * (len(added) - 1))],
         "noop_req_s": done / seconds,
         "noop_tokens_per_request": 8,
+        # `duetime gateway` (default router, scraping on) in front of the same server:
+        # its median e2e less the direct one's, the requests alternating in one run
+        "gateway_added_latency_p50_ms": 1000
+        * (statistics.median(gateway) - statistics.median(direct)),
     }
+
+
+def _through_gateway(url: str, body: dict[str, Any], n: int) -> list[float]:
+    """Seconds each of ``n`` sequential requests takes through a gateway in front of ``url``."""
+    from duetime.server.gateway import GatewayConfig, create_gateway_app
+
+    config = GatewayConfig(health_interval_s=0.5)
+    seconds: list[float] = []
+    with (
+        serve_in_thread(create_gateway_app([url], config)) as gw,
+        httpx.Client(base_url=gw, trust_env=False) as client,
+    ):
+        deadline = time.monotonic() + 30.0
+        while not any(b["up"] for b in client.get("/health").json()["backends"]):  # probed
+            if time.monotonic() > deadline:
+                raise RuntimeError("the gateway never saw its backend up")
+            time.sleep(0.05)
+        for _ in range(10):  # warm-up
+            client.post("/v1/completions", json=body).raise_for_status()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            client.post("/v1/completions", json=body).raise_for_status()
+            seconds.append(time.perf_counter() - t0)
+    return seconds
 
 
 def check_config(cfg: ServeBenchConfig) -> None:

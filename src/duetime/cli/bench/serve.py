@@ -79,7 +79,8 @@ def bench_serve(
     o = fig["overhead"]
     out.print(
         f"server overhead (no-op model): added latency p50 {o['added_latency_p50_ms']:.2f} ms, "
-        f"p90 {o['added_latency_p90_ms']:.2f} ms (target p50 <= 2 ms); "
+        f"p90 {o['added_latency_p90_ms']:.2f} ms (target p50 <= 2 ms); through `duetime "
+        f"gateway` p50 +{o['gateway_added_latency_p50_ms']:.2f} ms more (target <= 2 ms); "
         f"{o['noop_req_s']:.0f} req/s with 16 closed-loop clients, 8 tokens each"
     )
     save_figures(fig, json_path=json_path)
