@@ -71,7 +71,9 @@ def _reference(model: Any, jobs: list[Job]) -> dict[int, list[int]]:
 
 
 def test_offloaded_then_resumed_request_is_the_uninterrupted_greedy_answer(model: Any) -> None:
-    jobs = _jobs(8, seed=5, gap=0.02)
+    # gaps of 0.2-0.6 s: a suspension must outlast a step even when other test workers
+    # load the machine (at 0.02 s a slow step ended every gap before memory got tight)
+    jobs = _jobs(8, seed=5, gap=0.2)
     ex = LoggedEngine(
         make_policy("fcfs"), model, kv_capacity=200, max_num_seqs=3, offload_suspended=True
     )
