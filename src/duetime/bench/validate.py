@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from duetime.core.cost_bands import CostRegimes
 from duetime.core.request import Job
+from duetime.engine.cost_regimes import regimes_of_any
 from duetime.engine.profile import steps_from_telemetry
 from duetime.predict.cost_report import miss_table
 from duetime.predict.ete import cost_mape_pct
@@ -174,17 +174,10 @@ def run(
     fig["step_seconds_real_over_model"] = (
         sum(s.seconds for s in steps) / predicted if predicted > 0 else None
     )
-    fig["step_misses"] = miss_table(cost, steps, _regimes(model)) if steps else []
+    fig["step_misses"] = miss_table(cost, steps, regimes_of_any(model)) if steps else []
     if plot is not None:
         _plot(real.records, sim.records, plot)
     return fig
-
-
-def _regimes(model: Any) -> CostRegimes | None:
-    from duetime.engine.cost_regimes import regimes_of
-    from duetime.engine.gemma3 import Gemma3
-
-    return regimes_of(model) if isinstance(model, Gemma3) else None
 
 
 def _plot(real: list[Any], sim: list[Any], path: Path) -> None:

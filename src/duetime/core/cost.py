@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -206,8 +206,6 @@ class LinearStepCost:
     def scaled(self, *, compute: float = 1.0, memory: float = 1.0) -> LinearStepCost:
         """This model on a machine ``compute``/``memory`` times as slow in the per-row and the
         fixed/KV terms (the bands are per-row kernel work: they scale with ``compute``)."""
-        from dataclasses import replace
-
         return replace(
             self,
             c0=self.c0 * memory,

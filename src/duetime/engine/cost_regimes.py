@@ -15,7 +15,12 @@ from duetime.core.cost_bands import CostRegimes
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.linear import Q8Linear, RescoredInt8Head
 
-__all__ = ["regimes_of", "traced_paths", "unpriced_switches"]
+__all__ = ["regimes_of", "regimes_of_any", "traced_paths", "unpriced_switches"]
+
+
+def regimes_of_any(model: object) -> CostRegimes | None:
+    """:func:`regimes_of` for our engine, None for any other model (stand-ins have none)."""
+    return regimes_of(model) if isinstance(model, Gemma3) else None
 
 
 def regimes_of(model: Gemma3) -> CostRegimes:
@@ -92,7 +97,7 @@ def unpriced_switches(
     names the two steps and the functions only one of them ran. Empty: every switch
     the engine has within the range is a band edge of ``regimes``.
     """
-    from duetime.core.cost_bands import step_rows
+    from duetime.core.cost_bands import band_index, step_rows
 
     first: dict[tuple[int, int, bool], tuple[int, frozenset[str]]] = {}
     problems: list[str] = []
@@ -101,8 +106,8 @@ def unpriced_switches(
             p = prompt if with_prompt else 0
             rows, head = step_rows(p, d)
             cell = (
-                regimes_band(regimes, "rows", rows),
-                regimes_band(regimes, "head_rows", head),
+                band_index(regimes.edges("rows"), rows),
+                band_index(regimes.edges("head_rows"), head),
                 with_prompt,
             )
             paths = traced_paths(model, d, p)
@@ -120,10 +125,3 @@ def unpriced_switches(
                 )
                 first[cell] = (d, paths)
     return problems
-
-
-def regimes_band(regimes: CostRegimes, axis: str, value: float) -> int:
-    """The band index of ``value`` on ``axis`` (``rows`` or ``head_rows``)."""
-    from duetime.core.cost_bands import band_index
-
-    return band_index(regimes.edges(axis), value)  # type: ignore[arg-type]

@@ -90,14 +90,12 @@ def fit_batch_cost(
     The bands make the model piecewise in the step's rows where the engine's kernels
     change; a band no sample falls in gets zero cost (it prices nothing it has not seen).
     """
-    n_coef = 6 + (0 if regimes is None else 2 * sum(len(regimes.spans(a)) for a in AXES))
     if len(samples) < 6:
         raise ValueError(f"need at least 6 timed steps to fit 6 coefficients, got {len(samples)}")
     x = _features(samples, regimes)
     y = np.array([s.seconds for s in samples], dtype=float)
     if np.any(y <= 0):
         raise ValueError("every timed step must take > 0 s")
-    assert x.shape[1] == n_coef
     coef = _min_relative_l1(x, y)
     c0, c_prefill, a1, a2, b, d = (float(v) for v in coef[:6])
     bands: list[BandCost] = []

@@ -21,7 +21,6 @@ and the figures they came from are shown in ``/health`` and ``/v1/models``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -30,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
-from duetime.predict.ete import step_kind
 
 if TYPE_CHECKING:
     from duetime.server.build import ServeOptions
@@ -160,16 +158,15 @@ def measure_step_cost(
             t0 = time.perf_counter()
             model.step(step, kv, argmax_only=True)
             if i:  # the first cell is the warm-up
-                samples.append(StepSample(0, 0.0, batch, attended, time.perf_counter() - t0))
+                seconds = time.perf_counter() - t0
+                samples.append(StepSample(0, 0.0, batch, attended, seconds, "decode"))
     for n in prompts:
         for _ in range(reps):
             kv = model.new_kv_cache()
             chunk = [SeqChunk(kv.allocate(), prompt(n), 0)]
             t0 = time.perf_counter()
             model.step(chunk, kv, argmax_only=True)
-            samples.append(StepSample(n, float(n * n), 0, 0, time.perf_counter() - t0))
-    samples = [dataclasses.replace(s, kind=step_kind(s.prefill_tokens, s.decode_seqs))
-               for s in samples]  # fmt: skip
+            samples.append(StepSample(n, float(n * n), 0, 0, time.perf_counter() - t0, "prefill"))
     return fit_batch_cost(samples, name="measured at start", regimes=regimes_of(model))
 
 

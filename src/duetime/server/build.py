@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from duetime.core.cost import LinearStepCost
-from duetime.core.cost_bands import CostRegimes
+from duetime.engine.cost_regimes import regimes_of_any
 from duetime.engine.eviction import EVICTION_METHODS
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
@@ -106,7 +106,9 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
     else:
         prior_source = "given"
     timer = StepTimer(
-        prior=cost or options.measured_cost, prior_source=prior_source, regimes=_regimes(model)
+        prior=cost or options.measured_cost,
+        prior_source=prior_source,
+        regimes=regimes_of_any(model),
     )
     kwargs = dict(options.policy_kwargs or {})
     policy = make_policy(options.policy, **kwargs)  # fail now, not on the engine thread
@@ -210,10 +212,3 @@ def _predictor(options: ServeOptions) -> JobPredictor | None:
             "use 'learned', 'learned:<path>' or 'none'"
         )
     return make_job_predictor(spec)
-
-
-def _regimes(model: Any) -> CostRegimes | None:
-    """The model's kernel regimes for the online fit (None for a model that has none)."""
-    from duetime.engine.cost_regimes import regimes_of
-
-    return regimes_of(model) if isinstance(model, Gemma3) else None
