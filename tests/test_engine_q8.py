@@ -148,10 +148,16 @@ def test_q8_decode_stays_close_to_fp32(hf) -> None:
 
 
 @needs_kernel
-def test_q8_output_layer_ranks_with_the_kernel_for_two_rows_and_fbgemm_beyond(hf) -> None:
+def test_q8_output_layer_ranks_with_the_kernel_for_two_rows_and_int8_gemms_beyond(hf) -> None:
     """The output layer's ranking product: the int8 kernel for 1-2 rows, fbgemm's int8
-    GEMM from 3 (faster there on the real 262,144-row weight); the layers keep 8."""
-    from duetime.engine.linear import Q8_HEAD_MAX_ROWS, Int8Linear, RescoredInt8Head
+    GEMM from 3 (faster there on the real 262,144-row weight) and, where the CPU has
+    AMX, oneDNN's from 12; the layers keep 8."""
+    from duetime.engine.linear import Q8_HEAD_MAX_ROWS, ByRows, Int8Linear, RescoredInt8Head
+    from duetime.engine.onednn_int8 import (
+        ONEDNN_HEAD_MIN_ROWS,
+        OneDnnInt8Linear,
+        onednn_int8_available,
+    )
 
     model = engine_from_hf(hf, "q8")
     head = model.lm_head
@@ -159,11 +165,41 @@ def test_q8_output_layer_ranks_with_the_kernel_for_two_rows_and_fbgemm_beyond(hf
     rank = head._int8
     assert isinstance(rank, Q8Linear)
     assert rank.max_rows == Q8_HEAD_MAX_ROWS == 2
-    assert isinstance(rank.fallback, Int8Linear)
     assert model.layers[0].qkv.max_rows == 8
-    x = torch.randn(3, rank.q.in_features)
-    assert torch.equal(rank(x[:3]), rank.fallback(x[:3]))  # 3 rows: fbgemm's product
-    assert not torch.equal(rank(x[:2]), rank.fallback(x[:2]))  # 2: the kernel's
+    gemm = rank.fallback
+    x = torch.randn(ONEDNN_HEAD_MIN_ROWS, rank.q.in_features)
+    assert torch.equal(rank(x[:3]), gemm(x[:3]))  # 3 rows: the GEMM's product
+    assert not torch.equal(rank(x[:2]), gemm(x[:2]))  # 2: the kernel's
+    if not onednn_int8_available():
+        assert isinstance(gemm, Int8Linear)
+        return
+    assert isinstance(gemm, ByRows)
+    assert isinstance(gemm.few, Int8Linear)
+    assert isinstance(gemm.many, OneDnnInt8Linear)
+    few, many = x[: ONEDNN_HEAD_MIN_ROWS - 1], x[:ONEDNN_HEAD_MIN_ROWS]
+    assert torch.equal(gemm(few), gemm.few(few))
+    assert torch.equal(gemm(many), gemm.many(many))
+    assert not torch.equal(gemm.few(many), gemm.many(many))  # two different kernels
+
+
+@needs_kernel
+def test_onednn_int8_product_is_close_to_fp32() -> None:
+    """Per-row scaled u8 activations, per-channel int8 weight: within int8 rounding of
+    the fp32 product, an outlier row (100x larger) included."""
+    from duetime.engine.onednn_int8 import OneDnnInt8Linear, onednn_int8_available
+
+    if not onednn_int8_available():
+        pytest.skip("oneDNN's int8 linear needs AMX tiles here")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 64, generator=g)
+    x = torch.randn(16, 64, generator=g)
+    x[0] *= 100.0
+    ref = x @ w.T
+    got = OneDnnInt8Linear(w)(x)
+    rel = (got - ref).abs().amax(-1) / ref.abs().amax(-1)
+    assert got.dtype == torch.float32
+    assert got.shape == (16, 512)
+    assert rel.max() < 0.03
 
 
 def test_q8_prefill_equals_fast(hf) -> None:

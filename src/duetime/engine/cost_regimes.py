@@ -12,8 +12,9 @@ each row count runs, and fails when two row counts in one band take different pa
 from __future__ import annotations
 
 from duetime.core.cost_bands import CostRegimes
+from duetime.engine.decode_loop import MANY_ROWS
 from duetime.engine.gemma3 import Gemma3
-from duetime.engine.linear import Q8Linear, RescoredInt8Head
+from duetime.engine.linear import ByRows, Q8Linear, RescoredInt8Head
 
 __all__ = ["regimes_of", "regimes_of_any", "traced_paths", "unpriced_switches"]
 
@@ -31,7 +32,7 @@ def regimes_of(model: Gemma3) -> CostRegimes:
             if isinstance(product, Q8Linear):
                 rows.add(product.max_rows)
     loop = model._loop if model.decode_loop else None
-    if loop is not None:
+    if loop is not None and loop.max_rows < MANY_ROWS:
         rows.add(loop.max_rows)
     head_rows: set[int] = set()
     head = model.lm_head
@@ -40,6 +41,9 @@ def regimes_of(model: Gemma3) -> CostRegimes:
             head_rows.add(head.coarse_rows)
         rank = head._int8
         if isinstance(rank, Q8Linear):
+            head_rows.add(rank.max_rows)
+            rank = rank.fallback
+        if isinstance(rank, ByRows):
             head_rows.add(rank.max_rows)
     return CostRegimes(rows=tuple(sorted(rows)), head_rows=tuple(sorted(head_rows)))
 

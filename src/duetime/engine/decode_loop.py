@@ -11,8 +11,14 @@ path's, bit for bit; it only stores each new key and value row with a
 ``memcpy`` into the cache buffer the Python side made room in.
 
 It serves steps of plain single-token decodes (no shared rows, no SnapKV
-window, no evicted sequence), at most ``Q8Linear.max_rows`` of them, on an fp32
-``q8`` model whose fused norms and decode kernel are built
+window, no evicted sequence) on an fp32 ``q8`` model whose fused norms and
+decode kernel are built. Up to ``Q8Linear.max_rows`` rows its products are the
+int8 kernel's; beyond, where the layers' many-row products are packed bf16
+(:class:`~duetime.engine.linear.Bf16Linear`), the loop calls oneDNN's packed
+linear on them, the op :class:`~duetime.engine.linear.Bf16Linear` calls; elsewhere
+it serves at most ``Q8Linear.max_rows`` rows. At 64 decoders the Python path paid
+~28 ms a step of per-sequence slicing and KV copies (4,700 ``slice`` calls) that the
+loop's ``memcpy`` does not
 (:meth:`~duetime.engine.gemma3.Gemma3.hidden_states` checks;
 ``Gemma3.decode_loop = False`` or ``DUETIME_LOOP=0`` turn it off).
 """
@@ -31,7 +37,10 @@ from duetime.engine.cpp_ext import CppOps
 from duetime.engine.kv_cache import KVCache
 from duetime.engine.linear import Q8Linear
 
-__all__ = ["DecodeLoop", "decode_loop_ops"]
+__all__ = ["MANY_ROWS", "DecodeLoop", "decode_loop_ops"]
+
+#: The loop's row limit where it serves steps of any size (a bound no decode batch meets).
+MANY_ROWS = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +76,14 @@ class DecodeLoop:
         self.sliding = [int(b) for b in config.sliding_layers]
         self.scale = scale
         # the most rows a step may have for every layer product to take the int8 kernel
-        self.max_rows = min(p.max_rows for p in products)
+        self.few_rows = min(p.max_rows for p in products)
+        # beyond them, each product's packed bf16 weight, where every one has it
+        packed = [getattr(p.fallback, "packed", None) for p in products]
+        self.many = [t for t in packed if t is not None]
+        if len(self.many) != len(products):
+            self.many = []
+        # the most rows the loop serves: any, where the packed bf16 weights are there
+        self.max_rows = MANY_ROWS if self.many else self.few_rows
 
     @classmethod
     def of(
@@ -112,6 +128,8 @@ class DecodeLoop:
             x.contiguous(),
             self.weights,
             self.outs,
+            self.many,
+            self.few_rows,
             self.norms,
             self.sliding,
             rope_local[0].reshape(t, d),

@@ -45,6 +45,7 @@ from duetime.engine.linear import (
 from duetime.engine.malloc_tuning import keep_large_blocks
 from duetime.engine.norm_kernel import make_norms
 from duetime.engine.obs_window import watched_rows
+from duetime.engine.onednn_int8 import int8_rank
 from duetime.engine.q4_rank import q4_available, quantize_q4
 
 __all__ = ["DTYPES", "Dtype", "Gemma3"]
@@ -121,9 +122,10 @@ class Gemma3:
         if dtype in ("fast", "q8") and int8_output is None:
             src = self.embed if tied else head
             quant_head = partial(q8_quantize, "lm_head")
-            rank = coarse = None
-            if dtype == "q8":  # the int8 kernel for 1-2 rows, fbgemm beyond
-                rank = q8_or(src, Int8Linear(src), Q8_HEAD_MAX_ROWS, quantize=quant_head)
+            rank: Linear = int8_rank(src)
+            coarse = None
+            if dtype == "q8":  # the int8 kernel for 1-2 rows, int8 GEMMs beyond
+                rank = q8_or(src, rank, Q8_HEAD_MAX_ROWS, quantize=quant_head)
                 # greedy steps of few rows rank in int4 where the CPU has VNNI (q4_rank.py)
                 coarse = quantize_q4(src) if q4_available() else None
             self.lm_head: Linear = RescoredInt8Head(src, rank=rank, coarse=coarse)

@@ -5,6 +5,7 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/gelu.h>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -13,21 +14,29 @@ using c10::Dispatcher;
 
 // x [T, D]: the residual stream entering layer 0 (embedding * scale). Per layer l
 // (L layers): w[8l .. 8l+7] = qkv, o, gate_up, down as (packed, scale) pairs with
-// n[4l .. 4l+3] outputs; norms[5l .. 5l+4] = in_norm, qk_norm, post_attn, pre_ffw,
-// post_ffw; sliding[l]. bufs[l * T + t]: sequence t's [2, kv_heads, cap, head_dim]
-// buffer of layer l, whose entry len[l * T + t] receives this step's key and value,
+// n[4l .. 4l+3] outputs, used for steps of at most few_rows rows; beyond, many[4l .. 4l+3]:
+// the same products as bf16 weights packed for oneDNN's linear; norms[5l .. 5l+4] = in_norm,
+// qk_norm, post_attn, pre_ffw, post_ffw; sliding[l]. bufs[l * T + t]: sequence t's [2, kv_heads,
+// cap, head_dim] buffer of layer l, whose entry len[l * T + t] receives this step's key and value,
 // and whose entries lo[..] .. len[..] (inclusive) the query attends to.
 // Returns the residual stream after the last layer.
 at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList w, at::IntArrayRef n,
-                         at::TensorList norms, at::IntArrayRef sliding, const at::Tensor& cos_l,
-                         const at::Tensor& sin_l, const at::Tensor& cos_g, const at::Tensor& sin_g,
-                         at::TensorList bufs, at::IntArrayRef len, at::IntArrayRef lo,
-                         int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-                         double scale) {
+                         at::TensorList many, int64_t few_rows, at::TensorList norms,
+                         at::IntArrayRef sliding, const at::Tensor& cos_l, const at::Tensor& sin_l,
+                         const at::Tensor& cos_g, const at::Tensor& sin_g, at::TensorList bufs,
+                         at::IntArrayRef len, at::IntArrayRef lo, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, double eps, double scale) {
   static auto q8 =
       Dispatcher::singleton()
           .findSchemaOrThrow("duetime_q8::linear", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  static auto packed =
+      Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  static const c10::List<std::optional<at::Scalar>> no_scalars;
   static auto rms = Dispatcher::singleton()
                         .findSchemaOrThrow("duetime_norm::rms", "")
                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
@@ -53,6 +62,16 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList w, at::IntArrayR
   TORCH_CHECK(
       (int64_t)bufs.size() == L * T && (int64_t)len.size() == L * T && (int64_t)lo.size() == L * T,
       "decode_layers: one buffer, length and start per layer and row");
+  const bool few = T <= few_rows;
+  TORCH_CHECK(few || (int64_t)many.size() == 4 * L,
+              "decode_layers: a step of more than few_rows rows needs the packed bf16 weights");
+  // product p (0..4L-1) of the layers: the int8 kernel for few rows, packed bf16 beyond
+  auto linear = [&](const at::Tensor& in, int64_t p) -> at::Tensor {
+    if (few) return q8.call(in, w[2 * p], w[2 * p + 1], n[p]);
+    return packed
+        .call(in.to(at::kBFloat16), many[p], std::nullopt, "none", no_scalars, std::nullopt)
+        .to(at::kFloat);
+  };
   const int64_t n_qk = heads + kv_heads, hd = head_dim;
   at::Tensor x = x_in;
   at::Tensor h = rms.call(x, norms[0], eps);
@@ -60,7 +79,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList w, at::IntArrayR
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor& cos = sliding[l] ? cos_l : cos_g;
     const at::Tensor& sin = sliding[l] ? sin_l : sin_g;
-    const at::Tensor qkv = q8.call(h, w[8 * l], w[8 * l + 1], n[4 * l]);
+    const at::Tensor qkv = linear(h, 4 * l);
     const at::Tensor qk = qk_rope.call(qkv, n_qk, norms[5 * l + 1], cos, sin, eps);
     TORCH_CHECK(qk.is_contiguous() && qkv.is_contiguous(), "decode_layers: strided q/k/v");
     const float* qkp = qk.data_ptr<float>();
@@ -84,12 +103,12 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList w, at::IntArrayR
     }
     const at::Tensor q = qk.narrow(1, 0, heads).contiguous();
     at::Tensor a = attend.call(q, keys, values, scale);
-    a = q8.call(a, w[8 * l + 2], w[8 * l + 3], n[4 * l + 1]);
+    a = linear(a, 4 * l + 1);
     std::tie(x, h) = add_rms.call(x, a, norms[5 * l + 2], norms[5 * l + 3], eps);
-    const at::Tensor gu = q8.call(h, w[8 * l + 4], w[8 * l + 5], n[4 * l + 2]);
+    const at::Tensor gu = linear(h, 4 * l + 2);
     const int64_t f = gu.size(1) / 2;
     at::Tensor act = at::gelu(gu.narrow(1, 0, f), "tanh").mul_(gu.narrow(1, f, f));
-    a = q8.call(act, w[8 * l + 6], w[8 * l + 7], n[4 * l + 3]);
+    a = linear(act, 4 * l + 3);
     if (l + 1 < L) {
       std::tie(x, h) = add_rms.call(x, a, norms[5 * l + 4], norms[5 * (l + 1)], eps);
     } else {
@@ -103,9 +122,12 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList w, at::IntArrayR
 
 TORCH_LIBRARY(duetime_loop, m) {
   m.def(
-      "decode_layers(Tensor x, Tensor[] w, int[] n, Tensor[] norms, int[] sliding, "
+      "decode_layers(Tensor x, Tensor[] w, int[] n, Tensor[] many, int few_rows, "
+      "Tensor[] norms, int[] sliding, "
       "Tensor cos_l, Tensor sin_l, Tensor cos_g, Tensor sin_g, Tensor[] bufs, int[] len, "
       "int[] lo, int heads, int kv_heads, int head_dim, float eps, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(duetime_loop, CPU, m) { m.impl("decode_layers", &decode_layers); }
+// the packed bf16 weights are oneDNN tensors: a call that carries them dispatches here
+TORCH_LIBRARY_IMPL(duetime_loop, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
