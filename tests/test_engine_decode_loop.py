@@ -44,11 +44,16 @@ class _Spy:
 
     def __init__(self, ops: Any) -> None:
         self.ops = ops
-        self.calls = 0
+        self.calls = 0  # whole decode steps
+        self.layer_calls = 0  # one layer of a mixed step's plain decodes
 
     def decode_layers(self, *args: Any) -> torch.Tensor:
         self.calls += 1
         return self.ops.decode_layers(*args)
+
+    def store_attend(self, *args: Any) -> torch.Tensor:
+        self.layer_calls += 1
+        return self.ops.store_attend(*args)
 
 
 def _spy(model: Gemma3) -> _Spy:
@@ -104,6 +109,53 @@ def test_the_loop_equals_the_python_path_bit_for_bit(model: Gemma3, rows: int) -
         for layer in range(model.config.num_layers):
             assert torch.equal(kv_loop.keys(s, layer), kv_py.keys(s, layer))
             assert torch.equal(kv_loop.positions(s, layer), kv_py.positions(s, layer))
+
+
+def _mixed(model: Gemma3, decoders: int, loop: bool) -> tuple[list[torch.Tensor], Any, list[int]]:
+    """``decoders`` sequences decode while new prompts arrive beside them (a prompt chunk
+    in every step; one sequence watched for SnapKV, one evicted: they take the general
+    path inside the same steps)."""
+    model.decode_loop = loop
+    kv = model.new_kv_cache()
+    r = random.Random(decoders)
+    prompts = [[r.randrange(256) for _ in range(r.choice([3, 17, 40]))] for _ in range(decoders)]
+    slots = [kv.allocate() for _ in prompts]
+    model.step([SeqChunk(s, p, 0) for s, p in zip(slots, prompts, strict=True)], kv)
+    kv.watch(slots[0], 2)
+    keep = torch.tensor([[0, 1]] * model.config.num_kv_heads)
+    for layer in range(model.config.num_layers):
+        kv.retain(slots[1], layer, keep)
+    hidden = []
+    for step in range(12):
+        late = kv.allocate()
+        prompt = [r.randrange(256) for _ in range(1 + step % 5)]
+        chunks = [SeqChunk(s, [r.randrange(256)], kv.seq_len(s)) for s in slots]
+        h, _ = model.hidden_states([*chunks, SeqChunk(late, prompt, 0)], kv)
+        hidden.append(h)
+        slots.append(late) if step % 3 == 0 else kv.free(late)
+    return hidden, kv, slots
+
+
+@needs_loop
+@pytest.mark.parametrize("decoders", [3, 12])
+def test_a_mixed_steps_plain_decodes_equal_the_python_path_bit_for_bit(
+    model: Gemma3, decoders: int
+) -> None:
+    """Beside a prompt chunk, the plain decodes are stored and attended by the loop's
+    op one layer at a time: hidden states and the cache equal the Python path's."""
+    spy = _spy(model)
+    got, kv_a, slots = _mixed(model, decoders, loop=True)
+    assert spy.calls == 0
+    assert spy.layer_calls == 12 * model.config.num_layers  # every layer of every step
+    want, kv_b, _ = _mixed(model, decoders, loop=False)
+    assert spy.layer_calls == 12 * model.config.num_layers
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for s in slots:
+        assert kv_a.seq_len(s) == kv_b.seq_len(s)
+        for layer in range(model.config.num_layers):
+            assert torch.equal(kv_a.keys(s, layer), kv_b.keys(s, layer))
+            assert torch.equal(kv_a.positions(s, layer), kv_b.positions(s, layer))
 
 
 @needs_loop

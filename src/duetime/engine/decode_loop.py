@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from duetime.engine.cpp_ext import CppOps
 from duetime.engine.kv_cache import KVCache
 from duetime.engine.linear import Q8Linear
 
-__all__ = ["MANY_ROWS", "DecodeLoop", "decode_loop_ops"]
+__all__ = ["MANY_ROWS", "DecodeLoop", "PlainDecodes", "decode_loop_ops"]
 
 #: The loop's row limit where it serves steps of any size (a bound no decode batch meets).
 MANY_ROWS = 1 << 20
@@ -54,6 +55,30 @@ def decode_loop_ops() -> Any | None:
     """The compiled op (``.decode_layers``), or ``None`` once a build has failed or
     ``DUETIME_LOOP=0`` (logged once)."""
     return _EXT.ops()
+
+
+@dataclass(frozen=True)
+class PlainDecodes:
+    """The plain single-token decodes of a step the loop does not run (one with a prompt
+    chunk): their chunks' indices, token rows and slots, and the room made for them in
+    every layer (:meth:`~duetime.engine.kv_store.KVStore.decode_room`: per layer, then
+    per slot)."""
+
+    chunks: frozenset[int]
+    rows: list[int]
+    slots: list[int]
+    bufs: list[torch.Tensor]
+    ends: list[int]
+    firsts: list[int]
+
+    def layer(self, i: int) -> tuple[list[torch.Tensor], list[int], list[int]]:
+        """Layer ``i``'s buffers, new entries and first visible entries, one a slot."""
+        n = len(self.slots)
+        return (
+            self.bufs[i * n : (i + 1) * n],
+            self.ends[i * n : (i + 1) * n],
+            (self.firsts[i * n : (i + 1) * n]),
+        )
 
 
 class DecodeLoop:
@@ -147,3 +172,35 @@ class DecodeLoop:
         )
         kv.decoded(slots)
         return out
+
+    def plain_decodes(self, batch: StepBatch, kv: KVCache) -> PlainDecodes | None:
+        """Room in every layer for the step's plain single-token decodes (no shared rows,
+        consecutive positions, no SnapKV window), or None where it has none. The caller
+        stores and attends them a layer at a time (:meth:`store_attend`) and completes
+        them with ``kv.decoded(slots)`` instead of ``advance``."""
+        offsets = batch.offsets
+        picked = [
+            (k, offsets[k], c.slot)
+            for k, c in enumerate(batch.chunks)
+            if len(c) == 1 and not c.shared and kv.plain(c.slot)
+        ]
+        if not picked:
+            return None
+        slots = [s for _, _, s in picked]
+        room = kv.decode_room(slots)
+        assert room is not None, "decode_room refused plain sequences"
+        return PlainDecodes(
+            frozenset(k for k, _, _ in picked), [a for _, a, _ in picked], slots, *room
+        )
+
+    def store_attend(
+        self, qk: torch.Tensor, qkv: torch.Tensor, plain: PlainDecodes, layer: int
+    ) -> torch.Tensor:
+        """Layer ``layer``'s keys and values of ``plain``'s rows stored, their queries
+        attended: ``[len(plain.rows), heads * head_dim]`` (the op the loop runs a layer)."""
+        cfg = self.config
+        bufs, ends, firsts = plain.layer(layer)
+        return self.ops.store_attend(
+            qk, qkv, plain.rows, bufs, ends, firsts,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.scale,
+        )  # fmt: skip

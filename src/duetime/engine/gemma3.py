@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from duetime.cpu import native_bf16
-from duetime.engine.attention import MaskCache, attend, attend_decodes, attend_prefill
-from duetime.engine.attention_kernel import decode_attention, decode_attention_ops
+from duetime.engine.attention import MaskCache
+from duetime.engine.attention_kernel import decode_attention_ops
 from duetime.engine.batch import SeqChunk, StepBatch
 from duetime.engine.config import Gemma3Config
-from duetime.engine.decode_loop import DecodeLoop
+from duetime.engine.decode_loop import DecodeLoop, PlainDecodes
 from duetime.engine.kv_cache import KVCache
 from duetime.engine.layer_weights import LayerWeights, Quantize, Weights, quantize_now
 from duetime.engine.linear import (
@@ -47,6 +47,7 @@ from duetime.engine.norm_kernel import make_norms
 from duetime.engine.obs_window import watched_rows
 from duetime.engine.onednn_int8 import int8_rank
 from duetime.engine.q4_rank import q4_available, quantize_q4
+from duetime.engine.step_attention import attend_layer
 
 __all__ = ["DTYPES", "Dtype", "Gemma3"]
 
@@ -234,10 +235,13 @@ class Gemma3:
         rope_global = self._rope(batch.positions, self.inv_freq_global)
         loop = self._loop if self.decode_loop else None
         # the loop calls the fused norms and the decode kernel: only where they serve
+        plain: PlainDecodes | None = None
         if loop is not None and self.norms.fused and self.decode_kernel:
             out = loop.run(batch, kv, x, rope_local, rope_global)
             if out is not None:
                 return out, batch
+            # a mixed step: its plain decodes store and attend in one C++ call a layer
+            plain = loop.plain_decodes(batch, kv)
         masks = MaskCache(cfg.sliding_window)
         n_qk = cfg.num_heads + cfg.num_kv_heads
         # SnapKV's observation window: only watched sequences (prefilling, eviction pending)
@@ -256,7 +260,10 @@ class Gemma3:
             q = qk[:, : cfg.num_heads]
             for win, rows, _ in watched:
                 win.capture(i, q[rows])
-            attn = self._attention(batch, kv, i, q, new_kv, masks, sliding)
+            plain_out = None
+            if plain is not None and loop is not None:
+                plain_out = loop.store_attend(qk, qkv, plain, i)
+            attn = attend_layer(self, batch, kv, i, q, new_kv, masks, sliding, plain, plain_out)
             h = layer.o(attn.to(layer.o.dtype)).to(x.dtype)
             x, h = norms.add_rms(x, h, layer.post_attn, layer.pre_ffw)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -265,8 +272,12 @@ class Gemma3:
                 x, h = norms.add_rms(x, h, layer.post_ffw, layers[i + 1].in_norm)
             else:
                 x = x + norms.rms(h, layer.post_ffw)
-        for c in batch.chunks:
-            kv.advance(c.slot, c.shared + len(c))
+        done = plain.chunks if plain is not None else frozenset()
+        for k, c in enumerate(batch.chunks):
+            if k not in done:
+                kv.advance(c.slot, c.shared + len(c))
+        if plain is not None:
+            kv.decoded(plain.slots)
         for win, _, n in watched:
             win.advance(n, win.end_pos + n)
         return x, batch
@@ -315,65 +326,6 @@ class Gemma3:
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def _attention(
-        self,
-        batch: StepBatch,
-        kv: KVCache,
-        layer: int,
-        q: torch.Tensor,
-        new_kv: torch.Tensor,
-        masks: MaskCache,
-        sliding: bool,
-    ) -> torch.Tensor:
-        """Store this layer's new keys/values and attend: ``[T, heads * head_dim]``.
-
-        Single-token decodes without a mask share one batched SDPA call; prefill
-        chunks (and evicted sequences) go one by one with their mask.
-        """
-        outs: list[torch.Tensor] = []
-        decode_rows: list[int] = []
-        decode_views = []
-        offsets = batch.offsets
-        for c, a, b in zip(batch.chunks, offsets, offsets[1:], strict=False):
-            if c.shared:  # the leader's rows first, then its own
-                lead = offsets[c.leader]
-                kv.store(c.slot, layer, torch.cat((new_kv[lead : lead + c.shared], new_kv[a:b])))
-            else:
-                kv.store(c.slot, layer, new_kv[a:b])
-            view = kv.view(c.slot, layer, b - a)
-            if b - a == 1 and not view.needs_mask:
-                decode_rows.append(a)
-                decode_views.append(view)
-                continue
-            q_start = c.start_pos + c.shared
-            if view.needs_mask and self.blocked_prefill_attention:
-                outs.append(attend_prefill(q[a:b], view, q_start, sliding, masks, self.scale))
-            else:
-                mask = masks.mask(view, q_start, b - a, sliding) if view.needs_mask else None
-                outs.append(attend(q[a:b], view, mask, self.scale))
-        # the decode kernel serves even one decode; SDPA's batched call pays from two on
-        few = len(decode_views) < (1 if self.decode_kernel else 2)
-        if few or not self.batched_decode_attention:
-            for a, view in zip(decode_rows, decode_views, strict=True):
-                outs.insert(batch.offsets.index(a), attend(q[a : a + 1], view, None, self.scale))
-            return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-        if self.decode_kernel:
-            keys, values = [v.keys for v in decode_views], [v.values for v in decode_views]
-            dec = decode_attention(q[decode_rows], keys, values, self.scale)
-        else:
-            dec = attend_decodes(q[decode_rows], decode_views, self.scale)
-        if not outs:
-            return dec  # a pure decode step: rows are already in chunk order
-        out = torch.empty((q.shape[0], dec.shape[1]), dtype=dec.dtype)
-        out[decode_rows] = dec
-        done = set(decode_rows)
-        rest = [
-            (a, b) for a, b in zip(batch.offsets, batch.offsets[1:], strict=False) if a not in done
-        ]
-        for (a, b), o in zip(rest, outs, strict=True):
-            out[a:b] = o
-        return out
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """cos/sin ``[T, 1, head_dim]`` computed in fp32 then cast, as transformers does."""

@@ -213,6 +213,12 @@ class KVStore:
             assert layer.base + layer.length == seq.next_pos, "contiguous layer out of step"
         layer.length = end
 
+    def plain(self, slot: int) -> bool:
+        """Whether a sequence's layers hold consecutive positions with no SnapKV window
+        kept: what :meth:`decode_room` serves."""
+        seq = self._seqs[slot]
+        return slot not in self._watched and all(layer.pos is None for layer in seq.layers)
+
     def decode_room(
         self, slots: list[int]
     ) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
@@ -222,10 +228,9 @@ class KVStore:
         entry the new key and value go to, and the first entry the query sees (what
         :meth:`store` and :meth:`view` would do). None where a slot was evicted or is
         watched (the general path serves it); :meth:`decoded` completes the step."""
+        if not all(self.plain(s) for s in slots):
+            return None
         seqs = [self._seqs[s] for s in slots]
-        for s, seq in zip(slots, seqs, strict=True):
-            if s in self._watched or any(layer.pos is not None for layer in seq.layers):
-                return None
         bufs: list[torch.Tensor] = []
         ends: list[int] = []
         firsts: list[int] = []

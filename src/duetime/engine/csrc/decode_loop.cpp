@@ -3,6 +3,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <cstring>
 #include <optional>
@@ -11,6 +12,58 @@
 namespace {
 
 using c10::Dispatcher;
+
+// One layer's attention for single-token decodes: row rows[i] of qk ([R, heads + kv_heads,
+// head_dim], after the q/k norm and RoPE) and of qkv ([R, >= (heads + 2 kv_heads) * head_dim],
+// the values last) stores its key and value in bufs[i] ([2, kv_heads, cap, head_dim]) at entry
+// len[i], and its queries attend to entries lo[i] .. len[i] (inclusive). Returns
+// [rows, heads * head_dim]. `rows` empty: every row of qk, in order.
+at::Tensor store_attend(const at::Tensor& qk, const at::Tensor& qkv, at::IntArrayRef rows,
+                        at::TensorList bufs, at::IntArrayRef len, at::IntArrayRef lo, int64_t heads,
+                        int64_t kv_heads, int64_t head_dim, double scale) {
+  static auto attend =
+      Dispatcher::singleton()
+          .findSchemaOrThrow("duetime_attn::decode", "")
+          .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, double)>();
+  const int64_t n_qk = heads + kv_heads, hd = head_dim;
+  const int64_t T = rows.empty() ? qk.size(0) : (int64_t)rows.size();
+  TORCH_CHECK(qk.dim() == 3 && qk.size(1) == n_qk && qk.size(2) == hd && qk.is_contiguous() &&
+                  qk.scalar_type() == at::kFloat,
+              "store_attend: qk must be contiguous fp32 [rows, heads + kv_heads, head_dim]");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(0) == qk.size(0) &&
+                  qkv.size(1) >= (n_qk + kv_heads) * hd && qkv.scalar_type() == at::kFloat,
+              "store_attend: qkv must be fp32 [rows, q + k + v] with unit column stride");
+  TORCH_CHECK((int64_t)bufs.size() == T && (int64_t)len.size() == T && (int64_t)lo.size() == T,
+              "store_attend: one buffer, length and start per row");
+  const float* qkp = qk.data_ptr<float>();
+  const float* vp = qkv.data_ptr<float>() + n_qk * hd;
+  const int64_t qkv_row = qkv.stride(0);
+  std::vector<at::Tensor> keys(T), values(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t r = rows.empty() ? t : rows[t];
+    TORCH_CHECK(0 <= r && r < qk.size(0), "store_attend: row ", r, " out of range");
+    const at::Tensor& buf = bufs[t];
+    const int64_t cap = buf.size(2), at_ = len[t], from = lo[t];
+    TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kFloat && at_ < cap &&
+                    buf.size(1) == kv_heads && buf.size(3) == hd && 0 <= from && from <= at_,
+                "store_attend: no room for row ", r);
+    float* bp = buf.data_ptr<float>();
+    for (int64_t k = 0; k < kv_heads; ++k) {
+      std::memcpy(bp + (k * cap + at_) * hd, qkp + (r * n_qk + heads + k) * hd, sizeof(float) * hd);
+      std::memcpy(bp + ((kv_heads + k) * cap + at_) * hd, vp + r * qkv_row + k * hd,
+                  sizeof(float) * hd);
+    }
+    keys[t] = buf.select(0, 0).narrow(1, from, at_ + 1 - from);
+    values[t] = buf.select(0, 1).narrow(1, from, at_ + 1 - from);
+  }
+  at::Tensor q = qk.narrow(1, 0, heads);
+  if (!rows.empty()) {
+    at::Tensor idx = at::empty({T}, qk.options().dtype(at::kLong));
+    std::copy(rows.begin(), rows.end(), idx.data_ptr<int64_t>());
+    q = q.index_select(0, idx);
+  }
+  return attend.call(q.contiguous(), keys, values, scale);
+}
 
 // x [T, D]: the residual stream entering layer 0 (embedding * scale). Per layer l
 // (L layers): w[8l .. 8l+7] = qkv, o, gate_up, down as (packed, scale) pairs with
@@ -49,10 +102,6 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList w, at::IntArrayR
                             .findSchemaOrThrow("duetime_norm::qk_rope", "")
                             .typed<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&,
                                               const at::Tensor&, const at::Tensor&, double)>();
-  static auto attend =
-      Dispatcher::singleton()
-          .findSchemaOrThrow("duetime_attn::decode", "")
-          .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, double)>();
   const int64_t L = (int64_t)sliding.size(), T = x_in.size(0);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(),
               "decode_layers: x must be contiguous fp32 [rows, hidden]");
@@ -72,37 +121,16 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList w, at::IntArrayR
         .call(in.to(at::kBFloat16), many[p], std::nullopt, "none", no_scalars, std::nullopt)
         .to(at::kFloat);
   };
-  const int64_t n_qk = heads + kv_heads, hd = head_dim;
+  const int64_t n_qk = heads + kv_heads;
   at::Tensor x = x_in;
   at::Tensor h = rms.call(x, norms[0], eps);
-  std::vector<at::Tensor> keys(T), values(T);
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor& cos = sliding[l] ? cos_l : cos_g;
     const at::Tensor& sin = sliding[l] ? sin_l : sin_g;
     const at::Tensor qkv = linear(h, 4 * l);
     const at::Tensor qk = qk_rope.call(qkv, n_qk, norms[5 * l + 1], cos, sin, eps);
-    TORCH_CHECK(qk.is_contiguous() && qkv.is_contiguous(), "decode_layers: strided q/k/v");
-    const float* qkp = qk.data_ptr<float>();
-    const float* vp = qkv.data_ptr<float>() + n_qk * hd;
-    const int64_t qkv_row = qkv.size(1);
-    for (int64_t t = 0; t < T; ++t) {
-      const at::Tensor& buf = bufs[l * T + t];
-      const int64_t cap = buf.size(2), at_ = len[l * T + t], from = lo[l * T + t];
-      TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kFloat && at_ < cap &&
-                      buf.size(1) == kv_heads && buf.size(3) == hd && 0 <= from && from <= at_,
-                  "decode_layers: no room in layer ", l, " of row ", t);
-      float* bp = buf.data_ptr<float>();
-      for (int64_t k = 0; k < kv_heads; ++k) {
-        std::memcpy(bp + (k * cap + at_) * hd, qkp + (t * n_qk + heads + k) * hd,
-                    sizeof(float) * hd);
-        std::memcpy(bp + ((kv_heads + k) * cap + at_) * hd, vp + t * qkv_row + k * hd,
-                    sizeof(float) * hd);
-      }
-      keys[t] = buf.select(0, 0).narrow(1, from, at_ + 1 - from);
-      values[t] = buf.select(0, 1).narrow(1, from, at_ + 1 - from);
-    }
-    const at::Tensor q = qk.narrow(1, 0, heads).contiguous();
-    at::Tensor a = attend.call(q, keys, values, scale);
+    at::Tensor a = store_attend(qk, qkv, {}, bufs.slice(l * T, T), len.slice(l * T, T),
+                                lo.slice(l * T, T), heads, kv_heads, head_dim, scale);
     a = linear(a, 4 * l + 1);
     std::tie(x, h) = add_rms.call(x, a, norms[5 * l + 2], norms[5 * l + 3], eps);
     const at::Tensor gu = linear(h, 4 * l + 2);
@@ -126,8 +154,14 @@ TORCH_LIBRARY(duetime_loop, m) {
       "Tensor[] norms, int[] sliding, "
       "Tensor cos_l, Tensor sin_l, Tensor cos_g, Tensor sin_g, Tensor[] bufs, int[] len, "
       "int[] lo, int heads, int kv_heads, int head_dim, float eps, float scale) -> Tensor");
+  m.def(
+      "store_attend(Tensor qk, Tensor qkv, int[] rows, Tensor[] bufs, int[] len, int[] lo, "
+      "int heads, int kv_heads, int head_dim, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(duetime_loop, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(duetime_loop, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("store_attend", &store_attend);
+}
 // the packed bf16 weights are oneDNN tensors: a call that carries them dispatches here
 TORCH_LIBRARY_IMPL(duetime_loop, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
