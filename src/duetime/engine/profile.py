@@ -54,8 +54,9 @@ class ProfileGrid:
     """Shapes to time. ``max_setup_tokens`` bounds D·L so set-up stays short."""
 
     prompt_lens: Sequence[int] = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
-    # every kernel regime (1-2, 3-4, 5-8 and 9+ rows for Gemma q8) gets two batch sizes or more
-    batches: Sequence[int] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    # every kernel regime (1-2, 3-4, 5-8, 9-11 and 12+ rows for Gemma q8 on an AMX CPU) gets
+    # two batch sizes or more
+    batches: Sequence[int] = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
     contexts: Sequence[int] = (32, 256, 1024)
     mixed: Sequence[tuple[int, int, int]] = (
         (32, 1, 128), (64, 2, 128), (64, 4, 128), (256, 8, 128), (128, 16, 256), (256, 32, 64),

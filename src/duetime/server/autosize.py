@@ -122,7 +122,7 @@ def limits_from_cost(
 def measure_step_cost(
     model: Any,
     *,
-    batches: tuple[int, ...] = (1, 2, 4, 6, 8, 16, 32, 64),
+    batches: tuple[int, ...] = (1, 2, 4, 6, 8, 10, 16, 32, 64),
     context: int = 32,
     prompts: tuple[int, ...] = (64, 256, 512),
     reps: int = 3,
@@ -130,7 +130,7 @@ def measure_step_cost(
     """Time the model's own steps and fit the step-cost model ``duetime profile`` fits.
 
     Each batch in ``batches`` (two or more in each kernel regime of Gemma q8: 1-2,
-    3-4, 5-8 and 9+ rows) is prefilled with ``context``-token prompts (untimed), then
+    3-4, 5-8, 9-11 and 12+ rows, the last where the CPU has AMX) is prefilled with ``context``-token prompts (untimed), then
     decodes ``reps`` timed steps; each prompt length in ``prompts`` is prefilled alone
     ``reps`` times. A first, untimed cell warms the kernels up (their first call builds
     or loads them). The fit (:func:`duetime.predict.ete.fit_batch_cost`) has a band per
