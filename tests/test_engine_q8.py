@@ -221,7 +221,15 @@ def test_q8_bf16_rows_take_many_row_steps_only(hf, native) -> None:
     assert not torch.equal(got, ref)  # the bf16 path really ran
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.999
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    # its prompt chunks attend in bf16 too: the logits move, and stay as close
+    assert model.prefill_attention_dtype == torch.bfloat16
+    model.prefill_attention_dtype = None
+    fp32_attention = _prefill_logits(model, ids)
+    assert not torch.equal(fp32_attention, got)
+    assert torch.nn.functional.cosine_similarity(fp32_attention, ref, dim=-1).min() > 0.999
+    model.prefill_attention_dtype = torch.bfloat16
     plain = engine_from_hf(hf, "q8", bf16_rows=False)
+    assert plain.prefill_attention_dtype is None
     one = list(range(3, 9))
     assert torch.equal(_decode_logits(model, one), _decode_logits(plain, one))
     # the default follows the CPU: bf16 rows where it computes bf16 natively

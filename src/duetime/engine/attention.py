@@ -82,8 +82,12 @@ def attend(
     view: KVView,
     mask: torch.Tensor | None,
     scale: float,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Attention output ``[n, heads * head_dim]`` for queries ``q`` ``[n, heads, head_dim]``."""
+    """Attention output ``[n, heads * head_dim]`` for queries ``q`` ``[n, heads, head_dim]``.
+
+    ``dtype``: compute in it (queries, keys and values rounded to it going in), the
+    output back in ``q``'s (:func:`attend_prefill`)."""
     n, heads, hd = q.shape
     kvh = view.keys.shape[0]
     rep = heads // kvh
@@ -96,12 +100,20 @@ def attend(
         m = m3[:, None].expand(kvh, rep, n, s).reshape(1, kvh, rep * n, s)
     k = view.keys[None]
     v = view.values[None]
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=scale)
+    if dtype is not None and dtype != q.dtype:
+        qf, k, v = qf.to(dtype), k.to(dtype), v.to(dtype)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=scale).to(q.dtype)
     return out.view(kvh, rep, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd)
 
 
 def attend_prefill(
-    q: Tensor, view: KVView, q_start: int, sliding: bool, masks: MaskCache, scale: float
+    q: Tensor,
+    view: KVView,
+    q_start: int,
+    sliding: bool,
+    masks: MaskCache,
+    scale: float,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Attention output ``[n, heads * head_dim]`` of a chunk of ``n`` > 1 queries at
     positions ``q_start ...``, each over the keys it may see (causal; a sliding layer's
@@ -112,15 +124,20 @@ def attend_prefill(
     sequence whose KV was evicted (per-head key positions), is one masked call.
     Queries are not folded over the KV heads here (``enable_gqa``): the mask then
     broadcasts over heads instead of being copied for each.
+
+    ``dtype``: compute in it where it is not ``q``'s (``q8`` passes bfloat16 on a CPU
+    that computes it natively, as its many-row products do): torch's flash attention
+    for a 320-token causal prompt, one layer of Gemma 3 270M, took 0.6 ms in bf16
+    (casts included) against 1.9-4.1 ms in fp32 on the 2-core Xeon.
     """
     n = q.shape[0]
     window = masks.window if sliding else None
     if view.positions is not None or n <= PREFILL_BLOCK:
-        return attend(q, view, masks.mask(view, q_start, n, sliding), scale)
+        return attend(q, view, masks.mask(view, q_start, n, sliding), scale, dtype)
     first = view.first_pos
     keys, values = view.keys, view.values
     if window is None and q_start == first and n == keys.shape[1]:
-        return _sdpa_heads(q, keys, values, None, scale, causal=True)
+        return _sdpa_heads(q, keys, values, None, scale, causal=True, dtype=dtype)
     outs = []
     for a in range(0, n, PREFILL_BLOCK):
         b = min(a + PREFILL_BLOCK, n)
@@ -128,25 +145,31 @@ def attend_prefill(
         hi = q_start + b  # the block's last query sees no key past its own
         bias = masks.block_bias(q_start + a, b - a, lo, hi - lo, window, q.dtype)
         k, v = keys[:, lo - first : hi - first], values[:, lo - first : hi - first]
-        outs.append(_sdpa_heads(q[a:b], k, v, bias, scale))
+        outs.append(_sdpa_heads(q[a:b], k, v, bias, scale, dtype=dtype))
     return torch.cat(outs)
 
 
 def _sdpa_heads(
-    q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, scale: float, causal: bool = False
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor | None,
+    scale: float,
+    causal: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """SDPA of ``q`` ``[n, heads, hd]`` over ``[kv_heads, S, hd]`` keys: ``[n, heads * hd]``."""
+    """SDPA of ``q`` ``[n, heads, hd]`` over ``[kv_heads, S, hd]`` keys: ``[n, heads * hd]``,
+    computed in ``dtype`` where given."""
     n, heads, hd = q.shape
+    qh = q.permute(1, 0, 2)[None]
+    if dtype is not None and dtype != q.dtype:
+        qh, keys, values = qh.to(dtype), keys.to(dtype), values.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     out = F.scaled_dot_product_attention(
-        q.permute(1, 0, 2)[None],
-        keys[None],
-        values[None],
-        attn_mask=bias,
-        is_causal=causal,
-        scale=scale,
+        qh, keys[None], values[None], attn_mask=bias, is_causal=causal, scale=scale,
         enable_gqa=True,
-    )
-    return out[0].permute(1, 0, 2).reshape(n, heads * hd)
+    )  # fmt: skip
+    return out[0].to(q.dtype).permute(1, 0, 2).reshape(n, heads * hd)
 
 
 def attend_decodes(q: torch.Tensor, views: list[KVView], scale: float) -> torch.Tensor:

@@ -109,6 +109,8 @@ class Gemma3:
                 bf16_rows = native_bf16()
             kind = "q8-bf16" if bf16_rows else "q8" if packed else "q8-dense"
         self.bf16_rows = kind == "q8-bf16"
+        # prompt chunks attend in bf16 where the many-row products are bf16 (attention.py)
+        self.prefill_attention_dtype = torch.bfloat16 if self.bf16_rows else None
         self.layers = [
             LayerWeights(weights, f"model.layers.{i}", config, kind, cd, q8_quantize)
             for i in range(config.num_layers)

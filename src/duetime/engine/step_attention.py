@@ -59,11 +59,14 @@ def attend_layer(
             decode_views.append(view)
             continue
         q_start = c.start_pos + c.shared
+        # a prompt chunk attends in the model's prefill dtype; one token (an evicted
+        # sequence's decode) as every decode does
+        dtype = model.prefill_attention_dtype if b - a > 1 else None
         if view.needs_mask and model.blocked_prefill_attention:
-            out = attend_prefill(q[a:b], view, q_start, sliding, masks, model.scale)
+            out = attend_prefill(q[a:b], view, q_start, sliding, masks, model.scale, dtype)
         else:
             mask = masks.mask(view, q_start, b - a, sliding) if view.needs_mask else None
-            out = attend(q[a:b], view, mask, model.scale)
+            out = attend(q[a:b], view, mask, model.scale, dtype)
         outs.append((a, b, out))
     # the decode kernel serves even one decode; SDPA's batched call pays from two on
     few = len(decode_views) < (1 if model.decode_kernel else 2)
