@@ -130,7 +130,8 @@ def _mixed(model: Gemma3, decoders: int, loop: bool) -> tuple[list[torch.Tensor]
         late = kv.allocate()
         prompt = [r.randrange(256) for _ in range(1 + step % 5)]
         chunks = [SeqChunk(s, [r.randrange(256)], kv.seq_len(s)) for s in slots]
-        h, _ = model.hidden_states([*chunks, SeqChunk(late, prompt, 0)], kv)
+        at = step % (len(chunks) + 1)  # the prompt among the decodes: rows not consecutive
+        h, _ = model.hidden_states([*chunks[:at], SeqChunk(late, prompt, 0), *chunks[at:]], kv)
         hidden.append(h)
         slots.append(late) if step % 3 == 0 else kv.free(late)
     return hidden, kv, slots

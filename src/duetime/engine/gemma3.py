@@ -268,8 +268,7 @@ class Gemma3:
             attn = attend_layer(self, batch, kv, i, q, new_kv, masks, sliding, plain, plain_out)
             h = layer.o(attn.to(layer.o.dtype)).to(x.dtype)
             x, h = norms.add_rms(x, h, layer.post_attn, layer.pre_ffw)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            h = layer.down(F.gelu(gate, approximate="tanh") * up).to(x.dtype)
+            h = layer.down(norms.gelu_mul(layer.gate_up(h))).to(x.dtype)
             if i + 1 < len(layers):  # the residual step and the next layer's input norm
                 x, h = norms.add_rms(x, h, layer.post_ffw, layers[i + 1].in_norm)
             else:

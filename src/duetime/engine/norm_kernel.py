@@ -1,4 +1,4 @@
-"""Gemma 3's RMS norms in one C++ op each (fp32, built on first use).
+"""Gemma 3's RMS norms and gated GELU in one C++ op each (fp32, built on first use).
 
 Why: a Gemma 3 layer normalises five times (input, q/k per head, after
 attention, before and after the MLP), and in torch each norm is eight small ops
@@ -13,7 +13,11 @@ pass over each row:
   and the next norm ``rms(x', w_next)``, both returned;
 * ``qk_rope(qkv, w, cos, sin)``: the per-head norm of the query and key heads
   at the front of each row of the fused q/k/v product, then rotary embedding
-  (``n · cos + rotate_half(n) · sin``), into a fresh ``[T, heads, head_dim]``.
+  (``n · cos + rotate_half(n) · sin``), into a fresh ``[T, heads, head_dim]``;
+* ``gelu_mul(gu)``: ``gelu_tanh(gate) · up`` of the fused gate/up product in one
+  pass, tanh from one exponential (Cephes' polynomial, ~1e-7 relative): ATen's
+  tanh GELU took 0.74 ms for a 320 × 2048 gate and the product 2.25 ms with
+  the multiply, against 0.12 ms for ``tanh`` alone (2 threads).
 
 The arithmetic is torch's, in the same order (sum of squares over the row, then
 ``/ n``, ``+ eps``, one reciprocal square root, ``(x · r) · w``); only the sum's
@@ -28,6 +32,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 from duetime.engine.cpp_ext import CppOps
 
@@ -76,6 +81,12 @@ class TorchNorms:
         rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
         return qk * cos + rotated * sin
 
+    def gelu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """Gemma's gated feed-forward activation: ``gelu_tanh(gate) * up`` of a fused
+        ``[rows, 2F]`` gate/up product."""
+        gate, up = gu.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class FusedNorms(TorchNorms):
     """The same norms through the C++ ops (fp32 tensors only)."""
@@ -106,6 +117,11 @@ class FusedNorms(TorchNorms):
             return super().qk_rope(qkv, heads, w, cos, sin)
         t, d = qkv.shape[0], w.shape[-1]
         return self._ops.qk_rope(qkv, heads, w, cos.reshape(t, d), sin.reshape(t, d), self.eps)
+
+    def gelu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        if gu.dtype is not _F32 or not gu.is_contiguous():
+            return super().gelu_mul(gu)
+        return self._ops.gelu_mul(gu)
 
 
 def make_norms(eps: float, dtype: torch.dtype, *, fused: bool = True) -> TorchNorms:

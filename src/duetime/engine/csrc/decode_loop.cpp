@@ -4,7 +4,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/gelu.h>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -56,12 +55,22 @@ at::Tensor store_attend(const at::Tensor& qk, const at::Tensor& qkv, at::IntArra
     keys[t] = buf.select(0, 0).narrow(1, from, at_ + 1 - from);
     values[t] = buf.select(0, 1).narrow(1, from, at_ + 1 - from);
   }
-  at::Tensor q = qk.narrow(1, 0, heads);
-  if (!rows.empty()) {
+  // the rows' queries: a slice where the rows are consecutive (the executor puts decodes
+  // together), else gathered from the contiguous qk before its heads are cut out
+  at::Tensor q;
+  bool consecutive = true;
+  for (int64_t t = 1; t < (int64_t)rows.size() && consecutive; ++t)
+    consecutive = rows[t] == rows[0] + t;
+  if (rows.empty()) {
+    q = qk;
+  } else if (consecutive) {
+    q = qk.narrow(0, rows[0], T);
+  } else {
     at::Tensor idx = at::empty({T}, qk.options().dtype(at::kLong));
     std::copy(rows.begin(), rows.end(), idx.data_ptr<int64_t>());
-    q = q.index_select(0, idx);
+    q = qk.index_select(0, idx);
   }
+  q = q.narrow(1, 0, heads);
   return attend.call(q.contiguous(), keys, values, scale);
 }
 
@@ -90,6 +99,9 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList w, at::IntArrayR
                             c10::string_view, c10::List<std::optional<at::Scalar>>,
                             std::optional<c10::string_view>)>();
   static const c10::List<std::optional<at::Scalar>> no_scalars;
+  static auto gelu_mul = Dispatcher::singleton()
+                             .findSchemaOrThrow("duetime_norm::gelu_mul", "")
+                             .typed<at::Tensor(const at::Tensor&)>();
   static auto rms = Dispatcher::singleton()
                         .findSchemaOrThrow("duetime_norm::rms", "")
                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
@@ -134,8 +146,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList w, at::IntArrayR
     a = linear(a, 4 * l + 1);
     std::tie(x, h) = add_rms.call(x, a, norms[5 * l + 2], norms[5 * l + 3], eps);
     const at::Tensor gu = linear(h, 4 * l + 2);
-    const int64_t f = gu.size(1) / 2;
-    at::Tensor act = at::gelu(gu.narrow(1, 0, f), "tanh").mul_(gu.narrow(1, f, f));
+    const at::Tensor act = gelu_mul.call(gu);
     a = linear(act, 4 * l + 3);
     if (l + 1 < L) {
       std::tie(x, h) = add_rms.call(x, a, norms[5 * l + 4], norms[5 * (l + 1)], eps);

@@ -1,4 +1,4 @@
-// Gemma 3's RMS norms, one op each; why and how: duetime/engine/norm_kernel.py.
+// Gemma 3's RMS norms and gated GELU, one op each; why and how: duetime/engine/norm_kernel.py.
 #include "common.h"
 
 #include <ATen/ops/empty.h>
@@ -161,16 +161,77 @@ at::Tensor qk_rope(const at::Tensor& qkv, int64_t heads, const at::Tensor& w,
   return y;
 }
 
+// e^x for x <= 0 (Cephes' polynomial; relative error ~1e-7 over the range used).
+inline __m256 exp_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float gelu_tanh(float x) {
+  const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return 0.5f * x * (1.f + std::tanh(y));
+}
+
+// gu [T, 2F] (a fused gate/up product) -> gelu_tanh(gate) * up [T, F]. tanh(y) is
+// sign(y) (1 - e^(-2|y|)) / (1 + e^(-2|y|)), from one exponential of a non-positive number.
+at::Tensor gelu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(
+      gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
+      "gelu_mul: gu must be contiguous fp32 [rows, 2 * features], got ", gu.sizes(), " ",
+      gu.scalar_type());
+  const int64_t T = gu.size(0), F = gu.size(1) / 2;
+  at::Tensor y = at::empty({T, F}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, grain(F), [&](int64_t t0, int64_t t1) {
+    const __m256 k = _mm256_set1_ps(0.7978845608028654f), c = _mm256_set1_ps(0.044715f);
+    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+    const __m256 sign = _mm256_set1_ps(-0.f), m2 = _mm256_set1_ps(-2.f);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *g = gp + t * 2 * F, *u = g + F;
+      float* out = yp + t * F;
+      int64_t j = 0;
+      for (; j + 8 <= F; j += 8) {
+        const __m256 x = _mm256_loadu_ps(g + j);
+        const __m256 yv =
+            _mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(c, x), _mm256_mul_ps(x, x), x));
+        const __m256 e = exp_neg(_mm256_mul_ps(m2, _mm256_andnot_ps(sign, yv)));
+        const __m256 th = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+        const __m256 tanh_y = _mm256_or_ps(th, _mm256_and_ps(sign, yv));
+        const __m256 gl = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh_y));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(gl, _mm256_loadu_ps(u + j)));
+      }
+      for (; j < F; ++j) out[j] = gelu_tanh(g[j]) * u[j];
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(duetime_norm, m) {
   m.def("rms(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms(Tensor x, Tensor h, Tensor w_post, Tensor w_next, float eps) -> (Tensor, Tensor)");
   m.def("qk_rope(Tensor qkv, int heads, Tensor w, Tensor cos, Tensor sin, float eps) -> Tensor");
+  m.def("gelu_mul(Tensor gu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(duetime_norm, CPU, m) {
   m.impl("rms", &rms);
   m.impl("add_rms", &add_rms);
   m.impl("qk_rope", &qk_rope);
+  m.impl("gelu_mul", &gelu_mul);
 }
