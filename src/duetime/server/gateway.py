@@ -114,12 +114,8 @@ def create_gateway_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        n = max(16, cfg.max_inflight * 2)
-        gw.client = httpx.AsyncClient(
-            trust_env=False,
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-            transport=transport or KeepAliveTransport(max_idle_per_backend=n),
-        )
+        wire = transport or KeepAliveTransport(max_idle_per_backend=max(16, cfg.max_inflight * 2))
+        gw.connect(wire, httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s))
         await asyncio.gather(*(gw.probe(b) for b in gw.backends), return_exceptions=True)
         tasks = [asyncio.create_task(gw.health_loop())]
         if scraper.enabled:  # the first requests are routed on scraped state too
@@ -135,7 +131,8 @@ def create_gateway_app(
                 task.cancel()
                 with suppress(asyncio.CancelledError):
                     await task
-            await gw.client.aclose()
+            assert gw.client is not None
+            await gw.client.aclose()  # closes the transport, and with it the kept connections
 
     app = FastAPI(title="duetime gateway", version="0.1", lifespan=lifespan)
     install_error_handlers(app)

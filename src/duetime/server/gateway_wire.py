@@ -273,3 +273,32 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         self._idle.clear()
         if self._fallback is not None:
             await self._fallback.aclose()
+
+
+class Upstream:
+    """The gateway's forwarded requests: the client's body POSTed as it came, straight to
+    the transport (the client's cookie jar, redirects and auth hooks are not for a
+    relay, and cost ~10 % of the gateway thread per request behind the no-op backend).
+
+    The probes, scrapes and ``/v1/models`` go through the gateway's ``httpx`` client.
+    """
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, timeout: httpx.Timeout) -> None:
+        self.transport = transport
+        self._timeout = timeout.as_dict()
+        self._urls: dict[str, httpx.URL] = {}
+
+    async def post(self, url: str, body: bytes) -> httpx.Response:
+        """The answer once its head is in; its body streams (``aread`` / ``aiter_raw``,
+        then ``aclose``, which a caller must reach)."""
+        target = self._urls.get(url)
+        if target is None:
+            target = self._urls[url] = httpx.URL(url)
+        request = httpx.Request(
+            "POST",
+            target,
+            content=body,
+            headers={"content-type": "application/json"},
+            extensions={"timeout": self._timeout},
+        )
+        return await self.transport.handle_async_request(request)
