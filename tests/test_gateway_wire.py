@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -16,6 +17,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from duetime.server.gateway_wire import KeepAliveTransport
 from duetime.server.threaded import serve_in_thread
+
+T = TypeVar("T")
 
 
 def _app(seen: dict[str, object]) -> FastAPI:
@@ -61,22 +64,25 @@ def _app(seen: dict[str, object]) -> FastAPI:
     return app
 
 
-def _run(coro_fn):  # type: ignore[no-untyped-def]
+def _run(coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
     return asyncio.run(coro_fn())
 
 
+Server = tuple[str, dict[str, object]]
+
+
 @pytest.fixture(scope="module")
-def server() -> tuple[str, dict[str, object]]:
+def server() -> Iterator[Server]:
     seen: dict[str, object] = {}
     with serve_in_thread(_app(seen)) as url:
-        yield url, seen  # type: ignore[misc]
+        yield url, seen
 
 
-def _client(url: str, **kw: object) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=url, transport=KeepAliveTransport(), **kw)  # type: ignore[arg-type]
+def _client(url: str, timeout: float = 5.0) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, transport=KeepAliveTransport(), timeout=timeout)
 
 
-def test_a_whole_answer_keeps_its_connection_for_the_next_request(server) -> None:  # type: ignore[no-untyped-def]
+def test_a_whole_answer_keeps_its_connection_for_the_next_request(server: Server) -> None:
     url, _ = server
 
     async def go() -> list[httpx.Response]:
@@ -90,7 +96,7 @@ def test_a_whole_answer_keeps_its_connection_for_the_next_request(server) -> Non
     assert rs[0].headers["content-type"] == "application/json"
 
 
-def test_a_chunked_stream_arrives_whole_and_an_empty_answer_has_no_body(server) -> None:  # type: ignore[no-untyped-def]
+def test_a_chunked_stream_arrives_whole_and_an_empty_answer_has_no_body(server: Server) -> None:
     url, _ = server
 
     async def go() -> tuple[bytes, int, bytes]:
@@ -105,7 +111,7 @@ def test_a_chunked_stream_arrives_whole_and_an_empty_answer_has_no_body(server) 
     assert (status, content) == (204, b"")
 
 
-def test_a_connection_the_server_closed_is_replaced(server) -> None:  # type: ignore[no-untyped-def]
+def test_a_connection_the_server_closed_is_replaced(server: Server) -> None:
     url, _ = server
 
     async def go() -> tuple[str, str]:
@@ -115,6 +121,44 @@ def test_a_connection_the_server_closed_is_replaced(server) -> None:  # type: ig
             return first, (await c.post("/echo", content=b"x")).json()["body"]
 
     assert _run(go) == ("bye", "x")
+
+
+def _answer(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def test_a_kept_connection_closed_as_the_next_request_arrives_is_sent_again() -> None:
+    """The backend's keep-alive timeout can close a kept connection while a request is on
+    its way: that request is sent again on a new connection, and answered once."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    received: list[bytes] = []
+
+    def backend() -> None:
+        first, _ = listener.accept()
+        received.append(first.recv(65536))
+        first.sendall(_answer(b"one"))
+        received.append(first.recv(65536))  # the second request: closed without an answer
+        first.close()
+        second, _ = listener.accept()
+        received.append(second.recv(65536))
+        second.sendall(_answer(b"two"))
+        second.close()
+        listener.close()
+
+    threading.Thread(target=backend, daemon=True).start()
+
+    async def go() -> list[str]:
+        async with _client(f"http://127.0.0.1:{port}") as c:
+            return [
+                (await c.post("/x", content=b"a")).text,
+                (await c.post("/x", content=b"b")).text,
+            ]
+
+    assert _run(go) == ["one", "two"]
+    assert [
+        r.endswith(b"\r\n\r\n" + body) for r, body in zip(received, [b"a", b"b", b"b"], strict=True)
+    ] == [True] * 3
 
 
 def test_a_refused_connection_is_a_connect_error() -> None:
@@ -130,11 +174,11 @@ def test_a_refused_connection_is_a_connect_error() -> None:
         _run(go)
 
 
-def test_a_silent_backend_is_a_read_timeout(server) -> None:  # type: ignore[no-untyped-def]
+def test_a_silent_backend_is_a_read_timeout(server: Server) -> None:
     url, _ = server
 
     async def go() -> None:
-        async with _client(url, timeout=httpx.Timeout(0.3)) as c:
+        async with _client(url, timeout=0.3) as c:
             await c.get("/slow")
 
     with pytest.raises(httpx.ReadTimeout):
@@ -164,7 +208,7 @@ def test_a_backend_that_dies_mid_answer_is_a_transport_error() -> None:
         _run(go)
 
 
-def test_a_stream_left_midway_closes_its_connection(server) -> None:  # type: ignore[no-untyped-def]
+def test_a_stream_left_midway_closes_its_connection(server: Server) -> None:
     """The backend must hear that the client left (so it frees the sequence): the
     connection is closed, not kept with half a stream unread."""
     url, seen = server

@@ -26,7 +26,7 @@ from contextlib import suppress
 
 import httpx
 
-__all__ = ["KeepAliveTransport"]
+__all__ = ["KeepAliveTransport", "Upstream"]
 
 _HEAD_LIMIT = 64 * 1024  # an answer's status line and headers
 _READ = 64 * 1024
@@ -221,7 +221,10 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
                 raw = await conn.reader.readuntil(b"\r\n\r\n")
         except BaseException as e:  # cancelled too: the backend must see the request end
             conn.close()
-            raise _head_error(e) from e
+            err = _head_error(e)
+            if err is e:
+                raise
+            raise err from e
         return self._response(request, key, conn, raw, timeout.get("read"))
 
     def _response(
