@@ -170,7 +170,7 @@ def test_a_stream_that_times_out_is_504_and_its_backend_stays_up() -> None:
 
     async def scenario() -> None:
         gw = Gateway(["http://a"])
-        gw.client = _client(handler)
+        gw.connect(httpx.MockTransport(handler), httpx.Timeout(600.0))
         b = gw.backends[0]
         b.up = True
         b.in_flight = 1  # the slot _forward took

@@ -86,11 +86,15 @@ class Grant:
 
 @dataclass(slots=True)
 class Offer:
-    """One routing question: the router's snapshot and the forecasts behind it."""
+    """One routing question: the router's snapshot and the forecasts behind it.
+
+    The forecasts are plain floats, computed backend by backend: a fleet is a handful
+    of backends, where numpy's per-call cost made it 2-2.4x slower (57 vs 24 µs at one
+    backend, 150 vs 78 µs at four)."""
 
     snap: FleetSnapshot
-    finish: np.ndarray  # absolute forecast finish per backend
-    first: np.ndarray  # absolute forecast first token per backend
+    finish: list[float]  # absolute forecast finish per backend
+    first: list[float]  # absolute forecast first token per backend
 
 
 def no_backend(model: str | None) -> ApiError:
@@ -129,12 +133,12 @@ def make_offer(
     if not any(usable):
         raise no_backend(ask.model)
     pool = {id(b) for b in routable([b for b, u in zip(backends, usable, strict=True) if u], mono)}
-    offered = np.array([id(b) in pool for b in backends], dtype=bool)
-    in_flight = np.array([b.in_flight for b in backends], dtype=np.int64)
-    running = in_flight.copy()
-    waiting = np.array(queued, dtype=np.int64)
-    kv_used = np.zeros(n, dtype=np.int64)
-    kv_capacity = np.ones(n, dtype=np.int64)
+    offered = [id(b) in pool for b in backends]
+    in_flight = [b.in_flight for b in backends]
+    running = list(in_flight)
+    waiting = list(queued)
+    kv_used = [0] * n
+    kv_capacity = [1] * n
     hit_rate = [0.0] * n
     if max_age_s is not None:
         for i, b in enumerate(backends):
@@ -143,19 +147,20 @@ def make_offer(
                 running[i], kv_used[i], kv_capacity[i] = e.running, e.kv_used, e.kv_capacity
                 waiting[i] += e.waiting  # the backend's queue, then the gateway's for it
                 hit_rate[i] = e.hit_rate
-    limit = np.array([b.limit(mono, max_inflight) for b in backends], dtype=np.int64)
-    est = [b.estimates(ask.prompt_len, ask.max_tokens) for b in backends]
-    ttft = np.array([t for t, _ in est])
-    alone = np.array([a for _, a in est])
-    ahead = running + waiting
-    finish = now + (ahead + 1) * alone
-    # A slot frees about every alone / limit seconds once the backend is full.
-    first = now + ttft + np.maximum(0, ahead + 1 - limit) * alone / limit
+    limit = [b.limit(mono, max_inflight) for b in backends]
+    finish: list[float] = []
+    first: list[float] = []
+    for b, run, wait, lim in zip(backends, running, waiting, limit, strict=True):
+        ttft, alone = b.estimates(ask.prompt_len, ask.max_tokens)
+        ahead = run + wait
+        finish.append(now + (ahead + 1) * alone)
+        # A slot frees about every alone / limit seconds once the backend is full.
+        first.append(now + ttft + max(0, ahead + 1 - lim) * alone / lim)
     if ask.ttft_s is not None:
         due = arrival + ask.ttft_s
-        meets = offered & (first <= due + _EPS)
-        if not meets.any():
-            late = float(first[offered].min()) - due
+        meets = [o and f <= due + _EPS for o, f in zip(offered, first, strict=True)]
+        if not any(meets):
+            late = min(f for o, f in zip(offered, first, strict=True) if o) - due
             raise refusal(
                 f"no backend can send the first token within {ask.ttft_s * 1000:.0f} ms "
                 f"(x-slo-ttft-ms): the earliest forecast is {late * 1000:.0f} ms late",
@@ -163,8 +168,9 @@ def make_offer(
                 "ttft_unreachable",
             )
         offered = meets
-    room = offered & (in_flight < limit)  # the gateway's own slots decide who starts now
-    if room.any():
+    # the gateway's own slots decide who starts now
+    room = [o and f < lim for o, f, lim in zip(offered, in_flight, limit, strict=True)]
+    if any(room):
         offered = room
     deadline = None if ask.deadline_s is None else arrival + ask.deadline_s
     req = Request(
@@ -175,16 +181,15 @@ def make_offer(
         deadline=deadline,
         priority=ask.priority,
     )
-    ends = [float(x) for x in finish]
     snap = FleetSnapshot(
         now=now,
         request=req,
-        up=offered,
-        running=running,
-        waiting=waiting,
-        kv_used=kv_used,
-        kv_capacity=kv_capacity,
+        up=np.array(offered, dtype=bool),
+        running=np.array(running, dtype=np.int64),
+        waiting=np.array(waiting, dtype=np.int64),
+        kv_used=np.array(kv_used, dtype=np.int64),
+        kv_capacity=np.array(kv_capacity, dtype=np.int64),
         prefix_lookup=lambda i: round(req.prompt_len * hit_rate[i]),
-        forecast_of=lambda i: ends[i],
+        forecast_of=lambda i: finish[i],
     )
     return Offer(snap, finish, first)

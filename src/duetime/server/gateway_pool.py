@@ -35,6 +35,7 @@ from duetime.routers import make_router
 from duetime.server.errors import ApiError
 from duetime.server.gateway_fleet import Ask, Grant, make_offer, refusal
 from duetime.server.gateway_routing import Backend, GatewayConfig
+from duetime.server.gateway_wire import Upstream
 
 log = logging.getLogger("duetime.gateway")
 
@@ -86,7 +87,8 @@ class Gateway:
         self._seq = itertools.count()
         self.router: Router = make_router(self.config.router, seed=self.config.router_seed)
         self.t0 = time.monotonic()  # the routers' clock starts at 0 here
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None  # probes, scrapes, /v1/models
+        self.upstream: Upstream | None = None  # the forwarded requests
         self.registry = CollectorRegistry()
         self.m_up = Gauge(
             "duetime_gateway_backend_up", "1 if up", ["backend"], registry=self.registry
@@ -114,6 +116,12 @@ class Gateway:
             self.m_up.labels(b.url).set(0)
             self.m_inflight.labels(b.url).set(0)
             self.m_suspect.labels(b.url).set(0)
+
+    def connect(self, transport: httpx.AsyncBaseTransport, timeout: httpx.Timeout) -> None:
+        """Reach the backends through ``transport``: forwarded requests straight to it
+        (:class:`Upstream`), the probes, scrapes and model lists through an httpx client."""
+        self.client = httpx.AsyncClient(trust_env=False, timeout=timeout, transport=transport)
+        self.upstream = Upstream(transport, timeout)
 
     # --- health -------------------------------------------------------------------
     def mark(self, b: Backend, up: bool) -> None:

@@ -52,12 +52,9 @@ async def _open_stream(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens:
     Whatever ends it (an error, the client leaving, the relay finishing), the
     upstream response is closed and the slot given back exactly once.
     """
-    assert gw.client is not None
+    assert gw.upstream is not None
     b = g.backend
     t0 = time.monotonic()
-    req = gw.client.build_request(
-        "POST", b.url + path, content=raw, headers={"content-type": "application/json"}
-    )
     r: httpx.Response | None = None
     closed = False
 
@@ -72,7 +69,7 @@ async def _open_stream(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens:
                 gw.release(b)
 
     try:
-        r = await gw.client.send(req, stream=True)
+        r = await gw.upstream.post(b.url + path, raw)
         if r.status_code != 200:  # an error answer is read whole and passed through
             content = await r.aread()
             await close()

@@ -71,13 +71,15 @@ def _passed_through(g: Grant, upstream: httpx.Response, content: bytes) -> Respo
 
 
 async def _whole(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens: int) -> Response:
-    assert gw.client is not None
+    assert gw.upstream is not None
     b = g.backend
     t0 = time.monotonic()
     try:
-        r = await gw.client.post(
-            b.url + path, content=raw, headers={"content-type": "application/json"}
-        )
+        r = await gw.upstream.post(b.url + path, raw)
+        try:
+            content = await r.aread()
+        finally:
+            await r.aclose()
     except httpx.TransportError as e:
         raise _failed(gw, b, t0, e) from e
     finally:
@@ -95,4 +97,4 @@ async def _whole(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens: int) 
         gw.m_requests.labels("ok").inc()
     else:
         gw.m_requests.labels(f"http_{r.status_code}").inc()
-    return _passed_through(g, r, r.content)
+    return _passed_through(g, r, content)
