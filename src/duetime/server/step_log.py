@@ -5,7 +5,8 @@ offline engine's at the same batch. A round of the engine thread is: take the
 inbox (``drain``), ask the policy and apply its decision (``schedule``), the
 model's forward pass (``forward``), hand the tokens and ends to the event loop
 (``deliver``: per-row bookkeeping, then one hand-over), refresh the stats and
-the image admission forecasts from (``refresh``), and sleep while there is
+the image admission forecasts from, and the step-time fit after the hand-over
+(``refresh``), and sleep while there is
 nothing to do (``idle``). ``forward`` is the executor's own step time (the same
 figure the cost model is fitted on); ``schedule`` is the rest of the tick.
 """
