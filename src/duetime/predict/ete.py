@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
-from duetime.core.cost_bands import AXES, Axis, BandCost, CostRegimes
+from duetime.core.cost_bands import AXES, BandCost, CostRegimes, step_rows
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,9 +58,7 @@ def _features(samples: Sequence[StepSample], regimes: CostRegimes | None = None)
         np.array([s.kv_tokens for s in samples], dtype=float),
     ]
     if regimes is not None:
-        rows, head = p + d, d + (p > 0)  # as cost_bands.step_rows, per sample
-        on_axis: tuple[tuple[Axis, np.ndarray], ...] = (("rows", rows), ("head_rows", head))
-        for axis, x in on_axis:
+        for axis, x in zip(AXES, step_rows(p, d), strict=True):
             for lo, hi in regimes.spans(axis):
                 on = ((x > lo) & (x <= hi)).astype(float)
                 cols += [on, on * x]
