@@ -10,7 +10,7 @@ and load the same way.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,3 +110,30 @@ def questions_after(
     from duetime.bench.eviction import sharegpt_prompts
 
     return [q[1:] for q in sharegpt_prompts(n, 2, longest + 1, seed)]
+
+
+def shared_prompts(
+    spec: str, vocab: int, lengths: Sequence[int], longest: int, seed: int, rng: random.Random
+) -> list[list[int]]:
+    """The long prompts many requests begin with (`prefix-cache`'s system prompt,
+    `shared-prefill`'s copied and system ones), one of each of ``lengths`` tokens: on
+    ``tiny``, ids drawn from ``rng`` in that order; else ShareGPT prompts of
+    ``max(lengths)`` to ``longest`` tokens, each cut to its length."""
+    if spec == "tiny":
+        return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    from duetime.bench.eviction import sharegpt_prompts
+
+    drawn = sharegpt_prompts(len(lengths), max(lengths), longest, seed)
+    return [p[:n] for p, n in zip(drawn, lengths, strict=True)]
+
+
+def check_questions_fit(system_len: int, question_len: int, new_tokens: int, context: int) -> None:
+    """The longest request behind a shared prompt (`prefix-cache`, `shared-prefill`) must
+    fit the model's ``context``; the error names the three options that add up."""
+    from duetime.bench.engine_fit import check_context
+
+    check_context(
+        system_len + question_len + new_tokens,
+        context,
+        f"--system-len {system_len} + --question-len {question_len} + --new-tokens {new_tokens}",
+    )

@@ -7,7 +7,12 @@ from typing import Annotated
 
 import typer
 
-from duetime.cli.bench.model import load_prompted_model, questions_after
+from duetime.cli.bench.model import (
+    check_questions_fit,
+    load_prompted_model,
+    questions_after,
+    shared_prompts,
+)
 from duetime.cli.bench.options import (
     BenchModelOpt,
     DtypeOpt,
@@ -40,17 +45,12 @@ def bench_prefix_cache(
     import torch
 
     from duetime.bench import prefix_cache as bench
-    from duetime.bench.engine_fit import check_context, check_dtype, engine_context
+    from duetime.bench.engine_fit import check_dtype, engine_context
     from duetime.metrics import render_table
 
     with _user_errors():
         check_dtype(dtype)
-        check_context(
-            system_len + question_len + new_tokens,
-            engine_context(model),
-            f"--system-len {system_len} + --question-len {question_len} + "
-            f"--new-tokens {new_tokens}",
-        )
+        check_questions_fit(system_len, question_len, new_tokens, engine_context(model))
         if cache_tokens < system_len:
             raise ValueError(
                 f"--cache-tokens {cache_tokens} cannot hold the --system-len {system_len} prompt"
@@ -59,13 +59,7 @@ def bench_prefix_cache(
         m = load_prompted_model(model, dtype, seed)
         r = random.Random(seed)
         vocab = m.config.vocab_size
-        if model == "tiny":
-            system = [r.randrange(vocab) for _ in range(system_len)]
-        else:
-            from duetime.bench.eviction import sharegpt_prompts
-
-            # a long ShareGPT prompt as the shared one, short ones after it
-            system = sharegpt_prompts(1, system_len, 4 * system_len, seed)[0][:system_len]
+        (system,) = shared_prompts(model, vocab, (system_len,), 4 * system_len, seed, r)
         questions = questions_after(model, vocab, requests, question_len, seed, r)
         fig = bench.run(m, system, questions, new_tokens=new_tokens, cache_tokens=cache_tokens)
         fig.update(model=model, dtype=dtype, threads=threads, seed=seed)

@@ -7,7 +7,12 @@ from typing import Annotated
 
 import typer
 
-from duetime.cli.bench.model import load_prompted_model, questions_after
+from duetime.cli.bench.model import (
+    check_questions_fit,
+    load_prompted_model,
+    questions_after,
+    shared_prompts,
+)
 from duetime.cli.bench.options import (
     BenchModelOpt,
     DtypeOpt,
@@ -53,31 +58,13 @@ def bench_shared_prefill(
         check_dtype(dtype)
         context = engine_context(model)
         check_context(prompt_len + new_tokens, context, f"--prompt-len {prompt_len} + --new-tokens")
-        check_context(
-            system_len + question_len + new_tokens,
-            context,
-            f"--system-len {system_len} + --question-len {question_len} + "
-            f"--new-tokens {new_tokens}",
-        )
+        check_questions_fit(system_len, question_len, new_tokens, context)
         torch.set_num_threads(threads)
         m = load_prompted_model(model, dtype, seed)
         r = random.Random(seed)
         vocab = m.config.vocab_size
-        if model == "tiny":
-            prompt = [r.randrange(vocab) for _ in range(prompt_len)]
-            system = [r.randrange(vocab) for _ in range(system_len)]
-        else:
-            from duetime.bench.eviction import sharegpt_prompts
-
-            # long ShareGPT prompts as the copied and the system one, short ones after it
-            prompt, system = (
-                p[:n]
-                for p, n in zip(
-                    sharegpt_prompts(2, max(prompt_len, system_len), 8 * 1024, seed),
-                    (prompt_len, system_len),
-                    strict=True,
-                )
-            )
+        lengths = (prompt_len, system_len)
+        prompt, system = shared_prompts(model, vocab, lengths, 8 * 1024, seed, r)
         questions = questions_after(model, vocab, requests, question_len, seed, r)
         fig = bench.run(
             m, prompt, copies, system, questions, new_tokens=new_tokens, repeats=repeats
