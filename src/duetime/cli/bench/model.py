@@ -127,6 +127,31 @@ def shared_prompts(
     return [p[:n] for p, n in zip(drawn, lengths, strict=True)]
 
 
+def load_with_shared_prompts(
+    spec: str,
+    dtype: str,
+    threads: int,
+    seed: int,
+    lengths: Sequence[int],
+    longest: int,
+    requests: int,
+    question_len: int,
+) -> tuple[Any, list[list[int]], list[list[int]]]:
+    """The model and prompts of the benches whose requests share a beginning
+    (`prefix-cache`, `shared-prefill`): the model on ``threads`` torch threads, the
+    :func:`shared_prompts` of ``lengths`` (at most ``longest`` drawn) and ``requests``
+    questions of at most ``question_len`` tokens after them (:func:`questions_after`),
+    all seeded by ``seed``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    model = load_prompted_model(spec, dtype, seed)
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    shared = shared_prompts(spec, vocab, lengths, longest, seed, rng)
+    return model, shared, questions_after(spec, vocab, requests, question_len, seed, rng)
+
+
 def check_questions_fit(system_len: int, question_len: int, new_tokens: int, context: int) -> None:
     """The longest request behind a shared prompt (`prefix-cache`, `shared-prefill`) must
     fit the model's ``context``; the error names the three options that add up."""

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import random
 from typing import Annotated
 
 import typer
 
-from duetime.cli.bench.model import (
-    check_questions_fit,
-    load_prompted_model,
-    questions_after,
-    shared_prompts,
-)
+from duetime.cli.bench.model import check_questions_fit, load_with_shared_prompts
 from duetime.cli.bench.options import (
     BenchModelOpt,
     DtypeOpt,
@@ -42,8 +36,6 @@ def bench_prefix_cache(
 ) -> None:
     """Serve requests that share a long prompt one at a time, without and with the
     prefix cache, and compare their time to first token and their answers."""
-    import torch
-
     from duetime.bench import prefix_cache as bench
     from duetime.bench.engine_fit import check_dtype, engine_context
     from duetime.metrics import render_table
@@ -55,12 +47,9 @@ def bench_prefix_cache(
             raise ValueError(
                 f"--cache-tokens {cache_tokens} cannot hold the --system-len {system_len} prompt"
             )
-        torch.set_num_threads(threads)
-        m = load_prompted_model(model, dtype, seed)
-        r = random.Random(seed)
-        vocab = m.config.vocab_size
-        (system,) = shared_prompts(model, vocab, (system_len,), 4 * system_len, seed, r)
-        questions = questions_after(model, vocab, requests, question_len, seed, r)
+        m, (system,), questions = load_with_shared_prompts(
+            model, dtype, threads, seed, (system_len,), 4 * system_len, requests, question_len
+        )
         fig = bench.run(m, system, questions, new_tokens=new_tokens, cache_tokens=cache_tokens)
         fig.update(model=model, dtype=dtype, threads=threads, seed=seed)
     out.print(render_table(bench.table_columns(fig), keys=bench.TABLE_KEYS))

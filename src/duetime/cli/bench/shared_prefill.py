@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import random
 from typing import Annotated
 
 import typer
 
-from duetime.cli.bench.model import (
-    check_questions_fit,
-    load_prompted_model,
-    questions_after,
-    shared_prompts,
-)
+from duetime.cli.bench.model import check_questions_fit, load_with_shared_prompts
 from duetime.cli.bench.options import (
     BenchModelOpt,
     DtypeOpt,
@@ -48,8 +42,6 @@ def bench_shared_prefill(
     """Serve two bursts a prefix cache cannot help (copies of one prompt; requests behind
     one system prompt, all arriving together) with shared prefills off and on, and
     compare their time to first token, the prefill computed and the answers."""
-    import torch
-
     from duetime.bench import shared_prefill as bench
     from duetime.bench.engine_fit import check_context, check_dtype, engine_context
     from duetime.metrics import render_table
@@ -59,13 +51,10 @@ def bench_shared_prefill(
         context = engine_context(model)
         check_context(prompt_len + new_tokens, context, f"--prompt-len {prompt_len} + --new-tokens")
         check_questions_fit(system_len, question_len, new_tokens, context)
-        torch.set_num_threads(threads)
-        m = load_prompted_model(model, dtype, seed)
-        r = random.Random(seed)
-        vocab = m.config.vocab_size
         lengths = (prompt_len, system_len)
-        prompt, system = shared_prompts(model, vocab, lengths, 8 * 1024, seed, r)
-        questions = questions_after(model, vocab, requests, question_len, seed, r)
+        m, (prompt, system), questions = load_with_shared_prompts(
+            model, dtype, threads, seed, lengths, 8 * 1024, requests, question_len
+        )
         fig = bench.run(
             m, prompt, copies, system, questions, new_tokens=new_tokens, repeats=repeats
         )
