@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from duetime.cli.bench.options import no_engine_options
+
 
 def load_engine(spec: str, dtype: str, threads: int, clock: str | None = None) -> Any:
     """``gemma``, ``tiny`` (random weights) or a GGUF path, on ``threads`` torch threads.
@@ -47,6 +49,25 @@ class EngineChoice:
         """Unset options take the defaults above (those the options' help texts quote)."""
         d = cls()
         return cls(model or d.model, dtype or d.dtype, threads or d.threads, clock or d.clock)
+
+    @classmethod
+    def if_engine(
+        cls,
+        engine: bool,
+        model: str | None,
+        dtype: str | None,
+        threads: int | None,
+        clock: str | None,
+        others: Mapping[str, object],
+    ) -> EngineChoice | None:
+        """With ``--engine``, the engine of these options (:meth:`from_options`); without
+        it ``None``, once no engine-only option was given: these four and ``others``
+        (named as on the command line), which a run without the engine would ignore."""
+        if engine:
+            return cls.from_options(model, dtype, threads, clock)
+        given = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock}
+        no_engine_options({**given, **others})
+        return None
 
     @property
     def label(self) -> str:
