@@ -18,7 +18,7 @@ into the profile JSON that ``duetime sim --profile`` reads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -241,20 +241,16 @@ def evaluate(
         out[f"model_{kind}_mape_pct"] = cost_mape_pct(cost, of_kind) if of_kind else None
     pre = [s for s in samples if s.kind == "prefill"]
     dec = [s for s in samples if s.kind == "decode" and s.decode_seqs == 1]
-    out["ete_prefill_mape_pct"] = (
-        mape_pct(
-            np.array([ete.prefill(s.prefill_tokens) for s in pre]),
-            np.array([s.seconds for s in pre]),
-        )
-        if pre
-        else None
-    )
-    out["ete_decode_mape_pct"] = (
-        mape_pct(
-            np.array([ete.decode_step(s.kv_tokens) for s in dec]),
-            np.array([s.seconds for s in dec]),
-        )
-        if dec
-        else None
-    )
+    out["ete_prefill_mape_pct"] = _mape_on(lambda s: ete.prefill(s.prefill_tokens), pre)
+    out["ete_decode_mape_pct"] = _mape_on(lambda s: ete.decode_step(s.kv_tokens), dec)
     return out
+
+
+def _mape_on(
+    predict: Callable[[StepSample], np.ndarray | float], samples: Sequence[StepSample]
+) -> float | None:
+    """MAPE (%) of ``predict`` on ``samples``; ``None`` without any, since a run need not
+    have timed every kind of step a model is scored on."""
+    if not samples:
+        return None
+    return mape_pct(np.array([predict(s) for s in samples]), np.array([s.seconds for s in samples]))
