@@ -5,39 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from duetime.core.registry import Registry
 from duetime.core.router import Router
 
-_REGISTRY: dict[str, Callable[..., Router]] = {}
 T = TypeVar("T", bound=Callable[..., Router])
-
-
-def register(name: str) -> Callable[[T], T]:
-    """Class decorator: make a router constructible by name (CLI, sweeps, benchmarks)."""
-
-    def deco(factory: T) -> T:
-        if name in _REGISTRY:
-            raise ValueError(f"router {name!r} registered twice")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-def make_router(name: str, *, seed: int = 0, **kwargs: Any) -> Router:
-    """Build a registered router; every router takes ``seed`` (the random ones use it)."""
-    _load_builtin()
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
-        raise ValueError(f"unknown router {name!r}; known routers: {known}") from None
-    return factory(seed=seed, **kwargs)
-
-
-def available_routers() -> list[str]:
-    """Names of the built-in routers, sorted."""
-    _load_builtin()
-    return sorted(_REGISTRY)
 
 
 def _load_builtin() -> None:
@@ -52,3 +23,21 @@ def _load_builtin() -> None:
         round_robin,
         shortest_queue,
     )
+
+
+_ROUTERS: Registry[Router] = Registry("router", "routers", _load_builtin)
+
+
+def register(name: str) -> Callable[[T], T]:
+    """Class decorator: make a router constructible by name (CLI, sweeps, benchmarks)."""
+    return _ROUTERS.register(name)
+
+
+def make_router(name: str, *, seed: int = 0, **kwargs: Any) -> Router:
+    """Build a registered router; every router takes ``seed`` (the random ones use it)."""
+    return _ROUTERS.factory(name)(seed=seed, **kwargs)
+
+
+def available_routers() -> list[str]:
+    """Names of the built-in routers, sorted."""
+    return _ROUTERS.names()
