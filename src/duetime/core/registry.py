@@ -9,7 +9,8 @@ name the known ones when asked for an unknown one, and import the built-in modul
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 P = TypeVar("P")
@@ -18,13 +19,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class Registry(Generic[P]):
     """Factories of ``P`` by name; ``kind`` and ``kinds`` name them in errors
-    (``"policy"``, ``"policies"``) and ``load`` imports the built-in ones."""
+    (``"policy"``, ``"policies"``), and the ``builtin`` modules of ``package`` are
+    imported on the first look-up (their decorators register what they define)."""
 
-    def __init__(self, kind: str, kinds: str, load: Callable[[], None]) -> None:
+    def __init__(self, kind: str, kinds: str, package: str, builtin: Sequence[str]) -> None:
         self.kind = kind
         self.kinds = kinds
-        self._load = load
+        self._modules = [f"{package}.{m}" for m in builtin]
         self._factories: dict[str, Callable[..., P]] = {}
+
+    def _load(self) -> None:
+        for module in self._modules:
+            importlib.import_module(module)
 
     def register(self, name: str) -> Callable[[F], F]:
         """Class decorator: make a factory constructible by ``name``."""

@@ -10,24 +10,10 @@ from duetime.core.registry import Registry
 
 T = TypeVar("T", bound=Callable[..., Policy])
 
-
-def _load_builtin() -> None:
-    # Importing the modules runs their @register decorators.
-    from duetime.policies import (  # noqa: F401
-        aell,
-        amax,
-        amin,
-        deferred_prefill,
-        edf,
-        fcfs,
-        hsf,
-        pud,
-        sjf,
-        timebill,
-    )
-
-
-_POLICIES: Registry[Policy] = Registry("policy", "policies", _load_builtin)
+#: The modules whose @register decorators define the built-in policies.
+_BUILTIN = ("aell", "amax", "amin", "deferred_prefill", "edf", "fcfs", "hsf", "pud", "sjf",
+            "timebill")  # fmt: skip
+_POLICIES: Registry[Policy] = Registry("policy", "policies", "duetime.policies", _BUILTIN)
 
 
 def register(name: str) -> Callable[[T], T]:

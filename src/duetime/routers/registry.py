@@ -10,22 +10,10 @@ from duetime.core.router import Router
 
 T = TypeVar("T", bound=Callable[..., Router])
 
-
-def _load_builtin() -> None:
-    # Importing the modules runs their @register decorators.
-    from duetime.routers import (  # noqa: F401
-        forecast_deadline,
-        least_kv,
-        least_outstanding,
-        power_of_two,
-        prefix_affinity,
-        random_choice,
-        round_robin,
-        shortest_queue,
-    )
-
-
-_ROUTERS: Registry[Router] = Registry("router", "routers", _load_builtin)
+#: The modules whose @register decorators define the built-in routers.
+_BUILTIN = ("forecast_deadline", "least_kv", "least_outstanding", "power_of_two",
+            "prefix_affinity", "random_choice", "round_robin", "shortest_queue")  # fmt: skip
+_ROUTERS: Registry[Router] = Registry("router", "routers", "duetime.routers", _BUILTIN)
 
 
 def register(name: str) -> Callable[[T], T]:
