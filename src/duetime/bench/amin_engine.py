@@ -28,6 +28,7 @@ from duetime.bench.engine_fit import (
     check_context,
     fit_cost,
     fold_ids,
+    median_runs,
     read_profile,
     time_shapes,
     warm_up,
@@ -197,11 +198,9 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Repeated real runs of one policy: medians, plus every run's TEL and restarts."""
     import numpy as np
 
-    out: dict[str, Any] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    out = median_runs(runs)
     for k in ("requests", "completed", "engine_steps", "restarts", "kv_peak_tokens"):
         out[k] = int(np.median([r[k] for r in runs]))
-    out["kv_left_tokens"] = max(r["kv_left_tokens"] for r in runs)
-    out["reps"] = len(runs)
     out["tel_reps_s"] = [r["tel_s"] for r in runs]
     out["restarts_reps"] = [r["restarts"] for r in runs]
     return out

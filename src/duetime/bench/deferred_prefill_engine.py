@@ -46,6 +46,7 @@ from duetime.bench.engine_fit import (
     Shape,
     check_context,
     fit_cost,
+    median_runs,
     read_profile,
     time_shapes,
     warm_up,
@@ -174,13 +175,9 @@ def run_real(
 
 def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One K's repetitions: the median of every figure, and the spread of throughput."""
-    import numpy as np
-
-    out: dict[str, Any] = {key: float(np.median([r[key] for r in rows])) for key in rows[0]}
+    out = median_runs(rows)
     out["k"] = rows[0]["k"]
-    out["reps"] = len(rows)
     out["throughput_reps_req_s"] = [r["throughput_req_s"] for r in rows]
-    out["kv_left_tokens"] = max(r["kv_left_tokens"] for r in rows)
     return out
 
 

@@ -11,14 +11,16 @@ cost to them (:func:`fit_cost`), the same fit ``duetime profile`` uses
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
+from duetime.core.record import RequestRecord
 from duetime.core.request import Job, Request
 from duetime.engine.gemma3 import DTYPES
 from duetime.predict.ete import StepSample, cost_mape_pct, step_kind
@@ -234,3 +236,35 @@ def warm_up(model: Any) -> None:
 
     kv = model.new_kv_cache()
     model.step([SeqChunk(kv.allocate(), [model.config.bos_token_id] * 8, 0)], kv)
+
+
+#: The figures of :func:`latency_figures`, in the order the benches' tables list them.
+LATENCY_KEYS = ("ttft_p50_s", "ttft_mean_s", "ttft_max_s", "e2e_mean_s")
+
+
+def latency_figures(records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Time to first token (median, mean, most) and mean end-to-end time of served requests.
+
+    The side-by-side engine benches (`prefix-cache`, `shared-prefill`) compare these
+    between a feature off and on; one definition keeps their tables meaning the same.
+    """
+    ttfts = [r.ttft for r in records if r.ttft is not None]
+    return {
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_max_s": max(ttfts),
+        "e2e_mean_s": statistics.fmean(r.e2e for r in records if r.e2e is not None),
+    }
+
+
+def median_runs(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Interleaved repeats of one real-engine run as one row (`amin`, `deferred-prefill`).
+
+    Every figure is the median over the repeats (a float), ``reps`` counts them, and
+    ``kv_left_tokens`` is the most KV any repeat left allocated, since a leak in one
+    repeat is a bug the median would hide.
+    """
+    out: dict[str, Any] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    out["kv_left_tokens"] = max(r["kv_left_tokens"] for r in runs)
+    out["reps"] = len(runs)
+    return out

@@ -95,6 +95,18 @@ def _prefill_s(model: Gemma3, ids: list[int]) -> float:
     return time.perf_counter() - t
 
 
+def _start_up(kind: str, load_s: float, rss0: float) -> dict[str, Any]:
+    """The figures every runner's column begins with, read right after its build and
+    warm-up: what it is, its load time, and the process's peak and this runner's own
+    memory (``rss0``: the resident set before the build)."""
+    return {
+        "kind": kind,
+        "load_s": load_s,
+        "peak_rss_mb": peak_rss_mb(),
+        "own_rss_mb": rss_mb() - rss0,
+    }
+
+
 def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -207,10 +219,7 @@ def run(
         _prefill_s(model, warm)
         runners[name] = model
         figs[name] = {
-            "kind": "engine",
-            "load_s": load_s,
-            "peak_rss_mb": peak_rss_mb(),
-            "own_rss_mb": rss_mb() - rss0,
+            **_start_up("engine", load_s, rss0),
             "weight_mb": weight_bytes(model) / 1e6,
             "weight_mb_by_batch": {b: weight_bytes(model, b) / 1e6 for b in batches},
             "kv_itemsize": model.compute_dtype.itemsize,
@@ -230,10 +239,7 @@ def run(
             continue
         runners[name] = hf
         figs[name] = {
-            "kind": "transformers",
-            "load_s": load_s,
-            "peak_rss_mb": peak_rss_mb(),
-            "own_rss_mb": rss_mb() - rss0,
+            **_start_up("transformers", load_s, rss0),
             "weight_mb": hf.nbytes / 1e6,
             "kv_itemsize": 2 if tdt == "bf16" else 4,
         }
@@ -250,10 +256,7 @@ def run(
         )
         runners["llama.cpp"] = lc
         figs["llama.cpp"] = {
-            "kind": "llama.cpp",
-            "load_s": time.perf_counter() - t,
-            "peak_rss_mb": peak_rss_mb(),
-            "own_rss_mb": rss_mb() - rss0,
+            **_start_up("llama.cpp", time.perf_counter() - t, rss0),
             "weight_mb": lc.nbytes / 1e6,
             "kv_itemsize": 2,
         }

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from duetime.bench.engine_fit import warm_up
+from duetime.bench.engine_fit import LATENCY_KEYS, latency_figures, warm_up
 from duetime.core.request import Job, Request
 from duetime.engine.executor import EngineExecutor
 from duetime.policies import make_policy
@@ -79,13 +79,8 @@ def run(
     outputs = {}
     for label, budget in (("plain", 0), ("cached", cache_tokens)):
         ex, res, wall = _serve(model, _jobs(system, questions, new_tokens), budget)
-        later = res.records[1:]
-        ttfts = [r.ttft for r in later if r.ttft is not None]
         figs[label] = {
-            "ttft_p50_s": statistics.median(ttfts),
-            "ttft_mean_s": statistics.fmean(ttfts),
-            "ttft_max_s": max(ttfts),
-            "e2e_mean_s": statistics.fmean(r.e2e for r in later if r.e2e is not None),
+            **latency_figures(res.records[1:]),
             "prefill_tokens": ex.prefill_tokens,
             "cached_tokens": ex.prefill_cached_tokens,
             "cache_nbytes": ex.prefix_cache.nbytes if ex.prefix_cache else 0,
@@ -111,10 +106,7 @@ def run(
 
 
 TABLE_KEYS = (
-    "ttft_p50_s",
-    "ttft_mean_s",
-    "ttft_max_s",
-    "e2e_mean_s",
+    *LATENCY_KEYS,
     "prefill_tokens",
     "cached_tokens",
     "cache_nbytes",

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from duetime.bench.engine_fit import burst_jobs, warm_up
+from duetime.bench.engine_fit import LATENCY_KEYS, burst_jobs, latency_figures, warm_up
 from duetime.engine.executor import EngineExecutor
 from duetime.policies import make_policy
 
@@ -47,12 +47,8 @@ def _serve(
     t = time.perf_counter()
     res = ex.run(burst_jobs(prompts, new_tokens))
     wall = time.perf_counter() - t
-    ttfts = [r.ttft for r in res.records if r.ttft is not None]
     figs = {
-        "ttft_p50_s": statistics.median(ttfts),
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "ttft_max_s": max(ttfts),
-        "e2e_mean_s": statistics.fmean(r.e2e for r in res.records if r.e2e is not None),
+        **latency_figures(res.records),
         "prefill_tokens": ex.prefill_tokens,
         "shared_tokens": ex.prefill_shared_tokens,
         "cached_tokens": ex.prefill_cached_tokens,
@@ -129,10 +125,7 @@ def run(
 
 
 TABLE_KEYS = (
-    "ttft_p50_s",
-    "ttft_mean_s",
-    "ttft_max_s",
-    "e2e_mean_s",
+    *LATENCY_KEYS,
     "prefill_tokens",
     "shared_tokens",
     "cached_tokens",

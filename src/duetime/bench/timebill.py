@@ -201,6 +201,24 @@ def is_complete(rec: Any, overrun: str) -> bool:
     return bool(rec.deadline_met if overrun == "kill" else rec.completed)
 
 
+def summarize(
+    rows: Sequence[dict[str, Any]],
+    strategies: Sequence[str],
+    methods: Sequence[str],
+    keys: Sequence[str],
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per overrun strategy and method, each of ``keys`` averaged over the budgets
+    (as ``<key>_mean``): the summary the simulated and the real-engine TimeBill benches
+    both report, so that their figures compare."""
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for o in strategies:
+        summary[o] = {}
+        for m in methods:
+            mine = [r for r in rows if r["method"] == m and r["overrun"] == o]
+            summary[o][m] = {k + "_mean": float(np.mean([r[k] for r in mine])) for k in keys}
+    return summary
+
+
 def run(
     jobs: int = 200,
     seed: int = 0,
@@ -226,15 +244,7 @@ def run(
         for m in methods
         for b in bs
     ]
-    summary: dict[str, Any] = {}
-    for o in STRATEGIES:
-        summary[o] = {}
-        for m in methods:
-            mine = [r for r in runs if r["method"] == m and r["overrun"] == o]
-            summary[o][m] = {
-                "completion_rate_mean": float(np.mean([r["completion_rate"] for r in mine])),
-                "mean_alpha_mean": float(np.mean([r["mean_alpha"] for r in mine])),
-            }
+    summary = summarize(runs, STRATEGIES, methods, ("completion_rate", "mean_alpha"))
     p = np.array([x for x, _, _ in lengths])
     out = np.array([y for _, y, _ in lengths])
     return {

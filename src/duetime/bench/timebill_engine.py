@@ -308,15 +308,12 @@ def run(
                 timings.extend(tim)
                 if progress is not None:
                     progress(1)
-    summary: dict[str, Any] = {}
-    for o in strategies:
-        summary[o] = {}
-        for m in methods:
-            mine = [r for r in rows if r["method"] == m and r["overrun"] == o]
-            summary[o][m] = {
-                k + "_mean": float(np.mean([r[k] for r in mine]))
-                for k in ("completion_rate", "mean_alpha", "token_f1_mean", "rouge_l_mean")
-            }
+    summary = sim_bench.summarize(
+        rows,
+        strategies,
+        methods,
+        ("completion_rate", "mean_alpha", "token_f1_mean", "rouge_l_mean"),
+    )
     p = np.array([j.request.prompt_len for j in base])
     out = np.array([j.output_len for j in base])
     return {

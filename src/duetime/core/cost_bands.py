@@ -29,7 +29,10 @@ from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+if TYPE_CHECKING:
+    import numpy as np
 
 Axis = Literal["rows", "head_rows"]
 AXES: tuple[Axis, ...] = ("rows", "head_rows")
@@ -135,9 +138,19 @@ class BandCost:
             raise CostBandError(f"a band needs axis, lo, hi, intercept, slope: {e}") from None
 
 
-def step_rows(prefill_tokens: float, decode_seqs: float) -> tuple[float, float]:
-    """``(rows, head_rows)`` of a step: see the module docstring."""
-    return prefill_tokens + decode_seqs, decode_seqs + (1.0 if prefill_tokens > 0 else 0.0)
+@overload
+def step_rows(prefill_tokens: float, decode_seqs: float) -> tuple[float, float]: ...
+@overload
+def step_rows(
+    prefill_tokens: np.ndarray, decode_seqs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]: ...
+def step_rows(prefill_tokens: Any, decode_seqs: Any) -> tuple[Any, Any]:
+    """``(rows, head_rows)`` of a step: see the module docstring.
+
+    Elementwise on numpy arrays too, so the cost fit's feature columns
+    (:mod:`duetime.predict.ete`) count rows exactly as the costs it fits price them.
+    """
+    return prefill_tokens + decode_seqs, decode_seqs + 1.0 * (prefill_tokens > 0)
 
 
 def bands_time(bands: Iterable[BandCost], rows: float, head_rows: float) -> float:

@@ -17,7 +17,9 @@ from duetime.policies.base import QueuePolicy
 from duetime.policies.registry import register
 
 
-def _deadline(seq: Seq) -> float:
+def deadline_of(seq: Seq) -> float:
+    """A sequence's absolute deadline, ``math.inf`` without one: the order of EDF's queue
+    and victims (and of TimeBill's, which keeps EDF's) puts those requests last."""
     d = seq.req.deadline
     return math.inf if d is None else d
 
@@ -33,7 +35,7 @@ class EDF(QueuePolicy):
         super().__init__(**kwargs)
 
     def waiting_key(self, seq: Seq) -> Any:
-        return (_deadline(seq), seq.req.arrival)
+        return (deadline_of(seq), seq.req.arrival)
 
     def victim_key(self, seq: Seq, now: float) -> Any:
-        return (_deadline(seq), seq.order)
+        return (deadline_of(seq), seq.order)

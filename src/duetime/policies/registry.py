@@ -6,31 +6,24 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from duetime.core.policy import Policy
+from duetime.core.registry import Registry
 
-_REGISTRY: dict[str, Callable[..., Policy]] = {}
 T = TypeVar("T", bound=Callable[..., Policy])
+
+#: The modules whose @register decorators define the built-in policies.
+_BUILTIN = ("aell", "amax", "amin", "deferred_prefill", "edf", "fcfs", "hsf", "pud", "sjf",
+            "timebill")  # fmt: skip
+_POLICIES: Registry[Policy] = Registry("policy", "policies", "duetime.policies", _BUILTIN)
 
 
 def register(name: str) -> Callable[[T], T]:
     """Class decorator: make a policy constructible by name (CLI, server, sweeps)."""
-
-    def deco(factory: T) -> T:
-        if name in _REGISTRY:
-            raise ValueError(f"policy {name!r} registered twice")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
+    return _POLICIES.register(name)
 
 
 def make_policy(name: str, **kwargs: Any) -> Policy:
     """Build a registered policy; unknown names list the known ones."""
-    _load_builtin()
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
-        raise ValueError(f"unknown policy {name!r}; known policies: {known}") from None
+    factory = _POLICIES.factory(name)
     try:
         return factory(**kwargs)
     except TypeError as e:  # policies pass **kwargs up to their base: only the call can tell
@@ -40,21 +33,4 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
 
 
 def available_policies() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def _load_builtin() -> None:
-    # Importing the modules runs their @register decorators.
-    from duetime.policies import (  # noqa: F401
-        aell,
-        amax,
-        amin,
-        deferred_prefill,
-        edf,
-        fcfs,
-        hsf,
-        pud,
-        sjf,
-        timebill,
-    )
+    return _POLICIES.names()

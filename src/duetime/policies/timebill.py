@@ -44,6 +44,7 @@ from duetime.core.decision import Decision
 from duetime.core.sequence import Seq
 from duetime.core.snapshot import EngineSnapshot
 from duetime.policies.base import QueuePolicy
+from duetime.policies.edf import deadline_of
 from duetime.policies.registry import register
 from duetime.policies.timebill_math import (
     ALPHA_MAX,
@@ -55,11 +56,6 @@ from duetime.policies.timebill_math import (
 
 Overrun = Literal["kill", "skip-next"]
 OVERRUN_STRATEGIES: tuple[str, ...] = ("kill", "skip-next")
-
-
-def _deadline(seq: Seq) -> float:
-    d = seq.req.deadline
-    return math.inf if d is None else d
 
 
 @register("timebill")
@@ -102,10 +98,10 @@ class TimeBill(QueuePolicy):
         self._skip.discard(rid)
 
     def waiting_key(self, seq: Seq) -> Any:
-        return (_deadline(seq), seq.req.arrival)
+        return (deadline_of(seq), seq.req.arrival)
 
     def victim_key(self, seq: Seq, now: float) -> Any:
-        return (_deadline(seq), seq.order)
+        return (deadline_of(seq), seq.order)
 
     def admissible(self, seq: Seq, snap: EngineSnapshot) -> bool:
         return seq.rid not in self._skip
@@ -137,10 +133,10 @@ class TimeBill(QueuePolicy):
         if any(self._overrun_of(s) == "kill" for g in groups for s in g):
             nxt = min(
                 (
-                    _deadline(s)
+                    deadline_of(s)
                     for group in (snap.running, snap.suspended, snap.waiting)
                     for s in group
-                    if _deadline(s) > now and s.rid not in gone
+                    if deadline_of(s) > now and s.rid not in gone
                 ),
                 default=math.inf,
             )
@@ -151,10 +147,10 @@ class TimeBill(QueuePolicy):
     def _overruns(self, snap: EngineSnapshot) -> list[int]:
         now = snap.now
         live = [s for g in (snap.running, snap.suspended, snap.waiting) for s in g]
-        killed = [s.rid for s in live if _deadline(s) <= now and self._overrun_of(s) == "kill"]
+        killed = [s.rid for s in live if deadline_of(s) <= now and self._overrun_of(s) == "kill"]
         overrunning: dict[str, int] = {}  # task → order of its oldest overrunning job
         for s in live:
-            if _deadline(s) <= now and self._overrun_of(s) == "skip-next":
+            if deadline_of(s) <= now and self._overrun_of(s) == "skip-next":
                 k = s.req.klass
                 overrunning[k] = min(overrunning.get(k, s.order), s.order)
         if not overrunning:

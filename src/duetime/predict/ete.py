@@ -18,13 +18,13 @@ into the profile JSON that ``duetime sim --profile`` reads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
-from duetime.core.cost_bands import AXES, Axis, BandCost, CostRegimes
+from duetime.core.cost_bands import AXES, BandCost, CostRegimes, step_rows
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,9 +58,7 @@ def _features(samples: Sequence[StepSample], regimes: CostRegimes | None = None)
         np.array([s.kv_tokens for s in samples], dtype=float),
     ]
     if regimes is not None:
-        rows, head = p + d, d + (p > 0)  # as cost_bands.step_rows, per sample
-        on_axis: tuple[tuple[Axis, np.ndarray], ...] = (("rows", rows), ("head_rows", head))
-        for axis, x in on_axis:
+        for axis, x in zip(AXES, step_rows(p, d), strict=True):
             for lo, hi in regimes.spans(axis):
                 on = ((x > lo) & (x <= hi)).astype(float)
                 cols += [on, on * x]
@@ -243,20 +241,16 @@ def evaluate(
         out[f"model_{kind}_mape_pct"] = cost_mape_pct(cost, of_kind) if of_kind else None
     pre = [s for s in samples if s.kind == "prefill"]
     dec = [s for s in samples if s.kind == "decode" and s.decode_seqs == 1]
-    out["ete_prefill_mape_pct"] = (
-        mape_pct(
-            np.array([ete.prefill(s.prefill_tokens) for s in pre]),
-            np.array([s.seconds for s in pre]),
-        )
-        if pre
-        else None
-    )
-    out["ete_decode_mape_pct"] = (
-        mape_pct(
-            np.array([ete.decode_step(s.kv_tokens) for s in dec]),
-            np.array([s.seconds for s in dec]),
-        )
-        if dec
-        else None
-    )
+    out["ete_prefill_mape_pct"] = _mape_on(lambda s: ete.prefill(s.prefill_tokens), pre)
+    out["ete_decode_mape_pct"] = _mape_on(lambda s: ete.decode_step(s.kv_tokens), dec)
     return out
+
+
+def _mape_on(
+    predict: Callable[[StepSample], np.ndarray | float], samples: Sequence[StepSample]
+) -> float | None:
+    """MAPE (%) of ``predict`` on ``samples``; ``None`` without any, since a run need not
+    have timed every kind of step a model is scored on."""
+    if not samples:
+        return None
+    return mape_pct(np.array([predict(s) for s in samples]), np.array([s.seconds for s in samples]))

@@ -15,7 +15,6 @@ from duetime.cli.bench.options import (
     EngineThreadsOpt,
     SeedOpt,
     WorkersOpt,
-    no_engine_options,
 )
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
@@ -75,13 +74,13 @@ def bench_amin(
     from duetime.bench import amin as bench
     from duetime.bench import amin_report as report
 
-    engine_only = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock,
-                   "--max-prompt": max_prompt, "--max-output": max_output,
-                   "--intervals": intervals, "--reps": engine_reps}  # fmt: skip
-    if engine:
+    others = {"--max-prompt": max_prompt, "--max-output": max_output, "--intervals": intervals,
+              "--reps": engine_reps}  # fmt: skip
+    choice = EngineChoice.if_engine(engine, model, dtype, threads, clock, others)
+    if choice is not None:
         with _user_errors():
             fig = run_engine(
-                EngineChoice.from_options(model, dtype, threads, clock),
+                choice,
                 requests=requests or 12, kv_capacity=kv_capacity or 224,
                 max_prompt=max_prompt or 256, max_output=max_output or 48,
                 intervals=intervals or "overlap-0.95", profile=profile, seed=seed, plot=plot,
@@ -89,7 +88,6 @@ def bench_amin(
             )  # fmt: skip
         save_figures(fig, json_path=json_path)
         return
-    no_engine_options(engine_only)
     profile = profile or "a100-llama2-7b"
     with _user_errors():
         specs = [x.strip() for x in learned.split(",") if x.strip()]

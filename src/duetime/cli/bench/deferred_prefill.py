@@ -18,7 +18,6 @@ from duetime.cli.bench.options import (
     EngineThreadsOpt,
     SeedOpt,
     WorkersOpt,
-    no_engine_options,
 )
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
@@ -67,20 +66,18 @@ def bench_deferred_prefill(
     """Throughput vs departure threshold K: analytic (Theorem 1), simulated and (--engine) real."""
     from duetime.bench import deferred_prefill as bench
 
-    engine_only = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock,
-                   "--ks": ks, "--prompt-len": prompt_len, "--reps": reps,
-                   "--mean-output": mean_output}  # fmt: skip
-    if engine:
+    others = {"--ks": ks, "--prompt-len": prompt_len, "--reps": reps, "--mean-output": mean_output}
+    choice = EngineChoice.if_engine(engine, model, dtype, threads, clock, others)
+    if choice is not None:
         with _user_errors():
             fig = run_engine(
-                EngineChoice.from_options(model, dtype, threads, clock),
+                choice,
                 capacity=capacity or 16, prompt_len=prompt_len or 16,
                 mean_output=mean_output or 9.0, requests=requests or 80, ks=ks,
                 profile=profile, seed=seed, reps=reps or 1,
             )  # fmt: skip
         save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)
         return
-    no_engine_options(engine_only)
     profile = profile or "a100-llama2-7b"
     with _user_errors():
         fig = bench.run(requests or 2000, capacity or 256, profile, seed, workers)

@@ -10,9 +10,11 @@ and load the same way.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from duetime.cli.bench.options import no_engine_options
 
 
 def load_engine(spec: str, dtype: str, threads: int, clock: str | None = None) -> Any:
@@ -47,6 +49,25 @@ class EngineChoice:
         """Unset options take the defaults above (those the options' help texts quote)."""
         d = cls()
         return cls(model or d.model, dtype or d.dtype, threads or d.threads, clock or d.clock)
+
+    @classmethod
+    def if_engine(
+        cls,
+        engine: bool,
+        model: str | None,
+        dtype: str | None,
+        threads: int | None,
+        clock: str | None,
+        others: Mapping[str, object],
+    ) -> EngineChoice | None:
+        """With ``--engine``, the engine of these options (:meth:`from_options`); without
+        it ``None``, once no engine-only option was given: these four and ``others``
+        (named as on the command line), which a run without the engine would ignore."""
+        if engine:
+            return cls.from_options(model, dtype, threads, clock)
+        given = {"--model": model, "--dtype": dtype, "--threads": threads, "--clock": clock}
+        no_engine_options({**given, **others})
+        return None
 
     @property
     def label(self) -> str:
@@ -110,3 +131,55 @@ def questions_after(
     from duetime.bench.eviction import sharegpt_prompts
 
     return [q[1:] for q in sharegpt_prompts(n, 2, longest + 1, seed)]
+
+
+def shared_prompts(
+    spec: str, vocab: int, lengths: Sequence[int], longest: int, seed: int, rng: random.Random
+) -> list[list[int]]:
+    """The long prompts many requests begin with (`prefix-cache`'s system prompt,
+    `shared-prefill`'s copied and system ones), one of each of ``lengths`` tokens: on
+    ``tiny``, ids drawn from ``rng`` in that order; else ShareGPT prompts of
+    ``max(lengths)`` to ``longest`` tokens, each cut to its length."""
+    if spec == "tiny":
+        return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    from duetime.bench.eviction import sharegpt_prompts
+
+    drawn = sharegpt_prompts(len(lengths), max(lengths), longest, seed)
+    return [p[:n] for p, n in zip(drawn, lengths, strict=True)]
+
+
+def load_with_shared_prompts(
+    spec: str,
+    dtype: str,
+    threads: int,
+    seed: int,
+    lengths: Sequence[int],
+    longest: int,
+    requests: int,
+    question_len: int,
+) -> tuple[Any, list[list[int]], list[list[int]]]:
+    """The model and prompts of the benches whose requests share a beginning
+    (`prefix-cache`, `shared-prefill`): the model on ``threads`` torch threads, the
+    :func:`shared_prompts` of ``lengths`` (at most ``longest`` drawn) and ``requests``
+    questions of at most ``question_len`` tokens after them (:func:`questions_after`),
+    all seeded by ``seed``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    model = load_prompted_model(spec, dtype, seed)
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    shared = shared_prompts(spec, vocab, lengths, longest, seed, rng)
+    return model, shared, questions_after(spec, vocab, requests, question_len, seed, rng)
+
+
+def check_questions_fit(system_len: int, question_len: int, new_tokens: int, context: int) -> None:
+    """The longest request behind a shared prompt (`prefix-cache`, `shared-prefill`) must
+    fit the model's ``context``; the error names the three options that add up."""
+    from duetime.bench.engine_fit import check_context
+
+    check_context(
+        system_len + question_len + new_tokens,
+        context,
+        f"--system-len {system_len} + --question-len {question_len} + --new-tokens {new_tokens}",
+    )

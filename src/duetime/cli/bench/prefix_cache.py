@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import random
 from typing import Annotated
 
 import typer
 
-from duetime.cli.bench.model import load_prompted_model, questions_after
+from duetime.cli.bench.model import check_questions_fit, load_with_shared_prompts
 from duetime.cli.bench.options import (
     BenchModelOpt,
     DtypeOpt,
@@ -37,36 +36,20 @@ def bench_prefix_cache(
 ) -> None:
     """Serve requests that share a long prompt one at a time, without and with the
     prefix cache, and compare their time to first token and their answers."""
-    import torch
-
     from duetime.bench import prefix_cache as bench
-    from duetime.bench.engine_fit import check_context, check_dtype, engine_context
+    from duetime.bench.engine_fit import check_dtype, engine_context
     from duetime.metrics import render_table
 
     with _user_errors():
         check_dtype(dtype)
-        check_context(
-            system_len + question_len + new_tokens,
-            engine_context(model),
-            f"--system-len {system_len} + --question-len {question_len} + "
-            f"--new-tokens {new_tokens}",
-        )
+        check_questions_fit(system_len, question_len, new_tokens, engine_context(model))
         if cache_tokens < system_len:
             raise ValueError(
                 f"--cache-tokens {cache_tokens} cannot hold the --system-len {system_len} prompt"
             )
-        torch.set_num_threads(threads)
-        m = load_prompted_model(model, dtype, seed)
-        r = random.Random(seed)
-        vocab = m.config.vocab_size
-        if model == "tiny":
-            system = [r.randrange(vocab) for _ in range(system_len)]
-        else:
-            from duetime.bench.eviction import sharegpt_prompts
-
-            # a long ShareGPT prompt as the shared one, short ones after it
-            system = sharegpt_prompts(1, system_len, 4 * system_len, seed)[0][:system_len]
-        questions = questions_after(model, vocab, requests, question_len, seed, r)
+        m, (system,), questions = load_with_shared_prompts(
+            model, dtype, threads, seed, (system_len,), 4 * system_len, requests, question_len
+        )
         fig = bench.run(m, system, questions, new_tokens=new_tokens, cache_tokens=cache_tokens)
         fig.update(model=model, dtype=dtype, threads=threads, seed=seed)
     out.print(render_table(bench.table_columns(fig), keys=bench.TABLE_KEYS))

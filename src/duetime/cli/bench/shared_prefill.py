@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import random
 from typing import Annotated
 
 import typer
 
-from duetime.cli.bench.model import load_prompted_model, questions_after
+from duetime.cli.bench.model import check_questions_fit, load_with_shared_prompts
 from duetime.cli.bench.options import (
     BenchModelOpt,
     DtypeOpt,
@@ -43,8 +42,6 @@ def bench_shared_prefill(
     """Serve two bursts a prefix cache cannot help (copies of one prompt; requests behind
     one system prompt, all arriving together) with shared prefills off and on, and
     compare their time to first token, the prefill computed and the answers."""
-    import torch
-
     from duetime.bench import shared_prefill as bench
     from duetime.bench.engine_fit import check_context, check_dtype, engine_context
     from duetime.metrics import render_table
@@ -53,32 +50,11 @@ def bench_shared_prefill(
         check_dtype(dtype)
         context = engine_context(model)
         check_context(prompt_len + new_tokens, context, f"--prompt-len {prompt_len} + --new-tokens")
-        check_context(
-            system_len + question_len + new_tokens,
-            context,
-            f"--system-len {system_len} + --question-len {question_len} + "
-            f"--new-tokens {new_tokens}",
+        check_questions_fit(system_len, question_len, new_tokens, context)
+        lengths = (prompt_len, system_len)
+        m, (prompt, system), questions = load_with_shared_prompts(
+            model, dtype, threads, seed, lengths, 8 * 1024, requests, question_len
         )
-        torch.set_num_threads(threads)
-        m = load_prompted_model(model, dtype, seed)
-        r = random.Random(seed)
-        vocab = m.config.vocab_size
-        if model == "tiny":
-            prompt = [r.randrange(vocab) for _ in range(prompt_len)]
-            system = [r.randrange(vocab) for _ in range(system_len)]
-        else:
-            from duetime.bench.eviction import sharegpt_prompts
-
-            # long ShareGPT prompts as the copied and the system one, short ones after it
-            prompt, system = (
-                p[:n]
-                for p, n in zip(
-                    sharegpt_prompts(2, max(prompt_len, system_len), 8 * 1024, seed),
-                    (prompt_len, system_len),
-                    strict=True,
-                )
-            )
-        questions = questions_after(model, vocab, requests, question_len, seed, r)
         fig = bench.run(
             m, prompt, copies, system, questions, new_tokens=new_tokens, repeats=repeats
         )
