@@ -290,10 +290,10 @@ def test_lor_routes_by_the_backends_own_metrics() -> None:
                     for _ in range(4)
                 ]
                 health: dict = {}
-                for _ in range(100):  # until a scrape shows backend 0 at work
+                for _ in range(200):  # until a scrape shows backend 0 at work, KV held
                     health = (await client.get(gw + "/health")).json()
                     m = health["backends"][0]["metrics"]
-                    if not m["stale"] and m["running"] + m["waiting"] >= 2:
+                    if not m["stale"] and m["running"] + m["waiting"] >= 2 and m["kv_used"] > 0:
                         break
                     await asyncio.sleep(0.05)
                 to = []
