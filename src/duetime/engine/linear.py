@@ -61,6 +61,7 @@ __all__ = [
     "int8_available",
     "packed_available",
     "q8_or",
+    "row_scaled",
     "topk_indices",
 ]
 
@@ -191,10 +192,16 @@ class Int8Linear:
         self.nbytes = w.numel() + 4 * w.shape[0]  # int8 weight + one scale per row
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        row_max = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+        x, row_max = row_scaled(x)
         # in place: a fresh [rows, vocab] product would page-fault its 1 MiB a row again
         return torch.ops.quantized.linear_dynamic(x / row_max, self._packed, True).mul_(row_max)
+
+
+def row_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in fp32 and each row's largest magnitude (``[rows, 1]``, at least 1e-12):
+    the per-token scale an int8 GEMM's activations are divided by (see the module)."""
+    x = x.float()
+    return x, x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
 class RescoredInt8Head:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from duetime.engine.linear import ByRows, Int8Linear, Linear
+from duetime.engine.linear import ByRows, Int8Linear, Linear, row_scaled
 
 __all__ = ["ONEDNN_HEAD_MIN_ROWS", "OneDnnInt8Linear", "int8_rank", "onednn_int8_available"]
 
@@ -57,8 +57,7 @@ class OneDnnInt8Linear:
         self.nbytes = w.numel() + 4 * w.shape[0]  # int8 weight + one scale per row
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        row_max = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+        x, row_max = row_scaled(x)
         qx = x.mul(127.0 / row_max).round_().add_(128.0).to(torch.uint8)
         y = torch.ops.onednn.qlinear_pointwise(
             qx, 1.0 / 127.0, 128, self._packed, self._scales, self._zeros,

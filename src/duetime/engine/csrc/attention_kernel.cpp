@@ -10,30 +10,6 @@
 
 namespace {
 
-// exp of 8 floats, for x <= 0 (scores minus their maximum): Cody-Waite range reduction
-// x = n ln2 + r, |r| <= ln2 / 2, then a degree-6 polynomial for e^r (Cephes' expf
-// coefficients, relative error ~1e-7) scaled by 2^n through the exponent bits.
-// Below -87.3 the result is 0, as expf's is (it would be a denormal at most).
-inline __m256 exp_nonpos(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
 void check_kv(const at::Tensor& t, int64_t g, int64_t d, const char* what, size_t b) {
   TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.device().is_cpu(),
               "decode_attention: ", what, "[", b, "] must be a CPU fp32 [kv_heads, S, head_dim]",

@@ -161,25 +161,6 @@ at::Tensor qk_rope(const at::Tensor& qkv, int64_t heads, const at::Tensor& w,
   return y;
 }
 
-// e^x for x <= 0 (Cephes' polynomial; relative error ~1e-7 over the range used).
-inline __m256 exp_neg(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 inline float gelu_tanh(float x) {
   const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
   return 0.5f * x * (1.f + std::tanh(y));
@@ -208,7 +189,7 @@ at::Tensor gelu_mul(const at::Tensor& gu) {
         const __m256 x = _mm256_loadu_ps(g + j);
         const __m256 yv =
             _mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(c, x), _mm256_mul_ps(x, x), x));
-        const __m256 e = exp_neg(_mm256_mul_ps(m2, _mm256_andnot_ps(sign, yv)));
+        const __m256 e = exp_nonpos(_mm256_mul_ps(m2, _mm256_andnot_ps(sign, yv)));
         const __m256 th = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
         const __m256 tanh_y = _mm256_or_ps(th, _mm256_and_ps(sign, yv));
         const __m256 gl = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh_y));
