@@ -19,7 +19,8 @@ void check_kv(const at::Tensor& t, int64_t g, int64_t d, const char* what, size_
               t.strides(), "; want [", g, ", S >= 1, ", d, "] with unit stride on head_dim");
 }
 
-constexpr int64_t R = 4;  // query heads of one KV head taken together
+constexpr int64_t R = 4;         // query heads of one KV head taken together
+constexpr int64_t PREFETCH = 4;  // key rows read ahead of the one being scored
 
 // Scores of NR query rows q[r] (row stride D) against S keys (row stride ks):
 // p[r * S + j] = scale * q_r . k_j. Each key is read once for all NR rows.
@@ -29,6 +30,9 @@ void scores(const float* q, const float* k, int64_t ks, int64_t S, int64_t D, fl
   const int64_t D8 = D - D % 8;
   for (int64_t j = 0; j < S; ++j) {
     const float* kj = k + j * ks;
+    if (j + PREFETCH < S)  // the key rows a few ahead: DRAM, not the core, sets the pace
+      for (int64_t d = 0; d < D; d += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(kj + PREFETCH * ks + d), _MM_HINT_T0);
     __m256 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D8; d += 8) {
@@ -88,6 +92,9 @@ void weighted(const float* p, const float* v, int64_t vs, int64_t S, int64_t D, 
           acc[r][c] = j0 ? _mm256_loadu_ps(out + r * D + d + 8 * c) : _mm256_setzero_ps();
       for (int64_t j = j0; j < j1; ++j) {
         const float* vj = v + j * vs + d;
+        if (d == 0)  // the first pass over the block brings each value row in whole
+          for (int64_t e = 16; e < D; e += 16)
+            _mm_prefetch(reinterpret_cast<const char*>(vj + e), _MM_HINT_T1);
         __m256 vv[C];
         for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(vj + 8 * c);
         for (int r = 0; r < NR; ++r) {
