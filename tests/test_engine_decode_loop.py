@@ -86,6 +86,21 @@ def _decode(
     return hidden, kv, slots
 
 
+def _assert_same(
+    model: Gemma3, got: list[torch.Tensor], want: list[torch.Tensor], kv_a: Any, kv_b: Any,
+    slots: list[int],
+) -> None:  # fmt: skip
+    """Every step's hidden states, and each slot's cache entries and positions, equal to
+    the last bit."""
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for s in slots:
+        assert kv_a.seq_len(s) == kv_b.seq_len(s)
+        for layer in range(model.config.num_layers):
+            assert torch.equal(kv_a.keys(s, layer), kv_b.keys(s, layer))
+            assert torch.equal(kv_a.positions(s, layer), kv_b.positions(s, layer))
+
+
 @needs_loop
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 24])
 def test_the_loop_equals_the_python_path_bit_for_bit(model: Gemma3, rows: int) -> None:
@@ -102,13 +117,7 @@ def test_the_loop_equals_the_python_path_bit_for_bit(model: Gemma3, rows: int) -
     assert spy.calls == 40
     want, kv_py, _ = _decode(model, prompts, 40, loop=False)
     assert spy.calls == 40  # the Python path did not call it
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-    for s in slots:
-        assert kv_loop.seq_len(s) == kv_py.seq_len(s)
-        for layer in range(model.config.num_layers):
-            assert torch.equal(kv_loop.keys(s, layer), kv_py.keys(s, layer))
-            assert torch.equal(kv_loop.positions(s, layer), kv_py.positions(s, layer))
+    _assert_same(model, got, want, kv_loop, kv_py, slots)
 
 
 def _mixed(model: Gemma3, decoders: int, loop: bool) -> tuple[list[torch.Tensor], Any, list[int]]:
@@ -150,13 +159,7 @@ def test_a_mixed_steps_plain_decodes_equal_the_python_path_bit_for_bit(
     assert spy.layer_calls == 12 * model.config.num_layers  # every layer of every step
     want, kv_b, _ = _mixed(model, decoders, loop=False)
     assert spy.layer_calls == 12 * model.config.num_layers
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-    for s in slots:
-        assert kv_a.seq_len(s) == kv_b.seq_len(s)
-        for layer in range(model.config.num_layers):
-            assert torch.equal(kv_a.keys(s, layer), kv_b.keys(s, layer))
-            assert torch.equal(kv_a.positions(s, layer), kv_b.positions(s, layer))
+    _assert_same(model, got, want, kv_a, kv_b, slots)
 
 
 @needs_loop
