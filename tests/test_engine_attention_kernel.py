@@ -68,6 +68,23 @@ def test_keys_split_over_threads_merge_to_the_same_attention(lengths, heads, kvh
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    ("lengths", "heads", "hd"), [([1, 40], 4, 256), ([700], 4, 256), ([9, 140], 3, 72)]
+)
+def test_bf16_keys_and_values_attend_as_their_fp32_widening(lengths, heads, hd) -> None:
+    """A bf16 cache (q8 where the CPU computes bf16): the kernel widens each key and
+    value as it reads them, so it equals fp32 attention over the widened cache."""
+    g = torch.Generator().manual_seed(hd + len(lengths))
+    views = _views(g, lengths, 1, hd)
+    keys = [v.keys.bfloat16() for v in views]
+    values = [v.values.bfloat16() for v in views]
+    q = torch.randn(len(lengths), heads, hd, generator=g)
+    got = on_threads(2, lambda: decode_attention(q, keys, values, 0.3))
+    want = decode_attention(q, [k.float() for k in keys], [v.float() for v in values], 0.3)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_kernel_rejects_mismatched_inputs_with_a_clear_error() -> None:
     q = torch.randn(2, 4, 8)
     k = [torch.randn(1, 3, 8), torch.randn(1, 4, 8)]
@@ -75,8 +92,10 @@ def test_kernel_rejects_mismatched_inputs_with_a_clear_error() -> None:
         decode_attention(q, k[:1], k[:1], 1.0)
     with pytest.raises(RuntimeError, match="3 keys but 4 values"):
         decode_attention(q, k, [k[1], k[1]], 1.0)
-    with pytest.raises(RuntimeError, match="fp32"):
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
         decode_attention(q, [t.double() for t in k], k, 1.0)
+    with pytest.raises(RuntimeError, match=r"values\[0\] must be a CPU BFloat16"):
+        decode_attention(q, [t.bfloat16() for t in k], k, 1.0)
 
 
 def _decode_logits(model, prompts: list[list[int]], steps: int) -> torch.Tensor:

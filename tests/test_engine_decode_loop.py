@@ -39,6 +39,15 @@ def model(hf: Any) -> Gemma3:
     return engine_from_hf(hf, "q8")
 
 
+@needs_loop
+def test_the_cache_holds_bf16_where_the_many_row_products_are_bf16(model: Gemma3) -> None:
+    """The loop then rounds each new key and value to bf16 itself: the bit-for-bit
+    comparisons below check it rounds as ``Tensor.copy_`` does."""
+    kv = model.new_kv_cache()
+    assert kv.dtype == (torch.bfloat16 if model.bf16_rows else torch.float32)
+    assert kv.query_dtype == torch.float32
+
+
 class _Spy:
     """Counts the loop's calls and passes them on."""
 

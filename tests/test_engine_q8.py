@@ -230,6 +230,10 @@ def test_q8_bf16_rows_take_many_row_steps_only(hf, native) -> None:
     model.prefill_attention_dtype = torch.bfloat16
     plain = engine_from_hf(hf, "q8", bf16_rows=False)
     assert plain.prefill_attention_dtype is None
+    # the KV cache follows the rows (bf16 with them, fp32 without); with the cache's
+    # dtype the same, one-row steps are the same
+    assert (model.kv_dtype, plain.kv_dtype) == (torch.bfloat16, torch.float32)
+    plain = engine_from_hf(hf, "q8", bf16_rows=False, bf16_kv=True)
     one = list(range(3, 9))
     assert torch.equal(_decode_logits(model, one), _decode_logits(plain, one))
     # the default follows the CPU: bf16 rows where it computes bf16 natively

@@ -222,7 +222,7 @@ def run(
             **_start_up("engine", load_s, rss0),
             "weight_mb": weight_bytes(model) / 1e6,
             "weight_mb_by_batch": {b: weight_bytes(model, b) / 1e6 for b in batches},
-            "kv_itemsize": model.compute_dtype.itemsize,
+            "kv_itemsize": model.kv_dtype.itemsize,
         }
     for tdt in transformers:
         name = f"transformers-{tdt}"

@@ -17,6 +17,7 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "fast": {"dtype": "fast"},
     "q8": {"dtype": "q8"},  # bf16 many-row steps where the CPU computes bf16 natively
     "q8-fp32rows": {"dtype": "q8", "bf16_rows": False},  # many-row steps in fp32 everywhere
+    "q8-fp32kv": {"dtype": "q8", "bf16_kv": False},  # the KV cache in fp32, not bf16
     # a prefill chunk's attention in one masked call over every key, not in blocks
     "q8-oneattn": {"dtype": "q8", "blocked_prefill_attention": False},
     # the norms as plain torch ops, not the fused C++ ones

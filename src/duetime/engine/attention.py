@@ -100,8 +100,9 @@ def attend(
         m = m3[:, None].expand(kvh, rep, n, s).reshape(1, kvh, rep * n, s)
     k = view.keys[None]
     v = view.values[None]
-    if dtype is not None and dtype != q.dtype:
-        qf, k, v = qf.to(dtype), k.to(dtype), v.to(dtype)
+    want = dtype or q.dtype  # a bf16 cache under fp32 queries: its keys widen
+    if want != q.dtype or want != k.dtype:
+        qf, k, v = qf.to(want), k.to(want), v.to(want)
     out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=scale).to(q.dtype)
     return out.view(kvh, rep, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd)
 
@@ -162,9 +163,10 @@ def _sdpa_heads(
     computed in ``dtype`` where given."""
     n, heads, hd = q.shape
     qh = q.permute(1, 0, 2)[None]
-    if dtype is not None and dtype != q.dtype:
-        qh, keys, values = qh.to(dtype), keys.to(dtype), values.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+    want = dtype or q.dtype
+    if want != q.dtype or want != keys.dtype:
+        qh, keys, values = qh.to(want), keys.to(want), values.to(want)
+        bias = bias.to(want) if bias is not None else None
     out = F.scaled_dot_product_attention(
         qh, keys[None], values[None], attn_mask=bias, is_causal=causal, scale=scale,
         enable_gqa=True,
@@ -200,6 +202,7 @@ def attend_decodes(q: torch.Tensor, views: list[KVView], scale: float) -> torch.
     if min(lengths) < s_max:
         mask = (torch.arange(s_max)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
     qf = q.view(b, kvh, rep, hd)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bf16 cache: no-op in fp32
     out = F.scaled_dot_product_attention(
         qf, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
     )

@@ -94,7 +94,7 @@ class KVCache(KVStore):
         obs = state.get("obs")
         if obs is not None:
             assert isinstance(obs, dict), "not an observation-window state"
-            self._watched[slot] = ObsWindow.from_state(obs, self.dtype)
+            self._watched[slot] = ObsWindow.from_state(obs, self.query_dtype)
         return slot
 
     # ------------------------------------------------------------------ prefix cache

@@ -75,9 +75,12 @@ class KVStore:
         config: Gemma3Config,
         dtype: torch.dtype = torch.float32,
         max_tokens: int | None = None,
+        query_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
-        self.dtype = dtype
+        self.dtype = dtype  # of the keys and values
+        # of the queries an observation window keeps (the model's compute dtype)
+        self.query_dtype = query_dtype or dtype
         self.max_tokens = max_tokens
         self._seqs: dict[int, _Seq] = {}
         self._free_slots: list[int] = []
@@ -128,7 +131,7 @@ class KVStore:
     def watch(self, slot: int, window: int) -> None:
         """Keep the last ``window`` queries of every layer from now on (for SnapKV)."""
         c = self.config
-        win = ObsWindow(window, c.num_layers, c.num_heads, c.head_dim, self.dtype)
+        win = ObsWindow(window, c.num_layers, c.num_heads, c.head_dim, self.query_dtype)
         win.end_pos = self._seqs[slot].next_pos
         self._watched[slot] = win
 

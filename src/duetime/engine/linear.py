@@ -108,8 +108,8 @@ class Bf16Linear:
     bf16 product took about half the time of :class:`PackedLinear`'s fp32 one for
     Gemma's layer shapes at 64 and 512 rows (0.71 vs 1.36 ms for 512 × 640 → 1024), and
     the copy is half the fp32 bytes. The activations are rounded to bf16 going in and
-    the outputs coming out, as a bf16 model computes them; the residual stream, norms,
-    attention and the KV cache stay fp32. Elsewhere torch emulates bf16, several times
+    the outputs coming out, as a bf16 model computes them; the residual stream, norms
+    and the attention's arithmetic stay fp32 (the KV cache is bf16 beside these rows). Elsewhere torch emulates bf16, several times
     slower than fp32: keep :class:`PackedLinear` there.
 
     The weight is reordered once for oneDNN where torch has its packed linear (as

@@ -17,7 +17,8 @@ def bench_engine(
         list[str] | None,
         typer.Option(
             help="Engine variant(s): fp32, fast, q8, q8-fp32rows (q8 with many-row steps in"
-            " fp32 even where the CPU has native bf16), q8-oneattn (q8 with a prefill chunk's"
+            " fp32 even where the CPU has native bf16), q8-fp32kv (q8 with its KV cache in"
+            " fp32, not bf16), q8-oneattn (q8 with a prefill chunk's"
             " attention in one masked call), q8-unfused (q8 with its norms as plain torch ops),"
             " q8-int8rank (q8 whose greedy steps rank the vocabulary in int8, not int4),"
             " q8-pyloop (q8 with a plain decode step's layers in Python, not the C++ loop),"

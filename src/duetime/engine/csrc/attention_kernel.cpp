@@ -10,10 +10,12 @@
 
 namespace {
 
-void check_kv(const at::Tensor& t, int64_t g, int64_t d, const char* what, size_t b) {
-  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.device().is_cpu(),
-              "decode_attention: ", what, "[", b, "] must be a CPU fp32 [kv_heads, S, head_dim]",
-              " tensor, got ", t.sizes(), " ", t.scalar_type());
+void check_kv(const at::Tensor& t, int64_t g, int64_t d, at::ScalarType dt, const char* what,
+              size_t b) {
+  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == dt && t.device().is_cpu(),
+              "decode_attention: ", what, "[", b, "] must be a CPU ", dt,
+              " [kv_heads, S, head_dim] tensor (as keys[0]),", " got ", t.sizes(), " ",
+              t.scalar_type());
   TORCH_CHECK(t.size(0) == g && t.size(2) == d && t.size(1) >= 1 && t.stride(2) == 1,
               "decode_attention: ", what, "[", b, "] has shape ", t.sizes(), " strides ",
               t.strides(), "; want [", g, ", S >= 1, ", d, "] with unit stride on head_dim");
@@ -22,27 +24,33 @@ void check_kv(const at::Tensor& t, int64_t g, int64_t d, const char* what, size_
 constexpr int64_t R = 4;         // query heads of one KV head taken together
 constexpr int64_t PREFETCH = 4;  // key rows read ahead of the one being scored
 
-// Scores of NR query rows q[r] (row stride D) against S keys (row stride ks):
-// p[r * S + j] = scale * q_r . k_j. Each key is read once for all NR rows.
-template <int NR>
-void scores(const float* q, const float* k, int64_t ks, int64_t S, int64_t D, float scale,
-            float* p) {
+// Cache lines (64 bytes) of a row of n values of T from p, into the cache level `hint`.
+template <_mm_hint hint, typename T>
+inline void prefetch_row(const T* p, int64_t from, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = from * int64_t(sizeof(T)); o < n * int64_t(sizeof(T)); o += 64)
+    _mm_prefetch(c + o, hint);
+}
+
+// Scores of NR query rows q[r] (row stride D) against S keys of T (fp32 or bf16; row stride
+// ks): p[r * S + j] = scale * q_r . k_j. Each key is read once for all NR rows.
+template <int NR, typename T>
+void scores(const float* q, const T* k, int64_t ks, int64_t S, int64_t D, float scale, float* p) {
   const int64_t D8 = D - D % 8;
   for (int64_t j = 0; j < S; ++j) {
-    const float* kj = k + j * ks;
+    const T* kj = k + j * ks;
     if (j + PREFETCH < S)  // the key rows a few ahead: DRAM, not the core, sets the pace
-      for (int64_t d = 0; d < D; d += 16)
-        _mm_prefetch(reinterpret_cast<const char*>(kj + PREFETCH * ks + d), _MM_HINT_T0);
+      prefetch_row<_MM_HINT_T0>(kj + PREFETCH * ks, 0, D);
     __m256 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D8; d += 8) {
-      const __m256 kv = _mm256_loadu_ps(kj + d);
+      const __m256 kv = load8(kj + d);
       for (int r = 0; r < NR; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), kv, acc[r]);
     }
     for (int r = 0; r < NR; ++r) {
       float s = hsum(acc[r]);
-      for (int64_t d = D8; d < D; ++d) s += q[r * D + d] * kj[d];
+      for (int64_t d = D8; d < D; ++d) s += q[r * D + d] * float(kj[d]);
       p[r * S + j] = s * scale;
     }
   }
@@ -78,8 +86,8 @@ inline void scale_row(float* x, float a, int64_t n) {
 // out[r] = sum_j p[r * S + j] v_j for NR rows (row stride D). Keys in blocks of KB (their
 // values stay in cache), and within a block 8 * C columns at a time, their NR sums in
 // registers over the block's keys.
-template <int NR>
-void weighted(const float* p, const float* v, int64_t vs, int64_t S, int64_t D, float* out) {
+template <int NR, typename T>
+void weighted(const float* p, const T* v, int64_t vs, int64_t S, int64_t D, float* out) {
   constexpr int C = NR <= 2 ? 4 : 2;  // 8-wide column chunks per pass (NR * C registers)
   constexpr int64_t KB = 128;
   const int64_t DC = D - D % (8 * C);
@@ -91,12 +99,11 @@ void weighted(const float* p, const float* v, int64_t vs, int64_t S, int64_t D, 
         for (int c = 0; c < C; ++c)
           acc[r][c] = j0 ? _mm256_loadu_ps(out + r * D + d + 8 * c) : _mm256_setzero_ps();
       for (int64_t j = j0; j < j1; ++j) {
-        const float* vj = v + j * vs + d;
+        const T* vj = v + j * vs + d;
         if (d == 0)  // the first pass over the block brings each value row in whole
-          for (int64_t e = 16; e < D; e += 16)
-            _mm_prefetch(reinterpret_cast<const char*>(vj + e), _MM_HINT_T1);
+          prefetch_row<_MM_HINT_T1>(vj, 64 / int64_t(sizeof(T)), D);
         __m256 vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = _mm256_loadu_ps(vj + 8 * c);
+        for (int c = 0; c < C; ++c) vv[c] = load8(vj + 8 * c);
         for (int r = 0; r < NR; ++r) {
           const __m256 pr = _mm256_broadcast_ss(p + r * S + j);
           for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(pr, vv[c], acc[r][c]);
@@ -109,22 +116,23 @@ void weighted(const float* p, const float* v, int64_t vs, int64_t S, int64_t D, 
   for (int64_t d = DC; d < D; ++d)
     for (int r = 0; r < NR; ++r) {
       float s = 0.f;
-      for (int64_t j = 0; j < S; ++j) s += p[r * S + j] * v[j * vs + d];
+      for (int64_t j = 0; j < S; ++j) s += p[r * S + j] * float(v[j * vs + d]);
       out[r * D + d] = s;
     }
 }
 
 // NR query rows against S keys: out[r] = sum_j exp(score_rj - m_r) v_j, unnormalised,
 // with m_r the rows' largest score and l_r the sum of their exponentials.
-template <int NR>
-void attend_group(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t S,
+template <int NR, typename T>
+void attend_group(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t S,
                   int64_t D, float scale, float* p, float* out, float* m, float* l) {
   scores<NR>(q, k, ks, S, D, scale, p);
   for (int r = 0; r < NR; ++r) std::tie(m[r], l[r]) = exp_in_place(p + r * S, S);
   weighted<NR>(p, v, vs, S, D, out);
 }
 
-void attend_rows(int64_t nr, const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
+template <typename T>
+void attend_rows(int64_t nr, const float* q, const T* k, int64_t ks, const T* v, int64_t vs,
                  int64_t S, int64_t D, float scale, float* p, float* out, float* m, float* l) {
   switch (nr) {
     case 4: attend_group<4>(q, k, ks, v, vs, S, D, scale, p, out, m, l); break;
@@ -137,7 +145,7 @@ void attend_rows(int64_t nr, const float* q, const float* k, int64_t ks, const f
 // Keys per piece when a (sequence, KV head) pair is split over threads.
 constexpr int64_t PIECE = 256;
 
-// q [B, H, D] fp32; keys[b], values[b] [G, S_b, D]. Returns [B, H * D].
+// q [B, H, D] fp32; keys[b], values[b] [G, S_b, D], all fp32 or all bf16. Returns [B, H * D].
 at::Tensor decode_attention(const at::Tensor& q_in, at::TensorList keys, at::TensorList values,
                             double scale) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat && q_in.device().is_cpu(),
@@ -151,9 +159,12 @@ at::Tensor decode_attention(const at::Tensor& q_in, at::TensorList keys, at::Ten
   const int64_t G = keys[0].size(0);
   TORCH_CHECK(G >= 1 && H % G == 0, "decode_attention: ", H, " heads do not group into ", G,
               " KV heads");
+  const at::ScalarType kv_type = keys[0].scalar_type();
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16,
+              "decode_attention: keys and values must be fp32 or bf16, got ", kv_type);
   for (size_t b = 0; b < size_t(B); ++b) {
-    check_kv(keys[b], G, D, "keys", b);
-    check_kv(values[b], G, D, "values", b);
+    check_kv(keys[b], G, D, kv_type, "keys", b);
+    check_kv(values[b], G, D, kv_type, "values", b);
     TORCH_CHECK(keys[b].size(1) == values[b].size(1), "decode_attention: sequence ", b, " has ",
                 keys[b].size(1), " keys but ", values[b].size(1), " values");
   }
@@ -187,19 +198,26 @@ at::Tensor decode_attention(const at::Tensor& q_in, at::TensorList keys, at::Ten
       const int64_t S = K.size(1), c = i - first[size_t(t)];
       const int64_t j0 = S * c / n, j1 = S * (c + 1) / n;  // this piece's keys
       const int64_t ks = K.stride(1), vs = V.stride(1);
-      const float* kp = K.data_ptr<float>() + g * K.stride(0) + j0 * ks;
-      const float* vp = V.data_ptr<float>() + g * V.stride(0) + j0 * vs;
       p.resize(size_t(R * (j1 - j0)));
-      for (int64_t r0 = 0; r0 < rep; r0 += R) {
-        const int64_t nr = std::min(R, rep - r0);
-        const int64_t row = b * H + g * rep + r0;  // the first query row of this group
-        float* out = split ? part.data() + (i * rep + r0) * D : yp + row * D;
-        float* m = pm.data() + i * rep + r0;
-        float* l = pl.data() + i * rep + r0;
-        attend_rows(nr, qp + row * D, kp, ks, vp, vs, j1 - j0, D, sc, p.data(), out, m, l);
-        if (!split)
-          for (int64_t r = 0; r < nr; ++r) scale_row(out + r * D, 1.f / l[r], D);
-      }
+      // this piece's query groups over keys and values of type T
+      auto attend_piece = [&](const auto* k_all, const auto* v_all) {
+        const auto* kp = k_all + g * K.stride(0) + j0 * ks;
+        const auto* vp = v_all + g * V.stride(0) + j0 * vs;
+        for (int64_t r0 = 0; r0 < rep; r0 += R) {
+          const int64_t nr = std::min(R, rep - r0);
+          const int64_t row = b * H + g * rep + r0;  // the first query row of this group
+          float* out = split ? part.data() + (i * rep + r0) * D : yp + row * D;
+          float* m = pm.data() + i * rep + r0;
+          float* l = pl.data() + i * rep + r0;
+          attend_rows(nr, qp + row * D, kp, ks, vp, vs, j1 - j0, D, sc, p.data(), out, m, l);
+          if (!split)
+            for (int64_t r = 0; r < nr; ++r) scale_row(out + r * D, 1.f / l[r], D);
+        }
+      };
+      if (kv_type == at::kBFloat16)
+        attend_piece(K.data_ptr<c10::BFloat16>(), V.data_ptr<c10::BFloat16>());
+      else
+        attend_piece(K.data_ptr<float>(), V.data_ptr<float>());
     }
   });
   if (split) {  // out_r = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c

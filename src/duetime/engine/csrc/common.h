@@ -8,6 +8,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
 #include <algorithm>
@@ -45,6 +46,28 @@ inline __m256 exp_nonpos(__m256 x) {
   const __m256i e =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// 8 consecutive fp32 or bf16 values as fp32 (a bf16 is the top half of an fp32's bits).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// dst[0..n) <- src rounded to bf16, to nearest even as torch's own conversion rounds
+// (so a value stored here equals one stored by `Tensor.copy_`).
+inline void to_bf16(c10::BFloat16* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+  for (; i + 8 <= n; i += 8) {
+    __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, half)), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  }
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
 }
 
 }  // namespace

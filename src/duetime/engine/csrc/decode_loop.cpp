@@ -14,7 +14,8 @@ using c10::Dispatcher;
 
 // One layer's attention for single-token decodes: row rows[i] of qk ([R, heads + kv_heads,
 // head_dim], after the q/k norm and RoPE) and of qkv ([R, >= (heads + 2 kv_heads) * head_dim],
-// the values last) stores its key and value in bufs[i] ([2, kv_heads, cap, head_dim]) at entry
+// the values last) stores its key and value in bufs[i] ([2, kv_heads, cap, head_dim], fp32, or
+// bf16 with the key and value rounded to nearest even as `Tensor.copy_` rounds) at entry
 // len[i], and its queries attend to entries lo[i] .. len[i] (inclusive). Returns
 // [rows, heads * head_dim]. `rows` empty: every row of qk, in order.
 at::Tensor store_attend(const at::Tensor& qk, const at::Tensor& qkv, at::IntArrayRef rows,
@@ -43,14 +44,23 @@ at::Tensor store_attend(const at::Tensor& qk, const at::Tensor& qkv, at::IntArra
     TORCH_CHECK(0 <= r && r < qk.size(0), "store_attend: row ", r, " out of range");
     const at::Tensor& buf = bufs[t];
     const int64_t cap = buf.size(2), at_ = len[t], from = lo[t];
-    TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kFloat && at_ < cap &&
+    const bool bf16 = buf.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(buf.is_contiguous() && (bf16 || buf.scalar_type() == at::kFloat) && at_ < cap &&
                     buf.size(1) == kv_heads && buf.size(3) == hd && 0 <= from && from <= at_,
-                "store_attend: no room for row ", r);
-    float* bp = buf.data_ptr<float>();
+                "store_attend: no room for row ", r, " (or its buffer is not fp32 or bf16)");
     for (int64_t k = 0; k < kv_heads; ++k) {
-      std::memcpy(bp + (k * cap + at_) * hd, qkp + (r * n_qk + heads + k) * hd, sizeof(float) * hd);
-      std::memcpy(bp + ((kv_heads + k) * cap + at_) * hd, vp + r * qkv_row + k * hd,
-                  sizeof(float) * hd);
+      const float* key = qkp + (r * n_qk + heads + k) * hd;
+      const float* value = vp + r * qkv_row + k * hd;
+      const int64_t key_at = (k * cap + at_) * hd, value_at = ((kv_heads + k) * cap + at_) * hd;
+      if (bf16) {
+        c10::BFloat16* bp = buf.data_ptr<c10::BFloat16>();
+        to_bf16(bp + key_at, key, hd);
+        to_bf16(bp + value_at, value, hd);
+      } else {
+        float* bp = buf.data_ptr<float>();
+        std::memcpy(bp + key_at, key, sizeof(float) * hd);
+        std::memcpy(bp + value_at, value, sizeof(float) * hd);
+      }
     }
     keys[t] = buf.select(0, 0).narrow(1, from, at_ + 1 - from);
     values[t] = buf.select(0, 1).narrow(1, from, at_ + 1 - from);
