@@ -33,9 +33,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from duetime.bench.serve_load_steps import served_summary, steps_by_band
 from duetime.core.request import Job, Request
 from duetime.engine.gemma3 import Gemma3
+from duetime.engine.openmp_workers import own_workers, release_workers
 from duetime.server.app import create_app
 from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS, size_options
 from duetime.server.build import (
@@ -163,12 +166,17 @@ def _served(
     state = build_state(opts, *served)
     log = StepLog()
     state.engine.step_log = log
+    # as in `duetime serve`, whose engine loop starts on the thread that loaded the model:
+    # that thread (here the main one) gives its OpenMP workers back
+    threads = torch.get_num_threads()
+    release_workers()
     with serve_in_thread(create_app(state)) as url:
         cpu0 = _thread_cpu_s()
         t0 = time.perf_counter()
         row, client_cpu = _client(cfg, url, rate, n, tmp / "load.json")
         wall = time.perf_counter() - t0
         cpu1 = _thread_cpu_s()
+    own_workers(threads)  # the offline replay runs here
     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items() if v - cpu0.get(k, 0.0)}
     cpu["client"] = round(client_cpu, 2)
     rows = log.rows()
@@ -233,8 +241,6 @@ def run_serve_load(
 
     cfg.check()
     keep_large_blocks()  # as `duetime serve` does, before any thread allocates
-    import torch
-
     torch.set_num_threads(cfg.threads)
     opts = _options(cfg)  # sized once below, then every rate's server and replay use it
     model, codec, name = load_served_model(opts)

@@ -109,8 +109,9 @@ class Bf16Linear:
     Gemma's layer shapes at 64 and 512 rows (0.71 vs 1.36 ms for 512 × 640 → 1024), and
     the copy is half the fp32 bytes. The activations are rounded to bf16 going in and
     the outputs coming out, as a bf16 model computes them; the residual stream, norms
-    and the attention's arithmetic stay fp32 (the KV cache is bf16 beside these rows). Elsewhere torch emulates bf16, several times
-    slower than fp32: keep :class:`PackedLinear` there.
+    and the attention's arithmetic stay fp32 (the KV cache is bf16 beside these rows).
+    Elsewhere torch emulates bf16, several times slower than fp32: keep
+    :class:`PackedLinear` there.
 
     The weight is reordered once for oneDNN where torch has its packed linear (as
     :class:`PackedLinear` does for fp32): Gemma's four layer products at 64 rows took

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from duetime.engine.openmp_workers import compute_on_one_thread
 from duetime.server.chat_template import render_chat
 from duetime.server.codec import Codec
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
@@ -66,6 +68,11 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # the threads the loop hands blocking work to (tokenizing, grammars) compute on
+        # one torch thread: the engine's alone has OpenMP workers (openmp_workers.py)
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="duetime-io", initializer=compute_on_one_thread)
+        )
         if manage_engine:
             state.engine.start()
         try:

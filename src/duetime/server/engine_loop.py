@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any
 
+import torch
+
 from duetime.core.image import EngineImage
 from duetime.core.request import Job
 from duetime.core.sampling import SamplingParams
@@ -34,6 +36,7 @@ from duetime.engine.executor import EngineExecutor, StopRule
 from duetime.engine.grammar import TokenGrammar
 from duetime.engine.logprobs import LogprobLog
 from duetime.engine.malloc_tuning import large_blocks_mapped
+from duetime.engine.openmp_workers import own_workers, release_workers
 from duetime.engine.sampling import Sampler
 from duetime.engine.segment_stop import TextSegmenter
 from duetime.server.loop_outcomes import EngineStats, LoopOutcomes, log
@@ -73,6 +76,9 @@ class EngineLoop(LoopOutcomes):
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        # torch threads the engine thread computes on: the count of the thread that built
+        # the loop (start may be called on another: an HTTP server's lifespan)
+        self._threads = torch.get_num_threads()
         self._draining: list[Job] = []  # taken from the inbox, not yet in the image
         self._live: dict[int, LiveRequest] = {}
         #: What this round has for the streams, handed to the event loop in one call.
@@ -168,6 +174,9 @@ class EngineLoop(LoopOutcomes):
         # stats and image before the first request: one that arrives before the thread's
         # first round is forecast against the empty engine, not judged by the estimate
         self._refresh_stats()
+        # the engine thread alone computes on OpenMP's workers: this thread (which loaded
+        # and timed the model) gives its own back (engine/openmp_workers.py)
+        release_workers()
         self._thread = threading.Thread(target=self._main, name="duetime-engine", daemon=True)
         self._thread.start()
 
@@ -195,6 +204,7 @@ class EngineLoop(LoopOutcomes):
 
     # --- the engine thread ---------------------------------------------------------
     def _main(self) -> None:
+        own_workers(self._threads)
         if large_blocks_mapped():
             log.warning(
                 "the engine thread's large temporaries are fresh mmaps, faulted in again "

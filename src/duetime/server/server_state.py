@@ -12,6 +12,7 @@ from typing import Any
 from duetime.core.grammar import GrammarSpec
 from duetime.core.request import Job, LengthPrediction
 from duetime.engine.grammar import GrammarCompiler
+from duetime.engine.openmp_workers import compute_on_one_thread
 from duetime.predict.oracle import JobPredictor
 from duetime.predict.served_lengths import ServedLengths
 from duetime.server.admission import Admission
@@ -56,9 +57,13 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     #: The predictor runs here (its tokenizer is not safe to share between threads), off
-    #: the event loop, on the requests waiting for it together (``predict_batcher``).
+    #: the event loop, on the requests waiting for it together (``predict_batcher``), on
+    #: one torch thread: the engine's thread alone has OpenMP workers (openmp_workers.py).
     predict_pool: ThreadPoolExecutor = field(
-        init=False, default_factory=lambda: ThreadPoolExecutor(1, "duetime-predict")
+        init=False,
+        default_factory=lambda: ThreadPoolExecutor(
+            1, "duetime-predict", initializer=compute_on_one_thread
+        ),
     )
     predict_batcher: PredictBatcher = field(init=False)
     #: Structured outputs' grammars over the codec's vocabulary (compiled ones are kept).
