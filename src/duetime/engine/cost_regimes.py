@@ -87,6 +87,11 @@ def traced_paths(model: Gemma3, decoders: int, prompt: int = 0) -> frozenset[str
         model.step(chunks, kv, argmax_only=True)
     finally:
         sys.setprofile(None)
+    loop = model._loop
+    if loop is not None and not prompt and "duetime.engine.decode_loop.DecodeLoop.run" in seen:
+        # the C++ loop's own switch (int8 kernel up to few_rows, packed bf16 beyond),
+        # which no Python call shows
+        seen.add(f"duetime_loop.decode_layers[{'few' if decoders <= loop.few_rows else 'many'}]")
     return frozenset(seen)
 
 
