@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
+import httpx
+
 from duetime.server.gateway_routing import Backend
 
 if TYPE_CHECKING:  # the gateway's state imports this module for its health loop
@@ -52,6 +54,13 @@ class BackendPoller(ABC):
     @abstractmethod
     async def poll(self, b: Backend) -> None:
         """Poll ``b`` once and record the outcome in its state; raises nothing it expects."""
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The gateway's client: a poll runs only once the gateway has connected it."""
+        client = self.gw.client
+        assert client is not None
+        return client
 
     @property
     def enabled(self) -> bool:

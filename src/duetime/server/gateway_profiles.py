@@ -50,8 +50,7 @@ class ProfileReader(BackendPoller):
 
     async def poll(self, b: Backend) -> None:
         """Read ``b``'s ``/v1/profile`` once; whatever it answers, the loop goes on."""
-        client = self.gw.client
-        assert client is not None
+        client = self.client
         p = b.published
         try:
             r = await client.get(b.url + "/v1/profile", timeout=2.0)

@@ -104,8 +104,7 @@ class Scraper(BackendPoller, Collector):
 
     async def poll(self, b: Backend) -> None:
         """Read ``b``'s ``/metrics`` once; whatever it answers, the loop goes on."""
-        client = self.gw.client
-        assert client is not None
+        client = self.client
         sent, done = b.sent, b.done  # the counts since this scrape start now
         s = b.scrape
         try:
