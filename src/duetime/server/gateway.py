@@ -64,6 +64,7 @@ from prometheus_client import generate_latest
 
 from duetime.server.errors import ApiError, BodyLimit, install_error_handlers
 from duetime.server.gateway_fleet import Ask, Grant, make_offer
+from duetime.server.gateway_poll import poll_backends
 from duetime.server.gateway_pool import Gateway, model_ids
 from duetime.server.gateway_profiles import ProfileReader
 from duetime.server.gateway_request import (
@@ -116,14 +117,12 @@ def create_gateway_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         wire = transport or KeepAliveTransport(max_idle_per_backend=max(16, cfg.max_inflight * 2))
         gw.connect(wire, httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s))
-        await asyncio.gather(*(gw.probe(b) for b in gw.backends), return_exceptions=True)
+        await poll_backends(gw.backends, gw.probe)
         tasks = [asyncio.create_task(gw.health_loop())]
-        if scraper.enabled:  # the first requests are routed on scraped state too
-            await scraper.scrape_all()
-            tasks.append(asyncio.create_task(scraper.loop()))
-        if profiles_reader.enabled:
-            await profiles_reader.read_all()
-            tasks.append(asyncio.create_task(profiles_reader.loop()))
+        for poller in (scraper, profiles_reader):
+            if poller.enabled:  # the first requests are routed on what it read too
+                await poller.poll_all()
+                tasks.append(asyncio.create_task(poller.loop()))
         try:
             yield
         finally:

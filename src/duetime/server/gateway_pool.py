@@ -34,6 +34,7 @@ from duetime.core.router import Refuse, Route, Router, Wait
 from duetime.routers import make_router
 from duetime.server.errors import ApiError
 from duetime.server.gateway_fleet import Ask, Grant, make_offer, refusal
+from duetime.server.gateway_poll import poll_backends
 from duetime.server.gateway_routing import Backend, GatewayConfig
 from duetime.server.gateway_wire import Upstream
 
@@ -182,7 +183,7 @@ class Gateway:
 
     async def health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self.probe(b) for b in self.backends), return_exceptions=True)
+            await poll_backends(self.backends, self.probe)
             await asyncio.sleep(self.config.health_interval_s)
 
     # --- routing ------------------------------------------------------------------

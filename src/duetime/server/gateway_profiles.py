@@ -15,14 +15,13 @@ timed out.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
 
 from duetime.core.cost import CostModelError, LinearStepCost
 from duetime.core.cost_bands import BandCost, CostBandError
-from duetime.server.gateway_pool import Gateway
+from duetime.server.gateway_poll import BackendPoller
 from duetime.server.gateway_routing import Backend
 
 __all__ = ["ProfileReader", "cost_of"]
@@ -42,20 +41,16 @@ def cost_of(body: Any) -> LinearStepCost:
         raise CostModelError(f"not a usable profile: {e}") from None
 
 
-class ProfileReader:
+class ProfileReader(BackendPoller):
     """Reads the backends' published cost models on the gateway's client."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
-
     @property
-    def enabled(self) -> bool:
-        return self.gw.config.profile_interval_s > 0
+    def interval_s(self) -> float:
+        return self.gw.config.profile_interval_s
 
-    async def read(self, b: Backend) -> None:
+    async def poll(self, b: Backend) -> None:
         """Read ``b``'s ``/v1/profile`` once; whatever it answers, the loop goes on."""
-        client = self.gw.client
-        assert client is not None
+        client = self.client
         p = b.published
         try:
             r = await client.get(b.url + "/v1/profile", timeout=2.0)
@@ -74,14 +69,6 @@ class ProfileReader:
             p.status = f"/v1/profile: {e}"
         except Exception as e:  # unreachable now: keep the last good model
             p.status = f"/v1/profile not reachable ({type(e).__name__})"
-
-    async def read_all(self) -> None:
-        await asyncio.gather(*(self.read(b) for b in self.gw.backends), return_exceptions=True)
-
-    async def loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.gw.config.profile_interval_s)
-            await self.read_all()
 
     def health(self, b: Backend) -> dict[str, Any]:
         """``b``'s entry under ``profile`` in the gateway's ``/health``."""

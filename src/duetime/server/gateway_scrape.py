@@ -21,7 +21,6 @@ format the gateway cannot read without saying so:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from duetime.server.backend_metrics import MetricsFormatError, parse_metrics
+from duetime.server.gateway_poll import BackendPoller
 from duetime.server.gateway_pool import Gateway
 from duetime.server.gateway_routing import Backend
 
@@ -74,12 +74,12 @@ def check_metrics(urls: list[str], timeout_s: float = 2.0) -> list[str]:
     return warnings
 
 
-class Scraper(Collector):
+class Scraper(BackendPoller, Collector):
     """Scrapes the gateway's backends and reports how fresh each one's figures are (in
     ``/health``, and as a gauge of the gateway's ``/metrics``, judged when it is read)."""
 
     def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
+        super().__init__(gw)
         cfg = gw.config
         self.max_age_s = cfg.scrape_max_age_s
         self.timeout_s = max(0.1, min(1.0, cfg.scrape_max_age_s))
@@ -99,13 +99,12 @@ class Scraper(Collector):
         yield g
 
     @property
-    def enabled(self) -> bool:
-        return self.gw.config.scrape_interval_s > 0
+    def interval_s(self) -> float:
+        return self.gw.config.scrape_interval_s
 
-    async def scrape(self, b: Backend) -> None:
+    async def poll(self, b: Backend) -> None:
         """Read ``b``'s ``/metrics`` once; whatever it answers, the loop goes on."""
-        client = self.gw.client
-        assert client is not None
+        client = self.client
         sent, done = b.sent, b.done  # the counts since this scrape start now
         s = b.scrape
         try:
@@ -122,14 +121,6 @@ class Scraper(Collector):
             s.error, s.load = str(e), None  # a format not understood is never trusted
         except Exception as e:  # unreachable: the last good scrape ages out on its own
             s.error = f"/metrics not reachable ({type(e).__name__})"
-
-    async def scrape_all(self) -> None:
-        await asyncio.gather(*(self.scrape(b) for b in self.gw.backends), return_exceptions=True)
-
-    async def loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.gw.config.scrape_interval_s)
-            await self.scrape_all()
 
     def health(self, b: Backend) -> dict[str, Any]:
         """``b``'s entry under ``metrics`` in the gateway's ``/health``."""

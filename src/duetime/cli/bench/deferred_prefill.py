@@ -5,6 +5,7 @@ Analytic and simulated by default; ``--engine`` adds the real engine's curve.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -89,14 +90,20 @@ def bench_deferred_prefill(
         f"{adv['gain_vs_k1_pct']:+.1f} % vs K = 1"
     )
     for curve, s in fig["summary"].items():
-        out.print(
-            f"{curve}: best K = {s['k_best']}, {s['gain_best_vs_k1_pct']:+.1f} % throughput and "
-            f"{s['completion_change_best_vs_k1_pct']:+.1f} % completion time vs K = 1; "
-            f"analytic ρ(K*) {s['analytic_k_star_throughput_vs_best_pct']:+.1f} % of the best; "
-            f"max |error| vs Theorem 1 {s['max_abs_error_vs_theorem1_pct']:.1f} %"
-        )
+        best = f"; analytic ρ(K*) {s['analytic_k_star_throughput_vs_best_pct']:+.1f} % of the best"
+        out.print(curve_line(curve, s, best))
     out.print(f"real engine: not run (--engine adds it); wall {fig['wall_s']:.1f} s")
     save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)
+
+
+def curve_line(curve: str, s: Mapping[str, Any], extra: str) -> str:
+    """One curve's summary line: its best K against K = 1, ``extra``, its worst error vs
+    Theorem 1; the simulated and the engine runs print the same figures around their own."""
+    return (
+        f"{curve}: best K = {s['k_best']}, {s['gain_best_vs_k1_pct']:+.1f} % throughput and "
+        f"{s['completion_change_best_vs_k1_pct']:+.1f} % completion time vs K = 1{extra}; "
+        f"max |error| vs Theorem 1 {s['max_abs_error_vs_theorem1_pct']:.1f} %"
+    )
 
 
 def parse_ks(ks: str | None) -> tuple[int, ...] | None:
@@ -153,11 +160,7 @@ def run_engine(
             if "gain_k_star_vs_k1_pct" in s
             else ""
         )
-        out.print(
-            f"{curve}: best K = {s['k_best']}, {s['gain_best_vs_k1_pct']:+.1f} % throughput and "
-            f"{s['completion_change_best_vs_k1_pct']:+.1f} % completion time vs K = 1{star}; "
-            f"max |error| vs Theorem 1 {s['max_abs_error_vs_theorem1_pct']:.1f} %"
-        )
+        out.print(curve_line(curve, s, star))
     out.print(
         f"paper (vLLM, A100): +13.5 % throughput, -14 % completion time at its best K; "
         f"wall {fig['wall_s']:.1f} s (a shared machine: the real curve is noisy; "
