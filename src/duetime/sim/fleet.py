@@ -209,9 +209,7 @@ class Fleet:
                 self.counters["routed"] += 1
             if rep.deliver(job, now):
                 self._schedule(rep)
-            if not rep.stale:  # (_touch, written out: once per request)
-                rep.stale = True
-                self._stale.append(rep)
+            self._touch(rep)
             return True
         if isinstance(dec, Wait):
             if not retry:

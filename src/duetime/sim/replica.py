@@ -97,8 +97,7 @@ class Replica:
         if state is _DECODE:
             sim = self.sim
             self.span = span = sim._decode_span_s(self.planned)
-            evict = sim._pending_evict_s  # (Simulator._decode_end, written out)
-            return sim.now + (span + evict if evict else span)
+            return sim._decode_end(self.planned, span)
         if state is _IDLE:
             return self.sim.now + max(self.horizon - self.sim.now, 0.0)
         return None

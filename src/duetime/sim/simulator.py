@@ -27,7 +27,6 @@ from duetime.core.sequence import Seq
 from duetime.predict.oracle import JobPredictor
 
 SimulationError = ExecutorError  # the simulator's name for it
-_INF = math.inf
 
 
 @dataclass(slots=True)
@@ -155,26 +154,15 @@ class Simulator(ExecutorCore):
         k = heap[0][0] - steps if heap else 1 << 62
         # Device room, parked KV included: a run that would need a page-out stops
         # there, so the next call pages out exactly when the engine would.
-        # (Comparisons, not min(): this runs at every arrival and decode run.)
-        room = (self.cfg.kv_capacity - (self._static_kv + kv + self._parked_kv)) // d
-        if room < k:
-            k = room
-        if horizon_time < _INF:
-            cost = self.cost
+        free = self.cfg.kv_capacity - (self._static_kv + kv + self._parked_kv)
+        k = min(k, free // d)
+        if horizon_time < math.inf:
+            ride = self._ride_step_s(d, kv) if self._ride else 0.0
             horizon = horizon_time - self.now
-            if self._ride:
-                ride = self._ride_step_s(d, kv)
-                kt = self._steps_within(horizon, d, kv, ride)
-                if cost.decode_span(kt, d, kv) + kt * ride < horizon:
-                    kt += 1  # the step that crosses the event ends at or after it
-            else:  # (the same, with no riding rows: ride 0 adds nothing)
-                kt = cost.decode_steps_within(horizon, d, kv)
-                if cost.decode_span(kt, d, kv) < horizon:
-                    kt += 1
-            if kt < 1:
-                kt = 1
-            if kt < k:
-                k = kt
+            kt = self._steps_within(horizon, d, kv, ride)
+            if self.cost.decode_span(kt, d, kv) + kt * ride < horizon:
+                kt += 1  # the step that crosses the event ends at or after it
+            k = min(k, max(kt, 1))
         if k <= 0:
             raise SimulationError("internal: decode run of zero steps")
         return k
