@@ -168,7 +168,6 @@ def _served(
     state.engine.step_log = log
     # as in `duetime serve`, whose engine loop starts on the thread that loaded the model:
     # that thread (here the main one) gives its OpenMP workers back
-    threads = torch.get_num_threads()
     release_workers()
     with serve_in_thread(create_app(state)) as url:
         cpu0 = _thread_cpu_s()
@@ -176,7 +175,7 @@ def _served(
         row, client_cpu = _client(cfg, url, rate, n, tmp / "load.json")
         wall = time.perf_counter() - t0
         cpu1 = _thread_cpu_s()
-    own_workers(threads)  # the offline replay runs here
+    own_workers(cfg.threads)  # the offline replay runs here
     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items() if v - cpu0.get(k, 0.0)}
     cpu["client"] = round(client_cpu, 2)
     rows = log.rows()

@@ -115,7 +115,7 @@ class Gemma3:
         # and the KV cache holds bf16 there (``bf16_kv``, default: where the rows are bf16):
         # a large decode step reads every sequence's keys and values from DRAM each layer
         # (48 % of a 90-decoder step at 320 tokens in fp32); in bf16 a layer of 90
-        # sequences x 320 keys took 1.7-2.1 ms against 3.2 ms on the 2-core Xeon
+        # sequences x 320 keys took 1.7-2.1 ms against 3.2 ms on the 2-core AMD EPYC
         if bf16_kv is None:
             bf16_kv = self.bf16_rows
         self.kv_dtype = torch.bfloat16 if bf16_kv and dtype == "q8" else self.compute_dtype

@@ -25,6 +25,7 @@ released.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from typing import Any
@@ -36,24 +37,22 @@ __all__ = ["compute_on_one_thread", "libgomp", "own_workers", "release_workers"]
 log = logging.getLogger(__name__)
 
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep the settings
-_lib: list[Any | None] = []
 
 
+@functools.cache
 def libgomp() -> Any | None:
     """torch's libgomp where it has one that can pause (OpenMP 5.0), else None."""
-    if not _lib:
-        path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
-        lib = None
-        if "OpenMP" in torch.__config__.parallel_info():
-            for name in (path, "libgomp.so.1"):
-                try:
-                    lib = ctypes.CDLL(name)
-                    lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
-                    break
-                except (OSError, AttributeError):
-                    lib = None
-        _lib.append(lib)
-    return _lib[0]
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    bundled = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    for name in (bundled, "libgomp.so.1"):
+        try:
+            lib = ctypes.CDLL(name)
+            lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 def release_workers() -> bool:

@@ -14,7 +14,7 @@ void check_kv(const at::Tensor& t, int64_t g, int64_t d, at::ScalarType dt, cons
               size_t b) {
   TORCH_CHECK(t.dim() == 3 && t.scalar_type() == dt && t.device().is_cpu(),
               "decode_attention: ", what, "[", b, "] must be a CPU ", dt,
-              " [kv_heads, S, head_dim] tensor (as keys[0]),", " got ", t.sizes(), " ",
+              " [kv_heads, S, head_dim] tensor (as keys[0]), got ", t.sizes(), " ",
               t.scalar_type());
   TORCH_CHECK(t.size(0) == g && t.size(2) == d && t.size(1) >= 1 && t.stride(2) == 1,
               "decode_attention: ", what, "[", b, "] has shape ", t.sizes(), " strides ",

@@ -55,8 +55,9 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// dst[0..n) <- src rounded to bf16, to nearest even as torch's own conversion rounds
-// (so a value stored here equals one stored by `Tensor.copy_`).
+// dst[0..n) <- src rounded to bf16, to nearest even as torch's own conversion rounds (so a
+// finite value or an infinity stored here equals one stored by `Tensor.copy_`; a NaN stays a
+// NaN only where its payload's top bits are set).
 inline void to_bf16(c10::BFloat16* dst, const float* src, int64_t n) {
   int64_t i = 0;
   const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
