@@ -98,11 +98,7 @@ def attend(
         s = view.keys.shape[1]
         m3 = mask if mask.dim() == 3 else mask.expand(kvh, n, s)
         m = m3[:, None].expand(kvh, rep, n, s).reshape(1, kvh, rep * n, s)
-    k = view.keys[None]
-    v = view.values[None]
-    want = dtype or q.dtype  # a bf16 cache under fp32 queries: its keys widen
-    if want != q.dtype or want != k.dtype:
-        qf, k, v = qf.to(want), k.to(want), v.to(want)
+    qf, k, v, _ = _in_compute_dtype(qf, view.keys[None], view.values[None], None, dtype)
     out = F.scaled_dot_product_attention(qf, k, v, attn_mask=m, scale=scale).to(q.dtype)
     return out.view(kvh, rep, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd)
 
@@ -150,6 +146,18 @@ def attend_prefill(
     return torch.cat(outs)
 
 
+def _in_compute_dtype(
+    q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None, dtype: torch.dtype | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Queries, keys, values and bias in ``dtype`` (default: the queries'); a bf16 cache
+    under fp32 queries has its keys and values widened. Nothing is copied when all agree."""
+    want = dtype or q.dtype
+    if want == q.dtype and want == keys.dtype:
+        return q, keys, values, bias
+    bias = bias.to(want) if bias is not None else None
+    return q.to(want), keys.to(want), values.to(want), bias
+
+
 def _sdpa_heads(
     q: Tensor,
     keys: Tensor,
@@ -162,11 +170,7 @@ def _sdpa_heads(
     """SDPA of ``q`` ``[n, heads, hd]`` over ``[kv_heads, S, hd]`` keys: ``[n, heads * hd]``,
     computed in ``dtype`` where given."""
     n, heads, hd = q.shape
-    qh = q.permute(1, 0, 2)[None]
-    want = dtype or q.dtype
-    if want != q.dtype or want != keys.dtype:
-        qh, keys, values = qh.to(want), keys.to(want), values.to(want)
-        bias = bias.to(want) if bias is not None else None
+    qh, keys, values, bias = _in_compute_dtype(q.permute(1, 0, 2)[None], keys, values, bias, dtype)
     out = F.scaled_dot_product_attention(
         qh, keys[None], values[None], attn_mask=bias, is_causal=causal, scale=scale,
         enable_gqa=True,
