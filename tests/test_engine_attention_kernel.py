@@ -98,6 +98,30 @@ def test_kernel_rejects_mismatched_inputs_with_a_clear_error() -> None:
         decode_attention(q, [t.bfloat16() for t in k], k, 1.0)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_buffers_attend_as_views_of_them_bit_for_bit(dtype) -> None:
+    """``decode_bufs`` (the decode loop's form: each sequence's whole [2, G, cap, D] buffer
+    and the entries to attend) reads the same keys and values as views cut from it."""
+    g = torch.Generator().manual_seed(5)
+    spans = [(0, 0), (3, 40), (0, 299), (17, 130)]  # entries lo .. at, inclusive
+    bufs = [torch.randn(2, 2, 300, 40, generator=g).to(dtype) for _ in spans]
+    q = torch.randn(len(spans), 6, 40, generator=g)
+    keys = [b[0, :, lo : at + 1] for b, (lo, at) in zip(bufs, spans, strict=True)]
+    values = [b[1, :, lo : at + 1] for b, (lo, at) in zip(bufs, spans, strict=True)]
+    lo, at = [s[0] for s in spans], [s[1] for s in spans]
+    ops = decode_attention_ops()
+    got = on_threads(2, lambda: ops.decode_bufs(q, bufs, lo, at, 0.3))
+    want = on_threads(2, lambda: decode_attention(q, keys, values, 0.3))
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match=r"attends to entries 5 \.\. 300 of 300"):
+        ops.decode_bufs(q[:1], bufs[:1], [5], [300], 0.3)
+    with pytest.raises(RuntimeError, match="4 queries need as many"):
+        ops.decode_bufs(q, bufs[:3], lo[:3], at[:3], 0.3)
+    with pytest.raises(RuntimeError, match=r"bufs\[1\] must be a contiguous"):
+        ops.decode_bufs(q[:2], [bufs[0], bufs[1][:, :, ::2]], lo[:2], [0, 3], 0.3)
+
+
 def _decode_logits(model, prompts: list[list[int]], steps: int) -> torch.Tensor:
     kv = model.new_kv_cache()
     slots = [kv.allocate() for _ in prompts]

@@ -20,7 +20,8 @@ def test_the_largest_batch_that_meets_the_target() -> None:
     assert lim.max_num_seqs == 11
     assert lim.decode_step_ms == pytest.approx(10 + 8.12 * 11)
     # a chunk's step carries the 11 decoders within 200 ms: 99.3 + 0.7 P <= 200, P <= 143
-    assert lim.max_batch_tokens == 128
+    assert lim.prefill_chunk_tokens == 128
+    assert lim.max_batch_tokens == 11 + 128  # the budget counts a token for each decoder
     assert lim.chunk_step_ms == pytest.approx(10 + 8.12 * 11 + 0.7 * 128)
     # a slower machine or longer contexts: fewer sequences
     slower = limits_from_cost(cost, tpot_target_s=0.1, context=2048, source="profile")
@@ -31,11 +32,12 @@ def test_limits_stay_within_bounds() -> None:
     tiny = LinearStepCost.batch(c=0.001, a=0.0, b=1e-6, d=0.0)
     lim = limits_from_cost(tiny, tpot_target_s=1.0, context=64, source="profile")
     assert lim.max_num_seqs == MAX_SEQS_CAP
-    assert lim.max_batch_tokens == 2048
+    assert lim.prefill_chunk_tokens == 2048
+    assert lim.max_batch_tokens == MAX_SEQS_CAP + 2048
     huge = LinearStepCost.batch(c=0.5, a=0.01, b=0.1, d=0.0)
     lim = limits_from_cost(huge, tpot_target_s=0.1, context=64, source="profile")
     assert lim.max_num_seqs == 1  # even one sequence misses: one at a time
-    assert lim.max_batch_tokens == 64
+    assert lim.max_batch_tokens == 1 + 64
     with pytest.raises(ValueError, match="TPOT"):
         limits_from_cost(tiny, tpot_target_s=0, context=64, source="profile")
 
@@ -93,4 +95,15 @@ def test_a_given_limit_is_kept_and_its_figures_shown() -> None:
     lim = limits_from_cost(cost, tpot_target_s=0.1, context=512, source="profile", seqs=20)
     assert lim.max_num_seqs == 20
     assert lim.decode_step_ms == pytest.approx(10 + 8.12 * 20)  # of the 20 kept
-    assert lim.max_batch_tokens == 64  # the chunk still sized, beside 20 decoders
+    assert lim.prefill_chunk_tokens == 64  # the chunk still sized, beside 20 decoders
+    assert lim.max_batch_tokens == 20 + 64
+
+
+def test_a_given_budget_is_kept_and_bounds_the_batch() -> None:
+    cost = LinearStepCost.batch(c=0.010, a=0.0007, b=0.003, d=0.00001)
+    lim = limits_from_cost(cost, tpot_target_s=0.1, context=512, source="profile", budget=300)
+    assert (lim.max_num_seqs, lim.max_batch_tokens, lim.prefill_chunk_tokens) == (11, 300, 289)
+    assert lim.chunk_step_ms == pytest.approx(10 + 8.12 * 11 + 0.7 * 289)
+    # a budget below the batch the target allows: no more decoders than tokens a step
+    tight = limits_from_cost(cost, tpot_target_s=0.1, context=512, source="profile", budget=8)
+    assert (tight.max_num_seqs, tight.prefill_chunk_tokens) == (8, 0)

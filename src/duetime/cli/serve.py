@@ -60,8 +60,9 @@ def serve(
     max_batch_tokens: Annotated[
         str,
         typer.Option(
-            help="Tokens per step (the prefill chunk): a number, or auto (the largest chunk "
-            "a step of max-num-seqs decoders carries within twice the TPOT target)."
+            help="Tokens per step, a token for each decoder and the rest for prompts: a "
+            "number, or auto (max-num-seqs plus the largest prompt chunk a step of "
+            "max-num-seqs decoders carries within twice the TPOT target)."
         ),
     ] = "auto",
     tpot_target_ms: Annotated[
@@ -230,7 +231,8 @@ def serve(
         )
     err.print(
         f"  up to {options.max_num_seqs} sequences at once, {options.max_batch_tokens} "
-        f"tokens a step ({why})",
+        f"tokens a step, {sizing.prefill_chunk_tokens} of them for prompts beside a full "
+        f"batch ({why})",
         highlight=False,
     )
     err.print(

@@ -10,10 +10,14 @@ the server times a few steps of its own model, fits that model, and takes:
 
 - ``max_num_seqs``: the largest D whose decode step, at ``context`` tokens a
   sequence, still meets ``tpot_target_s`` (vLLM's ``max_num_seqs``);
-- ``max_batch_tokens``: the largest prefill chunk (a multiple of 64) that a step
-  of ``max_num_seqs`` decoders can carry while that step stays within twice the
-  target: the decoders wait for a chunk's step, so the chunk sets the worst
-  token gap a stream sees while others' prompts are computed.
+- the prefill chunk: the largest number of prompt tokens (a multiple of 64) that
+  a step of ``max_num_seqs`` decoders can carry while that step stays within
+  twice the target: the decoders wait for a chunk's step, so the chunk sets the
+  worst token gap a stream sees while others' prompts are computed;
+- ``max_batch_tokens``: the step's token budget, ``max_num_seqs`` plus the chunk.
+  The budget counts a token for each decoder (vLLM's ``max_num_batched_tokens``
+  does the same), so a budget of the chunk alone left a full batch of 100
+  decoders 156 of its 256 tokens for prompts, and prompts queued behind it.
 
 A given ``--profile`` (a fitted cost model) stands in for the timing. The limits
 and the figures they came from are shown in ``/health`` and ``/v1/models``.
@@ -56,6 +60,8 @@ class ServeLimits:
 
     max_num_seqs: int
     max_batch_tokens: int
+    #: Prompt tokens a step of ``max_num_seqs`` decoders has room for.
+    prefill_chunk_tokens: int
     tpot_target_ms: float
     context_tokens: int
     #: The model's decode step at ``max_num_seqs`` and the chunk step, ms (None: given).
@@ -76,10 +82,11 @@ def limits_from_cost(
     context: int,
     source: str,
     seqs: int | None = None,
-    chunk: int | None = None,
+    budget: int | None = None,
 ) -> ServeLimits:
     """The limits the module describes, under the batch cost model ``cost``; ``seqs`` or
-    ``chunk`` given are kept (the figures are then those of the limits kept)."""
+    ``budget`` (a given ``max_batch_tokens``) are kept, and the figures are then those
+    of the limits kept."""
     if not tpot_target_s > 0:
         raise ValueError(f"the TPOT target must be > 0, got {tpot_target_s}")
     if context < 1:
@@ -92,19 +99,25 @@ def limits_from_cost(
         seqs = 1
         while seqs < MAX_SEQS_CAP and decode(seqs + 1) <= tpot_target_s:
             seqs += 1
+        if budget is not None:
+            seqs = min(seqs, budget)  # a decoder takes a token of the step's budget
     base = decode(seqs)
     batch = seqs
 
     def with_chunk(n: int) -> float:  # a first chunk of n prompt tokens beside the decoders
         return cost.step_time(n, float(n * n), batch, batch * context)
 
-    if chunk is None:
+    if budget is None:
         chunk = CHUNK_UNIT
         while chunk < MAX_CHUNK and with_chunk(chunk + CHUNK_UNIT) <= 2 * tpot_target_s:
             chunk += CHUNK_UNIT
+        budget = seqs + chunk
+    else:
+        chunk = max(budget - seqs, 0)
     return ServeLimits(
         max_num_seqs=seqs,
-        max_batch_tokens=chunk,
+        max_batch_tokens=budget,
+        prefill_chunk_tokens=chunk,
         tpot_target_ms=1000 * tpot_target_s,
         context_tokens=context,
         decode_step_ms=1000 * base,
@@ -187,6 +200,7 @@ def size_options(
         return ServeLimits(
             max_num_seqs=options.max_num_seqs,
             max_batch_tokens=options.max_batch_tokens,
+            prefill_chunk_tokens=max(options.max_batch_tokens - options.max_num_seqs, 0),
             tpot_target_ms=1000 * tpot_target_s,
             context_tokens=context,
             decode_step_ms=None,
@@ -208,7 +222,7 @@ def size_options(
         context=context,
         source=source,
         seqs=None if auto_seqs else options.max_num_seqs,
-        chunk=None if auto_tokens else options.max_batch_tokens,
+        budget=None if auto_tokens else options.max_batch_tokens,
     )
     options.max_num_seqs = limits.max_num_seqs
     options.max_batch_tokens = limits.max_batch_tokens

@@ -21,10 +21,10 @@ using c10::Dispatcher;
 at::Tensor store_attend(const at::Tensor& qk, const at::Tensor& qkv, at::IntArrayRef rows,
                         at::TensorList bufs, at::IntArrayRef len, at::IntArrayRef lo, int64_t heads,
                         int64_t kv_heads, int64_t head_dim, double scale) {
-  static auto attend =
-      Dispatcher::singleton()
-          .findSchemaOrThrow("duetime_attn::decode", "")
-          .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, double)>();
+  static auto attend = Dispatcher::singleton()
+                           .findSchemaOrThrow("duetime_attn::decode_bufs", "")
+                           .typed<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef,
+                                             at::IntArrayRef, double)>();
   const int64_t n_qk = heads + kv_heads, hd = head_dim;
   const int64_t T = rows.empty() ? qk.size(0) : (int64_t)rows.size();
   TORCH_CHECK(qk.dim() == 3 && qk.size(1) == n_qk && qk.size(2) == hd && qk.is_contiguous() &&
@@ -38,7 +38,6 @@ at::Tensor store_attend(const at::Tensor& qk, const at::Tensor& qkv, at::IntArra
   const float* qkp = qk.data_ptr<float>();
   const float* vp = qkv.data_ptr<float>() + n_qk * hd;
   const int64_t qkv_row = qkv.stride(0);
-  std::vector<at::Tensor> keys(T), values(T);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t r = rows.empty() ? t : rows[t];
     TORCH_CHECK(0 <= r && r < qk.size(0), "store_attend: row ", r, " out of range");
@@ -62,8 +61,6 @@ at::Tensor store_attend(const at::Tensor& qk, const at::Tensor& qkv, at::IntArra
         std::memcpy(bp + value_at, value, sizeof(float) * hd);
       }
     }
-    keys[t] = buf.select(0, 0).narrow(1, from, at_ + 1 - from);
-    values[t] = buf.select(0, 1).narrow(1, from, at_ + 1 - from);
   }
   // the rows' queries: a slice where the rows are consecutive (the executor puts decodes
   // together), else gathered from the contiguous qk before its heads are cut out
@@ -81,7 +78,7 @@ at::Tensor store_attend(const at::Tensor& qk, const at::Tensor& qkv, at::IntArra
     q = qk.index_select(0, idx);
   }
   q = q.narrow(1, 0, heads);
-  return attend.call(q.contiguous(), keys, values, scale);
+  return attend.call(q.contiguous(), bufs, lo, len, scale);
 }
 
 // x [T, D]: the residual stream entering layer 0 (embedding * scale). Per layer l
