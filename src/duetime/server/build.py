@@ -37,6 +37,9 @@ __all__ = [
 #: The share of accepted requests with a deadline that should meet it (docs/server.md:
 #: 0.976 met at 0.95 in `duetime bench admission`'s default load, against 0.902 without).
 DEFAULT_CONFIDENCE = 0.95
+#: Seconds at least between two refits of the online step-time fit: a fit is 12-46 ms
+#: of one core (server/step_timer.py), so at most ~2 % of it.
+ONLINE_FIT_INTERVAL_S = 2.0
 
 
 @dataclass(slots=True)
@@ -109,6 +112,8 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         prior=cost or options.measured_cost,
         prior_source=prior_source,
         regimes=regimes_of_any(model),
+        min_interval_s=ONLINE_FIT_INTERVAL_S,
+        background=True,
     )
     kwargs = dict(options.policy_kwargs or {})
     policy = make_policy(options.policy, **kwargs)  # fail now, not on the engine thread

@@ -185,6 +185,7 @@ class EngineLoop(LoopOutcomes):
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.timer.close()
         self.executor.close()
 
     @property
@@ -248,8 +249,8 @@ class EngineLoop(LoopOutcomes):
             self._publish_ends()
         self._flush()  # the step's tokens and ends, every stream's, in one hand-over
         t_deliver = perf_counter()
-        # the step-time fit after the tokens are out: a refit (~12-20 ms every 32 steps)
-        # must not hold back the tokens of the step it follows
+        # the step-time fit after the tokens are out (the server's timer fits on a
+        # thread of its own; this takes its new model once it is in)
         if shape is not None and self.timer.observe(*shape) and not self._fixed_cost:
             ex.cost = self.timer.as_cost()
         t_fit = perf_counter()

@@ -12,6 +12,7 @@ admission then accepts everything it cannot judge) stands in.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from duetime.core.cost import CostModelError, LinearStepCost
@@ -24,9 +25,14 @@ __all__ = ["StepTimer"]
 class StepTimer:
     """Ring buffer of the engine's recent steps and the cost model fitted to them.
 
-    ``refit_every``: steps between fits. A fit over 256 steps takes ~12 ms here (a
-    linear programme), run on the engine thread: every 32 steps that is well under
-    1 ms a step.
+    ``refit_every``: steps between fits, and ``min_interval_s``: seconds at least
+    between the starts of two fits. A fit over 256 steps is a linear programme of
+    12-46 ms here, and it holds the GIL. On the engine thread, every 32 steps, it took
+    43 % of a no-op server's engine thread (steps of well under a millisecond) and
+    delayed the requests that arrived meanwhile. ``background`` (the server's): fits
+    run on a thread of their own, at most one at a time, and :meth:`observe` reports
+    a new model once it is in. Without it (tests, offline use) a fit runs inside
+    :meth:`observe`.
     """
 
     def __init__(
@@ -38,16 +44,27 @@ class StepTimer:
         window: int = 256,
         min_steps: int = 16,
         refit_every: int = 32,
+        min_interval_s: float = 0.0,
+        background: bool = False,
     ) -> None:
         self._rows: deque[StepSample] = deque(maxlen=window)
         self._regimes = regimes
         self._min_steps = min_steps
         self._refit_every = refit_every
+        self._min_interval_s = min_interval_s
         self._since_fit = refit_every  # the first fit comes as soon as min_steps are in
+        self._last_fit_at = -float("inf")
         self._lock = threading.Lock()
         self._cost: LinearStepCost | None = prior
         self._prior_source = prior_source
         self._fitted_on = 0  # steps the current model was fitted to (0: the prior)
+        self._background = background
+        self._fitter: threading.Thread | None = None
+        self._wake = threading.Condition(self._lock)
+        self._pending: list[StepSample] | None = None  # the rows of the fit asked for
+        self._fitting = False
+        self._fresh = False  # a background fit is in that observe() has not reported
+        self._closed = False
 
     @property
     def ready(self) -> bool:
@@ -65,27 +82,93 @@ class StepTimer:
     def observe(
         self, seconds: float, prefill: int, decoders: int, kv: int, attn: float = 0.0
     ) -> bool:
-        """Record one executed step (called on the engine thread). True if it refitted."""
+        """Record one executed step (called on the engine thread). True if a new model
+        is in since the last call (fitted now, or by the background fitter)."""
+        fresh = self._take_fresh()
         if seconds <= 0 or (prefill == 0 and decoders == 0):
-            return False  # nothing a step-cost model describes
+            return fresh  # nothing a step-cost model describes
         self._rows.append(
             StepSample(prefill, float(attn), decoders, kv, seconds, step_kind(prefill, decoders))
         )
         self._since_fit += 1
-        if len(self._rows) >= self._min_steps and self._since_fit >= self._refit_every:
-            self._refit()
-            return True
-        return False
+        now = time.monotonic()
+        if (
+            len(self._rows) < self._min_steps
+            or self._since_fit < self._refit_every
+            or now - self._last_fit_at < self._min_interval_s
+        ):
+            return fresh
+        if not self._background:
+            if self._fit(list(self._rows)):
+                self._since_fit, self._last_fit_at = 0, now
+                return True
+            return fresh
+        with self._lock:
+            if self._fitting or self._closed:
+                return fresh
+            self._pending, self._fitting = list(self._rows), True
+            self._since_fit, self._last_fit_at = 0, now
+            if self._fitter is None:
+                self._fitter = threading.Thread(
+                    target=self._fit_loop, name="duetime-step-fit", daemon=True
+                )
+                self._fitter.start()
+            self._wake.notify()
+        return fresh
 
-    def _refit(self) -> None:
+    def _take_fresh(self) -> bool:
+        if not self._background:
+            return False
+        with self._lock:
+            fresh, self._fresh = self._fresh, False
+        return fresh
+
+    def _fit(self, rows: list[StepSample]) -> bool:
+        """Fit ``rows`` and put the model in; False (the last model kept) when the fit
+        fails: one odd window must not take admission down."""
         try:
-            cost = fit_batch_cost(list(self._rows), name="online", regimes=self._regimes)
+            cost = fit_batch_cost(rows, name="online", regimes=self._regimes)
         except (ValueError, CostModelError):
-            return  # keep the last model: one odd window must not take admission down
+            return False
         with self._lock:
             self._cost = cost
-            self._fitted_on = len(self._rows)
-        self._since_fit = 0
+            self._fitted_on = len(rows)
+            self._fresh = self._background
+        return True
+
+    def _fit_loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._pending is None and not self._closed:
+                    self._wake.wait()
+                rows, self._pending = self._pending, None
+                if self._closed or rows is None:
+                    return
+            try:
+                self._fit(rows)
+            finally:
+                with self._lock:
+                    self._fitting = False
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until no background fit is asked for or running; whether it is so."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            with self._lock:
+                if not self._fitting:
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def close(self) -> None:
+        """Stop the background fitter (the server's shutdown); fits asked for later run
+        no more."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+            fitter = self._fitter
+        if fitter is not None:
+            fitter.join(timeout=5.0)
 
     def step_time(self, prefill: int, decoders: int, kv: int) -> float:
         """Seconds for a step of ``prefill`` prompt tokens (one chunk from position 0)

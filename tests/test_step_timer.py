@@ -1,0 +1,70 @@
+"""The server's online step-time fit (server/step_timer.py): when it refits, and that
+the server's fits run beside the engine thread, not on it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from duetime.core.cost import LinearStepCost
+from duetime.server.step_timer import StepTimer
+
+TRUE = LinearStepCost.batch(c=0.010, a=0.0005, b=0.002, d=1e-6)
+
+
+def _feed(timer: StepTimer, n: int, start: int = 0) -> list[bool]:
+    """``n`` decode and prefill steps timed by ``TRUE``; what each observe() returned."""
+    out = []
+    for i in range(start, start + n):
+        p, d = (64 * (1 + i % 4), 0) if i % 5 == 0 else (0, 1 + i % 12)
+        kv = 100 * d
+        out.append(timer.observe(TRUE.step_time(p, float(p * p), d, kv), p, d, kv, p * p))
+    return out
+
+
+def test_a_foreground_timer_fits_inside_observe_every_refit_steps() -> None:
+    timer = StepTimer(min_steps=16, refit_every=32)
+    fits = _feed(timer, 80)
+    assert [i for i, f in enumerate(fits) if f] == [15, 47, 79]  # min_steps in, then every 32
+    cost = timer.as_cost()
+    assert cost is not None
+    assert cost.step_time(0, 0.0, 8, 800) == pytest.approx(TRUE.step_time(0, 0.0, 8, 800), rel=0.02)
+
+
+def test_the_servers_timer_fits_on_its_own_thread_and_reports_the_model_once() -> None:
+    timer = StepTimer(min_steps=16, refit_every=32, background=True)
+    try:
+        assert not any(_feed(timer, 16))  # the fit was asked for, not run here
+        assert timer.wait_idle()
+        fitter = [t for t in threading.enumerate() if t.name == "duetime-step-fit"]
+        assert fitter and fitter[0] is not threading.current_thread()
+        assert timer.as_cost() is not None
+        assert timer.origin() == ("online fit", 16)
+        assert _feed(timer, 2, start=16) == [True, False]  # the new model, reported once
+    finally:
+        timer.close()
+    assert not any(t.name == "duetime-step-fit" and t.is_alive() for t in threading.enumerate())
+
+
+def test_fits_wait_at_least_the_interval() -> None:
+    timer = StepTimer(min_steps=16, refit_every=8, min_interval_s=3600.0)
+    fits = _feed(timer, 100)
+    assert sum(fits) == 1  # the first fit only: the next is due an hour later
+
+
+def test_a_failed_background_fit_keeps_the_last_model(monkeypatch) -> None:
+    import duetime.server.step_timer as st
+
+    def broken(*_args, **_kwargs):
+        raise ValueError("singular")
+
+    monkeypatch.setattr(st, "fit_batch_cost", broken)
+    timer = StepTimer(prior=TRUE, prior_source="measured at start", background=True)
+    try:
+        _feed(timer, 40)
+        assert timer.wait_idle()
+        assert timer.as_cost() is TRUE
+        assert timer.origin() == ("measured at start", 0)
+    finally:
+        timer.close()
