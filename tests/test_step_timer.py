@@ -38,7 +38,8 @@ def test_the_servers_timer_fits_on_its_own_thread_and_reports_the_model_once() -
         assert not any(_feed(timer, 16))  # the fit was asked for, not run here
         assert timer.wait_idle()
         fitter = [t for t in threading.enumerate() if t.name == "duetime-step-fit"]
-        assert fitter and fitter[0] is not threading.current_thread()
+        assert fitter
+        assert fitter[0] is not threading.current_thread()
         assert timer.as_cost() is not None
         assert timer.origin() == ("online fit", 16)
         assert _feed(timer, 2, start=16) == [True, False]  # the new model, reported once
