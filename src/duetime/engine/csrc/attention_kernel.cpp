@@ -196,8 +196,8 @@ at::Tensor attend_seqs(const at::Tensor& q, const std::vector<SeqKV>& seqs, int6
         float* out = split ? part.data() + (i * rep + r0) * D : yp + row * D;
         float* m = pm.data() + i * rep + r0;
         float* l = pl.data() + i * rep + r0;
-        attend_rows(nr, qp + row * D, kp, kv.k_row, vp, kv.v_row, j1 - j0, D, sc, p.data(), out,
-                    m, l);
+        attend_rows(nr, qp + row * D, kp, kv.k_row, vp, kv.v_row, j1 - j0, D, sc, p.data(), out, m,
+                    l);
         if (!split)
           for (int64_t r = 0; r < nr; ++r) scale_row(out + r * D, 1.f / l[r], D);
       }
@@ -264,8 +264,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, at::TensorList keys, at::Ten
     check_kv(V, G, D, kv_type, "values", b);
     TORCH_CHECK(K.size(1) == V.size(1), "decode_attention: sequence ", b, " has ", K.size(1),
                 " keys but ", V.size(1), " values");
-    seqs[b] = {K.data_ptr(), V.data_ptr(), K.size(1), K.stride(0), V.stride(0), K.stride(1),
-               V.stride(1)};
+    seqs[b] = {K.data_ptr(), V.data_ptr(), K.size(1),  K.stride(0),
+               V.stride(0),  K.stride(1),  V.stride(1)};
   }
   return attend_typed(q, seqs, G, kv_type, scale);
 }
@@ -278,13 +278,13 @@ at::Tensor decode_attention_bufs(const at::Tensor& q_in, at::TensorList bufs, at
   check_q(q_in, "decode_attention_bufs");
   const at::Tensor q = q_in.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(B >= 1 && int64_t(bufs.size()) == B && int64_t(lo.size()) == B &&
-                  int64_t(at.size()) == B,
-              "decode_attention_bufs: ", B, " queries need as many buffers, starts and ends, got ",
-              bufs.size(), ", ", lo.size(), ", ", at.size());
+  TORCH_CHECK(
+      B >= 1 && int64_t(bufs.size()) == B && int64_t(lo.size()) == B && int64_t(at.size()) == B,
+      "decode_attention_bufs: ", B, " queries need as many buffers, starts and ends, got ",
+      bufs.size(), ", ", lo.size(), ", ", at.size());
   const int64_t G = bufs[0].dim() == 4 ? bufs[0].size(1) : 0;
-  TORCH_CHECK(G >= 1 && H % G == 0, "decode_attention_bufs: ", H, " heads do not group into ",
-              G, " KV heads");
+  TORCH_CHECK(G >= 1 && H % G == 0, "decode_attention_bufs: ", H, " heads do not group into ", G,
+              " KV heads");
   const at::ScalarType kv_type = bufs[0].scalar_type();
   check_kv_type(kv_type, "decode_attention_bufs");
   const int64_t elem = int64_t(c10::elementSize(kv_type));
@@ -293,11 +293,11 @@ at::Tensor decode_attention_bufs(const at::Tensor& q_in, at::TensorList bufs, at
     const at::Tensor& buf = bufs[b];
     TORCH_CHECK(buf.dim() == 4 && buf.size(0) == 2 && buf.size(1) == G && buf.size(3) == D &&
                     buf.is_contiguous() && buf.scalar_type() == kv_type && buf.device().is_cpu(),
-                "decode_attention_bufs: bufs[", b, "] must be a contiguous CPU ", kv_type,
-                " [2, ", G, ", cap, ", D, "] tensor, got ", buf.sizes(), " ", buf.scalar_type());
+                "decode_attention_bufs: bufs[", b, "] must be a contiguous CPU ", kv_type, " [2, ",
+                G, ", cap, ", D, "] tensor, got ", buf.sizes(), " ", buf.scalar_type());
     const int64_t cap = buf.size(2);
-    TORCH_CHECK(0 <= lo[b] && lo[b] <= at[b] && at[b] < cap, "decode_attention_bufs: sequence ",
-                b, " attends to entries ", lo[b], " .. ", at[b], " of ", cap);
+    TORCH_CHECK(0 <= lo[b] && lo[b] <= at[b] && at[b] < cap, "decode_attention_bufs: sequence ", b,
+                " attends to entries ", lo[b], " .. ", at[b], " of ", cap);
     const char* base = static_cast<const char*>(buf.data_ptr()) + lo[b] * D * elem;
     seqs[b] = {base, base + G * cap * D * elem, at[b] - lo[b] + 1, cap * D, cap * D, D, D};
   }
