@@ -1,10 +1,11 @@
 """Where the gateway's router sends a request, for tests that set backend states by hand.
 
-``estimate_rule`` is the estimate rule written out on its own, as a reference:
-the up backend with room and the earliest ``(in_flight + 1) * (ttft + tpot *
-max_tokens)``, passing over suspect backends while another serves the model, one
-request at a time on probation. The ``forecast`` router on the gateway's
-snapshot must choose as it does.
+``estimate_rule`` is the gateway's forecast written out on its own for backends
+with no published cost model, as a reference: the up backend with room and the
+earliest finish, which for a backend with a free slot is its request time ``ttft +
+tpot * max_tokens`` (the request joins its batch now), passing over suspect
+backends while another serves the model, one request at a time on probation. The
+``forecast`` router on the gateway's snapshot must choose as it does.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def estimate_rule(
     for b in routable(usable, mono):
         if b.in_flight >= b.limit(mono, max_inflight):
             continue
-        t = (b.in_flight + 1) * (b.ttft_s + b.tpot_s * max(1, max_tokens))
+        t = b.ttft_s + b.tpot_s * max(1, max_tokens)
         if t < best_t:
             best, best_t = b, t
     return best

@@ -12,13 +12,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
 from duetime.cli import app as cli_app
-from duetime.server.gateway import Backend, GatewayConfig, create_gateway_app
+from duetime.core.cost import LinearStepCost
+from duetime.core.router import Route
+from duetime.routers import make_router
+from duetime.server.gateway import Ask, Backend, GatewayConfig, create_gateway_app, make_offer
 from duetime.server.threaded import serve_in_thread
 from tests.factories import prometheus_samples
 from tests.gateway_choice import routed
@@ -28,10 +32,11 @@ DUETIME = Path(sys.executable).with_name("duetime")
 
 
 def test_routing_picks_earliest_predicted_finish() -> None:
-    fast = Backend("http://a", up=True, in_flight=3, ttft_s=0.01, tpot_s=0.001)  # 4*0.11
-    slow = Backend("http://b", up=True, in_flight=0, ttft_s=0.05, tpot_s=0.01)  # 1*1.05
+    # with a slot free the request joins the backend's batch now: its own time decides
+    fast = Backend("http://a", up=True, in_flight=3, ttft_s=0.01, tpot_s=0.001)  # 0.11 s
+    slow = Backend("http://b", up=True, in_flight=0, ttft_s=0.05, tpot_s=0.01)  # 1.05 s
     assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (fast, True)
-    slow.tpot_s = 0.002  # 1 * 0.25 < 0.44
+    slow.tpot_s = 0.0005  # 0.10 s < 0.11 s
     assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (slow, True)
     slow.up = False
     assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (fast, True)
@@ -39,6 +44,48 @@ def test_routing_picks_earliest_predicted_finish() -> None:
     assert routed([fast, slow], 100, max_inflight=8, mono=0.0) == (fast, False)
     slow.up, slow.models = True, ["other-model"]
     assert routed([fast, slow], 100, max_inflight=8, mono=0.0, model=MODEL) == (fast, False)
+
+
+def _offer(backends: list[Backend], ask: Ask, max_inflight: int = 8) -> Any:
+    n = len(backends)
+    return make_offer(
+        backends, [0] * n, ask, rid=1, arrival=0.0, now=0.0, mono=0.0, max_inflight=max_inflight
+    )
+
+
+def test_a_batching_backend_is_forecast_as_a_batch_not_one_request_at_a_time() -> None:
+    """Answers seen at 2.4 s each on a backend running 3 of its 8 slots: a new request
+    joins the batch and ends in ~2.4 s (a 7 s deadline is met), not after the three
+    ahead of it one by one (9.6 s); past the 8 slots it waits ~2.4 / 8 s a request
+    ahead of it for one to free."""
+    b = Backend("http://a", up=True, in_flight=3, ttft_s=0.4, tpot_s=0.03125, observed=5)
+    ask = Ask(64, deadline_s=7.0, prompt_len=128)
+    offer = _offer([b], ask)
+    assert offer.finish[0] == pytest.approx(2.4)
+    assert offer.first[0] == pytest.approx(0.4)
+    assert isinstance(make_router("forecast").route(offer.snap), Route)
+    b.in_flight = 12  # 5 past the 8 slots, this one included
+    offer = _offer([b], ask)
+    assert offer.finish[0] == pytest.approx(2.4 + 5 * 2.4 / 8)
+    assert offer.first[0] == pytest.approx(0.4 + 5 * 2.4 / 8)
+
+
+def test_a_published_cost_model_prices_the_batch_the_request_joins() -> None:
+    """Before any answer, both backends price the request with the same published model
+    at one sequence; the busier one is slower by its model's step at the larger batch."""
+    cost = LinearStepCost.batch(c=0.010, a=0.0005, b=0.004, d=0.0)
+    idle = Backend("http://a", up=True, in_flight=0)
+    busy = Backend("http://b", up=True, in_flight=4)
+    for b in (idle, busy):
+        b.published.cost = cost
+    ask = Ask(32, prompt_len=16)
+    offer = _offer([busy, idle], ask)
+    alone = cost.prefill_time(16) + cost.decode_span(31, 1, 16)
+    assert offer.finish[1] == pytest.approx(alone)
+    assert offer.finish[0] == pytest.approx(alone * (0.010 + 5 * 0.004) / (0.010 + 0.004))
+    dec = make_router("forecast").route(offer.snap)
+    assert isinstance(dec, Route)
+    assert dec.replica == 1
 
 
 def test_ewma_learns_from_answers() -> None:

@@ -107,6 +107,21 @@ class Backend:
         """Seconds one request of ``max_tokens`` takes here alone, by the estimates."""
         return self.ttft_s + self.tpot_s * max(1, max_tokens)
 
+    @property
+    def priced(self) -> bool:
+        """Whether :meth:`estimates` prices from the published cost model (one sequence
+        alone) rather than from answers seen here (at the load they ran under)."""
+        return not (self.observed or self.seeded) and self.published.cost is not None
+
+    def slowdown(self, joins: int, seen: int, context: int) -> float:
+        """How much longer a request takes in a batch of ``joins`` sequences than in one of
+        ``seen``: the published cost model's decode steps at each (1 without a model,
+        or when the batch does not grow). ``context``: tokens a sequence attends."""
+        cost = self.published.cost
+        if cost is None or joins <= seen:
+            return 1.0
+        return cost.decode_step(joins, joins * context) / cost.decode_step(seen, seen * context)
+
     def estimates(self, prompt_len: int, max_tokens: int) -> tuple[float, float]:
         """``(ttft, alone)``: seconds to the first token and for the whole request alone.
 
