@@ -10,7 +10,15 @@ import typer
 
 from duetime.cli.bench.options import SeedOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _fail, _user_errors, bench_app, err, out
+from duetime.cli.common import (
+    JsonOpt,
+    PlotOpt,
+    _fail,
+    _user_errors,
+    bench_app,
+    out,
+    progress_display,
+)
 
 
 @bench_app.command("fleet-real")
@@ -112,19 +120,9 @@ def bench_fleet_real(
 
 @contextmanager
 def _stages() -> Iterator[Callable[[str, int, int], None]]:
-    """A rich progress display with one bar per stage (backends, warm-up, each run)."""
-    import sys
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    prog = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        disable=not sys.stderr.isatty(),
-    )
+    """A rich progress display with one bar per stage (backends, warm-up, each run),
+    kept on screen: how long each stage took is worth seeing afterwards."""
+    prog = progress_display(transient=False)
     tasks: dict[str, Any] = {}
 
     def update(stage: str, done: int, total: int) -> None:
