@@ -118,7 +118,8 @@ def _default_deadlines(
     alone = max(_alone_s(s, prompt, output) for s in specs)
     mix = cfg.class_mix or {name: share for name, share, _ in CLASSES}
     factor = {name: x for name, _, x in CLASSES}
-    return mix, {name: round(factor[name] * alone, 3) for name in mix}
+    # to the ms, and at least 1 ms: a deadline sent as 0 ms is a 400, not a miss
+    return mix, {name: max(0.001, round(factor[name] * alone, 3)) for name in mix}
 
 
 def _simulate(
