@@ -155,35 +155,47 @@ def _start_gateway(
     args += ["--max-inflight", str(cfg.requests), "--max-queue", str(max(1024, cfg.requests))]
     args += ["--log-level", "warning"]
     gw = procs.start("gateway", args, port)
-    every_backend_up = lambda r: all(b.get("up") for b in r.json().get("backends", []))  # noqa: E731
-    procs.wait_healthy(gw, cfg.start_timeout_s, ready=every_backend_up)
+    procs.wait_healthy(gw, cfg.start_timeout_s, ready=_every_backend_up)
     return gw
 
 
-def _get_json(client: httpx.Client, url: str, path: str) -> Any:
+def _every_backend_up(health: httpx.Response) -> bool:
+    """Whether the gateway's ``/health`` has every backend up: a run that began before
+    its first probes would go to whichever backend it had seen first."""
     try:
-        r = client.get(url + path)
+        backends = health.json()["backends"]
+        return bool(backends) and all(b["up"] for b in backends)
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def _ask(client: httpx.Client, url: str, path: str, body: Any = None) -> Any:
+    """``GET`` (or, with ``body``, ``POST``) one of a backend's routes; its JSON answer.
+    Anything but a 200 with JSON is a :class:`FleetStartError` naming the backend."""
+    method = "GET" if body is None else "POST"
+    try:
+        r = client.request(method, url + path, json=body)
         r.raise_for_status()
         return r.json()
     except (httpx.HTTPError, ValueError) as e:
-        raise FleetStartError(f"backend {url}: GET {path} failed ({e})") from None
+        raise FleetStartError(f"backend {url}: {method} {path} failed ({e})") from None
 
 
 def served_model(client: httpx.Client, url: str) -> tuple[str, int]:
     """The model id the backend serves and its longest prompt + answer."""
-    models = _get_json(client, url, "/v1/models")["data"]
-    return str(models[0]["id"]), int(models[0]["max_model_len"])
+    try:
+        model = _ask(client, url, "/v1/models")["data"][0]
+        return str(model["id"]), int(model["max_model_len"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise FleetStartError(f"backend {url}: /v1/models lists no model") from None
 
 
 def prompt_tokens(client: httpx.Client, url: str, texts: Sequence[str]) -> dict[str, int]:
     """Each prompt's tokens as the backend counts a completion's prompt (BOS included)."""
-    counts: dict[str, int] = {}
-    for text in dict.fromkeys(texts):
-        r = client.post(url + "/tokenize", json={"prompt": text})
-        if r.status_code != 200:
-            raise FleetStartError(f"backend {url}: POST /tokenize answered {r.status_code}")
-        counts[text] = int(r.json()["count"])
-    return counts
+    return {
+        text: int(_ask(client, url, "/tokenize", {"prompt": text})["count"])
+        for text in dict.fromkeys(texts)
+    }
 
 
 def warm_up(cfg: FleetRealConfig, urls: Sequence[str], model: str, round_: int) -> None:
@@ -225,12 +237,14 @@ def profiles(
     """Every backend's published profile, also written to ``where`` (None: one has none yet)."""
     bodies = []
     for i, url in enumerate(urls):
-        r = client.get(url + "/v1/profile")
-        if r.status_code == 503:
-            return None
-        if r.status_code != 200:
-            raise FleetStartError(f"backend {url}: GET /v1/profile answered {r.status_code}")
-        body = r.json()
+        try:
+            r = client.get(url + "/v1/profile")
+            if r.status_code == 503:
+                return None  # no model yet: too few steps served
+            r.raise_for_status()
+            body = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise FleetStartError(f"backend {url}: GET /v1/profile failed ({e})") from None
         (where / f"{tag}-{i}.json").write_text(json.dumps(body))
         bodies.append(body)
     return bodies
