@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -33,7 +34,21 @@ __all__ = ["FleetStartError", "LocalProcesses", "Started", "free_port"]
 
 #: What runs `duetime` in a child: this interpreter, so the child runs this code
 #: (the PYTHONPATH in the environment included), not whatever `duetime` is on PATH.
-_DUETIME = (sys.executable, "-c", "from duetime.cli import app; app()")
+#: SIGINT is made a KeyboardInterrupt even where this process was started with it
+#: ignored (a background job's), so that :meth:`LocalProcesses.stop` can always end
+#: a child by unwinding it (below).
+_DUETIME = (
+    sys.executable,
+    "-c",
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from duetime.cli import app; app()",
+)
+#: Seconds a child has to leave after the first SIGINT before it is killed; SIGINT is
+#: sent again every ``_RESEND_S`` meanwhile (one raised inside a ``__del__`` is lost).
+_STOP_GRACE_S = 20.0
+_RESEND_S = 2.0
+#: Seconds a child still starting is given to finish its start before it is stopped.
+_START_GRACE_S = 180.0
 
 
 class FleetStartError(RuntimeError):
@@ -48,6 +63,8 @@ class Started:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    #: "starting", "healthy", or "abandoned" (not healthy in time: not waited for again)
+    state: str = "starting"
 
     def tail(self, lines: int = 5) -> str:
         """The last lines of its output (stdout and stderr), for an error message."""
@@ -116,13 +133,16 @@ class LocalProcesses:
                         f"{started.what} {started.url} exited with code {code} before it "
                         f"was healthy; its log ends: {started.tail() or '(empty)'}"
                     )
-                try:
-                    r = client.get(started.url + "/health")
-                    if r.status_code == 200 and (ready is None or ready(r)):
-                        return
-                except httpx.HTTPError:
-                    pass
+                health = _health(client, started.url)
+                if (
+                    health is not None
+                    and health.status_code == 200
+                    and (ready is None or ready(health))
+                ):
+                    started.state = "healthy"
+                    return
                 if time.monotonic() > deadline:
+                    started.state = "abandoned"
                     raise FleetStartError(
                         f"{started.what} {started.url} was not healthy after {timeout_s:g} s; "
                         f"its log ends: {started.tail() or '(empty)'}"
@@ -130,15 +150,27 @@ class LocalProcesses:
                 time.sleep(0.2)
 
     def stop(self, started: Started) -> None:
-        """End one process: SIGTERM, then SIGKILL if it has not left within 5 s."""
+        """End one process: let it finish starting, SIGINT it, SIGKILL it if it stays.
+
+        SIGINT, not SIGTERM, and never while it starts: a backend still loading its
+        model dies on SIGTERM on the spot, and one that dies inside torch's extension
+        build leaves that build's lock file behind, on which every later engine on this
+        machine waits for ever. So a process still starting gets ``_START_GRACE_S`` to
+        answer ``/health`` first (one that was given up on, not); then SIGINT, which a
+        serving process takes as SIGTERM (uvicorn's graceful shutdown) and a loading one
+        as a KeyboardInterrupt that unwinds, releasing what it holds.
+        """
         proc = started.proc
+        if proc.poll() is None and started.state == "starting":
+            _await_start(started)
+        until = time.monotonic() + _STOP_GRACE_S
+        while proc.poll() is None and time.monotonic() < until:
+            proc.send_signal(signal.SIGINT)
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(_RESEND_S)
         if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10.0)
+            proc.kill()
+            proc.wait(10.0)
         if started in self.started:
             self.started.remove(started)
 
@@ -155,6 +187,25 @@ class LocalProcesses:
                     started.proc.kill()
         if errors:
             raise errors[0]
+
+
+def _health(client: httpx.Client, url: str) -> httpx.Response | None:
+    """``url``'s answer to ``GET /health``, whatever its status (None: no answer yet)."""
+    try:
+        return client.get(url + "/health")
+    except httpx.HTTPError:
+        return None
+
+
+def _await_start(started: Started) -> None:
+    """Until ``started`` answers ``/health`` at all (it is past its start: a 503 gateway
+    with no backend up counts), exits, or ``_START_GRACE_S`` pass."""
+    until = time.monotonic() + _START_GRACE_S
+    with httpx.Client(timeout=2.0, trust_env=False) as client:
+        while started.proc.poll() is None and time.monotonic() < until:
+            if _health(client, started.url) is not None:
+                return
+            time.sleep(0.2)
 
 
 def _exit_on_term(signum: int, frame: FrameType | None) -> None:
