@@ -71,9 +71,13 @@ def compare(
     the requests both finished, matched by id (``matched`` says how many).
     """
     real_e2e, sim_e2e = _e2e(real), _e2e(sim)
+    klass = {r.request.rid: r.request.klass for r in real}
     rids = sorted(set(real_e2e) & set(sim_e2e))
-    pairs = [{"rid": rid, "real_e2e_s": real_e2e[rid], "sim_e2e_s": sim_e2e[rid]} for rid in rids]
-    rel = np.array([(p["sim_e2e_s"] - p["real_e2e_s"]) / p["real_e2e_s"] for p in pairs])
+    pairs: list[dict[str, Any]] = [
+        {"rid": rid, "klass": klass[rid], "real_e2e_s": real_e2e[rid], "sim_e2e_s": sim_e2e[rid]}
+        for rid in rids
+    ]
+    rel = np.array([(sim_e2e[rid] - real_e2e[rid]) / real_e2e[rid] for rid in rids])
     hit_real, hit_sim = summarize(real)["deadline_hit_rate"], summarize(sim)["deadline_hit_rate"]
     figures: dict[str, Any] = {
         "matched": len(pairs),
