@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import threading
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -168,6 +169,15 @@ def test_fleet_real_on_tiny_backends(tmp_path: Path) -> None:
         gap = 100.0 * (c["hit_rate_sim"] - c["hit_rate_real"])
         assert c["hit_rate_gap_points"] == pytest.approx(gap)
         assert len(run["pairs"]) == c["matched"]
+        assert 0 <= run["real"]["refused_by_backends"] <= run["real"]["refused"]
+        assert 0.0 <= c["routed_alike"] <= 1.0
+        if run["router"] == "round-robin":
+            # the k-th request to replica k mod 2: in the simulator exactly; through the
+            # gateway two requests a fraction of a ms apart may be taken in either order
+            sim_routes = {int(rid): i for rid, i in run["routes"]["sim"].items()}
+            assert sim_routes == {rid: rid % 2 for rid in range(10)}
+            real_counts = Counter(run["routes"]["real"].values())
+            assert sorted(real_counts.values()) == [5, 5], run["routes"]
         assert run["profiles_after"][0]["origin"]["kind"] == "online fit"
     assert fig["profiles_warmup"][0]["origin"]["steps"] >= 16
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 from duetime.bench.fleet import CLASSES, capacity_req_s
-from duetime.bench.fleet_real_compare import compare, run_row
+from duetime.bench.fleet_real_compare import compare, routed_alike, run_row
 from duetime.bench.fleet_real_live import (
     WARMUP_ROUNDS,
     FleetRealConfig,
@@ -124,11 +124,13 @@ def _default_deadlines(
 
 def _simulate(
     cfg: FleetRealConfig, specs: Sequence[ReplicaSpec], router: str, jobs: Sequence[Job]
-) -> tuple[dict[str, Any], list[Any]]:
+) -> tuple[dict[str, Any], list[Any], dict[int, int]]:
+    """The trace through the simulated fleet: its row, its records, each request's replica."""
     fresh = [Job(replace(j.request), j.output_len) for j in jobs]
     fleet = Fleet(specs, lambda: make_policy(cfg.policy), make_router(router, seed=cfg.seed))
     res = fleet.run(fresh)
-    return run_row(res.records, res.counters["refused"]), res.records
+    row = run_row(res.records, res.counters["refused"])
+    return row, res.records, res.routes.last_replicas()
 
 
 # --- the whole run -----------------------------------------------------------------------
@@ -184,10 +186,16 @@ def run_fleet_real(cfg: FleetRealConfig, progress: Progress | None = None) -> di
             after = profiles(client, urls, tmp, f"{router}-after")
             after_specs = specs_of(urls, tmp, f"{router}-after") if after else warm_specs
             step(f"{router}: simulated", 0, 1)
-            sim_row, sim_records = _simulate(cfg, after_specs, router, jobs)
-            warm_row, warm_records = _simulate(cfg, warm_specs, router, jobs)
+            sim_row, sim_records, sim_routes = _simulate(cfg, after_specs, router, jobs)
+            warm_row, warm_records, warm_routes = _simulate(cfg, warm_specs, router, jobs)
             step(f"{router}: simulated", 1, 1)
             figures, pairs = compare(real["records"], sim_records)
+            figures["routed_alike"] = routed_alike(real["routes"], sim_routes)
+            for pair in pairs:
+                pair["real_replica"] = real["routes"].get(pair["rid"])
+                pair["sim_replica"] = sim_routes.get(pair["rid"])
+            warm_figures = compare(real["records"], warm_records)[0]
+            warm_figures["routed_alike"] = routed_alike(real["routes"], warm_routes)
             runs.append(
                 {
                     "router": router,
@@ -195,9 +203,12 @@ def run_fleet_real(cfg: FleetRealConfig, progress: Progress | None = None) -> di
                     "sim": sim_row,
                     "sim_warmup": warm_row,
                     "compare": figures,
-                    "compare_warmup": compare(real["records"], warm_records)[0],
+                    "compare_warmup": warm_figures,
                     "profiles_after": after,
                     "pairs": pairs,
+                    # each request's replica (index into "backends"), also those refused
+                    # by a backend (its 429 names it); the gateway's own refusals have none
+                    "routes": {"real": real["routes"], "sim": sim_routes},
                 }
             )
     return {

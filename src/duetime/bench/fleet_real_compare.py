@@ -28,6 +28,7 @@ __all__ = [
     "compare",
     "comparison_columns",
     "plot_fleet_real",
+    "routed_alike",
     "run_columns",
     "run_row",
 ]
@@ -93,6 +94,13 @@ def compare(
     return figures, pairs
 
 
+def routed_alike(real: Mapping[int, int], sim: Mapping[int, int]) -> float | None:
+    """The share of the requests routed on both sides that went to the same replica
+    (real: the backend that answered; simulated: the replica it last went to)."""
+    both = set(real) & set(sim)
+    return sum(real[rid] == sim[rid] for rid in both) / len(both) if both else None
+
+
 def run_columns(run: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """One router's table: its real run beside its two simulations."""
     return [
@@ -113,6 +121,7 @@ def comparison_columns(
 #: The comparison table's rows.
 COMPARISON = (
     "matched",
+    "routed_alike",
     "e2e_err_p50",
     "e2e_err_p90",
     "e2e_bias_p50",

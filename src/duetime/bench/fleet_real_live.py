@@ -279,8 +279,13 @@ def real_run(
         procs.stop(gw)
     sent = run.sent
     records = [to_record(o) for o in sent]
-    row = run_row(records, sum(o.status == "rejected" for o in sent))
+    rejected = [o for o in sent if o.status == "rejected"]
+    row = run_row(records, len(rejected))
+    # a 429 a backend gave carries the gateway's X-Duetime-Backend; the gateway's own not
+    row["refused_by_backends"] = sum(o.backend is not None for o in rejected)
     row["errors"] = sum(o.status == "error" for o in sent)
     errors = [o.error for o in sent if o.error]
     row["first_error"] = errors[0] if errors else None
-    return {"row": row, "records": records}
+    where = {url: i for i, url in enumerate(urls)}
+    routes = {o.request.rid: where[o.backend] for o in sent if o.backend in where}
+    return {"row": row, "records": records, "routes": routes}
