@@ -168,17 +168,23 @@ def _user_errors() -> Iterator[None]:
         _fail(f"{e.filename}: {e.strerror or e}")
 
 
-def _progress(total: int, label: str) -> tuple[Any, Callable[[int, int], None]]:
+def progress_display(*, transient: bool = True) -> Any:
+    """The commands' rich progress bars on stderr (label, bar, done/total, time), shown
+    only on a terminal; ``transient`` ones vanish when done."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    prog = Progress(
+    return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=err,
-        transient=True,
+        transient=transient,
         disable=not sys.stderr.isatty(),
     )
+
+
+def _progress(total: int, label: str) -> tuple[Any, Callable[[int, int], None]]:
+    prog = progress_display()
     task = prog.add_task(label, total=total)
     return prog, lambda done, n: prog.update(task, completed=done, total=n)

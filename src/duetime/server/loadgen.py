@@ -93,6 +93,7 @@ class Outcome:
     retry_after_s: float | None = None
     error: str | None = None
     server: dict[str, Any] | None = None  # the duetime server's own report
+    backend: str | None = None  # X-Duetime-Backend: where a duetime gateway sent it
 
     @property
     def output_tokens(self) -> int:
@@ -251,6 +252,7 @@ async def _send(client: httpx.AsyncClient, target: Target, out: Outcome, t0: flo
     try:
         async with client.stream("POST", target.path, json=body) as resp:
             out.http_status = resp.status_code
+            out.backend = resp.headers.get("x-duetime-backend")
             if not 200 <= resp.status_code < 300:  # a redirect is no answer either (not followed)
                 text = (await resp.aread()).decode("utf-8", "replace")
                 out.ended = now()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from duetime.cli.bench import (  # noqa: F401  (registers the commands)
     sim,
     fleet,
+    fleet_real,
     engine,
     predict_length,
     amin,
