@@ -88,6 +88,24 @@ def test_a_published_cost_model_prices_the_batch_the_request_joins() -> None:
     assert dec.replica == 1
 
 
+def test_answers_seen_at_a_batch_price_a_larger_one_slower() -> None:
+    """Answers that ended while 2 requests were in flight describe a batch of 2: with the
+    published model, a request joining 6 others is priced at the model's 7-sequence step
+    over its 2-sequence one, and on an idle backend at its 1-sequence step."""
+    cost = LinearStepCost.batch(c=0.010, a=0.0005, b=0.004, d=0.0)
+    b = Backend("http://a", up=True, in_flight=2)
+    b.published.cost = cost
+    b.observe(0.2, 2.2, 65, alpha=0.5)  # ttft 0.2 s, 2 s over 64 tokens
+    assert b.batch_seen == pytest.approx(2.0)
+    b.in_flight = 6
+    offer = _offer([b], Ask(64, prompt_len=16))
+    alone = 0.2 + 64 * 2.0 / 64
+    assert offer.finish[0] == pytest.approx(alone * (0.010 + 7 * 0.004) / (0.010 + 2 * 0.004))
+    b.in_flight = 0
+    offer = _offer([b], Ask(64, prompt_len=16))
+    assert offer.finish[0] == pytest.approx(alone * (0.010 + 0.004) / (0.010 + 2 * 0.004))
+
+
 def test_ewma_learns_from_answers() -> None:
     b = Backend("http://a")
     b.observe(0.1, 1.1, 11, alpha=0.5)

@@ -21,8 +21,10 @@ backend, with no I/O and an explicit clock:
   ``service`` is the request's own time, ``ttft + tpot * max_tokens`` from the
   backend's moving averages (before its first answer, its published cost model on
   this request's prompt and length, where it publishes one), times the published
-  model's slowdown from the batch that estimate describes to the one the request
-  joins (``min(ahead + 1, limit)``, ``ahead`` the running plus waiting count).
+  model's slowdown from the batch that estimate describes (one sequence, or the
+  requests in flight as the answers ended, a moving average) to the one the
+  request joins (``min(ahead + 1, limit)``, ``ahead`` the running plus waiting
+  count).
   ``wait`` is ``max(0, ahead + 1 - limit) * service / limit``: past the limit, a
   slot frees about every ``service / limit``. Why not ``(ahead + 1) * service``:
   the averages come from answers that ran in a batch already, and pricing each
@@ -162,8 +164,7 @@ def make_offer(
     for b, run, wait, lim in zip(backends, running, waiting, limit, strict=True):
         ttft, alone = b.estimates(ask.prompt_len, ask.max_tokens)
         ahead = run + wait
-        seen = 1 if b.priced else max(1, min(ahead, lim))
-        service = alone * b.slowdown(min(ahead + 1, lim), seen, context)
+        service = alone * b.slowdown(min(ahead + 1, lim), context)
         # A slot frees about every service / limit seconds once the backend is full.
         slot_wait = max(0, ahead + 1 - lim) * service / lim
         finish.append(now + slot_wait + service)

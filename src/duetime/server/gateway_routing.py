@@ -78,6 +78,8 @@ class Backend:
     ttft_s: float = _DEFAULT_TTFT_S  # EWMA (or the profile's value until observed)
     tpot_s: float = _DEFAULT_TPOT_S  # EWMA of seconds per output token
     observed: int = 0
+    #: EWMA of the requests in flight here as answers ended: the batch the averages saw
+    batch_seen: float = 1.0
     seeded: bool = False  # ttft_s / tpot_s given by hand (--profile URL=path): they lead
     models: list[str] = field(default_factory=list)
     timeouts: int = 0  # read timeouts in a row; any answer that arrives whole resets it
@@ -113,13 +115,16 @@ class Backend:
         alone) rather than from answers seen here (at the load they ran under)."""
         return not (self.observed or self.seeded) and self.published.cost is not None
 
-    def slowdown(self, joins: int, seen: int, context: int) -> float:
-        """How much longer a request takes in a batch of ``joins`` sequences than in one of
-        ``seen``: the published cost model's decode steps at each (1 without a model,
-        or when the batch does not grow). ``context``: tokens a sequence attends."""
+    def slowdown(self, joins: int, context: int) -> float:
+        """How much longer (or shorter) a request takes in a batch of ``joins`` sequences
+        than :meth:`estimates` says: the published cost model's decode step at ``joins``
+        over its step at the batch the estimate describes (one sequence where the model
+        priced it, :attr:`batch_seen` where answers did); 1 without a model.
+        ``context``: tokens a sequence attends."""
         cost = self.published.cost
-        if cost is None or joins <= seen:
+        if cost is None:
             return 1.0
+        seen = 1 if self.priced else max(1, round(self.batch_seen))
         return cost.decode_step(joins, joins * context) / cost.decode_step(seen, seen * context)
 
     def estimates(self, prompt_len: int, max_tokens: int) -> tuple[float, float]:
@@ -140,11 +145,13 @@ class Backend:
     def observe(self, ttft_s: float | None, e2e_s: float, tokens: int, alpha: float) -> None:
         ttft = e2e_s if ttft_s is None else min(ttft_s, e2e_s)
         tpot = (e2e_s - ttft) / max(1, tokens - 1) if tokens > 1 else self.tpot_s
+        batch = float(max(1, self.in_flight))  # the answer still counts itself
         if self.observed == 0:
-            self.ttft_s, self.tpot_s = ttft, tpot
+            self.ttft_s, self.tpot_s, self.batch_seen = ttft, tpot, batch
         else:
             self.ttft_s += alpha * (ttft - self.ttft_s)
             self.tpot_s += alpha * (tpot - self.tpot_s)
+            self.batch_seen += alpha * (batch - self.batch_seen)
         self.observed += 1
 
 
