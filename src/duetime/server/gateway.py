@@ -22,8 +22,9 @@ backends in :mod:`.gateway_wire`.
   (``scrape_interval_s``), moved by what the gateway sent and saw end since (its
   own counts alone once a scrape is older than ``scrape_max_age_s``), and a
   forecast finish from each backend's moving averages of the time
-  to first token and the seconds per output token, ``now + (ahead + 1) * (ttft +
-  tpot * max_tokens)``. The default, ``forecast``, takes the earliest one.
+  to first token and the seconds per output token, the backend taken as a batch of
+  ``max_inflight`` slots (:mod:`.gateway_fleet`). The default, ``forecast``, takes
+  the earliest one.
 * **Admission**: deadlines come from the body (``deadline_ms``) or headers
   (``x-deadline-ms``; llm-d's ``x-slo-ttft-ms`` and ``x-slo-tpot-ms``); a router's
   refusal, and a TTFT bound no backend's forecast meets, are 429 with
