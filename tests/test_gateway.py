@@ -72,7 +72,8 @@ def test_a_batching_backend_is_forecast_as_a_batch_not_one_request_at_a_time() -
 
 def test_a_published_cost_model_prices_the_batch_the_request_joins() -> None:
     """Before any answer, both backends price the request with the same published model
-    at one sequence; the busier one is slower by its model's step at the larger batch."""
+    at one sequence; on the busier one its decode steps are slower by the model's step
+    at the larger batch."""
     cost = LinearStepCost.batch(c=0.010, a=0.0005, b=0.004, d=0.0)
     idle = Backend("http://a", up=True, in_flight=0)
     busy = Backend("http://b", up=True, in_flight=4)
@@ -80,30 +81,30 @@ def test_a_published_cost_model_prices_the_batch_the_request_joins() -> None:
         b.published.cost = cost
     ask = Ask(32, prompt_len=16)
     offer = _offer([busy, idle], ask)
-    alone = cost.prefill_time(16) + cost.decode_span(31, 1, 16)
-    assert offer.finish[1] == pytest.approx(alone)
-    assert offer.finish[0] == pytest.approx(alone * (0.010 + 5 * 0.004) / (0.010 + 0.004))
+    prefill, decode = cost.prefill_time(16), cost.decode_span(31, 1, 16)
+    assert offer.finish[1] == pytest.approx(prefill + decode)
+    assert offer.finish[0] == pytest.approx(prefill + decode * (0.010 + 5 * 0.004) / 0.014)
     dec = make_router("forecast").route(offer.snap)
     assert isinstance(dec, Route)
     assert dec.replica == 1
 
 
 def test_answers_seen_at_a_batch_price_a_larger_one_slower() -> None:
-    """Answers that ended while 2 requests were in flight describe a batch of 2: with the
-    published model, a request joining 6 others is priced at the model's 7-sequence step
-    over its 2-sequence one, and on an idle backend at its 1-sequence step."""
+    """An answer that ended beside another (2 in flight) ran at the published model's
+    2-sequence step: its pace is kept for one sequence alone, and a request joining 6
+    others decodes at the model's 7-sequence step, on an idle backend at one."""
     cost = LinearStepCost.batch(c=0.010, a=0.0005, b=0.004, d=0.0)
+    s1, s2, s7 = (0.010 + k * 0.004 for k in (1, 2, 7))
     b = Backend("http://a", up=True, in_flight=2)
     b.published.cost = cost
-    b.observe(0.2, 2.2, 65, alpha=0.5)  # ttft 0.2 s, 2 s over 64 tokens
-    assert b.batch_seen == pytest.approx(2.0)
+    b.observe(0.2, 2.2, 65, alpha=0.5)  # ttft 0.2 s, then 2 s over 64 tokens
+    assert b.tpot_s == pytest.approx(2.0 / 64 * s1 / s2)
     b.in_flight = 6
     offer = _offer([b], Ask(64, prompt_len=16))
-    alone = 0.2 + 64 * 2.0 / 64
-    assert offer.finish[0] == pytest.approx(alone * (0.010 + 7 * 0.004) / (0.010 + 2 * 0.004))
+    assert offer.finish[0] == pytest.approx(0.2 + 64 * b.tpot_s * s7 / s1)
     b.in_flight = 0
     offer = _offer([b], Ask(64, prompt_len=16))
-    assert offer.finish[0] == pytest.approx(alone * (0.010 + 0.004) / (0.010 + 2 * 0.004))
+    assert offer.finish[0] == pytest.approx(0.2 + 64 * b.tpot_s)
 
 
 def test_ewma_learns_from_answers() -> None:

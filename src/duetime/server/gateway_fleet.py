@@ -20,9 +20,9 @@ backend, with no I/O and an explicit clock:
   of ``limit`` slots (the gateway's in-flight limit): ``now + wait + service``.
   ``service`` is the request's own time, ``ttft + tpot * max_tokens`` from the
   backend's moving averages (before its first answer, its published cost model on
-  this request's prompt and length, where it publishes one), times the published
-  model's slowdown from the batch that estimate describes (one sequence, or the
-  requests in flight as the answers ended, a moving average) to the one the
+  this request's prompt and length, where it publishes one), both for one sequence
+  alone (an answer's pace is divided by the model's slowdown at the batch it ended
+  in), its decode part times the published model's slowdown at the batch the
   request joins (``min(ahead + 1, limit)``, ``ahead`` the running plus waiting
   count).
   ``wait`` is ``max(0, ahead + 1 - limit) * service / limit``: past the limit, a
@@ -164,7 +164,8 @@ def make_offer(
     for b, run, wait, lim in zip(backends, running, waiting, limit, strict=True):
         ttft, alone = b.estimates(ask.prompt_len, ask.max_tokens)
         ahead = run + wait
-        service = alone * b.slowdown(min(ahead + 1, lim), context)
+        # the decode steps slow with the batch; the first token's wait is its own
+        service = ttft + (alone - ttft) * b.slowdown(min(ahead + 1, lim), context)
         # A slot frees about every service / limit seconds once the backend is full.
         slot_wait = max(0, ahead + 1 - lim) * service / lim
         finish.append(now + slot_wait + service)

@@ -76,10 +76,10 @@ class Backend:
     up: bool = False
     in_flight: int = 0
     ttft_s: float = _DEFAULT_TTFT_S  # EWMA (or the profile's value until observed)
-    tpot_s: float = _DEFAULT_TPOT_S  # EWMA of seconds per output token
+    #: EWMA of seconds per output token of one sequence alone: with a published cost
+    #: model, each answer's pace over the model's slowdown at the batch it ended in
+    tpot_s: float = _DEFAULT_TPOT_S
     observed: int = 0
-    #: EWMA of the requests in flight here as answers ended: the batch the averages saw
-    batch_seen: float = 1.0
     seeded: bool = False  # ttft_s / tpot_s given by hand (--profile URL=path): they lead
     models: list[str] = field(default_factory=list)
     timeouts: int = 0  # read timeouts in a row; any answer that arrives whole resets it
@@ -109,23 +109,14 @@ class Backend:
         """Seconds one request of ``max_tokens`` takes here alone, by the estimates."""
         return self.ttft_s + self.tpot_s * max(1, max_tokens)
 
-    @property
-    def priced(self) -> bool:
-        """Whether :meth:`estimates` prices from the published cost model (one sequence
-        alone) rather than from answers seen here (at the load they ran under)."""
-        return not (self.observed or self.seeded) and self.published.cost is not None
-
-    def slowdown(self, joins: int, context: int) -> float:
-        """How much longer (or shorter) a request takes in a batch of ``joins`` sequences
-        than :meth:`estimates` says: the published cost model's decode step at ``joins``
-        over its step at the batch the estimate describes (one sequence where the model
-        priced it, :attr:`batch_seen` where answers did); 1 without a model.
-        ``context``: tokens a sequence attends."""
+    def slowdown(self, joins: int, context: int = 1) -> float:
+        """How much longer a request takes in a batch of ``joins`` sequences than alone:
+        the published cost model's decode step at ``joins`` over its step at one (1
+        without a model). ``context``: tokens a sequence attends."""
         cost = self.published.cost
-        if cost is None:
+        if cost is None or joins <= 1:
             return 1.0
-        seen = 1 if self.priced else max(1, round(self.batch_seen))
-        return cost.decode_step(joins, joins * context) / cost.decode_step(seen, seen * context)
+        return cost.decode_step(joins, joins * context) / cost.decode_step(1, context)
 
     def estimates(self, prompt_len: int, max_tokens: int) -> tuple[float, float]:
         """``(ttft, alone)``: seconds to the first token and for the whole request alone.
@@ -144,14 +135,17 @@ class Backend:
 
     def observe(self, ttft_s: float | None, e2e_s: float, tokens: int, alpha: float) -> None:
         ttft = e2e_s if ttft_s is None else min(ttft_s, e2e_s)
-        tpot = (e2e_s - ttft) / max(1, tokens - 1) if tokens > 1 else self.tpot_s
-        batch = float(max(1, self.in_flight))  # the answer still counts itself
+        if tokens > 1:
+            # the pace of one sequence alone: the answer ran beside the others in flight
+            # as it ended (it still counts itself), slower by the model's step there
+            tpot = (e2e_s - ttft) / (tokens - 1) / self.slowdown(max(1, self.in_flight))
+        else:
+            tpot = self.tpot_s
         if self.observed == 0:
-            self.ttft_s, self.tpot_s, self.batch_seen = ttft, tpot, batch
+            self.ttft_s, self.tpot_s = ttft, tpot
         else:
             self.ttft_s += alpha * (ttft - self.ttft_s)
             self.tpot_s += alpha * (tpot - self.tpot_s)
-            self.batch_seen += alpha * (batch - self.batch_seen)
         self.observed += 1
 
 
