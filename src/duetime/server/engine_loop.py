@@ -252,8 +252,9 @@ class EngineLoop(LoopOutcomes):
         # the step-time fit after the tokens are out (the server's timer fits on a
         # thread of its own; this takes its new model once it is in). It learns the
         # round, not the forward pass alone: admitting, scheduling and handing out the
-        # tokens are part of each step's pace as a request lives it, and a fleet
-        # simulated on forward times alone ran 11-18 % faster than the real one.
+        # tokens are part of each step's pace as a request lives it: a two-backend
+        # fleet simulated on forward times alone ran 11-18 % faster than the real one,
+        # on the rounds 7-12 % (docs/fleet.md).
         if shape is not None:
             _, prefill, decoders, kv, attn = shape
             if (
