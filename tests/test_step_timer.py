@@ -69,3 +69,32 @@ def test_a_failed_background_fit_keeps_the_last_model(monkeypatch) -> None:
         assert timer.origin() == ("measured at start", 0)
     finally:
         timer.close()
+
+
+def test_the_server_fits_the_round_each_step_took_not_its_forward_pass() -> None:
+    """What the engine loop hands its timer: each served round (admission, scheduling,
+    the forward pass, handing out tokens), so never less than the step's forward time."""
+    import httpx
+
+    from duetime.server.app import create_app
+    from duetime.server.build import ServeOptions, build_state, load_served_model
+    from duetime.server.threaded import serve_in_thread
+
+    options = ServeOptions(model="tiny", predictor=None)
+    state = build_state(options, *load_served_model(options))
+    loop = state.engine
+    seen: list[tuple[float, float]] = []  # (what the timer got, the step's forward time)
+    observe = loop.timer.observe
+
+    def spy(seconds: float, *shape: float) -> bool:
+        seen.append((seconds, loop.executor.last_step[0]))
+        return observe(seconds, *shape)  # type: ignore[arg-type]
+
+    loop.timer.observe = spy  # type: ignore[method-assign]
+    body = {"model": "duetime-tiny", "prompt": "Hello there", "max_tokens": 8}
+    with serve_in_thread(create_app(state)) as url:
+        for _ in range(3):
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+    assert len(seen) >= 8
+    assert all(got >= forward > 0 for got, forward in seen)
+    assert any(got > forward for got, forward in seen)
