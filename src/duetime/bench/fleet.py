@@ -71,8 +71,7 @@ def classed_jobs(
     which = rng.choice(len(CLASSES), size=len(jobs), p=[c[1] for c in CLASSES])
     for job, k in zip(jobs, which, strict=True):
         req = job.request
-        alone = cost.prefill_time(req.prompt_len)
-        alone += cost.decode_span(job.output_len - 1, 1, req.prompt_len)
+        alone = cost.alone_time(req.prompt_len, job.output_len)
         req.klass = names[k]
         req.deadline = req.arrival + CLASSES[k][2] * alone
     return jobs

@@ -101,12 +101,6 @@ def _jobs(plan: Sequence[LoadRequest], tokens: Mapping[str, int], max_len: int) 
     return jobs
 
 
-def _alone_s(spec: ReplicaSpec, prompt: float, output: float) -> float:
-    """A request's time on an idle replica: its prefill, then its decode steps alone."""
-    p = max(1, round(prompt))
-    return spec.cost.prefill_time(p) + spec.cost.decode_span(max(0, round(output) - 1), 1, p)
-
-
 def _default_deadlines(
     cfg: FleetRealConfig, specs: Sequence[ReplicaSpec], jobs: Sequence[Job]
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -115,7 +109,7 @@ def _default_deadlines(
     replica."""
     prompt = statistics.fmean(j.request.prompt_len for j in jobs)
     output = statistics.fmean(j.output_len for j in jobs)
-    alone = max(_alone_s(s, prompt, output) for s in specs)
+    alone = max(s.cost.alone_time(max(1, round(prompt)), round(output)) for s in specs)
     mix = cfg.class_mix or {name: share for name, share, _ in CLASSES}
     factor = {name: x for name, _, x in CLASSES}
     # to the ms, and at least 1 ms: a deadline sent as 0 ms is a 400, not a miss

@@ -228,6 +228,13 @@ class LinearStepCost:
         """One whole prompt of n tokens alone (TimeBill's t_prefill)."""
         return self.step_time(n, float(n) * n, 0, 0)
 
+    def alone_time(self, prompt_tokens: int, output_tokens: int) -> float:
+        """One request on an idle engine: its prompt's prefill, then ``output_tokens - 1``
+        decode steps of one sequence (the prefill makes the first token)."""
+        return self.prefill_time(prompt_tokens) + self.decode_span(
+            max(0, output_tokens - 1), 1, prompt_tokens
+        )
+
     def decode_span(self, k: int, decode_seqs: int, kv_tokens: int) -> float:
         # step i (0-based) attends kv_tokens + i·D tokens:
         # Σ_{i<k} (C + d·(KV + i·D)) = k·(C + d·KV) + d·D·k(k−1)/2

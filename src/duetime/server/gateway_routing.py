@@ -130,8 +130,7 @@ class Backend:
         if self.observed or self.seeded or cost is None:
             return self.ttft_s, self.request_time(max_tokens)
         n = max(1, prompt_len)
-        ttft = cost.prefill_time(n)
-        return ttft, ttft + cost.decode_span(max(0, max_tokens - 1), 1, n)
+        return cost.prefill_time(n), cost.alone_time(n, max_tokens)
 
     def observe(self, ttft_s: float | None, e2e_s: float, tokens: int, alpha: float) -> None:
         ttft = e2e_s if ttft_s is None else min(ttft_s, e2e_s)
