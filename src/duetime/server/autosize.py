@@ -60,8 +60,6 @@ class ServeLimits:
 
     max_num_seqs: int
     max_batch_tokens: int
-    #: Prompt tokens a step of ``max_num_seqs`` decoders has room for.
-    prefill_chunk_tokens: int
     tpot_target_ms: float
     context_tokens: int
     #: The model's decode step at ``max_num_seqs`` and the chunk step, ms (None: given).
@@ -71,8 +69,13 @@ class ServeLimits:
     source: str
     cost: dict[str, float] | None
 
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """Prompt tokens a step of ``max_num_seqs`` decoders has room for."""
+        return max(self.max_batch_tokens - self.max_num_seqs, 0)
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "prefill_chunk_tokens": self.prefill_chunk_tokens}
 
 
 def limits_from_cost(
@@ -117,7 +120,6 @@ def limits_from_cost(
     return ServeLimits(
         max_num_seqs=seqs,
         max_batch_tokens=budget,
-        prefill_chunk_tokens=chunk,
         tpot_target_ms=1000 * tpot_target_s,
         context_tokens=context,
         decode_step_ms=1000 * base,
@@ -200,7 +202,6 @@ def size_options(
         return ServeLimits(
             max_num_seqs=options.max_num_seqs,
             max_batch_tokens=options.max_batch_tokens,
-            prefill_chunk_tokens=max(options.max_batch_tokens - options.max_num_seqs, 0),
             tpot_target_ms=1000 * tpot_target_s,
             context_tokens=context,
             decode_step_ms=None,
