@@ -113,7 +113,7 @@ class StepTimer:
                     target=self._fit_loop, name="duetime-step-fit", daemon=True
                 )
                 self._fitter.start()
-            self._wake.notify()
+            self._wake.notify_all()  # the fitter (and any wait_idle)
         return fresh
 
     def _take_fresh(self) -> bool:
@@ -149,16 +149,12 @@ class StepTimer:
             finally:
                 with self._lock:
                     self._fitting = False
+                    self._wake.notify_all()
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until no background fit is asked for or running; whether it is so."""
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            with self._lock:
-                if not self._fitting:
-                    return True
-            time.sleep(0.005)
-        return False
+        with self._lock:
+            return self._wake.wait_for(lambda: not self._fitting, timeout_s)
 
     def close(self) -> None:
         """Stop the background fitter (the server's shutdown); fits asked for later run
