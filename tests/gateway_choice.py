@@ -11,6 +11,7 @@ backends while another serves the model, one request at a time on probation. The
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from duetime.core.router import Route
 from duetime.routers import make_router
@@ -33,6 +34,28 @@ def estimate_rule(
     return best
 
 
+def offer(
+    backends: list[Backend],
+    ask: Ask,
+    *,
+    max_inflight: int,
+    mono: float = 0.0,
+    max_age_s: float | None = None,
+) -> Any:
+    """The gateway's snapshot for ``ask`` with nothing queued, at gateway time 0."""
+    return make_offer(
+        backends,
+        [0] * len(backends),
+        ask,
+        rid=1,
+        arrival=0.0,
+        now=0.0,
+        mono=mono,
+        max_inflight=max_inflight,
+        max_age_s=max_age_s,
+    )
+
+
 def routed(
     backends: list[Backend],
     max_tokens: int,
@@ -44,17 +67,8 @@ def routed(
 ) -> tuple[Backend, bool]:
     """The backend ``router`` picks on the gateway's snapshot (nothing queued, now 0),
     and whether it has a slot free now (else the request waits for one there)."""
-    offer = make_offer(
-        backends,
-        [0] * len(backends),
-        Ask(max_tokens, model=model),
-        rid=1,
-        arrival=0.0,
-        now=0.0,
-        mono=mono,
-        max_inflight=max_inflight,
-    )
-    dec = make_router(router).route(offer.snap)
+    snap = offer(backends, Ask(max_tokens, model=model), max_inflight=max_inflight, mono=mono).snap
+    dec = make_router(router).route(snap)
     assert isinstance(dec, Route), dec
     b = backends[dec.replica]
     return b, b.in_flight < b.limit(mono, max_inflight)

@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -22,10 +21,10 @@ from duetime.cli import app as cli_app
 from duetime.core.cost import LinearStepCost
 from duetime.core.router import Route
 from duetime.routers import make_router
-from duetime.server.gateway import Ask, Backend, GatewayConfig, create_gateway_app, make_offer
+from duetime.server.gateway import Ask, Backend, GatewayConfig, create_gateway_app
 from duetime.server.threaded import serve_in_thread
 from tests.factories import prometheus_samples
-from tests.gateway_choice import routed
+from tests.gateway_choice import offer, routed
 
 MODEL = "duetime-tiny"
 DUETIME = Path(sys.executable).with_name("duetime")
@@ -46,13 +45,6 @@ def test_routing_picks_earliest_predicted_finish() -> None:
     assert routed([fast, slow], 100, max_inflight=8, mono=0.0, model=MODEL) == (fast, False)
 
 
-def _offer(backends: list[Backend], ask: Ask, max_inflight: int = 8) -> Any:
-    n = len(backends)
-    return make_offer(
-        backends, [0] * n, ask, rid=1, arrival=0.0, now=0.0, mono=0.0, max_inflight=max_inflight
-    )
-
-
 def test_a_batching_backend_is_forecast_as_a_batch_not_one_request_at_a_time() -> None:
     """Answers seen at 2.4 s each on a backend running 3 of its 8 slots: a new request
     joins the batch and ends in ~2.4 s (a 7 s deadline is met), not after the three
@@ -60,14 +52,14 @@ def test_a_batching_backend_is_forecast_as_a_batch_not_one_request_at_a_time() -
     ahead of it for one to free."""
     b = Backend("http://a", up=True, in_flight=3, ttft_s=0.4, tpot_s=0.03125, observed=5)
     ask = Ask(64, deadline_s=7.0, prompt_len=128)
-    offer = _offer([b], ask)
-    assert offer.finish[0] == pytest.approx(2.4)
-    assert offer.first[0] == pytest.approx(0.4)
-    assert isinstance(make_router("forecast").route(offer.snap), Route)
+    got = offer([b], ask, max_inflight=8)
+    assert got.finish[0] == pytest.approx(2.4)
+    assert got.first[0] == pytest.approx(0.4)
+    assert isinstance(make_router("forecast").route(got.snap), Route)
     b.in_flight = 12  # 5 past the 8 slots, this one included
-    offer = _offer([b], ask)
-    assert offer.finish[0] == pytest.approx(2.4 + 5 * 2.4 / 8)
-    assert offer.first[0] == pytest.approx(0.4 + 5 * 2.4 / 8)
+    got = offer([b], ask, max_inflight=8)
+    assert got.finish[0] == pytest.approx(2.4 + 5 * 2.4 / 8)
+    assert got.first[0] == pytest.approx(0.4 + 5 * 2.4 / 8)
 
 
 def test_a_published_cost_model_prices_the_batch_the_request_joins() -> None:
@@ -80,11 +72,11 @@ def test_a_published_cost_model_prices_the_batch_the_request_joins() -> None:
     for b in (idle, busy):
         b.published.cost = cost
     ask = Ask(32, prompt_len=16)
-    offer = _offer([busy, idle], ask)
+    got = offer([busy, idle], ask, max_inflight=8)
     prefill, decode = cost.prefill_time(16), cost.decode_span(31, 1, 16)
-    assert offer.finish[1] == pytest.approx(prefill + decode)
-    assert offer.finish[0] == pytest.approx(prefill + decode * (0.010 + 5 * 0.004) / 0.014)
-    dec = make_router("forecast").route(offer.snap)
+    assert got.finish[1] == pytest.approx(prefill + decode)
+    assert got.finish[0] == pytest.approx(prefill + decode * (0.010 + 5 * 0.004) / 0.014)
+    dec = make_router("forecast").route(got.snap)
     assert isinstance(dec, Route)
     assert dec.replica == 1
 
@@ -100,11 +92,11 @@ def test_answers_seen_at_a_batch_price_a_larger_one_slower() -> None:
     b.observe(0.2, 2.2, 65, alpha=0.5)  # ttft 0.2 s, then 2 s over 64 tokens
     assert b.tpot_s == pytest.approx(2.0 / 64 * s1 / s2)
     b.in_flight = 6
-    offer = _offer([b], Ask(64, prompt_len=16))
-    assert offer.finish[0] == pytest.approx(0.2 + 64 * b.tpot_s * s7 / s1)
+    got = offer([b], Ask(64, prompt_len=16), max_inflight=8)
+    assert got.finish[0] == pytest.approx(0.2 + 64 * b.tpot_s * s7 / s1)
     b.in_flight = 0
-    offer = _offer([b], Ask(64, prompt_len=16))
-    assert offer.finish[0] == pytest.approx(0.2 + 64 * b.tpot_s)
+    got = offer([b], Ask(64, prompt_len=16), max_inflight=8)
+    assert got.finish[0] == pytest.approx(0.2 + 64 * b.tpot_s)
 
 
 def test_ewma_learns_from_answers() -> None:

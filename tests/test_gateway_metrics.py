@@ -25,10 +25,11 @@ from duetime.server.backend_metrics import (
     MetricsFormatError,
     parse_metrics,
 )
-from duetime.server.gateway import Ask, Backend, GatewayConfig, create_gateway_app, make_offer
+from duetime.server.gateway import Ask, Backend, GatewayConfig, create_gateway_app
 from duetime.server.gateway_scrape import check_metrics
 from duetime.server.threaded import serve_in_thread
 from tests.factories import prometheus_samples
+from tests.gateway_choice import offer
 from tests.gateway_fakes import MODEL, FakeBackend, FakeFleet, call, duetime_metrics
 
 DATA = Path(__file__).parent / "data" / "metrics"
@@ -153,17 +154,8 @@ def test_the_prefix_hit_rate_is_the_recent_one() -> None:
 
 
 def _offer(backends: list[Backend], mono: float, max_age_s: float | None, **kw: Any) -> Any:
-    return make_offer(
-        backends,
-        [0] * len(backends),
-        Ask(16, prompt_len=kw.get("prompt_len", 100)),
-        rid=1,
-        arrival=0.0,
-        now=0.0,
-        mono=mono,
-        max_inflight=8,
-        max_age_s=max_age_s,
-    )
+    ask = Ask(16, prompt_len=kw.get("prompt_len", 100))
+    return offer(backends, ask, max_inflight=8, mono=mono, max_age_s=max_age_s)
 
 
 def test_a_stale_scrape_is_ignored() -> None:
