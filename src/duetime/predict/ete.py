@@ -115,6 +115,16 @@ def fit_batch_cost(
     )  # fmt: skip
 
 
+def load_solver() -> None:
+    """Import the fit's solver (scipy's HiGHS linear programming) now.
+
+    Why: its first import took ~0.5 s here, holding the GIL most of it. A server that
+    fits on a thread of its own imports it at start, not beside the requests of the
+    first fit.
+    """
+    import scipy.optimize  # noqa: F401  (imported for its side effect: loaded)
+
+
 def _min_relative_l1(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """``β >= 0`` minimising ``Σ |x·β − y| / y``: the mean absolute percentage error itself.
 

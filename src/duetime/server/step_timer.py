@@ -17,7 +17,7 @@ from collections import deque
 
 from duetime.core.cost import CostModelError, LinearStepCost
 from duetime.core.cost_bands import CostRegimes
-from duetime.predict.ete import StepSample, fit_batch_cost, step_kind
+from duetime.predict.ete import StepSample, fit_batch_cost, load_solver, step_kind
 
 __all__ = ["StepTimer"]
 
@@ -65,6 +65,8 @@ class StepTimer:
         self._fitting = False
         self._fresh = False  # a background fit is in that observe() has not reported
         self._closed = False
+        if background:
+            load_solver()  # at start: the first fit's import must not stall served requests
 
     @property
     def ready(self) -> bool:
