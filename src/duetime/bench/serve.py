@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,17 +110,25 @@ def _overhead(model: Gemma3, codec: Codec, name: str, n: int) -> dict[str, Any]:
     body = {"model": name, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
     added: list[float] = []
     direct: list[float] = []
-    with serve_in_thread(create_app(state)) as url, httpx.Client(base_url=url) as client:
+    gateway: list[float] = []
+    with (
+        serve_in_thread(create_app(state)) as url,
+        httpx.Client(base_url=url) as client,
+        _gateway_client(url) as via,
+    ):
         for _ in range(10):  # warm-up
             client.post("/v1/completions", json=body).raise_for_status()
-        for _ in range(n):
+            via.post("/v1/completions", json=body).raise_for_status()
+        for _ in range(n):  # alternating: both paths see the same moments of the server
             t0 = time.perf_counter()
             r = client.post("/v1/completions", json=body)
             e2e = time.perf_counter() - t0
             r.raise_for_status()
             direct.append(e2e)
             added.append(e2e - r.json()["duetime"]["e2e_ms"] / 1000.0)
-        gateway = _through_gateway(url, body, n)
+            t0 = time.perf_counter()
+            via.post("/v1/completions", json=body).raise_for_status()
+            gateway.append(time.perf_counter() - t0)
         import asyncio
 
         async def closed_loop(clients: int, seconds: float) -> int:
@@ -152,12 +161,13 @@ def _overhead(model: Gemma3, codec: Codec, name: str, n: int) -> dict[str, Any]:
     }
 
 
-def _through_gateway(url: str, body: dict[str, Any], n: int) -> list[float]:
-    """Seconds each of ``n`` sequential requests takes through a gateway in front of ``url``."""
+@contextmanager
+def _gateway_client(url: str) -> Iterator[httpx.Client]:
+    """A client of a `duetime gateway` (default router, scraping on) in front of ``url``,
+    once the gateway has seen its backend up."""
     from duetime.server.gateway import GatewayConfig, create_gateway_app
 
     config = GatewayConfig(health_interval_s=0.5)
-    seconds: list[float] = []
     with (
         serve_in_thread(create_gateway_app([url], config)) as gw,
         httpx.Client(base_url=gw, trust_env=False) as client,
@@ -167,13 +177,7 @@ def _through_gateway(url: str, body: dict[str, Any], n: int) -> list[float]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the gateway never saw its backend up")
             time.sleep(0.05)
-        for _ in range(10):  # warm-up
-            client.post("/v1/completions", json=body).raise_for_status()
-        for _ in range(n):
-            t0 = time.perf_counter()
-            client.post("/v1/completions", json=body).raise_for_status()
-            seconds.append(time.perf_counter() - t0)
-    return seconds
+        yield client
 
 
 def check_config(cfg: ServeBenchConfig) -> None:
