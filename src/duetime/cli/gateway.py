@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -49,9 +49,14 @@ def _seconds(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
-def _load_profiles(items: list[str], urls: list[str]) -> dict[str, dict[str, float]]:
-    """``URL=path.json`` with ``ttft_s`` and ``tpot_s`` (seconds): seeds for the estimates."""
-    out: dict[str, dict[str, float]] = {}
+def _load_profiles(items: list[str], urls: list[str]) -> dict[str, dict[str, Any]]:
+    """``URL=path.json``: a step-cost model profile (``duetime profile --url`` writes one,
+    with ``coefficients``) that prices that backend, or ``ttft_s`` / ``tpot_s`` seeds
+    (seconds) for its moving averages."""
+    from duetime.core.cost import CostModelError
+    from duetime.server.gateway_profiles import cost_of
+
+    out: dict[str, dict[str, Any]] = {}
     for item in items:
         url, sep, path = item.partition("=")
         url = url.rstrip("/")
@@ -60,9 +65,19 @@ def _load_profiles(items: list[str], urls: list[str]) -> dict[str, dict[str, flo
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a profile must be a JSON object")
+        if "coefficients" in data:
+            try:
+                cost_of(data)
+            except CostModelError as e:
+                raise ValueError(f"{path}: {e}") from None
+            out[url] = data
+            continue
         seed = {k: data[k] for k in ("ttft_s", "tpot_s") if k in data}
         if not seed or not all(_seconds(v) for v in seed.values()):
-            raise ValueError(f"{path}: needs ttft_s and/or tpot_s as finite numbers > 0 (seconds)")
+            raise ValueError(
+                f"{path}: needs 'coefficients' (a cost-model profile) or ttft_s and/or tpot_s "
+                "as finite numbers > 0 (seconds)"
+            )
         out[url] = {k: float(v) for k, v in seed.items()}
     return out
 
@@ -116,7 +131,11 @@ def gateway(
         ),
     ] = 1000.0,
     profile: Annotated[
-        list[str], typer.Option(help="URL=path.json with ttft_s/tpot_s seeds (repeatable).")
+        list[str],
+        typer.Option(
+            help="URL=path.json (repeatable): a cost-model profile for a backend that "
+            "publishes none (`duetime profile --url` writes one), or ttft_s/tpot_s seeds."
+        ),
     ] = [],  # noqa: B006
     profile_interval: Annotated[
         float,

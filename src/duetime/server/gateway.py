@@ -101,7 +101,7 @@ log = logging.getLogger("duetime.gateway")
 def create_gateway_app(
     backends: list[str],
     config: GatewayConfig | None = None,
-    profiles: dict[str, dict[str, float]] | None = None,
+    profiles: dict[str, dict[str, Any]] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
     """The gateway's ASGI app in front of ``backends`` (base URLs, without ``/v1``).

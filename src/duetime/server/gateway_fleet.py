@@ -17,14 +17,16 @@ backend, with no I/O and an explicit clock:
   those it holds for a slot there, ``kv_used`` / ``kv_capacity`` 0 / 1 and every
   prefix hit 0 (so those routers fall back to their load tie-break);
 * ``forecast(i)``: when the request would end there, the backend taken as a batch
-  of ``limit`` slots (the gateway's in-flight limit): ``now + wait + service``.
+  of ``limit`` slots (the gateway's in-flight limit, or the largest batch the
+  backend's cost model says it runs, ``max_num_seqs``, where that is fewer):
+  ``now + wait + service``.
   ``service`` is the request's own time, ``ttft + tpot * max_tokens`` from the
   backend's moving averages (before its first answer, its published cost model on
   this request's prompt and length, where it publishes one), both for one sequence
   alone (an answer's pace is divided by the model's slowdown at the batch it ended
   in), its decode part times the published model's slowdown at the batch the
   request joins (``min(ahead + 1, limit)``, ``ahead`` the running plus waiting
-  count).
+  count), both at the request's mean context (:attr:`Ask.context`).
   ``wait`` is ``max(0, ahead + 1 - limit) * service / limit``: past the limit, a
   slot frees about every ``service / limit``. Why not ``(ahead + 1) * service``:
   the averages come from answers that ran in a batch already, and pricing each
@@ -69,6 +71,12 @@ class Ask:
     model: str | None = None
     prompt_len: int = 1  # the gateway does not tokenize: a rough count, >= 1
 
+    @property
+    def context(self) -> int:
+        """Tokens its sequence attends on average over its answer: the context at which
+        the gateway prices its batch slowdown and normalises its answer's pace."""
+        return max(1, self.prompt_len) + self.max_tokens // 2
+
     def later(self, elapsed_s: float) -> Ask:
         """The same ask ``elapsed_s`` later (a retry): its bounds are that much closer."""
 
@@ -92,6 +100,7 @@ class Grant:
     backend: Backend
     forecast_s: float
     first_token_s: float
+    context: int = 1  # the ask's :attr:`Ask.context`, for the answer's observed pace
 
 
 @dataclass(slots=True)
@@ -158,10 +167,11 @@ def make_offer(
                 waiting[i] += e.waiting  # the backend's queue, then the gateway's for it
                 hit_rate[i] = e.hit_rate
     limit = [b.limit(mono, max_inflight) for b in backends]
+    slots = [b.batch_slots(lim) for b, lim in zip(backends, limit, strict=True)]
     finish: list[float] = []
     first: list[float] = []
-    context = max(1, ask.prompt_len) + ask.max_tokens // 2  # a sequence's mean KV
-    for b, run, wait, lim in zip(backends, running, waiting, limit, strict=True):
+    context = ask.context
+    for b, run, wait, lim in zip(backends, running, waiting, slots, strict=True):
         ttft, alone = b.estimates(ask.prompt_len, ask.max_tokens)
         ahead = run + wait
         # the decode steps slow with the batch; the first token's wait is its own

@@ -35,6 +35,7 @@ from duetime.routers import make_router
 from duetime.server.errors import ApiError
 from duetime.server.gateway_fleet import Ask, Grant, make_offer, refusal
 from duetime.server.gateway_poll import poll_backends
+from duetime.server.gateway_profiles import give_profile
 from duetime.server.gateway_routing import Backend, GatewayConfig
 from duetime.server.gateway_wire import Upstream
 
@@ -72,7 +73,7 @@ class Gateway:
         self,
         urls: list[str],
         config: GatewayConfig | None = None,
-        profiles: dict[str, dict[str, float]] | None = None,
+        profiles: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         if not urls:
             raise ValueError("the gateway needs at least one backend")
@@ -80,7 +81,9 @@ class Gateway:
         self.backends = [Backend(u.rstrip("/")) for u in urls]
         for b in self.backends:
             p = (profiles or {}).get(b.url)
-            if p:
+            if p and "coefficients" in p:
+                give_profile(b, p)
+            elif p:
                 b.ttft_s = float(p.get("ttft_s", b.ttft_s))
                 b.tpot_s = float(p.get("tpot_s", b.tpot_s))
                 b.seeded = True
@@ -250,7 +253,7 @@ class Gateway:
         if not (b.up and b.in_flight < b.limit(mono, self.config.max_inflight)):
             return False
         if not w.future.done():
-            w.future.set_result(Grant(self._take(b), *w.forecast))
+            w.future.set_result(Grant(self._take(b), *w.forecast, context=w.ask.context))
         return True
 
     def _offer_again(self, which: Callable[[_Waiter], bool]) -> None:

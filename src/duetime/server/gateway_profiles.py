@@ -7,8 +7,10 @@ the backend's state, shows it in ``/health``, and prices a request on it while
 the backend has answered nothing yet (:meth:`.Backend.estimates`): a model of the
 backend's own steps beats a blind 50 ms + 20 ms a token.
 
-Other servers do not publish one: a 404 is recorded as "not published" (fit one
-with `duetime profile --url` instead), and nothing else changes. A read that fails
+Other servers do not publish one: a 404 is recorded as "not published", and
+nothing else changes. Fit one with `duetime profile --url` instead and give it to
+the gateway (``--profile URL=path``, :func:`give_profile`): it then prices that
+backend as a published one would, and is not read from the backend. A read that fails
 keeps the last good model: the cost of a step does not change because one read
 timed out.
 """
@@ -22,9 +24,9 @@ from typing import Any
 from duetime.core.cost import CostModelError, LinearStepCost
 from duetime.core.cost_bands import BandCost, CostBandError
 from duetime.server.gateway_poll import BackendPoller
-from duetime.server.gateway_routing import Backend
+from duetime.server.gateway_routing import Backend, PublishedCost
 
-__all__ = ["ProfileReader", "cost_of"]
+__all__ = ["ProfileReader", "cost_of", "give_profile"]
 
 log = logging.getLogger("duetime.gateway")
 
@@ -41,6 +43,12 @@ def cost_of(body: Any) -> LinearStepCost:
         raise CostModelError(f"not a usable profile: {e}") from None
 
 
+def give_profile(b: Backend, body: dict[str, Any]) -> None:
+    """Price ``b`` on ``body``, a profile given at start, instead of reading its own.
+    Raises :class:`CostModelError` for a body that is not a usable profile."""
+    b.published = PublishedCost(cost_of(body), body, time.monotonic(), "given")
+
+
 class ProfileReader(BackendPoller):
     """Reads the backends' published cost models on the gateway's client."""
 
@@ -52,6 +60,8 @@ class ProfileReader(BackendPoller):
         """Read ``b``'s ``/v1/profile`` once; whatever it answers, the loop goes on."""
         client = self.client
         p = b.published
+        if p.status == "given":
+            return
         try:
             r = await client.get(b.url + "/v1/profile", timeout=2.0)
             if r.status_code == 200:
@@ -73,7 +83,7 @@ class ProfileReader(BackendPoller):
     def health(self, b: Backend) -> dict[str, Any]:
         """``b``'s entry under ``profile`` in the gateway's ``/health``."""
         p = b.published
-        if not self.enabled:
+        if not self.enabled and p.status != "given":
             return {"read": False}
         out: dict[str, Any] = {"read": True, "status": p.status}
         if p.body is not None and p.at is not None:

@@ -64,7 +64,8 @@ class PublishedCost:
     cost: LinearStepCost | None = None
     body: dict[str, Any] | None = None  # the profile JSON, as read
     at: float | None = None  # monotonic time of the last good read
-    #: "ok", "no model yet" (503), "not published" (404: not `duetime serve`), or the error.
+    #: "ok", "no model yet" (503), "not published" (404: not `duetime serve`), "given"
+    #: (``--profile URL=path``: the backend's own is not read), or the error.
     status: str = "not read"
 
 
@@ -105,6 +106,16 @@ class Backend:
         """Requests this backend may hold at once: one while on probation."""
         return 1 if self.on_probation(now) else max_inflight
 
+    def batch_slots(self, limit: int) -> int:
+        """Sequences this backend runs in one batch, for the forecast: the gateway's
+        ``limit`` for it, or the ``max_num_seqs`` of its cost model where fewer (requests
+        past that wait in the backend's own queue, not beside the others)."""
+        body = self.published.body
+        seqs = body.get("max_num_seqs") if body is not None else None
+        if isinstance(seqs, int) and not isinstance(seqs, bool) and seqs >= 1:
+            return min(limit, seqs)
+        return limit
+
     def request_time(self, max_tokens: int) -> float:
         """Seconds one request of ``max_tokens`` takes here alone, by the estimates."""
         return self.ttft_s + self.tpot_s * max(1, max_tokens)
@@ -132,12 +143,17 @@ class Backend:
         n = max(1, prompt_len)
         return cost.prefill_time(n), cost.alone_time(n, max_tokens)
 
-    def observe(self, ttft_s: float | None, e2e_s: float, tokens: int, alpha: float) -> None:
+    def observe(
+        self, ttft_s: float | None, e2e_s: float, tokens: int, alpha: float, context: int = 1
+    ) -> None:
+        """Learn from one answer. ``context``: the tokens its sequence attended on average,
+        the context the forecast scales the pace back up at (:attr:`.Ask.context`)."""
         ttft = e2e_s if ttft_s is None else min(ttft_s, e2e_s)
         if tokens > 1:
             # the pace of one sequence alone: the answer ran beside the others in flight
             # as it ended (it still counts itself), slower by the model's step there
-            tpot = (e2e_s - ttft) / (tokens - 1) / self.slowdown(max(1, self.in_flight))
+            joins = self.batch_slots(max(1, self.in_flight))
+            tpot = (e2e_s - ttft) / (tokens - 1) / self.slowdown(joins, context)
         else:
             tpot = self.tpot_s
         if self.observed == 0:

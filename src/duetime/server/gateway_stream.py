@@ -124,7 +124,7 @@ async def _open_stream(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens:
                 tokens = stream_tokens(tail)
                 if tokens is None:  # one event per token (vLLM), less role / finish / [DONE]
                     tokens = max(1, min(max_tokens, events - 2))
-                b.observe(ttft, time.monotonic() - t0, tokens, gw.config.ewma_alpha)
+                b.observe(ttft, time.monotonic() - t0, tokens, gw.config.ewma_alpha, g.context)
             await close()
 
     headers = _headers(g, r)

@@ -91,9 +91,8 @@ async def _whole(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens: int) 
             data = r.json()
             tokens = int(data["usage"]["completion_tokens"])
             ttft_ms = (data.get("duetime") or {}).get("ttft_ms")
-            b.observe(
-                None if ttft_ms is None else ttft_ms / 1000.0, e2e, tokens, gw.config.ewma_alpha
-            )
+            ttft_s = None if ttft_ms is None else ttft_ms / 1000.0
+            b.observe(ttft_s, e2e, tokens, gw.config.ewma_alpha, g.context)
         gw.m_requests.labels("ok").inc()
     else:
         gw.m_requests.labels(f"http_{r.status_code}").inc()
