@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from duetime.bench.fleet_real_compare import compare
-from duetime.bench.fleet_real_procs import LocalProcesses, free_port
+from duetime.bench.fleet_real_procs import FleetStartError, LocalProcesses, free_port
 from duetime.cli import app
 from duetime.core.record import RequestRecord
 from duetime.core.request import Request
@@ -86,6 +86,8 @@ def test_compare_pairs_requests_by_id_and_measures_relative_error() -> None:
         (["--prompt-len", "9-3"], "--prompt-len"),
         (["--max-num-seqs", "64", "--max-batch-tokens", "32"], "--max-batch-tokens 32"),
         (["--policy", "nope"], "nope"),
+        (["--external", "nope"], "--external 'nope' must be URL=PROFILE.json"),
+        (["--external", "http://127.0.0.1:9=/nonexistent.json"], "not a usable profile"),
     ],
 )
 def test_bad_options_are_refused_before_any_process_starts(args: list[str], names: str) -> None:
@@ -184,3 +186,66 @@ def test_fleet_real_on_tiny_backends(tmp_path: Path) -> None:
     # nothing it started is left: no child process, and nothing answers at the backends
     assert _duetime_children() == []
     assert not any(_answers(url) for url in fig["backends"])
+
+
+def _listing(models: list[dict[str, object]]) -> httpx.Client:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"object": "list", "data": models})
+
+    return httpx.Client(transport=httpx.MockTransport(answer))
+
+
+def test_an_external_backend_must_serve_the_fleets_model() -> None:
+    """The gateway routes by the model's name: a vLLM serving it under another name would
+    take no request, and one with a shorter context would refuse some with a 400."""
+    from duetime.bench.fleet_real_live import check_external
+
+    url = "http://127.0.0.1:9"
+    with _listing([{"id": "gemma3-270m", "max_model_len": 2048}]) as client:
+        with pytest.raises(FleetStartError, match="--served-model-name gemma-3-270m"):
+            check_external(client, [url], "gemma-3-270m", 1024)
+        check_external(client, [url], "gemma3-270m", 1024)
+    with (
+        _listing([{"id": "m", "max_model_len": 512}]) as client,
+        pytest.raises(FleetStartError, match="--max-model-len 1024"),
+    ):
+        check_external(client, [url], "m", 1024)
+
+
+@pytest.mark.slow
+def test_an_external_backend_joins_the_fleet_priced_by_its_given_profile(tmp_path: Path) -> None:
+    """A backend the run does not start (here a tiny `duetime serve` standing in for a vLLM)
+    takes its share of the trace, and its given profile, not its published one, prices it
+    on the simulated side; the run leaves it running."""
+    from duetime.core.cost import LinearStepCost
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    profile = {
+        **LinearStepCost.batch(c=0.003, a=0.0001, b=0.0005, d=0.0).to_profile(),
+        "name": "given-probe",
+        "max_num_seqs": 4,
+        "kv_capacity_tokens": 4096,
+    }
+    path = tmp_path / "external.json"
+    path.write_text(json.dumps(profile))
+    with LocalProcesses(tmp_path) as procs:
+        ext = procs.start("backend", ["serve", *TINY, "--port", str(port), "--threads", "1"], port)
+        procs.wait_healthy(ext, 300.0)
+        out_json = tmp_path / "fleet.json"
+        args = ["bench", "fleet-real", *TINY, "--replicas", "1", "--requests", "6"]
+        args += ["--prompt-len", "8-16", "--output-len", "8-16", "--routers", "round-robin"]
+        args += ["--external", f"{url}={path}", "--json", str(out_json)]
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        assert ext.proc.poll() is None  # not the run's to end
+        assert _answers(url)
+    fig = json.loads(out_json.read_text())
+    assert fig["replicas"] == 2
+    assert fig["external"] == [url]
+    assert fig["backends"][1] == url
+    assert fig["profiles_warmup"][1]["name"] == "given-probe"
+    (run,) = fig["runs"]
+    assert run["real"]["errors"] == 0, run["real"]["first_error"]
+    assert sorted(Counter(run["routes"]["real"].values()).values()) == [3, 3], run["routes"]
+    assert run["profiles_after"][1]["name"] == "given-probe"

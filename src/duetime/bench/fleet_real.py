@@ -27,6 +27,10 @@ The order of a run, and why:
    same trace simulated twice: with those (``sim``) and with the warm-up ones
    (``sim_warmup``: what the backends published before any of this load).
 
+Backends the run does not start (``external``: vLLM, say) join the fleet with the
+profile `duetime profile --url` fitted for them, given to the gateway
+(``--profile URL=path``) and to their simulated replica; they get no warm-up.
+
 The gateway holds no request (``--max-inflight`` ≥ the trace) and the backends'
 queues take the whole trace, as a simulated replica queues every request routed
 to it. What the simulated replicas do not run is the server's admission: a
@@ -51,6 +55,7 @@ from duetime.bench.fleet_real_compare import compare, routed_alike, run_row
 from duetime.bench.fleet_real_live import (
     WARMUP_ROUNDS,
     FleetRealConfig,
+    check_external,
     profiles,
     prompt_tokens,
     real_run,
@@ -145,22 +150,25 @@ def run_fleet_real(cfg: FleetRealConfig, progress: Progress | None = None) -> di
         httpx.Client(timeout=30.0, trust_env=False) as client,
     ):
         tmp = Path(d)
+        given = cfg.external_profiles()
         step("starting backends", 0, 1)
-        urls = [b.url for b in start_backends(cfg, procs)]
+        own = [b.url for b in start_backends(cfg, procs)]
         step("starting backends", 1, 1)
-        model, max_len = served_model(client, urls[0])
-        tokens = prompt_tokens(client, urls[0], [lr.prompt for lr in shapes])
+        model, max_len = served_model(client, own[0])
+        check_external(client, list(given), model, max_len)
+        urls = own + list(given)
+        tokens = prompt_tokens(client, own[0], [lr.prompt for lr in shapes])
         shape_jobs = _jobs(shapes, tokens, max_len)  # a prompt too long: refused before warm-up
         warm = None
         for round_ in range(WARMUP_ROUNDS):
             step("warm-up", round_, WARMUP_ROUNDS)
-            warm_up(cfg, urls, model, round_)
-            warm = profiles(client, urls, tmp, "warmup")
+            warm_up(cfg, own, model, round_)
+            warm = profiles(client, urls, tmp, "warmup", given)
             if warm is not None:
                 break
         if warm is None:
             raise FleetStartError(
-                f"a backend of {', '.join(urls)} published no cost model at /v1/profile "
+                f"a backend of {', '.join(own)} published no cost model at /v1/profile "
                 f"after {WARMUP_ROUNDS} warm-up bursts"
             )
         step("warm-up", WARMUP_ROUNDS, WARMUP_ROUNDS)
@@ -171,13 +179,13 @@ def run_fleet_real(cfg: FleetRealConfig, progress: Progress | None = None) -> di
         if not deadlines:
             mix, deadlines = _default_deadlines(cfg, warm_specs, shape_jobs)
         plan = cfg.trace(class_mix=mix, deadlines=deadlines).build(rate)
-        tokens.update(prompt_tokens(client, urls[0], [lr.prompt for lr in plan]))
+        tokens.update(prompt_tokens(client, own[0], [lr.prompt for lr in plan]))
         jobs = _jobs(plan, tokens, max_len)
         runs = []
         for k, router in enumerate(cfg.routers):
             stage = f"{router}: real ({k + 1}/{len(cfg.routers)})"
             real = real_run(cfg, procs, urls, router, model, plan, partial(step, stage))
-            after = profiles(client, urls, tmp, f"{router}-after")
+            after = profiles(client, urls, tmp, f"{router}-after", given)
             after_specs = specs_of(urls, tmp, f"{router}-after") if after else warm_specs
             step(f"{router}: simulated", 0, 1)
             sim_row, sim_records, sim_routes = _simulate(cfg, after_specs, router, jobs)
@@ -207,7 +215,8 @@ def run_fleet_real(cfg: FleetRealConfig, progress: Progress | None = None) -> di
             )
     return {
         "model": model,
-        "replicas": cfg.replicas,
+        "replicas": len(urls),
+        "external": list(given),
         "threads_per_replica": cfg.threads_per_replica,
         "policy": cfg.policy,
         "max_num_seqs": cfg.max_num_seqs,

@@ -20,8 +20,10 @@ import httpx
 from duetime.bench.fleet import CLASSES
 from duetime.bench.fleet_real_compare import run_row
 from duetime.bench.fleet_real_procs import FleetStartError, LocalProcesses, Started, free_port
+from duetime.core.cost import CostModelError
 from duetime.policies import make_policy
 from duetime.routers import make_router
+from duetime.server.gateway_profiles import cost_of
 from duetime.server.load_report import to_record
 from duetime.server.load_workload import LoadRequest, LoadWorkload
 from duetime.server.loadgen import Bounds, LoadRun, Target, run_load, run_load_async
@@ -31,6 +33,7 @@ from duetime.sim.fleet_build import replica
 __all__ = [
     "WARMUP_ROUNDS",
     "FleetRealConfig",
+    "check_external",
     "profiles",
     "prompt_tokens",
     "real_run",
@@ -69,9 +72,26 @@ class FleetRealConfig:
     seed: int = 0
     start_timeout_s: float = 600.0
     drain_timeout_s: float = 600.0
+    #: Backends this run does not start (vLLM, SGLang, another `duetime serve`): URL to
+    #: the profile JSON `duetime profile --url` fitted for it, which prices it in the
+    #: gateway and in the simulation alike. They join the fleet after the started ones.
+    external: dict[str, str] = field(default_factory=dict)
+
+    def external_profiles(self) -> dict[str, dict[str, Any]]:
+        """Each external backend's profile, read and checked (a ValueError names the file)."""
+        out: dict[str, dict[str, Any]] = {}
+        for url, path in self.external.items():
+            try:
+                body = json.loads(Path(path).read_text())
+                cost_of(body)
+            except (OSError, ValueError, CostModelError) as e:
+                raise ValueError(f"--external {url}={path}: not a usable profile ({e})") from None
+            out[url] = body
+        return out
 
     def check(self) -> None:
         """Refuse settings no run can use, before any process starts."""
+        self.external_profiles()
         if self.replicas < 1 or self.threads_per_replica < 1 or self.requests < 1:
             raise ValueError("--replicas, --threads-per-replica and --requests must be >= 1")
         if not self.routers:
@@ -152,6 +172,8 @@ def _start_gateway(
     args = ["gateway", "--port", str(port), "--router", router, "--seed", str(cfg.seed)]
     for url in urls:
         args += ["--backend", url]
+    for url, path in cfg.external.items():
+        args += ["--profile", f"{url}={path}"]
     args += ["--max-inflight", str(cfg.requests), "--max-queue", str(max(1024, cfg.requests))]
     args += ["--log-level", "warning"]
     gw = procs.start("gateway", args, port)
@@ -188,6 +210,27 @@ def served_model(client: httpx.Client, url: str) -> tuple[str, int]:
         return str(model["id"]), int(model["max_model_len"])
     except (KeyError, IndexError, TypeError, ValueError):
         raise FleetStartError(f"backend {url}: /v1/models lists no model") from None
+
+
+def check_external(client: httpx.Client, urls: Sequence[str], model: str, max_len: int) -> None:
+    """Every external backend serves ``model`` (the gateway routes by the model's name) and
+    takes what the started ones take, or a :class:`FleetStartError` names it."""
+    for url in urls:
+        try:
+            listed = {str(m["id"]): m for m in _ask(client, url, "/v1/models")["data"]}
+        except (KeyError, TypeError) as e:
+            raise FleetStartError(f"backend {url}: /v1/models is malformed ({e})") from None
+        if model not in listed:
+            raise FleetStartError(
+                f"backend {url} serves {sorted(listed)}, not {model!r}, the model the started "
+                f"backends serve: serve it under that name (vLLM: --served-model-name {model})"
+            )
+        theirs = listed[model].get("max_model_len")
+        if isinstance(theirs, int) and theirs < max_len:
+            raise FleetStartError(
+                f"backend {url} takes {theirs} tokens of prompt + answer, the started ones "
+                f"{max_len}: give it --max-model-len {max_len} or more"
+            )
 
 
 def prompt_tokens(client: httpx.Client, url: str, texts: Sequence[str]) -> dict[str, int]:
@@ -232,11 +275,20 @@ def warm_up(cfg: FleetRealConfig, urls: Sequence[str], model: str, round_: int) 
 
 
 def profiles(
-    client: httpx.Client, urls: Sequence[str], where: Path, tag: str
+    client: httpx.Client,
+    urls: Sequence[str],
+    where: Path,
+    tag: str,
+    given: Mapping[str, dict[str, Any]],
 ) -> list[dict[str, Any]] | None:
-    """Every backend's published profile, also written to ``where`` (None: one has none yet)."""
+    """Every backend's published profile, or its ``given`` one, also written to ``where``
+    (None: one has none yet)."""
     bodies = []
     for i, url in enumerate(urls):
+        if url in given:
+            (where / f"{tag}-{i}.json").write_text(json.dumps(given[url]))
+            bodies.append(given[url])
+            continue
         try:
             r = client.get(url + "/v1/profile")
             if r.status_code == 503:

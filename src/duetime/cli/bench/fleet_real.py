@@ -71,6 +71,14 @@ def bench_fleet_real(
     drain_timeout: Annotated[
         float, typer.Option(min=1.0, help="Seconds a real run may take after its last arrival.")
     ] = 600.0,
+    external: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="URL=PROFILE.json (repeatable): a running backend this run does not start "
+            "(vLLM, say) serving the same model, priced by the profile `duetime profile "
+            "--url` fitted for it; it joins the fleet beside the --replicas started ones."
+        ),
+    ] = None,
     seed: SeedOpt = 0,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
@@ -104,6 +112,7 @@ def bench_fleet_real(
             seed=seed,
             start_timeout_s=start_timeout,
             drain_timeout_s=drain_timeout,
+            external=_external(external or []),
         )
         cfg.check()
         try:
@@ -116,6 +125,22 @@ def bench_fleet_real(
     for path in (json_path, plot):
         if path is not None:
             out.print(f"wrote {path}")
+
+
+def _external(items: list[str]) -> dict[str, str]:
+    """``URL=PROFILE.json`` items as URL -> absolute path (the gateway runs elsewhere)."""
+    from pathlib import Path
+
+    out: dict[str, str] = {}
+    for item in items:
+        url, sep, path = item.partition("=")
+        url = url.rstrip("/")
+        if not sep or not url.startswith(("http://", "https://")) or not path:
+            raise ValueError(f"--external {item!r} must be URL=PROFILE.json (http://HOST:PORT)")
+        if url in out:
+            raise ValueError(f"--external {url} is given twice")
+        out[url] = str(Path(path).resolve())
+    return out
 
 
 @contextmanager
