@@ -155,10 +155,11 @@ def run_fleet_real(cfg: FleetRealConfig, progress: Progress | None = None) -> di
         own = [b.url for b in start_backends(cfg, procs)]
         step("starting backends", 1, 1)
         model, max_len = served_model(client, own[0])
-        check_external(client, list(given), model, max_len)
-        urls = own + list(given)
         tokens = prompt_tokens(client, own[0], [lr.prompt for lr in shapes])
         shape_jobs = _jobs(shapes, tokens, max_len)  # a prompt too long: refused before warm-up
+        longest = max(j.request.prompt_len + j.output_len for j in shape_jobs)
+        check_external(client, list(given), model, longest)
+        urls = own + list(given)
         warm = None
         for round_ in range(WARMUP_ROUNDS):
             step("warm-up", round_, WARMUP_ROUNDS)

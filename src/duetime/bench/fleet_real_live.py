@@ -212,9 +212,9 @@ def served_model(client: httpx.Client, url: str) -> tuple[str, int]:
         raise FleetStartError(f"backend {url}: /v1/models lists no model") from None
 
 
-def check_external(client: httpx.Client, urls: Sequence[str], model: str, max_len: int) -> None:
+def check_external(client: httpx.Client, urls: Sequence[str], model: str, longest: int) -> None:
     """Every external backend serves ``model`` (the gateway routes by the model's name) and
-    takes what the started ones take, or a :class:`FleetStartError` names it."""
+    takes the trace's ``longest`` prompt + answer, or a :class:`FleetStartError` names it."""
     for url in urls:
         try:
             listed = {str(m["id"]): m for m in _ask(client, url, "/v1/models")["data"]}
@@ -226,10 +226,10 @@ def check_external(client: httpx.Client, urls: Sequence[str], model: str, max_le
                 f"backends serve: serve it under that name (vLLM: --served-model-name {model})"
             )
         theirs = listed[model].get("max_model_len")
-        if isinstance(theirs, int) and theirs < max_len:
+        if isinstance(theirs, int) and theirs < longest:
             raise FleetStartError(
-                f"backend {url} takes {theirs} tokens of prompt + answer, the started ones "
-                f"{max_len}: give it --max-model-len {max_len} or more"
+                f"backend {url} takes {theirs} tokens of prompt + answer, the trace's longest "
+                f"request {longest}: give it --max-model-len {longest} or more"
             )
 
 
