@@ -55,6 +55,33 @@ def test_noisy_fit_has_small_heldout_mape() -> None:
     assert evaluate(wrong, ete, test)["batch_model_mape_pct"] > 50.0
 
 
+def test_a_sum_calibrated_fit_adds_up_skewed_steps_to_their_total() -> None:
+    """One step in five takes twice its time: the relative-L1 fit prices the usual step
+    (about the median) and its sum falls short of the measured total by the skew; the
+    calibrated fit sums to the total and keeps the uncalibrated fit's shape."""
+    clean = _samples(0.0) * 5
+    steps = [
+        StepSample(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens,
+                   s.seconds * (2.0 if k % 5 == 0 else 1.0), s.kind)
+        for k, s in enumerate(clean)
+    ]  # fmt: skip
+    total = sum(s.seconds for s in steps)
+
+    def priced(cost: LinearStepCost) -> float:
+        return sum(
+            cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
+            for s in steps
+        )
+
+    median = fit_batch_cost(steps)
+    summed = fit_batch_cost(steps, sum_calibrated=True)
+    assert priced(median) < 0.9 * total
+    assert priced(summed) == pytest.approx(total, rel=1e-6)
+    assert summed.meta["sum_scale"] == pytest.approx(total / priced(median), rel=1e-3)
+    assert summed.b / summed.c0 == pytest.approx(median.b / median.c0, rel=1e-6)
+    assert "sum_scale" not in median.meta
+
+
 def test_timebill_fit_matches_its_closed_forms() -> None:
     ete = fit_timebill(_samples(0.0))
     assert ete.a == pytest.approx(TRUE.a2, rel=1e-6)

@@ -4,7 +4,9 @@ A fitted profile (`duetime profile`) is measured once, often on a quieter
 machine than the one serving; the server instead keeps fitting the same
 step-cost model `duetime profile` fits (:func:`duetime.predict.ete.fit_batch_cost`:
 the linear terms plus a band per kernel regime the engine reports, minimising
-the mean absolute relative error) over its most recent steps. Until enough
+the mean absolute relative error, then scaled so that it sums the window's steps
+to their measured total: what it prices are sums of steps) over its most recent
+steps. Until enough
 steps are seen, a given profile (or the steps timed at start, or nothing:
 admission then accepts everything it cannot judge) stands in.
 """
@@ -129,7 +131,7 @@ class StepTimer:
         """Fit ``rows`` and put the model in; False (the last model kept) when the fit
         fails: one odd window must not take admission down."""
         try:
-            cost = fit_batch_cost(rows, name="online", regimes=self._regimes)
+            cost = fit_batch_cost(rows, name="online", regimes=self._regimes, sum_calibrated=True)
         except (ValueError, CostModelError):
             return False
         with self._lock:
