@@ -9,6 +9,7 @@ import typer
 
 from duetime.cli.common import (
     JsonOpt,
+    ProfileOpt,
     _user_errors,
     advise_app,
     out,
@@ -32,9 +33,7 @@ def advise_deferred_prefill(
     prompt_len: Annotated[
         float, typer.Option(help="Mean prompt tokens d0 (default: the paper's 285).")
     ] = 285.0,
-    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
-        "a100-llama2-7b"
-    ),
+    profile: ProfileOpt = "a100-llama2-7b",
     json_path: JsonOpt = None,
 ) -> None:
     """K* for deferred prefill (Mohanty et al. 2025): ρ(K*) and the gain over K = 1."""

@@ -78,6 +78,10 @@ PlotOpt = Annotated[
     Path | None, typer.Option("--plot", help="Write a PNG plot here.", callback=writable)
 ]
 
+#: A step-cost profile for the simulator (`sim`, `sweep`, `advise`, `bench sensitivity`):
+#: one of the shipped profiles (`duetime profiles`) or a profile JSON.
+ProfileOpt = Annotated[str, typer.Option(help="Shipped profile name or JSON path.")]
+
 # How generated requests arrive (`sim`, `sweep`, `load`): workloads/arrivals.py.
 ArrivalOpt = Annotated[str, typer.Option(help="poisson, gamma or bursts.")]
 CvOpt = Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")]

@@ -43,6 +43,14 @@ EngineDtypeOpt = Annotated[
 EngineThreadsOpt = Annotated[
     int | None, typer.Option(min=1, help="--engine: torch threads [1: a shared 2-core machine].")
 ]
+# The simulator's step costs, or with --engine the engine's (timed when not given).
+EngineProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Step-cost profile, a shipped name or JSON path [a100-llama2-7b]; --engine: this "
+        "engine's (timed if not given)."
+    ),
+]
 EngineClockOpt = Annotated[
     str | None,
     typer.Option(
