@@ -29,6 +29,7 @@ PromptSeedOpt = Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")
 RepeatsOpt = Annotated[int, typer.Option(min=1, help="Interleaved repetitions (medians).")]
 # The prompt-cache benches' (prefix-cache, shared-prefill) requests: a question after a
 # shared prompt, answered greedily.
+SystemLenOpt = Annotated[int, typer.Option(min=16, help="The shared system prompt, tokens.")]
 QuestionLenOpt = Annotated[int, typer.Option(min=1, help="Longest question after it, tokens.")]
 NewTokensOpt = Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")]
 

@@ -13,6 +13,7 @@ from duetime.cli.bench.options import (
     NewTokensOpt,
     PromptSeedOpt,
     QuestionLenOpt,
+    SystemLenOpt,
     ThreadsOpt,
 )
 from duetime.cli.bench.save import save_figures
@@ -25,7 +26,7 @@ def bench_prefix_cache(
     requests: Annotated[
         int, typer.Option(min=2, max=200, help="Requests sharing the prompt (the 1st fills).")
     ] = 8,
-    system_len: Annotated[int, typer.Option(min=16, help="Shared prompt, tokens.")] = 512,
+    system_len: SystemLenOpt = 512,
     question_len: QuestionLenOpt = 64,
     new_tokens: NewTokensOpt = 16,
     cache_tokens: Annotated[int, typer.Option(min=16, help="Prefix cache budget, tokens.")] = 4096,

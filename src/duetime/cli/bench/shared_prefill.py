@@ -14,6 +14,7 @@ from duetime.cli.bench.options import (
     PromptSeedOpt,
     QuestionLenOpt,
     RepeatsOpt,
+    SystemLenOpt,
     ThreadsOpt,
 )
 from duetime.cli.bench.save import save_figures
@@ -30,7 +31,7 @@ def bench_shared_prefill(
     requests: Annotated[
         int, typer.Option(min=2, max=64, help="Requests behind one system prompt.")
     ] = 8,
-    system_len: Annotated[int, typer.Option(min=16, help="The system prompt, tokens.")] = 512,
+    system_len: SystemLenOpt = 512,
     question_len: QuestionLenOpt = 64,
     new_tokens: NewTokensOpt = 16,
     repeats: RepeatsOpt = 3,
