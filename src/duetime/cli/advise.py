@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from duetime.cli.common import (
+    AlaDataOpt,
     JsonOpt,
     ProfileOpt,
     _user_errors,
@@ -80,9 +80,7 @@ def advise_batch_size(
         str, typer.Option(help="Hardware/software configuration in the ALA data.")
     ] = "sim-a100-llama2-7b",
     max_batch: Annotated[int, typer.Option(min=1, help="Largest batch to consider.")] = 256,
-    data: Annotated[
-        list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
-    ] = None,
+    data: AlaDataOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Largest batch whose ALA-predicted wall time meets a deadline (with its interval)."""

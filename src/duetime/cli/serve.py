@@ -9,9 +9,11 @@ from typing import Annotated
 import typer
 
 from duetime.cli.common import (
+    DtypeOpt,
     HeaderTimeoutOpt,
     LogLevelOpt,
     ShutdownTimeoutOpt,
+    ThreadsOpt,
     _fail,
     _user_errors,
     app,
@@ -22,10 +24,6 @@ from duetime.cli.common import (
 )
 from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S
-
-_DTYPE_HELP = (
-    "fp32 (exact), fast (int8 head rescored in fp32), q8 (fast + int8 decode kernel), bf16 or int8."
-)
 
 
 @app.command()
@@ -44,11 +42,8 @@ def serve(
     ] = None,
     # q8 by default: ~2x fast and ~4x fp32 at batch 1, top-1 = fp32 at 99.2 % of 384
     # decode positions (docs/engine.md); falls back to fast without a compiler.
-    dtype: Annotated[
-        str,
-        typer.Option(help="q8 (int8 decode kernel), fast (int8 head), fp32 (exact), bf16 or int8."),
-    ] = "q8",
-    threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
+    dtype: DtypeOpt = "q8",
+    threads: ThreadsOpt = 2,
     kv_capacity: Annotated[int, typer.Option(min=64, help="KV budget M in tokens.")] = 32_768,
     max_num_seqs: Annotated[
         str,

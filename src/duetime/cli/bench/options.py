@@ -23,8 +23,6 @@ BenchModelOpt = Annotated[
     str,
     typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT prompts), 'tiny' (random) or a GGUF."),
 ]
-DtypeOpt = Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")]
-ThreadsOpt = Annotated[int, typer.Option(min=1, help="torch threads.")]
 PromptSeedOpt = Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")]
 RepeatsOpt = Annotated[int, typer.Option(min=1, help="Interleaved repetitions (medians).")]
 # The prompt-cache benches' (prefix-cache, shared-prefill) requests: a question after a
@@ -33,6 +31,13 @@ SystemLenOpt = Annotated[int, typer.Option(min=16, help="The shared system promp
 QuestionLenOpt = Annotated[int, typer.Option(min=1, help="Longest question after it, tokens.")]
 NewTokensOpt = Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")]
 
+# The benches that run `duetime serve` (`serve`, `serve-load`, `admission`).
+ServedModelOpt = Annotated[
+    str, typer.Option(help="gemma (real), tiny (random, seconds) or a Gemma 3 GGUF path.")
+]
+ServedPolicyOpt = Annotated[str, typer.Option(help="The served policy.")]
+PoliciesOpt = Annotated[str, typer.Option(help="Comma-separated policies.")]
+
 # The real-engine options of the commands whose `--engine` loads any engine model
 # (`amin`, `deferred-prefill`); unset means "the engine mode's default".
 EngineModelOpt = Annotated[
@@ -40,6 +45,10 @@ EngineModelOpt = Annotated[
 ]
 EngineDtypeOpt = Annotated[
     str | None, typer.Option(help="--engine: fp32 (default), fast, q8, bf16 or int8.")
+]
+# `timebill` and `timelyllm`, whose --engine runs default to fast.
+FastEngineDtypeOpt = Annotated[
+    str | None, typer.Option(help="--engine: fp32, fast (default), q8, bf16 or int8.")
 ]
 EngineThreadsOpt = Annotated[
     int | None, typer.Option(min=1, help="--engine: torch threads [1: a shared 2-core machine].")

@@ -9,15 +9,13 @@ import typer
 from duetime.cli.bench.model import check_questions_fit, load_with_shared_prompts
 from duetime.cli.bench.options import (
     BenchModelOpt,
-    DtypeOpt,
     NewTokensOpt,
     PromptSeedOpt,
     QuestionLenOpt,
     SystemLenOpt,
-    ThreadsOpt,
 )
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
+from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("prefix-cache")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from duetime.cli.bench.options import SeedOpt
+from duetime.cli.bench.options import PoliciesOpt, SeedOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import (
     JsonOpt,
@@ -22,9 +22,7 @@ from duetime.cli.common import (
 
 @bench_app.command("sensitivity")
 def bench_sensitivity(
-    policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = (
-        "fcfs,sjf,amax,amin,timebill"
-    ),
+    policies: PoliciesOpt = "fcfs,sjf,amax,amin,timebill",
     errors: Annotated[str, typer.Option(help="Prediction errors σ (0 = oracle).")] = (
         "0,0.1,0.25,0.5,1"
     ),
