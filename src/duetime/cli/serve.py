@@ -78,7 +78,7 @@ def serve(
         typer.Option(
             help="How a deadline is judged before a request is accepted: forecast (the "
             "engine's state played forward in the simulator under the served policy) or "
-            "estimate (an optimistic formula; docs/server.md)."
+            "estimate (an optimistic formula; docs/server-admission.md)."
         ),
     ] = "forecast",
     deadline_confidence: Annotated[
@@ -86,7 +86,7 @@ def serve(
         typer.Option(
             help="With --admission forecast, accept a request with a deadline only if its "
             "forecast, stretched by the recent forecasts' errors at this quantile, meets "
-            "it: a target share of the accepted on time (docs/server.md). A number in "
+            "it: a target share of the accepted on time (docs/server-admission.md). A number in "
             "(0, 1), or off for the plain forecast. [default: 0.95]",
         ),
     ] = None,
@@ -96,7 +96,7 @@ def serve(
             min=0.0,
             help="With --admission forecast, requests arriving this close together make a "
             "burst, and the first of one is forecast with the companions such bursts "
-            "brought lately (docs/server.md; 0: off).",
+            "brought lately (docs/server-forecast-inputs.md; 0: off).",
         ),
     ] = DEFAULT_BURST_GAP_S * 1000,
     prefix_cache: Annotated[
@@ -115,7 +115,7 @@ def serve(
         typer.Option(
             min=0,
             help="The predictor's lengths are corrected by the served model's newest this "
-            "many finished answers (docs/server.md; 0: off).",
+            "many finished answers (docs/server-forecast-inputs.md; 0: off).",
         ),
     ] = 1000,
     profile: Annotated[

@@ -86,7 +86,7 @@ def bench_admission(
 ) -> None:
     """Overload `duetime serve` with one ShareGPT load per admission mode (fresh engine,
     modes interleaved) and compare deadline hits of the accepted requests, goodput, and
-    the forecast's error (docs/server.md, "Admission control")."""
+    the forecast's error (docs/server-admission.md)."""
     import torch
 
     from duetime.bench.admission import (
