@@ -88,13 +88,13 @@ DtypeOpt = Annotated[
     ),
 ]
 ThreadsOpt = Annotated[int, typer.Option(min=1, help="Torch compute threads.")]
-#: The ALA throughput measurements (`advise batch-size`, `predict throughput`, `bench ala`).
+#: The ALA throughput measurements (`advise batch`, `predict throughput`, `bench ala`).
 AlaDataOpt = Annotated[
     list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
 ]
 
-#: A step-cost profile for the simulator (`sim`, `sweep`, `advise`, `bench sensitivity`):
-#: one of the shipped profiles (`duetime profiles`) or a profile JSON.
+#: A step-cost profile for the simulator (`sim`, `sweep`, `advise deferred-prefill`,
+#: `bench sensitivity`): one of the shipped profiles (`duetime profiles`) or a profile JSON.
 ProfileOpt = Annotated[str, typer.Option(help="Shipped profile name or JSON path.")]
 
 # How generated requests arrive (`sim`, `sweep`, `load`): workloads/arrivals.py.

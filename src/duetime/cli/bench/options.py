@@ -31,7 +31,8 @@ SystemLenOpt = Annotated[int, typer.Option(min=16, help="The shared system promp
 QuestionLenOpt = Annotated[int, typer.Option(min=1, help="Longest question after it, tokens.")]
 NewTokensOpt = Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")]
 
-# The benches that run `duetime serve` (`serve`, `serve-load`, `admission`).
+# The benches that run `duetime serve`: the model of `serve` and `serve-load`, the policy
+# of `serve-load` and `admission`, the policies `serve` (and `sensitivity`) compare.
 ServedModelOpt = Annotated[
     str, typer.Option(help="gemma (real), tiny (random, seconds) or a Gemma 3 GGUF path.")
 ]
