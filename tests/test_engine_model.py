@@ -156,3 +156,27 @@ def test_grouped_topk_finds_the_same_values_as_torch_topk(rows, vocab, k) -> Non
     assert got.shape == (rows, k)
     for r in range(rows):
         assert set(got[r].tolist()) == set(want[r].tolist())
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"final_logit_softcapping": 2.0},
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            }
+        },
+    ],
+    ids=["default", "final-softcap", "linear-rope"],
+)
+def test_hf_config_is_the_inverse_of_from_hf(overrides) -> None:
+    """`bench.engine_peers.hf_config` and `Gemma3Config.from_hf` read one name table
+    (`HF_NAMES`) in opposite directions: a config survives the round trip."""
+    from duetime.bench.engine_peers import hf_config
+    from duetime.engine.config import Gemma3Config
+
+    cfg = Gemma3Config.from_hf(tiny_hf_model(seed=0, **overrides).config)
+    assert Gemma3Config.from_hf(hf_config(cfg, torch.float32)) == cfg

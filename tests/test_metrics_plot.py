@@ -60,3 +60,16 @@ def test_plot_sweep_handles_categorical_x(tmp_path: Path) -> None:
 def test_plot_sweep_needs_a_metric(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="metric"):
         plot_sweep(sweep_rows(), tmp_path / "x.png", y=[])
+
+
+def test_save_titled_png_titles_lays_out_and_writes(tmp_path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    from duetime.metrics.atomic import save_titled_png
+
+    f = Figure(figsize=(4, 3))
+    f.add_subplot(1, 1, 1).plot([0, 1], [0, 1])
+    path = tmp_path / "titled.png"
+    assert save_titled_png(f, path, "a title") == path
+    assert path.read_bytes().startswith(PNG_MAGIC)
+    assert f.get_suptitle() == "a title"

@@ -336,7 +336,7 @@ def plot(fig: dict[str, Any], path: Any) -> Any:
     import numpy as np
     from matplotlib.figure import Figure
 
-    from duetime.metrics.atomic import save_png
+    from duetime.metrics.atomic import save_titled_png
 
     rows = fig["rows"]
     labels = [
@@ -356,10 +356,9 @@ def plot(fig: dict[str, Any], path: Any) -> Any:
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
     w = fig["workload"]
-    f.suptitle(
+    return save_titled_png(
+        f,
+        path,
         f"Amin / Amax / H-SF on the engine ({fig['engine']['model']}): {w['requests']} ShareGPT "
         f"requests, M = {fig['kv_capacity_tokens']} tokens",
-        fontsize=10,
     )
-    f.tight_layout()
-    return save_png(f, path)

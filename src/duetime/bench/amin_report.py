@@ -15,7 +15,7 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
     """TEL / TEL(H-SF) per construction (one panel per setting) and the two-point check."""
     from matplotlib.figure import Figure
 
-    from duetime.metrics.atomic import save_png
+    from duetime.metrics.atomic import save_titled_png
 
     panels = 2 + (1 if fig["two_point"] else 0)
     f = Figure(figsize=(5.2 * panels, 4.2))
@@ -54,11 +54,9 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
         ax.set_ylabel("TEL / TEL(H-SF)")
         ax.set_title(f"two-point lengths, ℓ = {TWO_POINT_ELL}, unit time", fontsize=9)
         ax.legend(fontsize=7)
-    f.suptitle(
-        f"Amin / Amax vs H-SF: {fig['workload']['requests']:,} ShareGPT requests", fontsize=10
+    return save_titled_png(
+        f, path, f"Amin / Amax vs H-SF: {fig['workload']['requests']:,} ShareGPT requests"
     )
-    f.tight_layout()
-    return save_png(f, path)
 
 
 def _constructions(fig: dict[str, Any]) -> list[str]:

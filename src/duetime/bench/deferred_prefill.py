@@ -216,7 +216,7 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
     """Throughput vs K (analytic, approximation, simulated) and completion time vs K."""
     from matplotlib.figure import Figure
 
-    from duetime.metrics.atomic import save_png
+    from duetime.metrics.atomic import save_titled_png
 
     f = Figure(figsize=(11, 4.2))
     ax = f.add_subplot(1, 2, 1)
@@ -250,9 +250,7 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
     ax2.set_xlabel("departure threshold K")
     ax2.set_ylabel("mean completion time, prefill to last token (s)")
     ax2.legend(fontsize=7)
-    f.suptitle("Deferred prefill: throughput and completion time vs K", fontsize=10)
-    f.tight_layout()
-    return save_png(f, path)
+    return save_titled_png(f, path, "Deferred prefill: throughput and completion time vs K")
 
 
 def table(fig: dict[str, Any]) -> Any:

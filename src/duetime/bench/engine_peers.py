@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import torch
 
-from duetime.engine.config import Gemma3Config
+from duetime.engine.config import HF_NAMES, Gemma3Config
 
 __all__ = ["HFRunner", "LlamaCppRunner", "hf_config", "llama_cpp_available"]
 
@@ -31,23 +31,14 @@ def hf_config(cfg: Gemma3Config, dtype: torch.dtype) -> Any:
     if cfg.rope_scaling_factor != 1.0:
         full = {**full, "rope_type": "linear", "factor": cfg.rope_scaling_factor}
     hf = Gemma3TextConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        sliding_window=cfg.sliding_window,
+        **{theirs: getattr(cfg, ours) for ours, theirs in HF_NAMES.items()},
         layer_types=["sliding_attention" if s else "full_attention" for s in cfg.sliding_layers],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta_local},
             "full_attention": full,
         },
-        rms_norm_eps=cfg.rms_norm_eps,
         query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
         final_logit_softcapping=cfg.final_logit_softcapping,
-        max_position_embeddings=cfg.max_position_embeddings,
         bos_token_id=cfg.bos_token_id,
         eos_token_id=cfg.eos_token_id,
         pad_token_id=cfg.pad_token_id,

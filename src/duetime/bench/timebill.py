@@ -310,7 +310,7 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
     """Completion rate and mean α vs budget, one line per method, one column per strategy."""
     from matplotlib.figure import Figure
 
-    from duetime.metrics.atomic import save_png
+    from duetime.metrics.atomic import save_titled_png
 
     f = Figure(figsize=(10.0, 7.0))
     for col, o in enumerate(STRATEGIES):
@@ -330,9 +330,8 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
         bot.set_ylabel("mean KV eviction ratio α (%)")
         bot.set_xlabel("time budget T (s)")
         top.legend(fontsize=7)
-    f.suptitle(
+    return save_titled_png(
+        f,
+        path,
         f"TimeBill vs baselines (simulated, {fig['profile']}, predictor {fig['predictor']})",
-        fontsize=10,
     )
-    f.tight_layout()
-    return save_png(f, path)

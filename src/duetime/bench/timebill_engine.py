@@ -20,7 +20,7 @@ scored.
   estimate of Qwen2.5-7B on the A40, ``timebill.PAPER_STEP_S``); ``job``
   scaling (default) by (median full-KV job time here) / 7.5 s, so the middle
   budget is the median job. Both are computed and recorded; at this scale the
-  step-scaled budgets exceed every job (see docs/timebill.md).
+  step-scaled budgets exceed every job (see docs/timebill-engine.md).
 * **Predictor**: the learned RLP runs on a thread beside the prefill
   (:class:`~duetime.engine.parallel_predict.ParallelPredictExecutor`); its
   input is cut to the word pieces the prefill can hide

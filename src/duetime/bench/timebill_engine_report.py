@@ -89,7 +89,7 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
     strategy (the simulator bench's layout plus the score row)."""
     from matplotlib.figure import Figure
 
-    from duetime.metrics.atomic import save_png
+    from duetime.metrics.atomic import save_titled_png
 
     strategies = list(fig["summary"])
     f = Figure(figsize=(5.0 * len(strategies), 9.0))
@@ -115,10 +115,9 @@ def plot(fig: dict[str, Any], path: str | Path) -> Path:
                 ax.legend(fontsize=7)
             if row == len(panels) - 1:
                 ax.set_xlabel("time budget T (s)")
-    f.suptitle(
+    return save_titled_png(
+        f,
+        path,
         f"TimeBill vs baselines on the real engine ({fig['eviction']}, "
         f"{fig['workload']['jobs']} jobs, N_max {fig['n_max_tokens']})",
-        fontsize=10,
     )
-    f.tight_layout()
-    return save_png(f, path)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from duetime.cli.common import (
+    AlaDataOpt,
     JsonOpt,
+    ProfileOpt,
     _user_errors,
     advise_app,
     out,
@@ -32,9 +33,7 @@ def advise_deferred_prefill(
     prompt_len: Annotated[
         float, typer.Option(help="Mean prompt tokens d0 (default: the paper's 285).")
     ] = 285.0,
-    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
-        "a100-llama2-7b"
-    ),
+    profile: ProfileOpt = "a100-llama2-7b",
     json_path: JsonOpt = None,
 ) -> None:
     """K* for deferred prefill (Mohanty et al. 2025): ρ(K*) and the gain over K = 1."""
@@ -81,9 +80,7 @@ def advise_batch_size(
         str, typer.Option(help="Hardware/software configuration in the ALA data.")
     ] = "sim-a100-llama2-7b",
     max_batch: Annotated[int, typer.Option(min=1, help="Largest batch to consider.")] = 256,
-    data: Annotated[
-        list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
-    ] = None,
+    data: AlaDataOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Largest batch whose ALA-predicted wall time meets a deadline (with its interval)."""

@@ -78,6 +78,25 @@ PlotOpt = Annotated[
     Path | None, typer.Option("--plot", help="Write a PNG plot here.", callback=writable)
 ]
 
+# The embedded engine's (`serve`, `profile`, `validate`, the engine benches); each
+# command picks its own default.
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        help="fp32 (exact), fast (int8 head rescored in fp32), q8 (fast + int8 decode "
+        "kernel), bf16 or int8."
+    ),
+]
+ThreadsOpt = Annotated[int, typer.Option(min=1, help="Torch compute threads.")]
+#: The ALA throughput measurements (`advise batch`, `predict throughput`, `bench ala`).
+AlaDataOpt = Annotated[
+    list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
+]
+
+#: A step-cost profile for the simulator (`sim`, `sweep`, `advise deferred-prefill`,
+#: `bench sensitivity`): one of the shipped profiles (`duetime profiles`) or a profile JSON.
+ProfileOpt = Annotated[str, typer.Option(help="Shipped profile name or JSON path.")]
+
 # How generated requests arrive (`sim`, `sweep`, `load`): workloads/arrivals.py.
 ArrivalOpt = Annotated[str, typer.Option(help="poisson, gamma or bursts.")]
 CvOpt = Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")]

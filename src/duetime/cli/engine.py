@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from duetime.bench.limits import MAX_ENGINE_REQUESTS
-from duetime.cli.common import _progress, _user_errors, app, writable
+from duetime.cli.common import DtypeOpt, ThreadsOpt, _progress, _user_errors, app, writable
 from duetime.cli.common import out as console
 
 
@@ -44,18 +44,10 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-_DTYPE_HELP = (
-    "fp32 (exact), fast (int8 head rescored in fp32), q8 (fast + int8 decode kernel), bf16 or int8."
-)
-
-
 @app.command()
 def profile(
-    dtype: Annotated[
-        str,
-        typer.Option(help="fp32 (exact), fast (int8 head), q8 (fast + int8 decode), bf16 or int8."),
-    ] = "fp32",
-    threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
+    dtype: DtypeOpt = "fp32",
+    threads: ThreadsOpt = 2,
     quick: Annotated[bool, typer.Option(help="A small grid (smoke test).")] = False,
     out: Annotated[
         Path, typer.Option("--out", help="Profile JSON to write.", callback=writable)
@@ -235,11 +227,8 @@ def validate(
     ] = 100,
     rate: Annotated[float, typer.Option(min=0.0)] = 2.0,
     seed: Annotated[int, typer.Option(min=0)] = 0,
-    dtype: Annotated[
-        str,
-        typer.Option(help="fp32 (exact), fast (int8 head), q8 (fast + int8 decode), bf16 or int8."),
-    ] = "fp32",
-    threads: Annotated[int, typer.Option(min=1)] = 2,
+    dtype: DtypeOpt = "fp32",
+    threads: ThreadsOpt = 2,
     max_prompt: Annotated[int, typer.Option(min=1)] = 512,
     max_output: Annotated[int, typer.Option(min=1)] = 128,
     plot: Annotated[Path, typer.Option("--plot", callback=writable)] = Path("out/validate.png"),

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from duetime.cli.common import (
+    AlaDataOpt,
     JsonOpt,
     _user_errors,
     out,
@@ -17,6 +18,8 @@ from duetime.cli.common import (
 )
 from duetime.predict.ala_limits import MAX_BATCH, MAX_TOKENS
 
+# `train-length` and `export-length-data`: the bucket range the model is trained for.
+MaxLenOpt = Annotated[int, typer.Option(min=1, help="N_model: longest answer kept.")]
 AllTurnsOpt = Annotated[
     bool,
     typer.Option(
@@ -40,7 +43,7 @@ def predict_train_length(
         ),
     ] = "minilm-static:512",
     bucket_size: Annotated[int, typer.Option(min=1, help="B, tokens per bucket.")] = 16,
-    max_len: Annotated[int, typer.Option(min=1, help="N_model: longest answer kept.")] = 4096,
+    max_len: MaxLenOpt = 4096,
     hidden: Annotated[int, typer.Option(min=0, help="MLP width (0: linear head).")] = 256,
     dropout: Annotated[
         float | None,
@@ -250,7 +253,7 @@ def predict_export_length_data(
     out_path: Annotated[
         Path, typer.Option("--out", help="Bundle to write (.npz).", callback=writable)
     ] = Path("out/rlp-tokens.npz"),
-    max_len: Annotated[int, typer.Option(min=1, help="N_model: longest answer kept.")] = 4096,
+    max_len: MaxLenOpt = 4096,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the split.")] = 0,
     all_turns: AllTurnsOpt = False,
 ) -> None:
@@ -297,9 +300,7 @@ def predict_throughput(
     config: Annotated[
         str, typer.Option(help="Hardware/software configuration in the data.")
     ] = "sim-a100-llama2-7b",
-    data: Annotated[
-        list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
-    ] = None,
+    data: AlaDataOpt = None,
     coverage: Annotated[float, typer.Option(help="Nominal interval coverage.")] = 0.9,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")] = False,
 ) -> None:

@@ -9,9 +9,11 @@ from typing import Annotated
 import typer
 
 from duetime.cli.common import (
+    DtypeOpt,
     HeaderTimeoutOpt,
     LogLevelOpt,
     ShutdownTimeoutOpt,
+    ThreadsOpt,
     _fail,
     _user_errors,
     app,
@@ -22,10 +24,6 @@ from duetime.cli.common import (
 )
 from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S
-
-_DTYPE_HELP = (
-    "fp32 (exact), fast (int8 head rescored in fp32), q8 (fast + int8 decode kernel), bf16 or int8."
-)
 
 
 @app.command()
@@ -44,11 +42,8 @@ def serve(
     ] = None,
     # q8 by default: ~2x fast and ~4x fp32 at batch 1, top-1 = fp32 at 99.2 % of 384
     # decode positions (docs/engine.md); falls back to fast without a compiler.
-    dtype: Annotated[
-        str,
-        typer.Option(help="q8 (int8 decode kernel), fast (int8 head), fp32 (exact), bf16 or int8."),
-    ] = "q8",
-    threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
+    dtype: DtypeOpt = "q8",
+    threads: ThreadsOpt = 2,
     kv_capacity: Annotated[int, typer.Option(min=64, help="KV budget M in tokens.")] = 32_768,
     max_num_seqs: Annotated[
         str,
@@ -83,7 +78,7 @@ def serve(
         typer.Option(
             help="How a deadline is judged before a request is accepted: forecast (the "
             "engine's state played forward in the simulator under the served policy) or "
-            "estimate (an optimistic formula; docs/server.md)."
+            "estimate (an optimistic formula; docs/server-admission.md)."
         ),
     ] = "forecast",
     deadline_confidence: Annotated[
@@ -91,7 +86,7 @@ def serve(
         typer.Option(
             help="With --admission forecast, accept a request with a deadline only if its "
             "forecast, stretched by the recent forecasts' errors at this quantile, meets "
-            "it: a target share of the accepted on time (docs/server.md). A number in "
+            "it: a target share of the accepted on time (docs/server-admission.md). A number in "
             "(0, 1), or off for the plain forecast. [default: 0.95]",
         ),
     ] = None,
@@ -101,7 +96,7 @@ def serve(
             min=0.0,
             help="With --admission forecast, requests arriving this close together make a "
             "burst, and the first of one is forecast with the companions such bursts "
-            "brought lately (docs/server.md; 0: off).",
+            "brought lately (docs/server-forecast-inputs.md; 0: off).",
         ),
     ] = DEFAULT_BURST_GAP_S * 1000,
     prefix_cache: Annotated[
@@ -120,7 +115,7 @@ def serve(
         typer.Option(
             min=0,
             help="The predictor's lengths are corrected by the served model's newest this "
-            "many finished answers (docs/server.md; 0: off).",
+            "many finished answers (docs/server-forecast-inputs.md; 0: off).",
         ),
     ] = 1000,
     profile: Annotated[

@@ -13,6 +13,7 @@ from duetime.cli.common import (
     CvOpt,
     JsonOpt,
     PlotOpt,
+    ProfileOpt,
     _fail,
     _progress,
     _user_errors,
@@ -26,7 +27,6 @@ from duetime.cli.sim_fleet import FailOpt, FleetOpt, ReplicaProfileOpt, Replicas
 WorkloadOpt = Annotated[
     str, typer.Option(help="sharegpt, sharegpt-heldout, synthetic, or a JSONL trace path.")
 ]
-ProfileOpt = Annotated[str, typer.Option(help="Shipped profile name or JSON path.")]
 PredictorOpt = Annotated[
     str,
     typer.Option(

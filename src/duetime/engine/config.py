@@ -21,11 +21,27 @@ from typing import Any
 
 from duetime.engine.gguf_file import GGUFFile, ModelFileError
 
-__all__ = ["Gemma3Config"]
+__all__ = ["HF_NAMES", "Gemma3Config"]
 
 _ARCH = "gemma3"
 _SLIDING_PATTERN = 6
 _LOCAL_ROPE_BASE = 10_000.0
+
+#: Our name and ``transformers``' ``Gemma3TextConfig`` name of each field that maps one
+#: to one; :meth:`Gemma3Config.from_hf` reads it one way and
+#: :func:`duetime.bench.engine_peers.hf_config` the other, so the two cannot drift.
+HF_NAMES: dict[str, str] = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "sliding_window": "sliding_window",
+    "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,22 +164,13 @@ class Gemma3Config:
             raise ValueError(f"unsupported RoPE type {full.get('rope_type')}")
         eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, list) else hf.eos_token_id
         return cls(
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=hf.num_key_value_heads,
-            head_dim=hf.head_dim,
-            sliding_window=hf.sliding_window,
+            **{ours: getattr(hf, theirs) for ours, theirs in HF_NAMES.items()},
             sliding_layers=tuple(t == "sliding_attention" for t in hf.layer_types),
             rope_theta_global=float(full.get("rope_theta", 1_000_000.0)),
             rope_theta_local=float(local.get("rope_theta", _LOCAL_ROPE_BASE)),
             rope_scaling_factor=float(full.get("factor", 1.0)),
-            rms_norm_eps=hf.rms_norm_eps,
             query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
             final_logit_softcapping=_opt_float(hf.final_logit_softcapping),
-            max_position_embeddings=hf.max_position_embeddings,
             bos_token_id=hf.bos_token_id if hf.bos_token_id is not None else 2,
             eos_token_id=eos if eos is not None else 1,
             pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else 0,

@@ -231,7 +231,7 @@ class TimeBill(QueuePolicy):
             return alpha
         # Eviction takes time of its own (cost.e; zero in the paper's model): it comes
         # out of the budget, and evicting must save more decode time than it costs,
-        # else the full KV finishes sooner (measured on the CPU engine: docs/timebill.md).
+        # else the full KV finishes sooner (measured on the CPU engine: docs/timebill-engine.md).
         alpha = alpha_for(deadline - snap.now - evict_s)
         saved = p * alpha * seq.kv_tokens * max(n_w - 1, 0)
         return alpha if saved > evict_s else 0.0

@@ -34,7 +34,7 @@ __all__ = [
     "served_executor",
 ]
 
-#: The share of accepted requests with a deadline that should meet it (docs/server.md:
+#: The share of accepted requests with a deadline that should meet it (docs/server-admission.md:
 #: 0.976 met at 0.95 in `duetime bench admission`'s default load, against 0.902 without).
 DEFAULT_CONFIDENCE = 0.95
 #: Seconds at least between two refits of the online step-time fit: a fit is 12-46 ms

@@ -6,11 +6,13 @@ from typing import Annotated
 
 import typer
 
-from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, RepeatsOpt, SeedOpt, ThreadsOpt
+from duetime.cli.bench.options import BenchModelOpt, RepeatsOpt, SeedOpt, ServedPolicyOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import (
     BurstSizeOpt,
+    DtypeOpt,
     JsonOpt,
+    ThreadsOpt,
     _progress,
     _user_errors,
     bench_app,
@@ -25,7 +27,7 @@ def bench_admission(
     model: BenchModelOpt = "gemma",
     dtype: DtypeOpt = "q8",
     threads: ThreadsOpt = 2,
-    policy: Annotated[str, typer.Option(help="The served policy.")] = "edf",
+    policy: ServedPolicyOpt = "edf",
     modes: Annotated[
         str, typer.Option(help="Admission modes to compare, comma-separated.")
     ] = "forecast,estimate",
@@ -84,7 +86,7 @@ def bench_admission(
 ) -> None:
     """Overload `duetime serve` with one ShareGPT load per admission mode (fresh engine,
     modes interleaved) and compare deadline hits of the accepted requests, goodput, and
-    the forecast's error (docs/server.md, "Admission control")."""
+    the forecast's error (docs/server-admission.md)."""
     import torch
 
     from duetime.bench.admission import (

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from duetime.cli.bench.options import SeedOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _progress, _user_errors, bench_app, out
+from duetime.cli.common import AlaDataOpt, JsonOpt, PlotOpt, _progress, _user_errors, bench_app, out
 
 
 @bench_app.command("ala")
 def bench_ala(
     config: Annotated[list[str] | None, typer.Option(help="Config(s); default: all.")] = None,
-    data: Annotated[
-        list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
-    ] = None,
+    data: AlaDataOpt = None,
     sa_iters: Annotated[int, typer.Option(min=1, help="Simulated-annealing iterations.")] = 25,
     seed: SeedOpt = 0,
     json_path: JsonOpt = None,

@@ -12,6 +12,7 @@ from duetime.cli.bench.options import (
     EngineClockOpt,
     EngineDtypeOpt,
     EngineModelOpt,
+    EngineProfileOpt,
     EngineThreadsOpt,
     SeedOpt,
     WorkersOpt,
@@ -28,12 +29,7 @@ def bench_amin(
     kv_capacity: Annotated[
         int | None, typer.Option(min=1, help="KV memory M, tokens [111000; --engine: 224].")
     ] = None,
-    profile: Annotated[
-        str | None,
-        typer.Option(
-            help="Step-cost profile [a100-llama2-7b]; --engine: this engine's (timed if not given)."
-        ),
-    ] = None,
+    profile: EngineProfileOpt = None,
     seed: SeedOpt = 0,
     workers: WorkersOpt = 2,
     two_point: Annotated[

@@ -16,6 +16,7 @@ from duetime.cli.bench.options import (
     EngineClockOpt,
     EngineDtypeOpt,
     EngineModelOpt,
+    EngineProfileOpt,
     EngineThreadsOpt,
     SeedOpt,
     WorkersOpt,
@@ -32,13 +33,7 @@ def bench_deferred_prefill(
     capacity: Annotated[
         int | None, typer.Option(min=1, help="Batch capacity C [256; --engine: 16].")
     ] = None,
-    profile: Annotated[
-        str | None,
-        typer.Option(
-            help="Shipped profile name or JSON path [a100-llama2-7b]; --engine: this engine's "
-            "(timed if not given)."
-        ),
-    ] = None,
+    profile: EngineProfileOpt = None,
     seed: SeedOpt = 0,
     workers: WorkersOpt = 2,
     engine: Annotated[

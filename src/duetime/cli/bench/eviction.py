@@ -14,9 +14,9 @@ from typing import Annotated
 import typer
 
 from duetime.cli.bench.model import load_prompted_model
-from duetime.cli.bench.options import DtypeOpt, PromptSeedOpt, ThreadsOpt
+from duetime.cli.bench.options import PromptSeedOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
+from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("eviction")

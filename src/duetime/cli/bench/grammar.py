@@ -7,9 +7,9 @@ from typing import Annotated
 import typer
 
 from duetime.cli.bench.model import load_prompted_model
-from duetime.cli.bench.options import BenchModelOpt, DtypeOpt, PromptSeedOpt, RepeatsOpt, ThreadsOpt
+from duetime.cli.bench.options import BenchModelOpt, PromptSeedOpt, RepeatsOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
+from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("grammar")

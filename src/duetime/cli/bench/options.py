@@ -23,14 +23,21 @@ BenchModelOpt = Annotated[
     str,
     typer.Option(help="'gemma' (Gemma 3 270M, ShareGPT prompts), 'tiny' (random) or a GGUF."),
 ]
-DtypeOpt = Annotated[str, typer.Option(help="fp32, fast, q8, bf16 or int8.")]
-ThreadsOpt = Annotated[int, typer.Option(min=1, help="torch threads.")]
 PromptSeedOpt = Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")]
 RepeatsOpt = Annotated[int, typer.Option(min=1, help="Interleaved repetitions (medians).")]
 # The prompt-cache benches' (prefix-cache, shared-prefill) requests: a question after a
 # shared prompt, answered greedily.
+SystemLenOpt = Annotated[int, typer.Option(min=16, help="The shared system prompt, tokens.")]
 QuestionLenOpt = Annotated[int, typer.Option(min=1, help="Longest question after it, tokens.")]
 NewTokensOpt = Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")]
+
+# The benches that run `duetime serve`: the model of `serve` and `serve-load`, the policy
+# of `serve-load` and `admission`, the policies `serve` (and `sensitivity`) compare.
+ServedModelOpt = Annotated[
+    str, typer.Option(help="gemma (real), tiny (random, seconds) or a Gemma 3 GGUF path.")
+]
+ServedPolicyOpt = Annotated[str, typer.Option(help="The served policy.")]
+PoliciesOpt = Annotated[str, typer.Option(help="Comma-separated policies.")]
 
 # The real-engine options of the commands whose `--engine` loads any engine model
 # (`amin`, `deferred-prefill`); unset means "the engine mode's default".
@@ -40,8 +47,20 @@ EngineModelOpt = Annotated[
 EngineDtypeOpt = Annotated[
     str | None, typer.Option(help="--engine: fp32 (default), fast, q8, bf16 or int8.")
 ]
+# `timebill` and `timelyllm`, whose --engine runs default to fast.
+FastEngineDtypeOpt = Annotated[
+    str | None, typer.Option(help="--engine: fp32, fast (default), q8, bf16 or int8.")
+]
 EngineThreadsOpt = Annotated[
     int | None, typer.Option(min=1, help="--engine: torch threads [1: a shared 2-core machine].")
+]
+# The simulator's step costs, or with --engine the engine's (timed when not given).
+EngineProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Step-cost profile, a shipped name or JSON path [a100-llama2-7b]; --engine: this "
+        "engine's (timed if not given)."
+    ),
 ]
 EngineClockOpt = Annotated[
     str | None,

@@ -9,14 +9,13 @@ import typer
 from duetime.cli.bench.model import check_questions_fit, load_with_shared_prompts
 from duetime.cli.bench.options import (
     BenchModelOpt,
-    DtypeOpt,
     NewTokensOpt,
     PromptSeedOpt,
     QuestionLenOpt,
-    ThreadsOpt,
+    SystemLenOpt,
 )
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
+from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("prefix-cache")
@@ -25,7 +24,7 @@ def bench_prefix_cache(
     requests: Annotated[
         int, typer.Option(min=2, max=200, help="Requests sharing the prompt (the 1st fills).")
     ] = 8,
-    system_len: Annotated[int, typer.Option(min=16, help="Shared prompt, tokens.")] = 512,
+    system_len: SystemLenOpt = 512,
     question_len: QuestionLenOpt = 64,
     new_tokens: NewTokensOpt = 16,
     cache_tokens: Annotated[int, typer.Option(min=16, help="Prefix cache budget, tokens.")] = 4096,

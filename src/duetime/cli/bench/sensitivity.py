@@ -7,16 +7,22 @@ from typing import Annotated
 
 import typer
 
-from duetime.cli.bench.options import SeedOpt
+from duetime.cli.bench.options import PoliciesOpt, SeedOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _progress, _user_errors, bench_app, out
+from duetime.cli.common import (
+    JsonOpt,
+    PlotOpt,
+    ProfileOpt,
+    _progress,
+    _user_errors,
+    bench_app,
+    out,
+)
 
 
 @bench_app.command("sensitivity")
 def bench_sensitivity(
-    policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = (
-        "fcfs,sjf,amax,amin,timebill"
-    ),
+    policies: PoliciesOpt = "fcfs,sjf,amax,amin,timebill",
     errors: Annotated[str, typer.Option(help="Prediction errors σ (0 = oracle).")] = (
         "0,0.1,0.25,0.5,1"
     ),
@@ -24,9 +30,7 @@ def bench_sensitivity(
     rate: Annotated[float, typer.Option(min=0.0, help="Poisson rate, req/s.")] = 20.0,
     kv_capacity: Annotated[int, typer.Option(min=64, help="KV budget in tokens.")] = 30_000,
     deadline_scale: Annotated[float, typer.Option(help="Deadline = scale x time alone.")] = 8.0,
-    profile: Annotated[str, typer.Option(help="Shipped profile name or JSON path.")] = (
-        "a100-llama2-7b"
-    ),
+    profile: ProfileOpt = "a100-llama2-7b",
     learned: Annotated[
         str,
         typer.Option(help="Also run the trained length predictor: learned[:path], or 'none'."),

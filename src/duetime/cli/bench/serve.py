@@ -6,19 +6,15 @@ from typing import Annotated
 
 import typer
 
-from duetime.cli.bench.options import SeedOpt
+from duetime.cli.bench.options import PoliciesOpt, SeedOpt, ServedModelOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, _progress, _user_errors, bench_app, out
 
 
 @bench_app.command("serve")
 def bench_serve(
-    model: Annotated[
-        str, typer.Option(help="gemma (real), tiny (random, seconds) or a Gemma 3 GGUF path.")
-    ] = "gemma",
-    policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = (
-        "fcfs,edf,timebill,timelyllm"
-    ),
+    model: ServedModelOpt = "gemma",
+    policies: PoliciesOpt = "fcfs,edf,timebill,timelyllm",
     requests: Annotated[int, typer.Option(min=1, help="Requests per policy.")] = 24,
     rate: Annotated[float, typer.Option(min=0.0, help="Poisson arrival rate, req/s.")] = 0.5,
     max_tokens: Annotated[

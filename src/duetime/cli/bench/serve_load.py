@@ -7,19 +7,18 @@ from typing import Annotated
 
 import typer
 
+from duetime.cli.bench.options import ServedModelOpt, ServedPolicyOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _progress, _user_errors, bench_app, out
+from duetime.cli.common import JsonOpt, PlotOpt, ThreadsOpt, _progress, _user_errors, bench_app, out
 from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS
 
 
 @bench_app.command("serve-load")
 def bench_serve_load(
-    model: Annotated[
-        str, typer.Option(help="gemma (real), tiny (random, seconds) or a Gemma 3 GGUF path.")
-    ] = "gemma",
+    model: ServedModelOpt = "gemma",
     dtype: Annotated[str, typer.Option(help="The served dtype (duetime serve's default).")] = "q8",
-    threads: Annotated[int, typer.Option(min=1, help="Torch compute threads.")] = 2,
-    policy: Annotated[str, typer.Option(help="The served policy.")] = "edf",
+    threads: ThreadsOpt = 2,
+    policy: ServedPolicyOpt = "edf",
     rates: Annotated[str, typer.Option(help="Arrival rates, req/s; inf: all at once.")] = (
         "1,4,inf"
     ),

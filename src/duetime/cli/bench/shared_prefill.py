@@ -9,15 +9,14 @@ import typer
 from duetime.cli.bench.model import check_questions_fit, load_with_shared_prompts
 from duetime.cli.bench.options import (
     BenchModelOpt,
-    DtypeOpt,
     NewTokensOpt,
     PromptSeedOpt,
     QuestionLenOpt,
     RepeatsOpt,
-    ThreadsOpt,
+    SystemLenOpt,
 )
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, _user_errors, bench_app, out
+from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("shared-prefill")
@@ -30,7 +29,7 @@ def bench_shared_prefill(
     requests: Annotated[
         int, typer.Option(min=2, max=64, help="Requests behind one system prompt.")
     ] = 8,
-    system_len: Annotated[int, typer.Option(min=16, help="The system prompt, tokens.")] = 512,
+    system_len: SystemLenOpt = 512,
     question_len: QuestionLenOpt = 64,
     new_tokens: NewTokensOpt = 16,
     repeats: RepeatsOpt = 3,

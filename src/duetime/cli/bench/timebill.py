@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from duetime.cli.bench.model import load_engine
-from duetime.cli.bench.options import SeedOpt, no_engine_options
+from duetime.cli.bench.options import FastEngineDtypeOpt, SeedOpt, no_engine_options
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _fail, _user_errors, bench_app, out
 
@@ -59,9 +59,7 @@ def bench_timebill(
     model: Annotated[
         str | None, typer.Option(help="--engine: gemma (default) or tiny (random weights).")
     ] = None,
-    dtype: Annotated[
-        str | None, typer.Option(help="--engine: fp32, fast (default), q8, bf16 or int8.")
-    ] = None,
+    dtype: FastEngineDtypeOpt = None,
     threads: Annotated[int | None, typer.Option(min=1, help="--engine: torch threads [2].")] = None,
     prompts: Annotated[int | None, typer.Option(min=1, help="--engine: ShareGPT prompts [6].")] = (
         None

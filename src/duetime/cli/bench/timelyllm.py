@@ -12,7 +12,12 @@ from typing import Annotated, Any
 import typer
 
 from duetime.cli.bench.model import load_engine
-from duetime.cli.bench.options import EngineThreadsOpt, SeedOpt, no_engine_options
+from duetime.cli.bench.options import (
+    EngineThreadsOpt,
+    FastEngineDtypeOpt,
+    SeedOpt,
+    no_engine_options,
+)
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, err, out
 
@@ -42,9 +47,7 @@ def bench_timelyllm(
     requests: Annotated[
         int | None, typer.Option(min=2, help="--engine: tasks per workload [16].")
     ] = None,
-    dtype: Annotated[
-        str | None, typer.Option(help="--engine: fp32, fast (default), q8, bf16 or int8.")
-    ] = None,
+    dtype: FastEngineDtypeOpt = None,
     threads: EngineThreadsOpt = None,
     calibration: Annotated[
         Path | None,
