@@ -56,6 +56,7 @@ class FakeServer:
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.slo_headers: list[str | None] = []  # each request's x-slo-ttft-ms
         self.lock = threading.Lock()
         self.app = FastAPI()
         self.app.get("/v1/models")(self.models)
@@ -65,6 +66,7 @@ class FakeServer:
     def reset(self) -> None:
         with self.lock:
             self.bodies.clear()
+            self.slo_headers.clear()
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
@@ -74,6 +76,7 @@ class FakeServer:
         with self.lock:
             n = len(self.bodies)
             self.bodies.append(body)
+            self.slo_headers.append(request.headers.get("x-slo-ttft-ms"))
         if n % 5 == 4:
             return JSONResponse({"error": "busy"}, status_code=429, headers={"Retry-After": "2"})
         if n % 7 == 6:
@@ -181,6 +184,23 @@ def test_summary_counts_percentiles_and_rates(server: tuple[FakeServer, str]) ->
     assert row["deadline_hit_rate"] is None
     assert row["goodput_req_s"] == pytest.approx(row["throughput_req_s"])
     assert row["top_errors"] == {'HTTP 500: {"error":"boom"}': 2}
+
+
+def test_a_first_token_bound_is_sent_and_how_it_was_kept_is_reported(
+    server: tuple[FakeServer, str],
+) -> None:
+    """Every request carries x-slo-ttft-ms; the report counts the answers whose first token
+    came within the bound (all of them at 500 ms, none at 1 ms: the fake's first token
+    takes 4 ms) and how fast the 429s came."""
+    fake, url = server
+    run = run_load(_requests(20), Target(base=url, model="m", slo_ttft_ms=500), Bounds())
+    assert fake.slo_headers == ["500"] * 20
+    kept = summarize_run(run, 0.5)
+    assert kept["ttft_slo_met"] == 1.0
+    assert kept["ttft_slo_refused"] == 4
+    assert 0 < kept["ttft_slo_refusal_p50_s"] <= kept["ttft_slo_refusal_max_s"] < 0.5
+    assert summarize_run(run, 0.001)["ttft_slo_met"] == 0.0
+    assert "ttft_slo_met" not in summarize_run(run)
 
 
 def test_wire_format_completions_and_chat(server: tuple[FakeServer, str]) -> None:
@@ -445,11 +465,13 @@ def test_cli_sweep_writes_json_rows_and_png(server: tuple[FakeServer, str], tmp_
         "--url", url, "--workload", "synthetic", "--prompt-len", "8", "--output-len", "3-4",
         "--max-requests", "10", "--rate", "200,400", "--ignore-eos",
         "--class-mix", "interactive=0.5,batch=0.5", "--deadline", "interactive=2",
-        "--deadline", "batch=30", "--priority", "interactive=1",
+        "--deadline", "batch=30", "--priority", "interactive=1", "--slo-ttft-ms", "500",
         "--json", str(j), "--plot", str(p),
     )  # fmt: skip
     assert code == 0, output
     payload = json.loads(j.read_text())
+    assert payload["config"]["slo_ttft_ms"] == 500
+    assert all(r["ttft_slo_s"] == 0.5 and 0 <= r["ttft_slo_met"] <= 1 for r in payload["rows"])
     assert payload["config"]["model"] == "fake-model"  # discovered from /v1/models
     rows = payload["rows"]
     assert [r["rate_req_s"] for r in rows] == [200.0, 400.0]
@@ -465,6 +487,7 @@ def test_cli_sweep_writes_json_rows_and_png(server: tuple[FakeServer, str], tmp_
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "e2e_p90_s" in output
     assert "deadline_hit_rate" in output
+    assert "ttft_slo_met" in output
 
 
 def test_cli_trace_replay_one_rate_plots_cdf(

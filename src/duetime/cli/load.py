@@ -96,6 +96,15 @@ def load(
     api_key: Annotated[str | None, typer.Option(help="Bearer token, if the server wants one.")] = (
         None
     ),
+    slo_ttft_ms: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Send llm-d's x-slo-ttft-ms with every request (a first-token bound, ms; "
+            "duetime gateway refuses with 429 what it forecasts late); report the share "
+            "answered within it and how fast refusals came.",
+        ),
+    ] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
 ) -> None:
@@ -155,7 +164,9 @@ def load(
         ignore_eos=ignore_eos,
         api_key=api_key,
         system_prompt=system_prompt,
+        slo_ttft_ms=slo_ttft_ms,
     )
+    slo_s = None if slo_ttft_ms is None else slo_ttft_ms / 1000.0
 
     rows: list[dict[str, Any]] = []
     records = {}
@@ -165,7 +176,7 @@ def load(
         with prog:
             run = run_load(plan, target, bounds, progress=cb)
         # "run" tells "trace" from "inf/s": strict JSON writes both rates as null
-        row = {"rate_req_s": r, "run": label, **summarize_run(run)}
+        row = {"rate_req_s": r, "run": label, **summarize_run(run, slo_s)}
         rows.append(row)
         records[label] = [to_record(o) for o in run.sent]
         if row["top_errors"]:
@@ -175,6 +186,8 @@ def load(
 
     keys = list(TABLE_KEYS)
     keys += sorted({k for row in rows for k in row if k.startswith("deadline_hit_rate[")})
+    if slo_s is not None:
+        keys += ["ttft_slo_met", "ttft_slo_refused", "ttft_slo_refusal_p50_s"]
     shown = [(run_label(row["rate_req_s"]), row) for row in rows]  # render_table escapes labels
     title = escape(f"{target.model} at {base}{target.path}")
     out.print(render_table(shown, keys=keys, title=title))
@@ -185,6 +198,7 @@ def load(
             "endpoint": target.path,
             "ignore_eos": ignore_eos,
             "system_prompt_chars": len(system_prompt or ""),
+            "slo_ttft_ms": slo_ttft_ms,
             "workload": workload,
             "arrival": arrival,
             "cv": cv,

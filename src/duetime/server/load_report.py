@@ -89,13 +89,16 @@ def to_record(out: Outcome) -> RequestRecord:
     return record
 
 
-def summarize_run(run: LoadRun) -> Row:
-    """Flat metrics of one run, plus ``classes``: the same per request class."""
+def summarize_run(run: LoadRun, slo_ttft_s: float | None = None) -> Row:
+    """Flat metrics of one run, plus ``classes``: the same per request class. With a
+    first-token bound ``slo_ttft_s`` (sent as ``x-slo-ttft-ms``), also how it was kept."""
     sent = run.sent
     records = [to_record(o) for o in sent]
     whole = summarize(records)
     span = _span(records, whole)
     row = _row(sent, records, span)
+    if slo_ttft_s is not None:
+        row.update(ttft_slo_report(sent, slo_ttft_s))
     row.update(not_sent=len(run.outcomes) - len(sent), launch_s=run.launch_s, wall_s=run.wall_s)
     errors = Counter(o.error for o in sent if o.status == "error" and o.error)
     row["top_errors"] = dict(errors.most_common(5))
@@ -109,6 +112,31 @@ def summarize_run(run: LoadRun) -> Row:
                 row[f"{key}[{klass}]"] = by_class[klass][key]
         row["classes"] = by_class
     return row
+
+
+def ttft_slo_report(sent: Sequence[Outcome], bound_s: float) -> Row:
+    """How a first-token bound was kept: ``ttft_slo_met``, the share of the answered
+    requests whose first token came within it; ``ttft_slo_refused``, the 429s; and
+    ``ttft_slo_refusal_p50_s`` / ``_max_s``, how long a refusal took to arrive (a bound
+    no server can meet should be refused at once, not after a wait)."""
+    answered = [o for o in sent if o.status == "ok" and o.sent is not None]
+    met = [
+        o
+        for o in answered
+        if o.first_token is not None and o.sent is not None and o.first_token - o.sent <= bound_s
+    ]
+    refusals = [
+        o.ended - o.sent
+        for o in sent
+        if o.status == "rejected" and o.ended is not None and o.sent is not None
+    ]
+    return {
+        "ttft_slo_s": bound_s,
+        "ttft_slo_met": len(met) / len(answered) if answered else None,
+        "ttft_slo_refused": len(refusals),
+        "ttft_slo_refusal_p50_s": float(np.percentile(refusals, 50)) if refusals else None,
+        "ttft_slo_refusal_max_s": max(refusals) if refusals else None,
+    }
 
 
 def _span(records: Sequence[RequestRecord], whole: Mapping[str, Any]) -> tuple[float, float] | None:

@@ -52,6 +52,16 @@ class Target:
     ignore_eos: bool = False
     api_key: str | None = None
     system_prompt: str | None = None
+    #: Sent as llm-d's ``x-slo-ttft-ms`` with every request: a first-token bound, in ms.
+    slo_ttft_ms: float | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers every request carries."""
+        out = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if self.slo_ttft_ms is not None:
+            out["x-slo-ttft-ms"] = f"{self.slo_ttft_ms:g}"
+        return out
 
     @property
     def path(self) -> str:
@@ -201,7 +211,6 @@ async def run_load_async(
     """:func:`run_load` inside a running event loop."""
     planned = sorted(requests, key=lambda r: r.arrival)[: bounds.max_requests]
     outcomes = [Outcome(request=r) for r in planned]
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     limits = httpx.Limits(
         max_connections=bounds.concurrency, max_keepalive_connections=bounds.concurrency
     )
@@ -217,7 +226,11 @@ async def run_load_async(
             progress(done, len(outcomes))
 
     async with httpx.AsyncClient(
-        base_url=target.base, headers=headers, limits=limits, timeout=timeout, trust_env=False
+        base_url=target.base,
+        headers=target.headers,
+        limits=limits,
+        timeout=timeout,
+        trust_env=False,
     ) as client:
         t0 = time.perf_counter()
         tasks: list[asyncio.Task[None]] = []
