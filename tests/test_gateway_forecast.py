@@ -63,6 +63,25 @@ def test_the_forecast_batch_is_the_backends_own_limit_where_smaller() -> None:
     assert open_.batch_slots(60) == 60
 
 
+def test_the_first_token_waits_for_the_prompts_ahead_of_it() -> None:
+    """Two streams sent to a backend have not had their first byte: a third prompt is
+    priced behind both, each a prompt step beside the sequences decoding, after half of
+    the step in progress; a 500 ms TTFT bound refuses it there and takes the idle backend."""
+    ask = Ask(32, prompt_len=400, ttft_s=0.5)
+    busy = _published(Backend("http://a", up=True, in_flight=6, prefilling=2))
+    idle = _published(Backend("http://b", up=True))
+    got = offer([busy, idle], ask, max_inflight=8)
+    n, kv = 400, 4 * ask.context
+    step = COST.step_time(n, float(n * n), 4, kv)
+    assert got.first[0] == pytest.approx(0.5 * COST.decode_step(4, kv) + 3 * step)
+    assert got.first[1] == pytest.approx(COST.step_time(n, float(n * n), 0, 0))
+    assert got.first[0] > 0.5 >= got.first[1]
+    assert list(got.snap.up) == [False, True]
+    # without a cost model, each prompt ahead takes the moving average of the first token
+    bare = Backend("http://c", up=True, in_flight=3, prefilling=2, ttft_s=0.1, observed=1)
+    assert bare.first_token_time(400, 0.1, 3, ask.context) == pytest.approx(0.3)
+
+
 def _profile_file(tmp_path: Path, body: dict[str, Any]) -> Path:
     p = tmp_path / "vllm.json"
     p.write_text(json.dumps(body))

@@ -15,7 +15,7 @@ fakes. What must hold after every run:
   or, for a stream that broke, those bytes then one SSE error and ``[DONE]``;
 * a request reached at most two backends, two only when the first failed on
   a connection before any byte could reach the client, never the same one;
-* no slot leaks: every backend's in-flight count is 0, the queue is empty and
+* no slot leaks: every backend's in-flight and prefilling counts are 0, the queue is empty and
   every upstream body was closed once all clients are done;
 * no backend ever held more than ``max_inflight`` requests at once;
 * the gateway's own 429 only answers a request that gave a deadline;
@@ -164,6 +164,7 @@ async def _run(
         metrics = prometheus_samples(bytes((await call(app, "GET", "/metrics")).body).decode())
         state = {
             "in_flight": {b.url: b.in_flight for b in gw.backends},
+            "prefilling": {b.url: b.prefilling for b in gw.backends},
             "queued": len(gw._queue),
         }
     return seen, metrics, state
@@ -257,6 +258,7 @@ def _check(
         assert b.current == 0, f"{b.url} still holds {b.current} upstream requests"
         assert b.peak <= max_inflight, f"{b.url} held {b.peak} > {max_inflight} at once"
     assert all(v == 0 for v in state["in_flight"].values()), state
+    assert all(v == 0 for v in state["prefilling"].values()), state
     assert state["queued"] == 0, state
     for b in backends:
         assert metrics[f'duetime_gateway_backend_in_flight{{backend="{b.url}"}}'] == 0

@@ -159,6 +159,7 @@ def create_gateway_app(
                         "url": b.url,
                         "up": b.up,
                         "in_flight": b.in_flight,
+                        "prefilling": b.prefilling,
                         "ttft_ms": round(b.ttft_s * 1000, 3),
                         "tpot_ms": round(b.tpot_s * 1000, 3),
                         "suspect": b.suspect_until > 0,

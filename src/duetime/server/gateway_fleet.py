@@ -33,6 +33,9 @@ backend, with no I/O and an explicit clock:
   request ahead at a whole request time, as if the backend served one at a time,
   refused 15 of 28 requests with a 7.1 s deadline on a real two-backend fleet whose
   answers took 2.4 s (p50);
+* ``first(i)``: when its first token would come there: ``now + wait`` plus the
+  prompts ahead of it in that backend's prefill queue and its own
+  (:meth:`.Backend.first_token_time`); the TTFT bound is judged on it;
 * ``up``: the backends the request may go to. Down ones, those not serving its
   model and those a retry excludes are never offered; suspect ones only when all
   are; with a TTFT bound only those whose first-token forecast meets it; and a
@@ -179,7 +182,7 @@ def make_offer(
         # A slot frees about every service / limit seconds once the backend is full.
         slot_wait = max(0, ahead + 1 - lim) * service / lim
         finish.append(now + slot_wait + service)
-        first.append(now + slot_wait + ttft)
+        first.append(now + slot_wait + b.first_token_time(ask.prompt_len, ttft, run, context))
     if ask.ttft_s is not None:
         due = arrival + ask.ttft_s
         meets = [o and f <= due + _EPS for o, f in zip(offered, first, strict=True)]

@@ -57,9 +57,18 @@ async def _open_stream(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens:
     t0 = time.monotonic()
     r: httpx.Response | None = None
     closed = False
+    b.prefilling += 1
+    prefilling = True
+
+    def first_byte() -> None:
+        nonlocal prefilling
+        if prefilling:
+            prefilling = False
+            b.prefilling -= 1
 
     async def close() -> None:
         nonlocal closed
+        first_byte()
         if not closed:
             closed = True
             try:
@@ -81,6 +90,7 @@ async def _open_stream(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens:
             first = await chunks.__anext__()
         except StopAsyncIteration:
             first = b""
+        first_byte()
     except httpx.TransportError as e:
         err = _failed(gw, b, t0, e)  # first: the slot freed next must not go to b if it hangs
         await close()
