@@ -5,7 +5,7 @@ Why: the tied 262,144 x 640 output layer is the largest product of a decode step
 fbgemm's int8 GEMM (:class:`~duetime.engine.linear.Int8Linear`) runs it on AVX-512
 VNNI; oneDNN's int8 matmul runs it on AMX tiles where the CPU has them. On the 2-core
 Xeon (AMX), 64 rows took 10-21 ms here against fbgemm's 47-60 ms, and 16 rows 10 ms
-against 17-21 ms (interleaved medians, docs/engine-kernels.md has the table).
+against 17-21 ms (interleaved medians; the table: docs/results.md#engine-head-rows).
 
 The activation is scaled per row, as :class:`~duetime.engine.linear.Int8Linear` does
 (one outlier token would otherwise crush every other row's levels), and quantised to

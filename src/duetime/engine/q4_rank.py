@@ -27,7 +27,7 @@ the ``− 8 · Σ xq`` of each group starts its accumulator, so it costs nothing
 inside the loop. At 1-2 rows the product streams the 89 MB at the memory's
 speed (2.0-2.4 ms here against 3.8-5.0 ms for the int8 kernel) and it beats
 fbgemm's int8 GEMM up to 6 rows (4.4 vs 5.6 ms), but in the engine the gain
-stopped at 5-6 rows, so :data:`Q4_RANK_MAX_ROWS` is 4 (docs/engine-kernels.md).
+stopped at 5-6 rows, so :data:`Q4_RANK_MAX_ROWS` is 4 (docs/results.md#engine-q4-rank).
 
 The kernel needs AVX-512 with VNNI (checked at run time, the source is built
 with per-function targets); elsewhere, or when the build fails or
