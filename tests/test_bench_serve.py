@@ -24,6 +24,7 @@ def test_bench_serve_tiny_writes_per_policy_rows(tmp_path: Path) -> None:
     assert [r["policy"] for r in fig["policies"]] == ["fcfs", "edf"]
     for row in fig["policies"]:
         assert row["ok"] + row["rejected"] + row["errors"] + row["unfinished"] == 6
+        assert row["errors"] == 0, row["top_errors"]  # every prompt fits the model
         assert row["ok"] >= 1
         assert 0.0 <= row["deadline_hit_rate"] <= 1.0
     o = fig["overhead"]

@@ -15,6 +15,7 @@ e2e minus the engine's own e2e for the same request (`duetime.e2e_ms`).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -87,14 +88,23 @@ def _policy_run(
     state = build_state(options, model, codec, name)
     workload = LoadWorkload(
         workload="sharegpt",
-        requests=cfg.requests,
+        requests=4 * cfg.requests,  # room to drop the prompts the model cannot take
         seed=cfg.seed,
         max_tokens=cfg.max_tokens,
         max_context=cfg.max_prompt + cfg.max_tokens,
         class_mix=dict(cfg.class_mix or {}),
         deadlines=dict(cfg.deadlines or {}),
     )
-    reqs = workload.build(cfg.rate)
+    # ShareGPT's lengths are Gemma tokens; a model with another tokenizer (the tiny
+    # one's bytes) counts some prompts past its context, which would be 400s: the first
+    # ``requests`` that fit keep the arrival times of the first ``requests`` built
+    room = state.config.max_context
+    built = workload.build(cfg.rate)
+    fits = [r for r in built if len(codec.encode(r.prompt)) + r.max_tokens <= room]
+    reqs = [
+        dataclasses.replace(r, rid=k, arrival=at.arrival)
+        for k, (r, at) in enumerate(zip(fits[: cfg.requests], built, strict=False))
+    ]
     bounds = Bounds(max_requests=cfg.requests, duration_s=3600, drain_timeout_s=600)
     with serve_in_thread(create_app(state)) as url:
         run = run_load(reqs, Target(base=url, model=name, ignore_eos=True), bounds)
