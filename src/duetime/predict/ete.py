@@ -98,7 +98,7 @@ def fit_batch_cost(
     sum of steps, which is what a request lives through and what a forecast or a
     simulation adds up, comes out short by the mean-over-median gap: a simulated
     two-backend fleet ran 6-15 % faster than the real one on the uncalibrated online
-    fits (docs/fleet.md).
+    fits (docs/fleet-real.md).
     """
     if len(samples) < 6:
         raise ValueError(f"need at least 6 timed steps to fit 6 coefficients, got {len(samples)}")
