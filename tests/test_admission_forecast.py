@@ -297,6 +297,10 @@ def test_bench_admission_serves_one_load_per_mode(tmp_path: Path) -> None:
     assert estimate["forecast_over_actual_p50"] is None
     assert 0 <= forecast["hit_rate_of_accepted"] <= 1
     assert [r["mode"] for r in fig["runs"]] == ["forecast", "estimate"]
+    pairs = fig["runs"][0]["forecast_pairs"]  # each forecast beside what the request lived
+    assert len(pairs) == fig["runs"][0]["with_forecast"] >= 1
+    assert all(p["predicted_e2e_ms"] > 0 and p["e2e_ms"] > 0 for p in pairs)
+    assert [p["arrival_s"] for p in pairs] == sorted(p["arrival_s"] for p in pairs)
     assert "goodput_met_req_s_forecast_vs_estimate" in fig["ratios"]
     assert "hit_rate_of_accepted" in res.output
 

@@ -259,11 +259,10 @@ def _accepted_figures(sent: Sequence[Outcome], span_s: float | None) -> dict[str
         for o in served
         if o.server and o.server.get("predicted_tokens") is not None
     ]
-    pairs = [
-        (o.server["predicted_e2e_ms"], o.server["e2e_ms"])
-        for o in served
-        if o.server and o.server.get("predicted_e2e_ms") and o.server.get("e2e_ms")
+    forecast = [
+        o for o in served if o.server and o.server.get("predicted_e2e_ms") and o.server.get("e2e_ms")
     ]
+    pairs = [(o.server["predicted_e2e_ms"], o.server["e2e_ms"]) for o in forecast if o.server]
     out: dict[str, Any] = {
         "accepted": len(served),
         "met": met,
@@ -284,6 +283,18 @@ def _accepted_figures(sent: Sequence[Outcome], span_s: float | None) -> dict[str
         # the figures `duetime validate` gives for the simulator, for the server's forecasts
         out["e2e_forecast_err_median_pct"] = 100 * statistics.median(errors)
         out["e2e_forecast_err_p90_pct"] = 100 * float(np.percentile(errors, 90))
+        # each request's forecast beside what it lived, in arrival order (JSON only):
+        # where the error comes from (prompt, answer, when it came) is read off these
+        out["forecast_pairs"] = [
+            {
+                "arrival_s": round(o.request.arrival, 3),
+                "prompt_tokens": o.request.prompt_len,
+                "answer_tokens": o.output_tokens,
+                "predicted_e2e_ms": p,
+                "e2e_ms": a,
+            }
+            for o, (p, a) in zip(forecast, pairs, strict=True)
+        ]
     return out
 
 

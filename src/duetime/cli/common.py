@@ -118,6 +118,9 @@ LogLevelOpt = Annotated[
 ]
 #: After SIGTERM / Ctrl-C a server waits this long for open requests, then closes them:
 #: without a bound, one client that sent half a request kept it running forever.
+#: Where `duetime serve` and `duetime gateway` listen.
+HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
+PortOpt = Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")]
 ShutdownTimeoutOpt = Annotated[
     int,
     typer.Option(

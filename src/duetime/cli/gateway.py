@@ -12,7 +12,9 @@ import typer
 
 from duetime.cli.common import (
     HeaderTimeoutOpt,
+    HostOpt,
     LogLevelOpt,
+    PortOpt,
     ShutdownTimeoutOpt,
     _user_errors,
     app,
@@ -87,8 +89,8 @@ def gateway(
     backend: Annotated[
         list[str], typer.Option(help="A backend's base URL (repeat): http://127.0.0.1:8001.")
     ] = [],  # noqa: B006 - typer needs a literal default
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")] = 8000,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8000,
     max_inflight: Annotated[int, typer.Option(min=1, help="Requests in flight per backend.")] = 8,
     max_queue: Annotated[int, typer.Option(min=1, help="Waiting requests before 429.")] = 1024,
     health_interval: Annotated[

@@ -11,7 +11,9 @@ import typer
 from duetime.cli.common import (
     DtypeOpt,
     HeaderTimeoutOpt,
+    HostOpt,
     LogLevelOpt,
+    PortOpt,
     ShutdownTimeoutOpt,
     ThreadsOpt,
     _fail,
@@ -35,8 +37,8 @@ def serve(
     policy_args: Annotated[
         str | None, typer.Option(help='Policy keyword arguments as JSON: \'{"overrun": "kill"}\'.')
     ] = None,
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")] = 8000,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8000,
     served_model_name: Annotated[
         str | None, typer.Option(help="The model id clients send (default from the model).")
     ] = None,

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from duetime.cli.bench.options import SeedOpt
+from duetime.cli.bench.options import SeedOpt, ServedModelOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import (
     JsonOpt,
@@ -23,9 +23,7 @@ from duetime.cli.common import (
 
 @bench_app.command("fleet-real")
 def bench_fleet_real(
-    model: Annotated[
-        str, typer.Option(help="gemma (real), tiny (random, seconds) or a Gemma 3 GGUF path.")
-    ] = "gemma",
+    model: ServedModelOpt = "gemma",
     replicas: Annotated[int, typer.Option(min=1, help="`duetime serve` backends.")] = 2,
     threads_per_replica: Annotated[int, typer.Option(min=1, help="Threads of each backend.")] = 1,
     routers: Annotated[
