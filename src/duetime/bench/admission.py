@@ -260,7 +260,9 @@ def _accepted_figures(sent: Sequence[Outcome], span_s: float | None) -> dict[str
         if o.server and o.server.get("predicted_tokens") is not None
     ]
     forecast = [
-        o for o in served if o.server and o.server.get("predicted_e2e_ms") and o.server.get("e2e_ms")
+        o
+        for o in served
+        if o.server and o.server.get("predicted_e2e_ms") and o.server.get("e2e_ms")
     ]
     pairs = [(o.server["predicted_e2e_ms"], o.server["e2e_ms"]) for o in forecast if o.server]
     out: dict[str, Any] = {
