@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from duetime.core.cost import LinearStepCost
 from duetime.core.router import Route
 from duetime.routers import make_router
 from duetime.server.gateway import Ask, Backend, GatewayConfig, create_gateway_app
+from duetime.server.ports import free_port
 from duetime.server.threaded import serve_in_thread
 from tests.factories import prometheus_samples
 from tests.gateway_choice import offer, routed
@@ -127,14 +127,10 @@ def test_cli_refuses_bad_backends() -> None:
 
 
 # --- end to end --------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_backend() -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [str(DUETIME), "serve", "--model", "tiny", "--port", str(port)]
     cmd += ["--predictor", "none", "--log-level", "warning", "--threads", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -15,14 +15,15 @@ import httpx
 import pytest
 
 from duetime.server.gateway import GatewayConfig, create_gateway_app
+from duetime.server.ports import free_port
 from duetime.server.threaded import serve_in_thread
-from tests.test_gateway import DUETIME, _free_port, _wait_healthy
+from tests.test_gateway import DUETIME, _wait_healthy
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
 def _start_gemma() -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [str(DUETIME), "serve", "--model", "gemma", "--port", str(port), "--threads", "1"]
     cmd += ["--predictor", "none", "--log-level", "warning"]
     cmd += ["--max-num-seqs", "4", "--max-batch-tokens", "256"]  # given: no start-up sizing

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typer.testing import CliRunner
 from duetime.cli import app as cli_app
 from duetime.core.cost import LinearStepCost
 from duetime.server.app import create_app
+from duetime.server.ports import free_port
 from duetime.server.probe_http import StreamTiming, base_url, discover, negotiate
 from duetime.server.probe_profile import ProbeGrid, decode_samples
 from duetime.server.threaded import serve_in_thread
@@ -26,12 +26,6 @@ from tests.test_server import _state
 
 #: A grid small enough for a test on a busy 2-core machine (the CLI's --quick is larger).
 TINY_GRID = ProbeGrid(prompts=(8, 24, 48), concurrencies=(2, 3), output_tokens=8, reps=3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fake(*, refuse_ignore_eos: bool) -> FastAPI:
@@ -154,7 +148,7 @@ def test_profile_url_fits_a_tiny_duetime_serve(tmp_path: Path, monkeypatch) -> N
 
 def test_unreachable_and_foreign_servers_are_clear_errors(tmp_path: Path) -> None:
     runner = CliRunner()
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     res = runner.invoke(cli_app, ["profile", "--url", dead, "--out", str(tmp_path / "p.json")])
     assert res.exit_code == 2
     assert dead in res.output

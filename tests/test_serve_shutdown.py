@@ -19,7 +19,8 @@ import time
 import httpx
 import pytest
 
-from tests.test_gateway import DUETIME, _free_port, _start_backend, _wait_healthy
+from duetime.server.ports import free_port
+from tests.test_gateway import DUETIME, _start_backend, _wait_healthy
 
 #: Headers and the start of a body that never comes: the connection stays open.
 _HALF_REQUEST = (
@@ -75,12 +76,12 @@ def test_sigterm_lets_a_streamed_answer_finish_then_exits() -> None:
 def test_a_half_sent_request_delays_shutdown_only_by_the_shutdown_timeout(command: str) -> None:
     if not DUETIME.exists():
         pytest.skip("the duetime console script is not installed next to the interpreter")
-    port = _free_port()
+    port = free_port()
     cmd = [str(DUETIME), command, "--port", str(port), "--shutdown-timeout", "1"]
     if command == "serve":
         cmd += ["--model", "tiny", "--predictor", "none", "--threads", "1"]
     else:  # a gateway starts with its backend down; it probes on
-        cmd += ["--backend", f"http://127.0.0.1:{_free_port()}"]
+        cmd += ["--backend", f"http://127.0.0.1:{free_port()}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

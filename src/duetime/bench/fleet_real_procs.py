@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,8 @@ from types import FrameType
 from typing import Any
 
 import httpx
+
+from duetime.server.ports import free_port
 
 __all__ = ["FleetStartError", "LocalProcesses", "Started", "free_port"]
 
@@ -74,13 +75,6 @@ class Started:
             return ""
         kept = [line for line in text.splitlines() if line.strip()][-lines:]
         return " | ".join(line.strip() for line in kept)
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (the child binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalProcesses:

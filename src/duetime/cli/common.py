@@ -142,13 +142,9 @@ HeaderTimeoutOpt = Annotated[
 
 def bound_port(host: str, port: int) -> int:
     """``port``, or for 0 a free one picked now, so the URL printed is the one served."""
-    if port != 0:
-        return port
-    import socket
+    from duetime.server.ports import free_port
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return port if port != 0 else free_port(host)
 
 
 def parse_confidence(text: str, option: str) -> float | None:
