@@ -338,6 +338,27 @@ def test_bench_admission_compares_served_lengths_with_the_predictors(
     assert "goodput_met_req_s_served_vs_predictor" in fig["ratios"]
 
 
+def test_bench_admission_with_ignore_eos_knows_every_length(tmp_path: Path) -> None:
+    """Every answer runs to its max_tokens: the forecasts' lengths are exact."""
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    path = tmp_path / "eos.json"
+    args = ["bench", "admission", "--model", "tiny", "--rate", "20", "--duration", "2"]
+    args += ["--deadline", "5", "--max-tokens", "64", "--max-context", "150", "--modes"]
+    args += ["forecast", "--fixed-max-tokens", "24", "--ignore-eos", "--predictor", "none"]
+    args += ["--threads", "1", "--json", str(path)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "ignore-EOS" in res.output
+    fig = json.loads(path.read_text())
+    assert fig["ignore_eos"] is True
+    pairs = fig["runs"][0]["forecast_pairs"]
+    assert pairs
+    assert {p["answer_tokens"] for p in pairs} == {24}
+
+
 def test_bench_admission_refuses_an_unknown_mode_before_loading() -> None:
     from tests.factories import cli_refused
 

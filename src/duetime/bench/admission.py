@@ -69,6 +69,9 @@ class AdmissionBenchConfig:
     max_tokens: int = 256
     max_context: int = 2048  # longest prompt + answer, Gemma tokens (pairs past it left out)
     fixed_max_tokens: int | None = None  # every request's max_tokens (None: its answer's length)
+    #: Every answer runs to its max_tokens: the forecast then knows each length, and its
+    #: error is the step-cost model's and the arrivals' it cannot see, not the lengths'.
+    ignore_eos: bool = False
     lengths: Sequence[str] = ("served",)  # served: corrected by the model's answers; predictor
     # the server's --deadline-confidence for the forecast arms (None: the plain forecast)
     confidences: Sequence[float | None] = (DEFAULT_CONFIDENCE,)
@@ -232,7 +235,7 @@ def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], arm: Arm) 
         concurrency=1024,
     )
     with serve_in_thread(create_app(state)) as url:
-        run = run_load(reqs, Target(base=url, model=name), bounds)
+        run = run_load(reqs, Target(base=url, model=name, ignore_eos=cfg.ignore_eos), bounds)
     row = summarize_run(run)
     row.update(_accepted_figures(run.sent, row.get("span_s")))
     walls = list(state.admission.forecast_walls)
@@ -325,6 +328,7 @@ def run_admission_bench(
         "deadline_s": cfg.deadline_s,
         "max_tokens": cfg.max_tokens,
         "fixed_max_tokens": cfg.fixed_max_tokens,
+        "ignore_eos": cfg.ignore_eos,
         "lengths": list(cfg.lengths),
         "deadline_confidences": list(cfg.confidences),
         "burst_gaps_s": list(cfg.burst_gaps),

@@ -63,6 +63,14 @@ def bench_admission(
             "limit) instead of its recorded answer's length.",
         ),
     ] = None,
+    ignore_eos: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-eos",
+            help="Every answer runs to its max_tokens: the forecasts know the lengths, so "
+            "their error is the step-cost model's and the unseen arrivals'.",
+        ),
+    ] = False,
     lengths: Annotated[
         str,
         typer.Option(
@@ -111,6 +119,7 @@ def bench_admission(
             max_tokens=max_tokens,
             max_context=max_context,
             fixed_max_tokens=fixed_max_tokens,
+            ignore_eos=ignore_eos,
             lengths=[n.strip() for n in lengths.split(",") if n.strip()],
             confidences=[
                 parse_confidence(c.strip(), "--confidences")
@@ -132,6 +141,8 @@ def bench_admission(
     title = f"{fig['model']}, {policy}: {rate}/s for {duration:g} s, deadline {deadline:g} s"
     if fixed_max_tokens is not None:
         title += f", max_tokens {fixed_max_tokens}"
+    if ignore_eos:
+        title += ", ignore-EOS"
     if arrival != "poisson":
         title += f", {arrival} of {burst_size}"
     out.print(render_table(list(fig["summary"].items()), keys=TABLE_KEYS, title=title))
