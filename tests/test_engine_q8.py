@@ -151,7 +151,7 @@ def test_q8_decode_stays_close_to_fp32(hf) -> None:
 def test_q8_output_layer_ranks_with_the_kernel_for_two_rows_and_int8_gemms_beyond(hf) -> None:
     """The output layer's ranking product: the int8 kernel for 1-2 rows, fbgemm's int8
     GEMM from 3 (faster there on the real 262,144-row weight) and, where the CPU has
-    AMX, oneDNN's from 12; the layers keep 8."""
+    AMX or VNNI, oneDNN's from 12; the layers keep 8."""
     from duetime.engine.linear import Q8_HEAD_MAX_ROWS, ByRows, Int8Linear, RescoredInt8Head
     from duetime.engine.onednn_int8 import (
         ONEDNN_HEAD_MIN_ROWS,
@@ -189,7 +189,7 @@ def test_onednn_int8_product_is_close_to_fp32() -> None:
     from duetime.engine.onednn_int8 import OneDnnInt8Linear, onednn_int8_available
 
     if not onednn_int8_available():
-        pytest.skip("oneDNN's int8 linear needs AMX tiles here")
+        pytest.skip("oneDNN's int8 linear needs AMX tiles or VNNI here")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(512, 64, generator=g)
     x = torch.randn(16, 64, generator=g)

@@ -54,7 +54,7 @@ class ProfileGrid:
     """Shapes to time. ``max_setup_tokens`` bounds D·L so set-up stays short."""
 
     prompt_lens: Sequence[int] = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
-    # every kernel regime (1-2, 3-4, 5-8, 9-11 and 12+ rows for Gemma q8 on an AMX CPU) gets
+    # every kernel regime (1-2, 3-4, 5-8, 9-11 and 12+ rows for Gemma q8 on an AMX or VNNI CPU) gets
     # two batch sizes or more
     batches: Sequence[int] = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
     contexts: Sequence[int] = (32, 256, 1024)

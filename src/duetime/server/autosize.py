@@ -145,7 +145,7 @@ def measure_step_cost(
     """Time the model's own steps and fit the step-cost model ``duetime profile`` fits.
 
     Each batch in ``batches`` (two or more in each kernel regime of Gemma q8: 1-2,
-    3-4, 5-8, 9-11 and 12+ rows, the last where the CPU has AMX) is prefilled with
+    3-4, 5-8, 9-11 and 12+ rows, the last where the CPU has AMX or VNNI) is prefilled with
     ``context``-token prompts (untimed), then decodes ``reps`` timed steps; each prompt
     length in ``prompts`` is prefilled alone ``reps`` times. A first, untimed cell warms
     the kernels up (their first call builds or loads them). The fit
