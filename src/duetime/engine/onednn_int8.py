@@ -19,6 +19,7 @@ unsigned 8 bits around 128 with the full 7-bit range each side: neither AMX nor 
 ``reduce_range``. The weight is int8 per output channel, packed once at load by
 ``onednn::qlinear_prepack``.
 """
+
 from __future__ import annotations
 
 import torch
