@@ -18,10 +18,11 @@ import pytest
 from typer.testing import CliRunner
 
 from duetime.bench.fleet_real_compare import compare
-from duetime.bench.fleet_real_procs import FleetStartError, LocalProcesses, free_port
+from duetime.bench.fleet_real_procs import FleetStartError, LocalProcesses
 from duetime.cli import app
 from duetime.core.record import RequestRecord
 from duetime.core.request import Request
+from duetime.server.ports import free_port
 from tests.factories import cli_refused
 
 TINY = ["--model", "tiny", "--max-num-seqs", "4", "--max-batch-tokens", "128"]

@@ -19,7 +19,7 @@ import httpx
 
 from duetime.bench.fleet import CLASSES
 from duetime.bench.fleet_real_compare import run_row
-from duetime.bench.fleet_real_procs import FleetStartError, LocalProcesses, Started, free_port
+from duetime.bench.fleet_real_procs import FleetStartError, LocalProcesses, Started
 from duetime.core.cost import CostModelError
 from duetime.policies import make_policy
 from duetime.routers import make_router
@@ -27,6 +27,7 @@ from duetime.server.gateway_profiles import cost_of
 from duetime.server.load_report import to_record
 from duetime.server.load_workload import LoadRequest, LoadWorkload
 from duetime.server.loadgen import Bounds, LoadRun, Target, run_load, run_load_async
+from duetime.server.ports import free_port
 from duetime.sim.fleet import ReplicaSpec
 from duetime.sim.fleet_build import replica
 

@@ -29,9 +29,7 @@ from typing import Any
 
 import httpx
 
-from duetime.server.ports import free_port
-
-__all__ = ["FleetStartError", "LocalProcesses", "Started", "free_port"]
+__all__ = ["FleetStartError", "LocalProcesses", "Started"]
 
 #: What runs `duetime` in a child: this interpreter, so the child runs this code
 #: (the PYTHONPATH in the environment included), not whatever `duetime` is on PATH.

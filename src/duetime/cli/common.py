@@ -116,11 +116,11 @@ def _log_level(value: str) -> str:
 LogLevelOpt = Annotated[
     str, typer.Option(help=f"uvicorn log level: {', '.join(_LOG_LEVELS)}.", callback=_log_level)
 ]
-#: After SIGTERM / Ctrl-C a server waits this long for open requests, then closes them:
-#: without a bound, one client that sent half a request kept it running forever.
 #: Where `duetime serve` and `duetime gateway` listen.
 HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
 PortOpt = Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")]
+#: After SIGTERM / Ctrl-C a server waits this long for open requests, then closes them:
+#: without a bound, one client that sent half a request kept it running forever.
 ShutdownTimeoutOpt = Annotated[
     int,
     typer.Option(

@@ -254,7 +254,7 @@ class EngineLoop(LoopOutcomes):
         # round, not the forward pass alone: admitting, scheduling and handing out the
         # tokens are part of each step's pace as a request lives it: a two-backend
         # fleet simulated on forward times alone ran 11-18 % faster than the real one,
-        # on the rounds 6-15 %, on rounds summed to their total within 2 % (the fit's
+        # on the rounds 6-15 %, on rounds summed to their total -2 to +5 % (the fit's
         # sum_calibrated; docs/fleet-real.md).
         if shape is not None:
             _, prefill, decoders, kv, attn = shape

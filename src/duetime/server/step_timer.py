@@ -6,9 +6,8 @@ step-cost model `duetime profile` fits (:func:`duetime.predict.ete.fit_batch_cos
 the linear terms plus a band per kernel regime the engine reports, minimising
 the mean absolute relative error, then scaled so that it sums the window's steps
 to their measured total: what it prices are sums of steps) over its most recent
-steps. Until enough
-steps are seen, a given profile (or the steps timed at start, or nothing:
-admission then accepts everything it cannot judge) stands in.
+steps. Until enough steps are seen, a given profile (or the steps timed at start,
+or nothing: admission then accepts everything it cannot judge) stands in.
 """
 
 from __future__ import annotations
