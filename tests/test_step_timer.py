@@ -48,6 +48,16 @@ def test_the_servers_timer_fits_on_its_own_thread_and_reports_the_model_once() -
     assert not any(t.name == "duetime-step-fit" and t.is_alive() for t in threading.enumerate())
 
 
+def test_closing_with_a_fit_asked_for_leaves_no_fit_to_wait_for() -> None:
+    """The server shuts down right after a fit was asked for: the fit is dropped or
+    finished, and waiting for the fitter returns at once instead of timing out."""
+    for _ in range(20):  # the fitter may or may not have taken the rows before close()
+        timer = StepTimer(min_steps=16, refit_every=32, background=True)
+        _feed(timer, 16)
+        timer.close()
+        assert timer.wait_idle(timeout_s=2.0)
+
+
 def test_fits_wait_at_least_the_interval() -> None:
     timer = StepTimer(min_steps=16, refit_every=8, min_interval_s=3600.0)
     fits = _feed(timer, 100)

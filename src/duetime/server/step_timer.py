@@ -146,6 +146,8 @@ class StepTimer:
                     self._wake.wait()
                 rows, self._pending = self._pending, None
                 if self._closed or rows is None:
+                    self._fitting = False  # a fit asked for and dropped: none is running
+                    self._wake.notify_all()
                     return
             try:
                 self._fit(rows)
