@@ -33,14 +33,19 @@ inline void prefetch_row(const T* p, int64_t from, int64_t n) {
 }
 
 // Scores of NR query rows q[r] (row stride D) against S keys of T (fp32 or bf16; row stride
-// ks): p[r * S + j] = scale * q_r . k_j. Each key is read once for all NR rows.
+// ks): p[r * S + j] = scale * q_r . k_j. Each key is read once for all NR rows. The value
+// rows v (row stride vs) that the weighted sum reads next are fetched into L2 meanwhile: the
+// scores keep the core busy while the values arrive (the score pass is bound by its FMAs,
+// the weighted sum by DRAM when it fetches them itself).
 template <int NR, typename T>
-void scores(const float* q, const T* k, int64_t ks, int64_t S, int64_t D, float scale, float* p) {
+void scores(const float* q, const T* k, int64_t ks, int64_t S, int64_t D, float scale, float* p,
+            const T* v, int64_t vs) {
   const int64_t D8 = D - D % 8;
   for (int64_t j = 0; j < S; ++j) {
     const T* kj = k + j * ks;
     if (j + PREFETCH < S)  // the key rows a few ahead: DRAM, not the core, sets the pace
       prefetch_row<_MM_HINT_T0>(kj + PREFETCH * ks, 0, D);
+    prefetch_row<_MM_HINT_T1>(v + j * vs, 0, D);
     __m256 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D8; d += 8) {
@@ -126,7 +131,7 @@ void weighted(const float* p, const T* v, int64_t vs, int64_t S, int64_t D, floa
 template <int NR, typename T>
 void attend_group(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t S,
                   int64_t D, float scale, float* p, float* out, float* m, float* l) {
-  scores<NR>(q, k, ks, S, D, scale, p);
+  scores<NR>(q, k, ks, S, D, scale, p, v, vs);
   for (int r = 0; r < NR; ++r) std::tie(m[r], l[r]) = exp_in_place(p + r * S, S);
   weighted<NR>(p, v, vs, S, D, out);
 }
