@@ -145,7 +145,7 @@ def test_step_checks_its_inputs(hf) -> None:
 
 @pytest.mark.parametrize(("rows", "vocab", "k"), [(1, 4096, 32), (5, 8192, 32), (3, 1000, 8)])
 def test_grouped_topk_finds_the_same_values_as_torch_topk(rows, vocab, k) -> None:
-    from duetime.engine.linear import topk_indices
+    from duetime.engine.rescored_head import topk_indices
 
     g = torch.Generator().manual_seed(rows)
     logits = torch.randn(rows, vocab, generator=g)

@@ -17,8 +17,9 @@ import torch
 
 from duetime.engine import SeqChunk, q4_rank
 from duetime.engine.executor import EngineExecutor
-from duetime.engine.linear import Q8Linear, RescoredInt8Head
+from duetime.engine.linear import Q8Linear
 from duetime.engine.q4_rank import GROUP, q4_available, q4_linear, quantize_q4
+from duetime.engine.rescored_head import RescoredInt8Head
 from duetime.engine.sampling import Sampler, SamplingParams
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from tests.factories import on_threads

@@ -152,12 +152,13 @@ def test_q8_output_layer_ranks_with_the_kernel_for_two_rows_and_int8_gemms_beyon
     """The output layer's ranking product: the int8 kernel for 1-2 rows, fbgemm's int8
     GEMM from 3 (faster there on the real 262,144-row weight) and, where the CPU has
     AMX or VNNI, oneDNN's from 12; the layers keep 8."""
-    from duetime.engine.linear import Q8_HEAD_MAX_ROWS, ByRows, Int8Linear, RescoredInt8Head
+    from duetime.engine.linear import Q8_HEAD_MAX_ROWS, ByRows, Int8Linear
     from duetime.engine.onednn_int8 import (
         ONEDNN_HEAD_MIN_ROWS,
         OneDnnInt8Linear,
         onednn_int8_available,
     )
+    from duetime.engine.rescored_head import RescoredInt8Head
 
     model = engine_from_hf(hf, "q8")
     head = model.lm_head

@@ -18,7 +18,7 @@ import torch
 from duetime.cpu import cpu_name
 from duetime.engine.config import Gemma3Config
 from duetime.engine.gemma3 import Gemma3
-from duetime.engine.linear import RescoredInt8Head
+from duetime.engine.rescored_head import RescoredInt8Head
 
 __all__ = [
     "cpu_name",

@@ -14,7 +14,8 @@ from __future__ import annotations
 from duetime.core.cost_bands import CostRegimes
 from duetime.engine.decode_loop import MANY_ROWS
 from duetime.engine.gemma3 import Gemma3
-from duetime.engine.linear import ByRows, Q8Linear, RescoredInt8Head
+from duetime.engine.linear import ByRows, Q8Linear
+from duetime.engine.rescored_head import RescoredInt8Head
 
 __all__ = ["regimes_of", "regimes_of_any", "traced_paths", "unpriced_switches"]
 

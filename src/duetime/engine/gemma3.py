@@ -38,7 +38,6 @@ from duetime.engine.linear import (
     Int8Linear,
     Linear,
     PackedLinear,
-    RescoredInt8Head,
     packed_available,
     q8_or,
 )
@@ -47,6 +46,7 @@ from duetime.engine.norm_kernel import make_norms
 from duetime.engine.obs_window import watched_rows
 from duetime.engine.onednn_int8 import int8_rank
 from duetime.engine.q4_rank import q4_available, quantize_q4
+from duetime.engine.rescored_head import RescoredInt8Head
 from duetime.engine.step_attention import attend_layer
 
 __all__ = ["DTYPES", "Dtype", "Gemma3"]

@@ -44,7 +44,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from duetime.engine.q4_rank import Q4_RANK_MAX_ROWS, Q4Weight, q4_linear
 from duetime.engine.q8_kernel import Q8Weight, q8_available, q8_linear, quantize_q8
 
 __all__ = [
@@ -57,12 +56,11 @@ __all__ = [
     "Linear",
     "PackedLinear",
     "Q8Linear",
-    "RescoredInt8Head",
     "int8_available",
     "packed_available",
     "q8_or",
     "row_scaled",
-    "topk_indices",
+    "weight_bytes_read",
 ]
 
 
@@ -205,94 +203,6 @@ def row_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-class RescoredInt8Head:
-    """Int8 output layer whose ``k`` best logits per row are recomputed in fp32.
-
-    The int8 product ranks the vocabulary (a quarter of the fp32 bytes, ~3x
-    faster at one row); the ``k`` top candidates of each row are then scored
-    exactly against the fp32 ``weight`` (a ``[k, hidden]`` gather per row) and
-    written back. The arg-max (and any top-k ≤ ``k`` sampler) therefore sees
-    fp32 values unless the true best token falls outside the int8 top ``k``;
-    logits outside the candidates stay int8 approximations.
-
-    ``rank``: the approximate product that ranks the vocabulary (default: fbgemm
-    :class:`Int8Linear`; ``q8`` passes a :class:`Q8Linear`).
-
-    ``coarse``: an int4 copy of the weight (:mod:`duetime.engine.q4_rank`) that
-    ranks instead when the caller reads only each row's arg-max
-    (``argmax_only``) and the step has at most ``coarse_rows`` rows; its top
-    ``coarse_k`` (64) are re-scored, and the logits outside them are int4
-    approximations. ``coarse_enabled = False`` keeps the int8 ranking always.
-    """
-
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        k: int = 32,
-        *,
-        rank: Linear | None = None,
-        coarse: Q4Weight | None = None,
-        coarse_rows: int = Q4_RANK_MAX_ROWS,
-        coarse_k: int = 64,
-    ) -> None:
-        self.weight = weight.detach().float().contiguous()
-        self._int8: Linear = rank if rank is not None else Int8Linear(self.weight)
-        self.k = min(k, self.weight.shape[0])
-        self.coarse = coarse
-        self.coarse_rows = coarse_rows
-        self.coarse_k = min(coarse_k, self.weight.shape[0])
-        self.coarse_enabled = coarse is not None
-        self.dtype = torch.float32
-        self.out_features = self.weight.shape[0]
-        self.nbytes = self._int8.nbytes  # + k fp32 rows per token, negligible
-
-    def _coarse_for(self, rows: int, argmax_only: bool) -> Q4Weight | None:
-        if argmax_only and self.coarse_enabled and rows <= self.coarse_rows:
-            return self.coarse
-        return None
-
-    def bytes_read(self, rows: int, argmax_only: bool = False) -> int:
-        """Weight bytes a product over ``rows`` rows reads (for rooflines)."""
-        coarse = self._coarse_for(rows, argmax_only)
-        return coarse.nbytes if coarse is not None else _bytes_read(self._int8, rows)
-
-    def __call__(self, x: torch.Tensor, *, argmax_only: bool = False) -> torch.Tensor:
-        x = x.float()
-        coarse = self._coarse_for(x.shape[0], argmax_only)
-        if coarse is not None:
-            logits, k = q4_linear(x, coarse), self.coarse_k
-        else:
-            logits, k = self._int8(x), self.k
-        idx = topk_indices(logits, k)  # [n, k]
-        exact = torch.bmm(self.weight[idx], x[:, :, None])[:, :, 0]  # [n, k]
-        return logits.scatter_(1, idx, exact)
-
-
-_TOPK_GROUP = 128
-
-
-def topk_indices(logits: torch.Tensor, k: int, group: int = _TOPK_GROUP) -> torch.Tensor:
-    """Indices ``[n, k]`` of each row's ``k`` largest values (unordered), via group maxima.
-
-    ``torch.topk`` over 262,144 logits took 5.2 ms for 16 rows here; this takes
-    0.8 ms: each row is cut into groups of ``group`` values, the ``k`` groups
-    with the largest maxima are kept, and ``topk`` runs over their ``k·group``
-    values only. Exact: a value among the row's top ``k`` has at most ``k − 1``
-    larger values, so at most ``k − 1`` groups have a larger maximum than its
-    group's, which is therefore among the top ``k`` groups (ties between equal
-    values may pick a different but equal-valued index). Rows whose length is
-    not a multiple of ``group`` (tiny test vocabularies) use ``torch.topk``.
-    """
-    n, v = logits.shape
-    if v % group or v // group < k:
-        return logits.topk(k, dim=-1, sorted=False).indices
-    blocks = logits.view(n, v // group, group)
-    top_groups = blocks.amax(-1).topk(k, dim=-1, sorted=False).indices  # [n, k]
-    cand = blocks.gather(1, top_groups[:, :, None].expand(n, k, group)).view(n, k * group)
-    inner = cand.topk(k, dim=-1, sorted=False).indices  # [n, k] into the candidates
-    return top_groups.gather(1, inner // group) * group + inner % group
-
-
 # Rows up to which Q8Linear uses the int8 kernel. Interleaved microbenchmarks on
 # this 2-core machine (docs/engine-kernels.md) had the kernel ahead of packed fp32 up to
 # 16 rows for the layer matmuls; beyond a few rows the product turns compute-bound
@@ -335,7 +245,7 @@ class Q8Linear:
 
     def bytes_read(self, rows: int) -> int:
         """Weight bytes a product over ``rows`` rows reads (for rooflines)."""
-        return self.q.nbytes if rows <= self.max_rows else _bytes_read(self.fallback, rows)
+        return self.q.nbytes if rows <= self.max_rows else weight_bytes_read(self.fallback, rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.max_rows:
@@ -371,12 +281,14 @@ class ByRows:
 
     def bytes_read(self, rows: int) -> int:
         """Weight bytes a product over ``rows`` rows reads (for rooflines)."""
-        return _bytes_read(self.few if rows <= self.max_rows else self.many, rows)
+        return weight_bytes_read(self.few if rows <= self.max_rows else self.many, rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.few(x) if x.shape[0] <= self.max_rows else self.many(x)
 
 
-def _bytes_read(lin: Linear, rows: int) -> int:
+def weight_bytes_read(lin: Linear, rows: int) -> int:
+    """Weight bytes a product of ``lin`` over ``rows`` rows reads (its ``bytes_read`` where it
+    has one, else all its bytes)."""
     fn = getattr(lin, "bytes_read", None)
     return int(fn(rows)) if fn is not None else lin.nbytes

@@ -4,7 +4,7 @@ Why: at batch 1 the output layer is most of the bytes a decode step reads
 (Gemma 3 270M: 262,144 x 640, 168 MB in int8 against 103 MB for all the
 layers), and a decode step is bound by memory. Greedy decoding reads just one
 token per row, and the output layer already re-scores its top candidates in
-fp32 (:class:`~duetime.engine.linear.RescoredInt8Head`), so the ranking that
+fp32 (:class:`~duetime.engine.rescored_head.RescoredInt8Head`), so the ranking that
 picks those candidates may be coarser: int4 halves its bytes. On Gemma's real
 final hidden states (1,920 positions of ShareGPT prompts and answers) the fp32
 arg-max was inside the int4 top 64 at every position, and so were the fp32 top
