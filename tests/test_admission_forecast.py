@@ -196,13 +196,13 @@ def test_the_server_reports_its_forecast_and_refuses_a_full_batch(tmp_path: Path
     short one with a tight deadline is refused with the forecast's reason."""
     state, model, name = _slow_server(tmp_path, max_num_seqs=1)
     assert state.admission.mode == "forecast"
-    real_step = model.step
+    real_step = model.hidden_states  # the forward every step runs
 
     def slow_step(*args: object, **kwargs: object) -> object:
         time.sleep(STEP_S)  # the tiny model as slow as the prior says (refits agree)
         return real_step(*args, **kwargs)
 
-    model.step = slow_step  # type: ignore[method-assign]
+    model.hidden_states = slow_step  # type: ignore[method-assign]
     with serve_in_thread(create_app(state)) as url:
         body = {"model": name, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
         r = httpx.post(url + "/v1/completions", json={**body, "deadline_ms": 60_000}, timeout=30)

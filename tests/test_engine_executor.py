@@ -13,6 +13,7 @@ from duetime.core.request import Job, Request
 from duetime.core.snapshot import EngineSnapshot
 from duetime.engine import greedy_generate
 from duetime.engine.executor import EngineExecutor
+from duetime.engine.rescored_head import RescoredInt8Head
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies import make_policy
 from duetime.policies.base import QueuePolicy
@@ -213,20 +214,21 @@ def test_a_restarted_answer_is_replayed_not_resampled(model: Any) -> None:
         on_restart(seq)
 
     ex._on_restart = spy  # type: ignore[method-assign]
-    step = model.step
+    assert not isinstance(model.lm_head, RescoredInt8Head)  # every pick goes through logits
+    logits_of = model.logits
 
-    def drifted(chunks: Any, kv: Any, **kw: Any) -> torch.Tensor:
-        logits = step(chunks, kv, **kw)
+    def drifted(hidden: Any, **kw: Any) -> torch.Tensor:
+        logits = logits_of(hidden, **kw)
         if voided:  # after the first restart every argmax is token 7
             logits = logits.clone()
             logits[:, 7] = logits.max() + 1.0
         return logits
 
     try:
-        model.step = drifted
+        model.logits = drifted
         res = ex.run(jobs)
     finally:
-        del model.step
+        del model.logits
     assert voided
     for rid, before in voided.items():
         assert res.outputs[rid][: len(before)] == before

@@ -191,14 +191,19 @@ def test_executor_asks_for_argmax_only_steps_unless_a_row_samples(
     from duetime.policies import make_policy
 
     model = engine_from_hf(hf, "q8")
-    seen: list[bool] = []
-    step = model.step
+    seen: list[bool] = []  # per step: whether it read only each row's arg-max
+    step, greedy_step = model.step, model.greedy_step
 
     def spy(chunks: Any, kv: Any, **kw: Any) -> torch.Tensor:
         seen.append(kw.get("argmax_only", False))
         return step(chunks, kv, **kw)
 
+    def spy_greedy(chunks: Any, kv: Any, *args: Any) -> torch.Tensor:
+        seen.append(True)
+        return greedy_step(chunks, kv, *args)
+
     model.step = spy  # type: ignore[method-assign]
+    model.greedy_step = spy_greedy  # type: ignore[method-assign]
     ex = EngineExecutor(make_policy("fcfs"), model, kv_capacity=4096)
     req = Request(rid=0, arrival=0.0, prompt_len=5, prompt_token_ids=(5, 6, 7, 8, 9), max_tokens=6)
     greedy = Request(rid=1, arrival=0.0, prompt_len=3, prompt_token_ids=(4, 5, 6), max_tokens=6)

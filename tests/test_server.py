@@ -652,7 +652,7 @@ def test_admission_refuses_unreachable_deadlines(tmp_path: Path) -> None:
 def test_a_failing_step_fails_its_requests_and_the_server_goes_on() -> None:
     state = _state()
     ex = state.engine.executor
-    real_step = ex.model.step
+    real_step = ex.model.hidden_states  # the forward every step runs
     calls = {"n": 0}
 
     def flaky(*args: object, **kwargs: object) -> object:
@@ -661,7 +661,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on() -> None:
             raise RuntimeError("boom")
         return real_step(*args, **kwargs)
 
-    ex.model.step = flaky  # type: ignore[method-assign]  # the model is shared by rebuilt executors
+    ex.model.hidden_states = flaky  # type: ignore[method-assign]  # shared by rebuilt executors
     try:
         with serve_in_thread(create_app(state)) as url:
             body = {"model": MODEL, "prompt": "hi", "max_tokens": 5, "ignore_eos": True}
@@ -673,7 +673,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on() -> None:
             assert state.engine.stats.engine_errors == 1
             _idle(state)
     finally:
-        ex.model.step = real_step  # type: ignore[method-assign]
+        ex.model.hidden_states = real_step  # type: ignore[method-assign]
 
 
 def test_health_reports_a_hung_engine_and_recovers_when_it_moves() -> None:
@@ -681,14 +681,14 @@ def test_health_reports_a_hung_engine_and_recovers_when_it_moves() -> None:
     gateway kept routing to the hung backend until each request timed out."""
     state = _state(stall_after_s=1.0)
     ex = state.engine.executor
-    real_step = ex.model.step
+    real_step = ex.model.hidden_states  # the forward every step runs
     release = threading.Event()
 
     def hangs(*args: object, **kwargs: object) -> object:
         release.wait(30)
         return real_step(*args, **kwargs)
 
-    ex.model.step = hangs  # type: ignore[method-assign]
+    ex.model.hidden_states = hangs  # type: ignore[method-assign]
     try:
         with serve_in_thread(create_app(state)) as url:
             assert httpx.get(url + "/health").status_code == 200  # idle: nothing held
@@ -701,14 +701,14 @@ def test_health_reports_a_hung_engine_and_recovers_when_it_moves() -> None:
                     time.sleep(0.1)
                 assert r.status_code == 503
                 assert "stalled" in r.json()["status"]
-                ex.model.step = real_step  # type: ignore[method-assign]
+                ex.model.hidden_states = real_step  # type: ignore[method-assign]
                 release.set()
                 assert answer.result().status_code == 200
             assert httpx.get(url + "/health").status_code == 200
             _idle(state)
     finally:
         release.set()
-        ex.model.step = real_step  # type: ignore[method-assign]
+        ex.model.hidden_states = real_step  # type: ignore[method-assign]
 
 
 def test_serve_cli_rejects_bad_options() -> None:

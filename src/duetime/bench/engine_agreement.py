@@ -49,12 +49,12 @@ def agreement(
         kv = other.new_kv_cache()
         slot = kv.allocate()
         if decode:
-            rows = [other.step([SeqChunk(slot, p, 0)], kv, argmax_only=True)]
+            rows = [other.greedy_step([SeqChunk(slot, p, 0)], kv)]
             rows += [
-                other.step([SeqChunk(slot, [t], len(p) + i)], kv, argmax_only=True)
+                other.greedy_step([SeqChunk(slot, [t], len(p) + i)], kv)
                 for i, t in enumerate(c[:-1])
             ]
-            got = torch.cat(rows).argmax(-1)
+            got = torch.cat(rows)
         else:
             got = other.step([SeqChunk(slot, ids, 0)], kv, all_logits=True)[len(p) - 1 : -1]
             got = got.argmax(-1)

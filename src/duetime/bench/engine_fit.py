@@ -190,7 +190,7 @@ def time_shapes(
             chunks = [SeqChunk(s, ids(1), kv.seq_len(s)) for s in slots]
             chunks += [SeqChunk(s, ids(p), 0) for s, p in zip(new, prompts, strict=True)]
             t0 = clock()
-            model.step(chunks, kv, argmax_only=True)
+            model.greedy_step(chunks, kv)
             dt = clock() - t0
             for s in new:
                 kv.free(s)

@@ -82,7 +82,7 @@ class _EngineCell:
         for _ in range(n):
             chunks = [SeqChunk(s, [100], self.kv.seq_len(s)) for s in self.slots]
             t = time.perf_counter()
-            self.model.step(chunks, self.kv, argmax_only=True)  # greedy, as the server decodes
+            self.model.greedy_step(chunks, self.kv)  # greedy, as the server decodes
             out.append(time.perf_counter() - t)
         return out
 
@@ -91,7 +91,7 @@ def _prefill_s(model: Gemma3, ids: list[int]) -> float:
     kv = model.new_kv_cache()
     chunk = SeqChunk(kv.allocate(len(ids)), ids, 0)
     t = time.perf_counter()
-    model.step([chunk], kv, argmax_only=True)
+    model.greedy_step([chunk], kv)
     return time.perf_counter() - t
 
 

@@ -48,11 +48,11 @@ def _prefill(model: Gemma3, prompt: Sequence[int], chunk: int, window: int | Non
     slot = kv.allocate(len(prompt) + 1)
     if window is not None:
         kv.watch(slot, window)
-    logits = None
+    picked = None
     for a in range(0, len(prompt), chunk):
-        logits = model.step([SeqChunk(slot, prompt[a : a + chunk], a)], kv, argmax_only=True)
-    assert logits is not None, "empty prompt"
-    return kv, slot, int(logits[0].argmax())
+        picked = model.greedy_step([SeqChunk(slot, prompt[a : a + chunk], a)], kv)
+    assert picked is not None, "empty prompt"
+    return kv, slot, int(picked[0])
 
 
 def prefill_times(
@@ -115,8 +115,7 @@ def continuation(
     out = [tok]
     pos = len(prompt)
     while len(out) < n_new:
-        logits = model.step([SeqChunk(slot, [out[-1]], pos)], kv, argmax_only=True)
-        out.append(int(logits[0].argmax()))
+        out.append(int(model.greedy_step([SeqChunk(slot, [out[-1]], pos)], kv)[0]))
         pos += 1
     kv.free(slot)
     return out, evict_s

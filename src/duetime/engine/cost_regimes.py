@@ -85,7 +85,7 @@ def traced_paths(model: Gemma3, decoders: int, prompt: int = 0) -> frozenset[str
 
     sys.setprofile(record)
     try:
-        model.step(chunks, kv, argmax_only=True)
+        model.greedy_step(chunks, kv)
     finally:
         sys.setprofile(None)
     loop = model._loop

@@ -55,13 +55,21 @@ class EngineStep(LogitNeeds):
         scored = self._prompt_scoring(chunks)
         argmax_only, allowed = self._logit_needs(owners)
         t0 = self._clock()
+        model = self.model
         if scored:
-            hidden, batch = self.model.hidden_states(model_chunks, kv)
+            hidden, batch = model.hidden_states(model_chunks, kv)
             last = hidden[batch.last_rows]
-            logits = self.model.logits(last, argmax_only=argmax_only, allowed=allowed)
+        # plain greedy rows read nothing but their arg-max, so no row of logits is made
+        # (no row then has a sampler, grammar or log, the only readers of `logits` below)
+        if argmax_only and allowed is None:
+            picked = model.greedy(last) if scored else model.greedy_step(model_chunks, kv)
         else:
-            logits = self.model.step(model_chunks, kv, argmax_only=argmax_only, allowed=allowed)
-        next_ids = torch.argmax(logits, dim=-1).tolist()
+            if scored:
+                logits = model.logits(last, argmax_only=argmax_only, allowed=allowed)
+            else:
+                logits = model.step(model_chunks, kv, argmax_only=argmax_only, allowed=allowed)
+            picked = torch.argmax(logits, dim=-1)
+        next_ids = picked.tolist()
         dt = self._clock() - t0  # the step's own time: scoring the prompt is the client's extra
         for seq, row, positions in scored:
             self._score_prompt(seq, hidden[row : row + len(positions)], positions)

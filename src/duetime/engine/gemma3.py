@@ -326,6 +326,34 @@ class Gemma3:
                 out[i, ids] = self._capped(exact)
         return out
 
+    @torch.no_grad()
+    def greedy(
+        self, hidden: torch.Tensor, allowed: Sequence[torch.Tensor | None] | None = None
+    ) -> torch.Tensor:
+        """Each row's arg-max token, ``[rows]`` int64: what ``logits(hidden,
+        argmax_only=True, allowed=allowed).argmax(-1)`` picks, without a ``[rows, vocab]``
+        row of logits where the output layer ranks and re-scores
+        (:meth:`~duetime.engine.rescored_head.RescoredInt8Head.best`; the soft cap is
+        monotone, so it changes no arg-max)."""
+        head = self.lm_head
+        if not isinstance(head, RescoredInt8Head) or (
+            allowed is not None and any(ids is not None for ids in allowed)
+        ):
+            return self.logits(hidden, argmax_only=True, allowed=allowed).argmax(-1)
+        return head.best(self.norms.rms(hidden, self.final_norm))
+
+    @torch.no_grad()
+    def greedy_step(
+        self,
+        chunks: Sequence[SeqChunk],
+        kv: KVCache,
+        allowed: Sequence[torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`step` for plain greedy decoding: each chunk's next token, ``[chunks]``
+        int64 (:meth:`greedy`)."""
+        hidden, batch = self.hidden_states(chunks, kv)
+        return self.greedy(hidden[batch.last_rows], allowed)
+
     def _head(self, x: torch.Tensor, argmax_only: bool) -> torch.Tensor:
         head = self.lm_head
         if argmax_only and isinstance(head, RescoredInt8Head):

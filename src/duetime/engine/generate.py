@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from duetime.engine.batch import SeqChunk
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.kv_cache import KVCache
@@ -52,8 +50,7 @@ def greedy_generate(
                 else:
                     chunks.append(SeqChunk(slots[i], [out[i][-1]], kv.seq_len(slots[i])))
                 owners.append(i)
-            logits = model.step(chunks, kv, argmax_only=True)
-            next_ids = torch.argmax(logits, dim=-1).tolist()
+            next_ids = model.greedy_step(chunks, kv).tolist()
             for i, tok in zip(owners, next_ids, strict=True):
                 if fed[i] < len(prompts[i]):
                     continue  # mid-prompt chunk: its logits are not a prediction we use

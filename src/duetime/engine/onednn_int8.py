@@ -66,13 +66,20 @@ class OneDnnInt8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x, row_max = row_scaled(x)
+        # in place: a fresh [rows, vocab] product would page-fault its 1 MiB a row again
+        return self._product(x, row_max).mul_(row_max)
+
+    def ranking(self, x: torch.Tensor) -> torch.Tensor:
+        """The product with each row divided by its activation's scale
+        (:func:`~duetime.engine.linear.ranking`)."""
+        return self._product(*row_scaled(x))
+
+    def _product(self, x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
         qx = x.mul(127.0 / row_max).round_().add_(128.0).to(torch.uint8)
-        y = torch.ops.onednn.qlinear_pointwise(
+        return torch.ops.onednn.qlinear_pointwise(
             qx, 1.0 / 127.0, 128, self._packed, self._scales, self._zeros,
             None, 1.0, 0, torch.float32, "none", [], "",
         )  # fmt: skip
-        # in place: a fresh [rows, vocab] product would page-fault its 1 MiB a row again
-        return y.mul_(row_max)
 
 
 def int8_rank(weight: torch.Tensor) -> Linear:

@@ -89,7 +89,7 @@ class _Timer:
 
     def time_step(self, chunks: list[SeqChunk], kv: KVCache) -> float:
         t0 = time.perf_counter()
-        self.model.step(chunks, kv, argmax_only=True)
+        self.model.greedy_step(chunks, kv)
         return time.perf_counter() - t0
 
     def setup(self, kv: KVCache, batch: int, context: int) -> list[int]:

@@ -167,12 +167,12 @@ def measure_step_cost(
     for i, batch in enumerate((1, *batches)):
         kv = model.new_kv_cache()
         slots = [kv.allocate() for _ in range(batch)]
-        model.step([SeqChunk(s, prompt(context), 0) for s in slots], kv, argmax_only=True)
+        model.greedy_step([SeqChunk(s, prompt(context), 0) for s in slots], kv)
         for _ in range(reps):
             attended = sum(kv.seq_len(s) + 1 for s in slots)
             step = [SeqChunk(s, [100], kv.seq_len(s)) for s in slots]
             t0 = time.perf_counter()
-            model.step(step, kv, argmax_only=True)
+            model.greedy_step(step, kv)
             if i:  # the first cell is the warm-up
                 seconds = time.perf_counter() - t0
                 samples.append(StepSample(0, 0.0, batch, attended, seconds, "decode"))
@@ -181,7 +181,7 @@ def measure_step_cost(
             kv = model.new_kv_cache()
             chunk = [SeqChunk(kv.allocate(), prompt(n), 0)]
             t0 = time.perf_counter()
-            model.step(chunk, kv, argmax_only=True)
+            model.greedy_step(chunk, kv)
             samples.append(StepSample(n, float(n * n), 0, 0, time.perf_counter() - t0, "prefill"))
     return fit_batch_cost(samples, name="measured at start", regimes=regimes_of(model))
 
