@@ -137,7 +137,7 @@ def limits_from_cost(
 def measure_step_cost(
     model: Any,
     *,
-    batches: tuple[int, ...] = (1, 2, 4, 6, 8, 10, 16, 32, 64),
+    batches: tuple[int, ...] = (1, 2, 4, 6, 8, 10, 16, 32, 64, 128),
     context: int = 32,
     prompts: tuple[int, ...] = (64, 256, 512),
     reps: int = 3,
@@ -145,7 +145,10 @@ def measure_step_cost(
     """Time the model's own steps and fit the step-cost model ``duetime profile`` fits.
 
     Each batch in ``batches`` (two or more in each kernel regime of Gemma q8: 1-2,
-    3-4, 5-8, 9-11 and 12+ rows, the last where the CPU has AMX or VNNI) is prefilled with
+    3-4, 5-8, 9-11 and 12+ rows, the last where the CPU has AMX or VNNI; 128 so that
+    the batch limit, 120-180 on 2 cores, is read near a measured step rather than
+    extrapolated from 64: six starts each gave 123-151 sequences against 129-178,
+    for ~4 s more start-up) is prefilled with
     ``context``-token prompts (untimed), then decodes ``reps`` timed steps; each prompt
     length in ``prompts`` is prefilled alone ``reps`` times. A first, untimed cell warms
     the kernels up (their first call builds or loads them). The fit
