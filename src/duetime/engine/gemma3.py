@@ -330,11 +330,11 @@ class Gemma3:
     def greedy(
         self, hidden: torch.Tensor, allowed: Sequence[torch.Tensor | None] | None = None
     ) -> torch.Tensor:
-        """Each row's arg-max token, ``[rows]`` int64: what ``logits(hidden,
-        argmax_only=True, allowed=allowed).argmax(-1)`` picks, without a ``[rows, vocab]``
-        row of logits where the output layer ranks and re-scores
-        (:meth:`~duetime.engine.rescored_head.RescoredInt8Head.best`; the soft cap is
-        monotone, so it changes no arg-max)."""
+        """Each row's arg-max token, ``[rows]`` int64, as ``logits(hidden, argmax_only=True,
+        allowed=allowed).argmax(-1)`` picks it, without a ``[rows, vocab]`` row of logits
+        where the output layer ranks and re-scores: there the best exactly scored
+        candidate (:meth:`~duetime.engine.rescored_head.RescoredInt8Head.best`, which
+        says where the two may differ; the soft cap is monotone and changes no arg-max)."""
         head = self.lm_head
         if not isinstance(head, RescoredInt8Head) or (
             allowed is not None and any(ids is not None for ids in allowed)
