@@ -33,7 +33,9 @@ def _view(past: int, n: int, sliding: bool, kv_heads: int = 1) -> KVView:
 
 
 @pytest.mark.parametrize("sliding", [False, True])
-@pytest.mark.parametrize(("past", "n"), [(0, 50), (0, 8), (37, 50), (5, 9), (100, 21)])
+@pytest.mark.parametrize(
+    ("past", "n"), [(0, 50), (0, 8), (0, 16), (0, 17), (37, 50), (5, 9), (100, 21)]
+)
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_blocks_attend_as_one_masked_call(
     monkeypatch: pytest.MonkeyPatch, past: int, n: int, sliding: bool, kv_heads: int
