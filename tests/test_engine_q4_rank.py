@@ -198,9 +198,9 @@ def test_executor_asks_for_argmax_only_steps_unless_a_row_samples(
         seen.append(kw.get("argmax_only", False))
         return step(chunks, kv, **kw)
 
-    def spy_greedy(chunks: Any, kv: Any, *args: Any) -> torch.Tensor:
+    def spy_greedy(chunks: Any, kv: Any) -> torch.Tensor:
         seen.append(True)
-        return greedy_step(chunks, kv, *args)
+        return greedy_step(chunks, kv)
 
     model.step = spy  # type: ignore[method-assign]
     model.greedy_step = spy_greedy  # type: ignore[method-assign]

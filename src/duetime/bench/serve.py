@@ -58,7 +58,7 @@ class NoopModel:
             self._logits = torch.zeros(max(n, 64), self.config.vocab_size)
         return self._logits[:n]
 
-    def greedy_step(self, chunks: Sequence[Any], kv: KVCache, *_: Any) -> torch.Tensor:
+    def greedy_step(self, chunks: Sequence[Any], kv: KVCache) -> torch.Tensor:
         """The token :meth:`step`'s logits' arg-max picks (0) for each chunk."""
         return torch.zeros(len(chunks), dtype=torch.int64)
 

@@ -327,32 +327,24 @@ class Gemma3:
         return out
 
     @torch.no_grad()
-    def greedy(
-        self, hidden: torch.Tensor, allowed: Sequence[torch.Tensor | None] | None = None
-    ) -> torch.Tensor:
-        """Each row's arg-max token, ``[rows]`` int64, as ``logits(hidden, argmax_only=True,
-        allowed=allowed).argmax(-1)`` picks it, without a ``[rows, vocab]`` row of logits
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's arg-max token, ``[rows]`` int64, as ``logits(hidden,
+        argmax_only=True).argmax(-1)`` picks it, without a ``[rows, vocab]`` row of logits
         where the output layer ranks and re-scores: there the best exactly scored
         candidate (:meth:`~duetime.engine.rescored_head.RescoredInt8Head.best`, which
-        says where the two may differ; the soft cap is monotone and changes no arg-max)."""
+        says where the two may differ; the soft cap is monotone and changes no arg-max).
+        Rows a grammar narrows to a few tokens take :meth:`logits` with ``allowed``."""
         head = self.lm_head
-        if not isinstance(head, RescoredInt8Head) or (
-            allowed is not None and any(ids is not None for ids in allowed)
-        ):
-            return self.logits(hidden, argmax_only=True, allowed=allowed).argmax(-1)
+        if not isinstance(head, RescoredInt8Head):
+            return self.logits(hidden, argmax_only=True).argmax(-1)
         return head.best(self.norms.rms(hidden, self.final_norm))
 
     @torch.no_grad()
-    def greedy_step(
-        self,
-        chunks: Sequence[SeqChunk],
-        kv: KVCache,
-        allowed: Sequence[torch.Tensor | None] | None = None,
-    ) -> torch.Tensor:
+    def greedy_step(self, chunks: Sequence[SeqChunk], kv: KVCache) -> torch.Tensor:
         """:meth:`step` for plain greedy decoding: each chunk's next token, ``[chunks]``
         int64 (:meth:`greedy`)."""
         hidden, batch = self.hidden_states(chunks, kv)
-        return self.greedy(hidden[batch.last_rows], allowed)
+        return self.greedy(hidden[batch.last_rows])
 
     def _head(self, x: torch.Tensor, argmax_only: bool) -> torch.Tensor:
         head = self.lm_head

@@ -194,11 +194,13 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x, row_max = row_scaled(x)
         # in place: a fresh [rows, vocab] product would page-fault its 1 MiB a row again
-        return torch.ops.quantized.linear_dynamic(x / row_max, self._packed, True).mul_(row_max)
+        return self._product(x, row_max).mul_(row_max)
 
     def ranking(self, x: torch.Tensor) -> torch.Tensor:
         """The product with each row divided by its activation's scale (see :func:`ranking`)."""
-        x, row_max = row_scaled(x)
+        return self._product(*row_scaled(x))
+
+    def _product(self, x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x / row_max, self._packed, True)
 
 
