@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -150,3 +151,52 @@ def test_the_floor_pools_repeats_from_both_ends_of_a_run() -> None:
     pooled = pool_noise(first, last)
     assert [len(s.seconds) for s in pooled] == [16, 16]
     assert noise_floor_pct(pooled) == pytest.approx(100 * 0.5 * 0.010 / 0.110, rel=1e-9)
+
+
+#: BANDED plus a roofline bend: each layer row past 128 costs 0.4 ms more.
+BENT = LinearStepCost(
+    c0=BANDED.c0, c_prefill=BANDED.c_prefill, a1=BANDED.a1, a2=BANDED.a2, b=BANDED.b,
+    d=BANDED.d, bands=(*BANDED.bands, BandCost("rows", 128, math.inf, -128 * 4e-4, 4e-4)),
+)  # fmt: skip
+
+
+def test_the_fit_bends_at_a_knot_where_the_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    import duetime.predict.ete as ete
+
+    train, test = _samples(BENT, seed=1), _samples(BENT, seed=2)
+    assert 128 in ete.ROW_KNOTS
+    bent = fit_batch_cost(train, regimes=REGIMES)
+    assert cost_mape_pct(bent, test) < 0.5
+    monkeypatch.setattr(ete, "ROW_KNOTS", ())
+    assert cost_mape_pct(fit_batch_cost(train, regimes=REGIMES), test) > 1.2
+
+
+def test_past_its_last_sample_the_fit_goes_on_at_the_last_slope() -> None:
+    """No knot bends where no step was timed: a prompt longer than all of them is priced
+    on the slope measured last, not on a band with nothing in it."""
+    short = [s for s in _samples(BANDED, seed=1, n=600) if s.prefill_tokens + s.decode_seqs <= 100]
+    cost = fit_batch_cost(short, regimes=REGIMES)
+    assert all(b.lo < 100 for b in cost.bands if b.axis == "rows")
+    for n in (400, 1600):
+        assert cost.prefill_time(n) == pytest.approx(BANDED.prefill_time(n), rel=0.03)
+
+
+def test_a_band_may_not_cost_less_than_nothing() -> None:
+    assert BandCost("rows", 8, math.inf, -8 * 0.01, 0.01).intercept < 0  # a knot: 0 at 8 rows
+    with pytest.raises(CostBandError, match="must be >= 0 over its rows"):
+        BandCost("rows", 8, math.inf, -1.0, 0.01)
+
+
+def test_merged_bands_are_disjoint_and_price_as_the_bands_they_merge() -> None:
+    from duetime.core.cost_bands import bands_time, merge_bands
+
+    overlapping = (*BENT.bands, BandCost("rows", 4, 64, 0.001, 1e-4))
+    merged = merge_bands(overlapping)
+    for axis in ("rows", "head_rows"):
+        spans = sorted((b.lo, b.hi) for b in merged if b.axis == axis)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    for rows in range(1, 700, 7):
+        for head in (1, 2, 3, 9):
+            assert bands_time(merged, rows, head) == pytest.approx(
+                bands_time(overlapping, rows, head), rel=1e-12, abs=1e-15
+            )

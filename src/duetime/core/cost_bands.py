@@ -38,6 +38,10 @@ Axis = Literal["rows", "head_rows"]
 AXES: tuple[Axis, ...] = ("rows", "head_rows")
 
 
+#: Rounding allowed below zero at a band's low end, relative to its intercept.
+_TOLERANCE_S = 1e-9
+
+
 class CostBandError(ValueError):
     """Bands or regimes that do not describe row counts."""
 
@@ -93,7 +97,11 @@ def band_index(edges: Sequence[int], value: float) -> int:
 
 @dataclass(slots=True, frozen=True)
 class BandCost:
-    """Seconds a step adds when its row count on ``axis`` lies in ``(lo, hi]``."""
+    """Seconds a step adds when its row count on ``axis`` lies in ``(lo, hi]``.
+
+    ``intercept + slope·rows``, ``slope >= 0``, and no less than 0 at ``lo``: a negative
+    intercept is how a fitted knot's ``β·(rows − knot)`` is written.
+    """
 
     axis: Axis
     lo: float
@@ -106,10 +114,16 @@ class BandCost:
             raise CostBandError(f"band axis must be one of {list(AXES)}, got {self.axis!r}")
         if not self.lo < self.hi or self.lo < 0:
             raise CostBandError(f"a band needs 0 <= lo < hi, got ({self.lo}, {self.hi}]")
-        for name in ("intercept", "slope"):
-            v = getattr(self, name)
-            if not math.isfinite(v) or v < 0:
-                raise CostBandError(f"band {name} must be finite and >= 0, got {v}")
+        if not math.isfinite(self.slope) or self.slope < 0:
+            raise CostBandError(f"band slope must be finite and >= 0, got {self.slope}")
+        if not math.isfinite(self.intercept):
+            raise CostBandError(f"band intercept must be finite, got {self.intercept}")
+        # a knot's band starts at zero cost: intercept −slope·lo (see predict.ete)
+        at_lo = self.intercept + self.slope * self.lo
+        if at_lo < -_TOLERANCE_S * max(1.0, abs(self.intercept)):
+            raise CostBandError(
+                f"a band's cost must be >= 0 over its rows, got {at_lo:g} s at {self.lo:g}"
+            )
 
     def covers(self, rows: float) -> bool:
         return self.lo < rows <= self.hi
@@ -161,3 +175,23 @@ def bands_time(bands: Iterable[BandCost], rows: float, head_rows: float) -> floa
         if band.lo < x <= band.hi:
             t += band.intercept + band.slope * x
     return t
+
+
+def merge_bands(bands: Iterable[BandCost]) -> tuple[BandCost, ...]:
+    """The same costs as disjoint bands: on each axis, one band per interval between
+    all the edges, carrying the summed intercept and slope of the bands over it.
+
+    Why: overlapping bands (a kernel regime plus the fit's knots) price the same as
+    their sum, but every step's price loops over the bands, so fewer is faster.
+    """
+    out: list[BandCost] = []
+    for axis in AXES:
+        mine = [b for b in bands if b.axis == axis]
+        edges = sorted({e for b in mine for e in (b.lo, b.hi)})
+        for lo, hi in pairwise(edges):
+            over = [b for b in mine if b.lo <= lo and hi <= b.hi]
+            intercept = sum(b.intercept for b in over)
+            slope = sum(b.slope for b in over)
+            if intercept > 0 or slope > 0:
+                out.append(BandCost(axis, lo, hi, intercept, slope))
+    return tuple(out)

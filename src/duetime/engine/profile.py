@@ -53,10 +53,14 @@ __all__ = [
 class ProfileGrid:
     """Shapes to time. ``max_setup_tokens`` bounds D·L so set-up stays short."""
 
-    prompt_lens: Sequence[int] = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
+    # two prompt lengths or more between each two knots of the fit (predict.ete.ROW_KNOTS)
+    prompt_lens: Sequence[int] = (
+        4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024,
+    )  # fmt: skip
     # every kernel regime (1-2, 3-4, 5-8, 9-11 and 12+ rows for Gemma q8 on an AMX or VNNI CPU) gets
-    # two batch sizes or more
-    batches: Sequence[int] = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+    # two batch sizes or more, and the batch limits a server picks on 2 cores (120-180) are
+    # near a measured one
+    batches: Sequence[int] = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128)
     contexts: Sequence[int] = (32, 256, 1024)
     mixed: Sequence[tuple[int, int, int]] = (
         (32, 1, 128), (64, 2, 128), (64, 4, 128), (256, 8, 128), (128, 16, 256), (256, 32, 64),

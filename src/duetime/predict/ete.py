@@ -18,6 +18,7 @@ into the profile JSON that ``duetime sim --profile`` reads.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
-from duetime.core.cost_bands import AXES, BandCost, CostRegimes, step_rows
+from duetime.core.cost_bands import AXES, BandCost, CostRegimes, merge_bands, step_rows
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,7 +48,34 @@ def step_kind(prefill_tokens: int, decode_seqs: int) -> str:
     return "prefill" if decode_seqs == 0 else "mixed"
 
 
-def _features(samples: Sequence[StepSample], regimes: CostRegimes | None = None) -> np.ndarray:
+#: Row counts at which a step's cost per layer row may bend although no kernel changes.
+#: Why: a few rows cost what reading the layers' weights costs, and each row more
+#: adds little; past some tens of rows the arithmetic sets the pace and each row
+#: costs its full share (a roofline), and a prompt's attention changes form at the
+#: sliding window (512 tokens for Gemma 3). On Gemma q8 a prompt's 8th to 16th
+#: tokens added 0.38 ms each, its 16th to 64th 0.68, its 96th to 256th 0.78: one
+#: line through them missed short and mid-sized prompts by 7-14 % each way
+#: (results.md#profile-e).
+ROW_KNOTS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+#: Steps needed on each side of a knot before the fit bends there: past the last
+#: knot the samples reach, a cost continues on its last measured slope.
+MIN_STEPS_PER_SIDE = 3
+
+
+def _knots(samples: Sequence[StepSample], knots: Sequence[int]) -> tuple[int, ...]:
+    """The knots of ``knots`` with :data:`MIN_STEPS_PER_SIDE` samples' rows on each side."""
+    rows = np.array([s.prefill_tokens + s.decode_seqs for s in samples], dtype=float)
+    return tuple(
+        k for k in knots
+        if (rows <= k).sum() >= MIN_STEPS_PER_SIDE and (rows > k).sum() >= MIN_STEPS_PER_SIDE
+    )  # fmt: skip
+
+
+def _features(
+    samples: Sequence[StepSample],
+    regimes: CostRegimes | None = None,
+    knots: Sequence[int] = (),
+) -> np.ndarray:
     p = np.array([s.prefill_tokens for s in samples], dtype=float)
     d = np.array([s.decode_seqs for s in samples], dtype=float)
     cols = [
@@ -63,6 +91,8 @@ def _features(samples: Sequence[StepSample], regimes: CostRegimes | None = None)
             for lo, hi in regimes.spans(axis):
                 on = ((x > lo) & (x <= hi)).astype(float)
                 cols += [on, on * x]
+    rows = p + d
+    cols += [np.maximum(rows - k, 0.0) for k in knots]
     return np.column_stack(cols)
 
 
@@ -90,6 +120,11 @@ def fit_batch_cost(
 
     The bands make the model piecewise in the step's rows where the engine's kernels
     change; a band no sample falls in gets zero cost (it prices nothing it has not seen).
+    With ``regimes``, the layer rows also bend at each of :data:`ROW_KNOTS` the samples
+    reach on both sides: a term ``β·max(rows − knot, 0)``, ``β >= 0``, so the cost stays
+    continuous, its slope may only grow past the knot, and beyond the last knot the
+    samples reach it goes on at the slope measured last. The fitted knots come back
+    as bands (:func:`~duetime.core.cost_bands.merge_bands`).
 
     ``sum_calibrated``: scale every coefficient so that the model's time summed over the
     samples is their measured sum (the scale is kept as ``meta["sum_scale"]``). The
@@ -102,7 +137,8 @@ def fit_batch_cost(
     """
     if len(samples) < 6:
         raise ValueError(f"need at least 6 timed steps to fit 6 coefficients, got {len(samples)}")
-    x = _features(samples, regimes)
+    knots = _knots(samples, ROW_KNOTS) if regimes is not None else ()
+    x = _features(samples, regimes, knots)
     y = np.array([s.seconds for s in samples], dtype=float)
     if np.any(y <= 0):
         raise ValueError("every timed step must take > 0 s")
@@ -123,6 +159,12 @@ def fit_batch_cost(
                 k += 2
                 if intercept > 0 or slope > 0:
                     bands.append(BandCost(axis, lo, hi, intercept, slope))
+        for knot, beta in zip(knots, coef[k:], strict=True):
+            if beta > 0:  # β·max(rows − knot, 0): nothing up to the knot
+                bands.append(
+                    BandCost("rows", float(knot), math.inf, -float(beta) * knot, float(beta))
+                )
+        bands = list(merge_bands(bands))
     one = c0 + b + sum(bd.intercept + bd.slope for bd in bands if bd.covers(1.0))
     if one <= 0:
         c0 = float(np.min(y)) * 1e-3  # keep the model valid: a decode step always costs something

@@ -140,18 +140,25 @@ def measure_step_cost(
     batches: tuple[int, ...] = (1, 2, 4, 6, 8, 10, 16, 32, 64, 128),
     context: int = 32,
     prompts: tuple[int, ...] = (64, 256, 512),
+    long_cell: tuple[int, int] = (12, 512),
     reps: int = 3,
 ) -> LinearStepCost:
     """Time the model's own steps and fit the step-cost model ``duetime profile`` fits.
 
     Each batch in ``batches`` (two or more in each kernel regime of Gemma q8: 1-2,
     3-4, 5-8, 9-11 and 12+ rows, the last where the CPU has AMX or VNNI; 128 so that
-    the batch limit, 120-180 on 2 cores, is read near a measured step rather than
-    extrapolated from 64: six starts each gave 123-151 sequences against 129-178,
-    for ~4 s more start-up) is prefilled with
+    a limit near 100 sequences is read between measured steps, not extrapolated from
+    64) is prefilled with
     ``context``-token prompts (untimed), then decodes ``reps`` timed steps; each prompt
-    length in ``prompts`` is prefilled alone ``reps`` times. A first, untimed cell warms
-    the kernels up (their first call builds or loads them). The fit
+    length in ``prompts`` is prefilled alone ``reps`` times. ``long_cell`` (decoders,
+    context) decodes at a longer context too: from ``context``-token sequences alone the
+    KV term cannot be told from the per-decoder one (the fit put it at 0, and limits sized
+    for 512-token contexts ran TPOT p50 at 217-288 ms against a 200 ms target: 8 decoders
+    step 22.8 ms at context 32 and 30.3 ms at 512, ~2 us a KV token; 12 decoders, so
+    that the cell runs the many-row kernels: the limit's real step at 512 tokens came
+    out 193 ms against the fit's 198). The cell adds ~5 s to the start. A first, untimed
+    cell warms the kernels up (their first call builds or loads them), and each cell's
+    first decode is not timed (it ran 10-20 % slower than the next ones). The fit
     (:func:`duetime.predict.ete.fit_batch_cost`) has a band per regime the model reports
     (:func:`duetime.engine.cost_regimes.regimes_of`).
     """
@@ -167,10 +174,12 @@ def measure_step_cost(
     def prompt(n: int) -> list[int]:
         return [bos, *(int(t) for t in g.integers(min(3, vocab - 1), vocab, n - 1))]
 
-    for i, batch in enumerate((1, *batches)):
+    cells = [(1, context), *((b, context) for b in batches), long_cell]
+    for i, (batch, ctx) in enumerate(cells):
         kv = model.new_kv_cache()
         slots = [kv.allocate() for _ in range(batch)]
-        model.greedy_step([SeqChunk(s, prompt(context), 0) for s in slots], kv)
+        model.greedy_step([SeqChunk(s, prompt(ctx), 0) for s in slots], kv)
+        model.greedy_step([SeqChunk(s, [100], kv.seq_len(s)) for s in slots], kv)
         for _ in range(reps):
             attended = sum(kv.seq_len(s) + 1 for s in slots)
             step = [SeqChunk(s, [100], kv.seq_len(s)) for s in slots]
