@@ -108,3 +108,30 @@ def test_the_server_fits_the_round_each_step_took_not_its_forward_pass() -> None
     assert len(seen) >= 8
     assert all(got >= forward > 0 for got, forward in seen)
     assert any(got > forward for got, forward in seen)
+
+
+def _one_decoder_window(timer: StepTimer, truth: LinearStepCost, n: int = 64) -> None:
+    for i in range(n):
+        kv = 100 + i
+        timer.observe(truth.step_time(0, 0.0, 1, kv), 0, 1, kv, 0.0)
+
+
+def test_shapes_the_window_never_saw_are_priced_by_the_prior_at_todays_speed() -> None:
+    """A window of one-sequence decodes says nothing about prompts: the fit prices them
+    as the prior does, scaled by how much slower the window's steps ran than it said."""
+    from duetime.core.cost_bands import CostRegimes
+
+    regimes = CostRegimes(rows=(8,), head_rows=(2, 4))
+    slower = LinearStepCost.batch(c=0.012, a=0.0006, b=0.0024, d=1.2e-6)  # TRUE x 1.2
+    anchored = StepTimer(prior=TRUE, regimes=regimes, min_steps=64, refit_every=64)
+    bare = StepTimer(regimes=regimes, min_steps=64, refit_every=64)
+    for timer in (anchored, bare):
+        _one_decoder_window(timer, slower)
+    fitted, unanchored = anchored.as_cost(), bare.as_cost()
+    assert fitted is not None and unanchored is not None
+    assert fitted.decode_step(1, 130) == pytest.approx(slower.decode_step(1, 130), rel=0.02)
+    for p, d in ((256, 0), (64, 8), (0, 32)):
+        want = slower.step_time(p, float(p * p), d, 256 * d)
+        assert fitted.step_time(p, float(p * p), d, 256 * d) == pytest.approx(want, rel=0.1)
+    prompt = unanchored.step_time(256, 256.0 * 256, 0, 0)
+    assert not prompt == pytest.approx(slower.step_time(256, 256.0 * 256, 0, 0), rel=0.1)

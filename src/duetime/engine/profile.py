@@ -5,7 +5,8 @@ untimed step per decode shape too: the first decode after set-up measured
 10-30 % slower than the next ones, and the very first one of a process loads
 the C++ kernels):
 
-* one prompt of N tokens alone (TimeBill's prefill curve),
+* one prompt of N tokens alone (TimeBill's prefill curve), and long prompts a
+  chunk at a time (a chunk's attention grows with the context behind it),
 * D sequences of context L decoding one token each (the decode curve; D = 1
   is TimeBill's ``p·N_kv + q``),
 * D decoders plus one prefill chunk of P tokens (mixed steps, which the
@@ -62,6 +63,9 @@ class ProfileGrid:
     # near a measured one
     batches: Sequence[int] = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128)
     contexts: Sequence[int] = (32, 256, 1024)
+    # (prompt, chunk): a long prompt prefilled a chunk at a time, each chunk attending
+    # the ones before it (what a server does with prompts over its step budget)
+    chunked: Sequence[tuple[int, int]] = ((1024, 256), (768, 192))
     mixed: Sequence[tuple[int, int, int]] = (
         (32, 1, 128), (64, 2, 128), (64, 4, 128), (256, 8, 128), (128, 16, 256), (256, 32, 64),
     )  # fmt: skip
@@ -75,6 +79,7 @@ class ProfileGrid:
             prompt_lens=(8, 16, 32, 64),
             batches=(1, 2, 4),
             contexts=(8, 32),
+            chunked=((32, 16),),
             mixed=((8, 2, 8), (16, 2, 16)),
             reps=2,
             max_setup_tokens=512,
@@ -118,7 +123,7 @@ def measure_steps(
     g = grid or ProfileGrid()
     t = _Timer(model)
     decode_shapes = [(d, c) for d in g.batches for c in g.contexts if d * c <= g.max_setup_tokens]
-    total = len(g.prompt_lens) + len(decode_shapes) + len(g.mixed)
+    total = len(g.prompt_lens) + len(g.chunked) + len(decode_shapes) + len(g.mixed)
     done = 0
     samples: list[StepSample] = []
 
@@ -134,6 +139,19 @@ def measure_steps(
             kv = model.new_kv_cache()
             sec = t.time_step([SeqChunk(kv.allocate(n), t.ids(n), 0)], kv)
             samples.append(StepSample(n, float(n * n), 0, 0, sec, "prefill"))
+        done += 1
+        if progress:
+            progress(done, total)
+
+    for n, size in g.chunked:
+        for _ in range(g.reps):
+            kv = model.new_kv_cache()
+            slot = kv.allocate(n)
+            for past in range(0, n, size):
+                ids = t.ids(min(size, n - past))
+                sec = t.time_step([SeqChunk(slot, ids, past)], kv)
+                attn = float(len(ids) * (past + len(ids)))
+                samples.append(StepSample(len(ids), attn, 0, 0, sec, "prefill"))
         done += 1
         if progress:
             progress(done, total)

@@ -51,12 +51,14 @@ def step_kind(prefill_tokens: int, decode_seqs: int) -> str:
 #: Row counts at which a step's cost per layer row may bend although no kernel changes.
 #: Why: a few rows cost what reading the layers' weights costs, and each row more
 #: adds little; past some tens of rows the arithmetic sets the pace and each row
-#: costs its full share (a roofline), and a prompt's attention changes form at the
-#: sliding window (512 tokens for Gemma 3). On Gemma q8 a prompt's 8th to 16th
-#: tokens added 0.38 ms each, its 16th to 64th 0.68, its 96th to 256th 0.78: one
-#: line through them missed short and mid-sized prompts by 7-14 % each way
-#: (results.md#profile-e).
-ROW_KNOTS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+#: costs its full share (a roofline). On Gemma q8 a prompt's 8th to 16th tokens
+#: added 0.38 ms each, its 16th to 64th 0.68, its 96th to 256th 0.78: one line
+#: through them missed short and mid-sized prompts by 7-14 % each way
+#: (results.md#profile-knots). None past 128: there the growth is attention's, which
+#: the ``a2·A`` term prices for a chunk with context behind it too (knots at 256 and
+#: 512, fitted on whole prompts, priced a 192-token chunk after 960 tokens like one
+#: after none: 144 ms against the 185-231 ms such chunks took).
+ROW_KNOTS: tuple[int, ...] = (16, 32, 64, 128)
 #: Steps needed on each side of a knot before the fit bends there: past the last
 #: knot the samples reach, a cost continues on its last measured slope.
 MIN_STEPS_PER_SIDE = 3

@@ -141,6 +141,7 @@ def measure_step_cost(
     context: int = 32,
     prompts: tuple[int, ...] = (64, 256, 512),
     long_cell: tuple[int, int] = (12, 512),
+    chunked: tuple[int, int] = (512, 256),
     reps: int = 3,
 ) -> LinearStepCost:
     """Time the model's own steps and fit the step-cost model ``duetime profile`` fits.
@@ -156,7 +157,9 @@ def measure_step_cost(
     for 512-token contexts ran TPOT p50 at 217-288 ms against a 200 ms target: 8 decoders
     step 22.8 ms at context 32 and 30.3 ms at 512, ~2 us a KV token; 12 decoders, so
     that the cell runs the many-row kernels: the limit's real step at 512 tokens came
-    out 193 ms against the fit's 198). The cell adds ~5 s to the start. A first, untimed
+    out 193 ms against the fit's 198). The cell adds ~5 s to the start. ``chunked``
+    (prompt, chunk) prefills one prompt a chunk at a time, so that a chunk's attention
+    to the context behind it is measured, not read off whole prompts. A first, untimed
     cell warms the kernels up (their first call builds or loads them), and each cell's
     first decode is not timed (it ran 10-20 % slower than the next ones). The fit
     (:func:`duetime.predict.ete.fit_batch_cost`) has a band per regime the model reports
@@ -195,6 +198,17 @@ def measure_step_cost(
             t0 = time.perf_counter()
             model.greedy_step(chunk, kv)
             samples.append(StepSample(n, float(n * n), 0, 0, time.perf_counter() - t0, "prefill"))
+    n, size = chunked
+    for _ in range(reps):
+        kv = model.new_kv_cache()
+        slot, ids = kv.allocate(), prompt(n)
+        for past in range(0, n, size):
+            part = ids[past : past + size]
+            t0 = time.perf_counter()
+            model.greedy_step([SeqChunk(slot, part, past)], kv)
+            seconds = time.perf_counter() - t0
+            attn = float(len(part) * (past + len(part)))
+            samples.append(StepSample(len(part), attn, 0, 0, seconds, "prefill"))
     return fit_batch_cost(samples, name="measured at start", regimes=regimes_of(model))
 
 

@@ -6,8 +6,10 @@ step-cost model `duetime profile` fits (:func:`duetime.predict.ete.fit_batch_cos
 the linear terms plus a band per kernel regime the engine reports, minimising
 the mean absolute relative error, then scaled so that it sums the window's steps
 to their measured total: what it prices are sums of steps) over its most recent
-steps. Until enough steps are seen, a given profile (or the steps timed at start,
-or nothing: admission then accepts everything it cannot judge) stands in.
+steps, with the shapes they lack priced by the model known before
+(:mod:`duetime.predict.step_anchors`). Until enough steps are seen, a given
+profile (or the steps timed at start, or nothing: admission then accepts
+everything it cannot judge) stands in.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections import deque
 from duetime.core.cost import CostModelError, LinearStepCost
 from duetime.core.cost_bands import CostRegimes
 from duetime.predict.ete import StepSample, fit_batch_cost, load_solver, step_kind
+from duetime.predict.step_anchors import anchor_samples
 
 __all__ = ["StepTimer"]
 
@@ -57,6 +60,7 @@ class StepTimer:
         self._last_fit_at = -float("inf")
         self._lock = threading.Lock()
         self._cost: LinearStepCost | None = prior
+        self._prior = prior  # prices the shapes a window has not seen (predict.step_anchors)
         self._prior_source = prior_source
         self._fitted_on = 0  # steps the current model was fitted to (0: the prior)
         self._background = background
@@ -129,8 +133,13 @@ class StepTimer:
     def _fit(self, rows: list[StepSample]) -> bool:
         """Fit ``rows`` and put the model in; False (the last model kept) when the fit
         fails: one odd window must not take admission down."""
+        anchors = []
+        if self._prior is not None and self._regimes is not None:
+            anchors = anchor_samples(self._prior, rows, self._regimes)
         try:
-            cost = fit_batch_cost(rows, name="online", regimes=self._regimes, sum_calibrated=True)
+            cost = fit_batch_cost(
+                rows + anchors, name="online", regimes=self._regimes, sum_calibrated=True
+            )
         except (ValueError, CostModelError):
             return False
         with self._lock:
