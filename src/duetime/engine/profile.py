@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -118,45 +120,37 @@ def measure_steps(
     model: Gemma3,
     grid: ProfileGrid | None = None,
     progress: Callable[[int, int], None] | None = None,
+    seed: int = 0,
 ) -> list[StepSample]:
-    """Time the grid's steps on ``model``; returns one sample per timed step."""
+    """Time the grid's steps on ``model``; returns one sample per timed step.
+
+    The cells (each rep of a prompt, each decode and mixed shape with its reps) run in
+    a shuffled order (``seed``). Why: a shared machine's speed moves by 10 % within a
+    profile's 90 s; timed family by family (prompts first, then decodes), a slow
+    minute fell on one family and the fit, which shares its terms across families,
+    priced the held-out prompts 15 % high. Shuffled, the drift is noise that falls
+    on every family alike.
+    """
     g = grid or ProfileGrid()
     t = _Timer(model)
-    decode_shapes = [(d, c) for d in g.batches for c in g.contexts if d * c <= g.max_setup_tokens]
-    total = len(g.prompt_lens) + len(g.chunked) + len(decode_shapes) + len(g.mixed)
-    done = 0
     samples: list[StepSample] = []
 
-    # warm-up: first calls allocate, pick kernels and load the C++ ops (a decode
-    # step loads the int8 and attention kernels: seconds, once per process)
-    kv = model.new_kv_cache()
-    slot = kv.allocate()
-    t.time_step([SeqChunk(slot, t.ids(16), 0)], kv)
-    t.time_step(t.decode_chunks(kv, [slot]), kv)
+    def prompt(n: int) -> None:
+        kv = model.new_kv_cache()
+        sec = t.time_step([SeqChunk(kv.allocate(n), t.ids(n), 0)], kv)
+        samples.append(StepSample(n, float(n * n), 0, 0, sec, "prefill"))
 
-    for n in g.prompt_lens:
-        for _ in range(g.reps):
-            kv = model.new_kv_cache()
-            sec = t.time_step([SeqChunk(kv.allocate(n), t.ids(n), 0)], kv)
-            samples.append(StepSample(n, float(n * n), 0, 0, sec, "prefill"))
-        done += 1
-        if progress:
-            progress(done, total)
+    def chunked(n: int, size: int) -> None:
+        kv = model.new_kv_cache()
+        slot = kv.allocate(n)
+        for past in range(0, n, size):
+            ids = t.ids(min(size, n - past))
+            sec = t.time_step([SeqChunk(slot, ids, past)], kv)
+            samples.append(
+                StepSample(len(ids), float(len(ids) * (past + len(ids))), 0, 0, sec, "prefill")
+            )
 
-    for n, size in g.chunked:
-        for _ in range(g.reps):
-            kv = model.new_kv_cache()
-            slot = kv.allocate(n)
-            for past in range(0, n, size):
-                ids = t.ids(min(size, n - past))
-                sec = t.time_step([SeqChunk(slot, ids, past)], kv)
-                attn = float(len(ids) * (past + len(ids)))
-                samples.append(StepSample(len(ids), attn, 0, 0, sec, "prefill"))
-        done += 1
-        if progress:
-            progress(done, total)
-
-    for d, c in decode_shapes:
+    def decode(d: int, c: int) -> None:
         kv = model.new_kv_cache()
         slots = t.setup(kv, d, c)
         t.time_step(t.decode_chunks(kv, slots), kv)  # untimed: the first step after set-up
@@ -164,11 +158,8 @@ def measure_steps(
             kv_tokens = sum(kv.num_tokens(s) for s in slots)
             sec = t.time_step(t.decode_chunks(kv, slots), kv)
             samples.append(StepSample(0, 0.0, d, kv_tokens, sec, "decode"))
-        done += 1
-        if progress:
-            progress(done, total)
 
-    for p, d, c in g.mixed:
+    def mixed(p: int, d: int, c: int) -> None:
         kv = model.new_kv_cache()
         slots = t.setup(kv, d, c)
         for _ in range(g.reps):
@@ -178,9 +169,26 @@ def measure_steps(
             sec = t.time_step(chunks, kv)
             kv.free(new)
             samples.append(StepSample(p, float(p * p), d, kv_tokens, sec, "mixed"))
-        done += 1
+
+    cells: list[Callable[[], None]] = [
+        *(partial(prompt, n) for n in g.prompt_lens for _ in range(g.reps)),
+        *(partial(chunked, n, size) for n, size in g.chunked for _ in range(g.reps)),
+        *(partial(decode, d, c) for d in g.batches for c in g.contexts
+          if d * c <= g.max_setup_tokens),
+        *(partial(mixed, p, d, c) for p, d, c in g.mixed),
+    ]  # fmt: skip
+    random.Random(seed).shuffle(cells)
+
+    # warm-up: first calls allocate, pick kernels and load the C++ ops (a decode
+    # step loads the int8 and attention kernels: seconds, once per process)
+    kv = model.new_kv_cache()
+    slot = kv.allocate()
+    t.time_step([SeqChunk(slot, t.ids(16), 0)], kv)
+    t.time_step(t.decode_chunks(kv, [slot]), kv)
+    for done, cell in enumerate(cells, 1):
+        cell()
         if progress:
-            progress(done, total)
+            progress(done, len(cells))
     return samples
 
 
