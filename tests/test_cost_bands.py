@@ -200,12 +200,3 @@ def test_merged_bands_are_disjoint_and_price_as_the_bands_they_merge() -> None:
             assert bands_time(merged, rows, head) == pytest.approx(
                 bands_time(overlapping, rows, head), rel=1e-12, abs=1e-15
             )
-
-
-def test_the_speed_now_is_the_median_ratio_of_the_shapes_both_timed() -> None:
-    from duetime.predict.cost_report import speed_ratio
-
-    then = {"decode b1": 0.008, "decode b16": 0.032, "prefill 256": 0.200}
-    now = {"decode b1": 0.0096, "decode b16": 0.0352, "prefill 256": 0.260, "other": 1.0}
-    assert speed_ratio(now, then) == pytest.approx(1.2)  # of 1.2, 1.1 and 1.3
-    assert speed_ratio({"decode b1": 0.01}, {"decode b16": 0.03}) is None

@@ -99,16 +99,11 @@ def run(
     jobs: list[Job] | None = None,
     eviction: str = "snapkv",
     predictor: str = "none",
-    speed: float = 1.0,
 ) -> dict[str, Any]:
     """Run both executors; returns the comparison figures (and writes a plot).
 
     ``jobs`` overrides the ShareGPT workload (tests use tiny vocabularies).
     ``predictor``: a length predictor spec; each side gets its own, seeded alike.
-    ``speed``: the machine's time now over the profile's
-    (:func:`~duetime.predict.cost_report.speed_ratio`); both sides run on the profile
-    scaled by it, and the simulator also runs on the profile as measured
-    (``as_profiled``), so both errors are shown.
     """
     from duetime.engine.executor import EngineExecutor
     from duetime.policies import make_policy
@@ -119,10 +114,7 @@ def run(
 
     engine_predictor = check_policy(policy, predictor, seed)
 
-    if not speed > 0:
-        raise ValueError(f"speed must be > 0, got {speed}")
-    as_profiled, _ = load_profile(profile)
-    cost = as_profiled.scaled(compute=speed, memory=speed) if speed != 1.0 else as_profiled
+    cost, _ = load_profile(profile)
     jobs = (
         jobs
         if jobs is not None
@@ -156,12 +148,9 @@ def run(
     cfg = SimConfig(
         kv_capacity=kv_capacity, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens
     )
-
-    def simulate(cost: Any) -> Any:
-        predict = make_job_predictor(predictor, seed=seed)
-        return Simulator(make_policy(policy), cost, cfg, predictor=predict).run(copy.deepcopy(jobs))
-
-    sim = simulate(cost)
+    sim = Simulator(
+        make_policy(policy), cost, cfg, predictor=make_job_predictor(predictor, seed=seed)
+    ).run(copy.deepcopy(jobs))
     fig: dict[str, Any] = {
         "policy": policy,
         "predictor": predictor,
@@ -174,13 +163,7 @@ def run(
         "sim_steps": sim.engine_steps,
         "sim_span_s": sim.sim_time,
     }
-    fig["speed_scale"] = speed
     fig.update(compare(real.records, sim.records))
-    if speed != 1.0:
-        plain = compare(real.records, simulate(as_profiled).records)
-        fig["as_profiled"] = {
-            k: plain[k] for k in ("e2e_rel_err_median_pct", "e2e_rel_err_p90_pct")
-        }
     # the profile's step model on this run's own steps: where the e2e error comes from
     fig["step_mape_pct"] = cost_mape_pct(cost, steps) if steps else None
     # what e2e sums see: a model on the median step runs short where steps are skewed

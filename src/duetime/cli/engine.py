@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import platform
 import time
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -17,25 +15,9 @@ from duetime.bench.limits import MAX_ENGINE_REQUESTS
 from duetime.cli.common import DtypeOpt, ThreadsOpt, _progress, _user_errors, app, writable
 from duetime.cli.common import out as console
 
-if TYPE_CHECKING:
-    from duetime.engine.profile import NoiseShape
-
 
 def _pct(v: object) -> str:
     return "-" if v is None else f"{float(v):.2f} %"  # type: ignore[arg-type]
-
-
-def _speed_now(profile: str, now: Sequence[NoiseShape]) -> float | None:
-    """The machine's step time now over ``profile``'s, from their repeated shapes."""
-    from duetime.predict.cost_report import speed_ratio
-
-    raw = json.loads(Path(profile).read_text())
-    then = {
-        str(n["name"]): float(n["median_s"])
-        for n in raw.get("noise") or []
-        if isinstance(n, dict) and "name" in n and "median_s" in n
-    }
-    return speed_ratio({n.name: n.median_s for n in now}, then)
 
 
 def _print_misses(
@@ -261,15 +243,6 @@ def validate(
             "interval:… or learned[:path] (hsf needs one).",
         ),
     ] = "none",
-    at_speed_now: Annotated[
-        bool,
-        typer.Option(
-            "--at-speed-now/--as-profiled",
-            help="Scale the profile by the machine's speed now: its repeated step shapes "
-            "timed again before the run, against the profile's own (the error as "
-            "profiled is shown too).",
-        ),
-    ] = True,
 ) -> None:
     """Same workload through the real engine and the simulator: per-request error."""
     from duetime.bench import validate as v
@@ -293,11 +266,10 @@ def validate(
         model = load_model(dtype=dtype)  # type: ignore[arg-type]
         with console.status("repeating identical steps for the noise floor (start)"):
             first = measure_noise(model)
-        speed = _speed_now(profile, first) if at_speed_now else None
         fig = v.run(
             model=model, profile=profile, policy=policy, requests=requests, rate=rate,
             seed=seed, max_prompt=max_prompt, max_output=max_output, plot=plot,
-            eviction=eviction, predictor=predictor, speed=speed or 1.0,
+            eviction=eviction, predictor=predictor,
         )  # fmt: skip
         with console.status("repeating identical steps for the noise floor (end)"):
             last = measure_noise(model)
@@ -306,22 +278,13 @@ def validate(
     median = fig["e2e_rel_err_median_pct"]
     fig["noise_floor_pct"] = floor
     fig["verdict"] = None if median is None else floor_verdict(median, floor)
-    skip = ("verdict", "step_misses", "as_profiled")
+    skip = ("verdict", "step_misses")
     console.print(render_table([("real vs sim", fig)], keys=[k for k in fig if k not in skip]))
     console.print(
         f"median e2e {fig['verdict']} (the floor: identical steps repeated before and "
         f"after the run; their median moved {fig['noise_drift_pct']:.1f} %)\n"
         "target: median e2e error <= 5 %, p90 <= 10 % (Vidur: < 9 % against real GPUs)"
     )
-    if "as_profiled" in fig:
-        plain = fig["as_profiled"]
-        console.print(
-            f"the profile scaled by {fig['speed_scale']:.3f} (the machine's step time now "
-            f"over the profile's); as profiled: median {plain['e2e_rel_err_median_pct']:.1f} "
-            f"%, p90 {plain['e2e_rel_err_p90_pct']:.1f} %"
-        )
-    elif at_speed_now:
-        console.print("the profile has no repeated step shapes to compare: used as profiled")
     step_error = fig["step_mape_pct"]
     if step_error is not None:
         console.print(f"the profile on this run's {fig['real_steps']} steps: "

@@ -11,7 +11,7 @@ floor the model is at the machine's limit; above it, the table of step shapes
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,6 @@ __all__ = [
     "floor_verdict",
     "miss_table",
     "profile_payload",
-    "speed_ratio",
 ]
 
 #: Error within this factor of the noise floor: the model is as good as the machine allows.
@@ -110,25 +109,6 @@ def miss_table(
         for k, v in cells.items()
     ]
     return sorted(rows, key=lambda r: -r["error_share_pct"])
-
-
-def speed_ratio(now: Mapping[str, float], then: Mapping[str, float]) -> float | None:
-    """How many times as long the machine takes now as when a profile was measured: the
-    median, over the repeated step shapes both name, of their median seconds now over
-    then (None: no shape in common).
-
-    Why: the profile prices the engine's step *shapes*; the machine's speed is another
-    matter. On the shared 2-core machine the same profile's steps ran 0.97x in one
-    `duetime validate` run and 1.08x in the next, minutes apart, and the per-request
-    error followed (median 4.6 % and 11.9 %). Timing the profile's own repeated shapes
-    again right before a run, and scaling the profile by the ratio, prices the run at
-    the speed it runs at.
-    """
-    ratios = sorted(now[k] / then[k] for k in now.keys() & then.keys() if then[k] > 0)
-    if not ratios:
-        return None
-    mid = len(ratios) // 2
-    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
 
 
 def fit_eviction_cost(samples: Sequence[tuple[int, float]]) -> float:
