@@ -80,6 +80,14 @@ def test_a_sum_calibrated_fit_adds_up_skewed_steps_to_their_total() -> None:
     assert summed.meta["sum_scale"] == pytest.approx(total / priced(median), rel=1e-3)
     assert summed.b / summed.c0 == pytest.approx(median.b / median.c0, rel=1e-6)
     assert "sum_scale" not in median.meta
+    # priced shapes added after the timed steps (anchors) do not count toward the total
+    anchors = [
+        StepSample(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens,
+                   s.seconds * 0.5, s.kind)
+        for s in clean[:40]
+    ]  # fmt: skip
+    anchored = fit_batch_cost(steps + anchors, sum_calibrated=True, measured=len(steps))
+    assert priced(anchored) == pytest.approx(total, rel=1e-6)
 
 
 def test_timebill_fit_matches_its_closed_forms() -> None:

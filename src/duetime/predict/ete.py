@@ -116,6 +116,7 @@ def fit_batch_cost(
     regimes: CostRegimes | None = None,
     *,
     sum_calibrated: bool = False,
+    measured: int | None = None,
 ) -> LinearStepCost:
     """Fit ``c0, c_prefill, a1, a2, b, d`` (and, given ``regimes``, each band's intercept
     and slope), all >= 0, minimising the mean absolute relative error.
@@ -136,6 +137,9 @@ def fit_batch_cost(
     simulation adds up, comes out short by the mean-over-median gap: a simulated
     two-backend fleet ran 6-15 % faster than the real one on the uncalibrated online
     fits (docs/fleet-real.md).
+
+    ``measured``: only the first this many samples were timed (the rest are
+    :mod:`~duetime.predict.step_anchors`' priced shapes); the sum is theirs.
     """
     if len(samples) < 6:
         raise ValueError(f"need at least 6 timed steps to fit 6 coefficients, got {len(samples)}")
@@ -147,8 +151,9 @@ def fit_batch_cost(
     coef = _min_relative_l1(x, y)
     meta: dict[str, Any] = {} if regimes is None else {"regimes": regimes.as_dict()}
     if sum_calibrated:
-        fitted = float(np.sum(x @ coef))
-        scale = float(np.sum(y)) / fitted if fitted > 0 else 1.0
+        n = len(samples) if measured is None else measured
+        fitted = float(np.sum(x[:n] @ coef))
+        scale = float(np.sum(y[:n])) / fitted if fitted > 0 else 1.0
         coef = coef * scale
         meta["sum_scale"] = round(scale, 4)
     c0, c_prefill, a1, a2, b, d = (float(v) for v in coef[:6])

@@ -133,13 +133,14 @@ class StepTimer:
     def _fit(self, rows: list[StepSample]) -> bool:
         """Fit ``rows`` and put the model in; False (the last model kept) when the fit
         fails: one odd window must not take admission down."""
-        anchors = []
+        anchors: list[StepSample] = []
         if self._prior is not None and self._regimes is not None:
             anchors = anchor_samples(self._prior, rows, self._regimes)
         try:
             cost = fit_batch_cost(
-                rows + anchors, name="online", regimes=self._regimes, sum_calibrated=True
-            )
+                rows + anchors, name="online", regimes=self._regimes, sum_calibrated=True,
+                measured=len(rows),
+            )  # fmt: skip
         except (ValueError, CostModelError):
             return False
         with self._lock:
