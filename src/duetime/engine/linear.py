@@ -173,7 +173,26 @@ def int8_available() -> bool:
     )
 
 
-class Int8Linear:
+class RowScaledInt8:
+    """An int8 product of per-row scaled activations. A subclass gives its kernel,
+    ``_product(x, row_max)``: the answer rescales it per row (in place), the ranking
+    (:func:`ranking`) does not. Int8Linear (fbgemm) and OneDnnInt8Linear share this.
+    """
+
+    def _product(self, x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x, row_max = row_scaled(x)
+        # in place: a fresh [rows, vocab] product would page-fault its 1 MiB a row again
+        return self._product(x, row_max).mul_(row_max)
+
+    def ranking(self, x: torch.Tensor) -> torch.Tensor:
+        """The product with each row divided by its activation's scale (see :func:`ranking`)."""
+        return self._product(*row_scaled(x))
+
+
+class Int8Linear(RowScaledInt8):
     """Dynamic int8 linear: int8 per-channel weight, fp32 in and out."""
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -190,15 +209,6 @@ class Int8Linear:
         self.dtype = torch.float32
         self.out_features = w.shape[0]
         self.nbytes = w.numel() + 4 * w.shape[0]  # int8 weight + one scale per row
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x, row_max = row_scaled(x)
-        # in place: a fresh [rows, vocab] product would page-fault its 1 MiB a row again
-        return self._product(x, row_max).mul_(row_max)
-
-    def ranking(self, x: torch.Tensor) -> torch.Tensor:
-        """The product with each row divided by its activation's scale (see :func:`ranking`)."""
-        return self._product(*row_scaled(x))
 
     def _product(self, x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x / row_max, self._packed, True)

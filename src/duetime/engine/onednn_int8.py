@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from duetime.engine.linear import ByRows, Int8Linear, Linear, row_scaled
+from duetime.engine.linear import ByRows, Int8Linear, Linear, RowScaledInt8
 
 __all__ = ["ONEDNN_HEAD_MIN_ROWS", "OneDnnInt8Linear", "int8_rank", "onednn_int8_available"]
 
@@ -49,7 +49,7 @@ def onednn_int8_available() -> bool:
     return amx or bool(getattr(cpu, "_is_vnni_supported", lambda: False)())
 
 
-class OneDnnInt8Linear:
+class OneDnnInt8Linear(RowScaledInt8):
     """``y = x @ W.T`` with an int8 per-channel weight and per-row int8 activations;
     fp32 in and out."""
 
@@ -63,16 +63,6 @@ class OneDnnInt8Linear:
         self.dtype = torch.float32
         self.out_features = w.shape[0]
         self.nbytes = w.numel() + 4 * w.shape[0]  # int8 weight + one scale per row
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x, row_max = row_scaled(x)
-        # in place: a fresh [rows, vocab] product would page-fault its 1 MiB a row again
-        return self._product(x, row_max).mul_(row_max)
-
-    def ranking(self, x: torch.Tensor) -> torch.Tensor:
-        """The product with each row divided by its activation's scale
-        (:func:`~duetime.engine.linear.ranking`)."""
-        return self._product(*row_scaled(x))
 
     def _product(self, x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
         qx = x.mul(127.0 / row_max).round_().add_(128.0).to(torch.uint8)
