@@ -75,6 +75,34 @@ def test_sliding_layers_stay_bounded(model: Gemma3) -> None:
     assert kv.num_tokens(s) == 160  # global layers keep everything
 
 
+def test_a_sliding_layer_does_not_trim_at_every_token(model: Gemma3) -> None:
+    """A buffer held at the window's size trimmed (copying its whole window) at every
+    decoded token; after a trim it must have room for a run of tokens."""
+    from duetime.engine import kv_store
+
+    trims = 0
+    real_make_room = kv_store.KVStore._make_room
+
+    def counting(self, slot, layer, n, sliding):  # type: ignore[no-untyped-def]
+        nonlocal trims
+        before = layer.length
+        real_make_room(self, slot, layer, n, sliding)
+        trims += layer.length < before
+
+    kv = model.new_kv_cache()
+    s = kv.allocate(WINDOW)  # capacity: exactly the window
+    _feed(model, kv, s, _ids(WINDOW))
+    sliding = sum(model.config.sliding_layers)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kv_store.KVStore, "_make_room", counting)
+        for _ in range(40):
+            _feed(model, kv, s, [7])
+    assert trims <= 2 * sliding  # at most a couple of trims a layer, not one a token
+    for i, sl in enumerate(model.config.sliding_layers):
+        if sl:
+            assert kv.positions(s, i)[0, -1] == WINDOW + 39
+
+
 def test_retain_everything_changes_nothing(model: Gemma3) -> None:
     """Materialising per-head positions (the evicted code path) must not change outputs."""
     ids = _ids(20, seed=1)
