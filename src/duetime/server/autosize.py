@@ -154,10 +154,9 @@ def measure_step_cost(
     length in ``prompts`` is prefilled alone ``reps`` times. ``long_cell`` (decoders,
     context) decodes at a longer context too: from ``context``-token sequences alone the
     KV term cannot be told from the per-decoder one (the fit put it at 0, and limits sized
-    for 512-token contexts ran TPOT p50 at 217-288 ms against a 200 ms target: 8 decoders
-    step 22.8 ms at context 32 and 30.3 ms at 512, ~2 us a KV token; 12 decoders, so
-    that the cell runs the many-row kernels: the limit's real step at 512 tokens came
-    out 193 ms against the fit's 198). The cell adds ~5 s to the start. ``chunked``
+    for 512-token contexts ran TPOT p50 at 217-288 ms against a 200 ms target; 12
+    decoders, so that the cell runs the many-row kernels). The cell adds ~5 s to the
+    start. ``chunked``
     (prompt, chunk) prefills one prompt a chunk at a time, so that a chunk's attention
     to the context behind it is measured, not read off whole prompts. A first, untimed
     cell warms the kernels up (their first call builds or loads them), and each cell's
@@ -177,13 +176,16 @@ def measure_step_cost(
     def prompt(n: int) -> list[int]:
         return [bos, *(int(t) for t in g.integers(min(3, vocab - 1), vocab, n - 1))]
 
-    cells = [(1, context), *((b, context) for b in batches), long_cell]
-    for i, (batch, ctx) in enumerate(cells):
+    # the long cell and its batch at ``context`` get 3x the reps: the KV term rests on
+    # their difference (~5 ms of ~40), and 3 reps each put it anywhere in 0.2-1 us a token
+    pair = [(long_cell[0], context, 3 * reps), (*long_cell, 3 * reps)]
+    cells = [(1, context, reps), *((b, context, reps) for b in batches), *pair]
+    for i, (batch, ctx, n_reps) in enumerate(cells):
         kv = model.new_kv_cache()
         slots = [kv.allocate() for _ in range(batch)]
         model.greedy_step([SeqChunk(s, prompt(ctx), 0) for s in slots], kv)
         model.greedy_step([SeqChunk(s, [100], kv.seq_len(s)) for s in slots], kv)
-        for _ in range(reps):
+        for _ in range(n_reps):
             attended = sum(kv.seq_len(s) + 1 for s in slots)
             step = [SeqChunk(s, [100], kv.seq_len(s)) for s in slots]
             t0 = time.perf_counter()
