@@ -86,7 +86,7 @@ def test_a_sum_calibrated_fit_adds_up_skewed_steps_to_their_total() -> None:
                    s.seconds * 0.5, s.kind)
         for s in clean[:40]
     ]  # fmt: skip
-    anchored = fit_batch_cost(steps + anchors, sum_calibrated=True, measured=len(steps))
+    anchored = fit_batch_cost(steps, sum_calibrated=True, extra=anchors)
     assert priced(anchored) == pytest.approx(total, rel=1e-6)
 
 

@@ -116,7 +116,7 @@ def fit_batch_cost(
     regimes: CostRegimes | None = None,
     *,
     sum_calibrated: bool = False,
-    measured: int | None = None,
+    extra: Sequence[StepSample] = (),
 ) -> LinearStepCost:
     """Fit ``c0, c_prefill, a1, a2, b, d`` (and, given ``regimes``, each band's intercept
     and slope), all >= 0, minimising the mean absolute relative error.
@@ -138,9 +138,11 @@ def fit_batch_cost(
     two-backend fleet ran 6-15 % faster than the real one on the uncalibrated online
     fits (docs/fleet-real.md).
 
-    ``measured``: only the first this many samples were timed (the rest are
-    :mod:`~duetime.predict.step_anchors`' priced shapes); the sum is theirs.
+    ``extra``: priced shapes fitted beside the timed ``samples``
+    (:mod:`~duetime.predict.step_anchors`); the sum calibration counts the timed ones only.
     """
+    timed = len(samples)
+    samples = [*samples, *extra]
     if len(samples) < 6:
         raise ValueError(f"need at least 6 timed steps to fit 6 coefficients, got {len(samples)}")
     knots = _knots(samples, ROW_KNOTS) if regimes is not None else ()
@@ -151,9 +153,8 @@ def fit_batch_cost(
     coef = _min_relative_l1(x, y)
     meta: dict[str, Any] = {} if regimes is None else {"regimes": regimes.as_dict()}
     if sum_calibrated:
-        n = len(samples) if measured is None else measured
-        fitted = float(np.sum(x[:n] @ coef))
-        scale = float(np.sum(y[:n])) / fitted if fitted > 0 else 1.0
+        fitted = float(np.sum(x[:timed] @ coef))
+        scale = float(np.sum(y[:timed])) / fitted if fitted > 0 else 1.0
         coef = coef * scale
         meta["sum_scale"] = round(scale, 4)
     c0, c_prefill, a1, a2, b, d = (float(v) for v in coef[:6])

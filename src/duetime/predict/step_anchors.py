@@ -38,10 +38,11 @@ SEEN = 3
 SCALE_BOUNDS = (0.5, 2.0)
 
 
-def _cell(regimes: CostRegimes, prefill: int, decoders: int) -> tuple[int, int, bool]:
+def _cell(
+    row_edges: tuple[int, ...], head_edges: tuple[int, ...], prefill: int, decoders: int
+) -> tuple[int, int, bool]:
     rows, head = step_rows(prefill, decoders)
-    edges = tuple(sorted({*regimes.edges("rows"), *ROW_KNOTS}))
-    return band_index(edges, rows), band_index(regimes.edges("head_rows"), head), prefill > 0
+    return band_index(row_edges, rows), band_index(head_edges, head), prefill > 0
 
 
 def _sample(cost: LinearStepCost, shape: tuple[int, int, int, int], scale: float) -> StepSample:
@@ -64,9 +65,10 @@ def anchor_samples(
     measured = sum(s.seconds for s in window)
     scale = measured / priced if priced > 0 and measured > 0 else 1.0
     scale = min(max(scale, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
-    seen = Counter(_cell(regimes, s.prefill_tokens, s.decode_seqs) for s in window)
+    edges = (tuple(sorted({*regimes.edges("rows"), *ROW_KNOTS})), regimes.edges("head_rows"))
+    seen = Counter(_cell(*edges, s.prefill_tokens, s.decode_seqs) for s in window)
     return [
         _sample(prior, shape, scale)
         for shape in ANCHOR_SHAPES
-        if seen[_cell(regimes, shape[0], shape[2])] < SEEN
+        if seen[_cell(*edges, shape[0], shape[2])] < SEEN
     ]

@@ -138,9 +138,8 @@ class StepTimer:
             anchors = anchor_samples(self._prior, rows, self._regimes)
         try:
             cost = fit_batch_cost(
-                rows + anchors, name="online", regimes=self._regimes, sum_calibrated=True,
-                measured=len(rows),
-            )  # fmt: skip
+                rows, name="online", regimes=self._regimes, sum_calibrated=True, extra=anchors
+            )
         except (ValueError, CostModelError):
             return False
         with self._lock:
