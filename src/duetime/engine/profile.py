@@ -61,8 +61,8 @@ class ProfileGrid:
         4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 1024,
     )  # fmt: skip
     # every kernel regime (1-2, 3-4, 5-8, 9-11 and 12+ rows for Gemma q8 on an AMX or VNNI CPU) gets
-    # two batch sizes or more, and the batch limits a server picks on 2 cores (120-180) are
-    # near a measured one
+    # two batch sizes or more, and the batch limits a server picks on 2 cores (120-135 at
+    # 512 tokens) are near a measured one
     batches: Sequence[int] = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128)
     contexts: Sequence[int] = (32, 256, 1024)
     # (prompt, chunk): a long prompt prefilled a chunk at a time, each chunk attending
@@ -135,12 +135,7 @@ def measure_steps(
     t = _Timer(model)
     samples: list[StepSample] = []
 
-    def prompt(n: int) -> None:
-        kv = model.new_kv_cache()
-        sec = t.time_step([SeqChunk(kv.allocate(n), t.ids(n), 0)], kv)
-        samples.append(StepSample(n, float(n * n), 0, 0, sec, "prefill"))
-
-    def chunked(n: int, size: int) -> None:
+    def chunked(n: int, size: int) -> None:  # a whole prompt: size n
         kv = model.new_kv_cache()
         slot = kv.allocate(n)
         for past in range(0, n, size):
@@ -171,7 +166,7 @@ def measure_steps(
             samples.append(StepSample(p, float(p * p), d, kv_tokens, sec, "mixed"))
 
     cells: list[Callable[[], None]] = [
-        *(partial(prompt, n) for n in g.prompt_lens for _ in range(g.reps)),
+        *(partial(chunked, n, n) for n in g.prompt_lens for _ in range(g.reps)),
         *(partial(chunked, n, size) for n, size in g.chunked for _ in range(g.reps)),
         *(partial(decode, d, c) for d in g.batches for c in g.contexts
           if d * c <= g.max_setup_tokens),

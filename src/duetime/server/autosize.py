@@ -156,9 +156,9 @@ def measure_step_cost(
     KV term cannot be told from the per-decoder one (the fit put it at 0, and limits sized
     for 512-token contexts ran TPOT p50 at 217-288 ms against a 200 ms target; 12
     decoders, so that the cell runs the many-row kernels). The cell adds ~5 s to the
-    start. ``chunked``
-    (prompt, chunk) prefills one prompt a chunk at a time, so that a chunk's attention
-    to the context behind it is measured, not read off whole prompts. A first, untimed
+    start. ``chunked`` (prompt, chunk) prefills one prompt a chunk at a time, so that a
+    chunk's attention to the context behind it is measured, not read off whole prompts
+    alone. A first, untimed
     cell warms the kernels up (their first call builds or loads them), and each cell's
     first decode is not timed (it ran 10-20 % slower than the next ones). The fit
     (:func:`duetime.predict.ete.fit_batch_cost`) has a band per regime the model reports
@@ -193,15 +193,7 @@ def measure_step_cost(
             if i:  # the first cell is the warm-up
                 seconds = time.perf_counter() - t0
                 samples.append(StepSample(0, 0.0, batch, attended, seconds, "decode"))
-    for n in prompts:
-        for _ in range(reps):
-            kv = model.new_kv_cache()
-            chunk = [SeqChunk(kv.allocate(), prompt(n), 0)]
-            t0 = time.perf_counter()
-            model.greedy_step(chunk, kv)
-            samples.append(StepSample(n, float(n * n), 0, 0, time.perf_counter() - t0, "prefill"))
-    n, size = chunked
-    for _ in range(reps):
+    for n, size in [*((n, n) for n in prompts for _ in range(reps)), *[chunked] * reps]:
         kv = model.new_kv_cache()
         slot, ids = kv.allocate(), prompt(n)
         for past in range(0, n, size):
