@@ -11,7 +11,7 @@ running sums (``executor_books``); booking a step and its stops
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from duetime.core.policy import Policy
 from duetime.core.prefix_cache import PrefixCache, block_key
@@ -27,6 +27,19 @@ if TYPE_CHECKING:
 
 class ExecutorError(RuntimeError):
     """The run cannot make progress (a policy that never schedules, say)."""
+
+
+class RunCounts(TypedDict):
+    """The totals of a run that every executor's result reports under these names (the
+    engine's ``EngineResult``, the simulator's ``SimResult``): typed, so mypy checks
+    them where :meth:`ExecutorState.run_counts` is unpacked."""
+
+    engine_steps: int
+    policy_calls: int
+    preemptions: int
+    kv_peak: int
+    tokens_generated: int
+    counters: dict[str, int]
 
 
 class ExecutorState:
@@ -103,6 +116,18 @@ class ExecutorState:
         # does not change between the policy's call and the decision's admissions)
         self._hit_memo: dict[int, int] = {}
         self._snap: EngineSnapshot | None = None  # the one snapshot policies are handed
+
+    def run_counts(self) -> RunCounts:
+        """The run's totals as its result's keyword arguments: one list for both
+        executors, so their results count alike (``counters`` copied)."""
+        return RunCounts(
+            engine_steps=self.engine_steps,
+            policy_calls=self.policy_calls,
+            preemptions=self.preemptions,
+            kv_peak=self.kv_peak,
+            tokens_generated=self.tokens_generated,
+            counters=dict(self.counters),
+        )
 
     # --- hooks for executors with real memory (no-ops here) --------------------
     def _on_admit(self, seq: Seq, prefix: list[Any]) -> int:

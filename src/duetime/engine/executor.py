@@ -147,12 +147,7 @@ class EngineExecutor(EngineStep):
                 rid: toks[self.seqs[rid].req.prompt_len :] for rid, toks in self.tokens.items()
             },
             wall_s=self.now,
-            engine_steps=self.engine_steps,
-            policy_calls=self.policy_calls,
-            preemptions=self.preemptions,
-            kv_peak=self.kv_peak,
-            tokens_generated=self.tokens_generated,
-            counters=dict(self.counters),
+            **self.run_counts(),
         )
 
     def tick(self) -> float | None:

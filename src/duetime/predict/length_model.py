@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from duetime.predict.conformal import BucketCDF
+from duetime.predict.npz_file import NpzKind
 from duetime.predict.precision import INFER_PRECISIONS
 
 if TYPE_CHECKING:
@@ -245,6 +246,16 @@ class ModelVersionError(ValueError):
     """A model file this version of duetime cannot read."""
 
 
+#: The model's file kind: what its header must name, and how a refused file is named.
+_MODEL_FILE = NpzKind(
+    fmt=MODEL_FORMAT,
+    version=MODEL_VERSION,
+    what="duetime length-model file",
+    fix="retrain it with `duetime predict train-length`",
+    error=ModelVersionError,
+)
+
+
 @dataclass(slots=True, eq=False)
 class LengthModel:
     """A trained RLP: config, head weights, conformal scores, and where it came from.
@@ -304,11 +315,7 @@ class LengthModel:
 
     def save(self, path: str | Path) -> Path:
         """Write an ``.npz`` (no pickles): float16 weights, float32 scores, JSON metadata."""
-        from duetime.predict.npz_file import save_npz
-
         header = {
-            "format": MODEL_FORMAT,
-            "version": MODEL_VERSION,
             "config": asdict(self.config),
             "feat_mean": self.weights.feat_mean,
             "feat_std": self.weights.feat_std,
@@ -317,21 +324,12 @@ class LengthModel:
         arrays = {k: v.astype(np.float16) for k, v in self.weights.arrays().items()}
         arrays |= {_ADAPTER + k: v.astype(np.float16) for k, v in self.adapters.items()}
         arrays["conformal_scores"] = self.conformal_scores.astype(np.float32)
-        return save_npz(path, header, arrays)
+        return _MODEL_FILE.save(path, header, arrays)
 
     @classmethod
     def load(cls, path: str | Path) -> LengthModel:
         """Read a model file; another format or version raises :class:`ModelVersionError`."""
-        from duetime.predict.npz_file import load_npz
-
-        header, data = load_npz(
-            path,
-            fmt=MODEL_FORMAT,
-            version=MODEL_VERSION,
-            what="duetime length-model file",
-            fix="retrain it with `duetime predict train-length`",
-            error=ModelVersionError,
-        )
+        header, data = _MODEL_FILE.load(path)
         arr = {k: data[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2") if k in data}
         adapters = {
             k.removeprefix(_ADAPTER): v.astype(np.float32)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from duetime.predict.length_data import SPLITS
+from duetime.predict.npz_file import NpzKind
 
 if TYPE_CHECKING:
     from duetime.predict.length_features import MiniLMEncoder
@@ -28,6 +29,13 @@ if TYPE_CHECKING:
 BUNDLE_FORMAT = "duetime-rlp-tokens"
 BUNDLE_VERSION = 1
 BUNDLE_TOKENS = 512  # word pieces kept per prompt: BERT's position limit
+#: The bundle's file kind: what its header must name, and how a refused file is named.
+_BUNDLE_FILE = NpzKind(
+    fmt=BUNDLE_FORMAT,
+    version=BUNDLE_VERSION,
+    what="duetime token bundle",
+    fix="export it again with `duetime predict export-length-data`",
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -57,11 +65,7 @@ class TokenBundle:
         return [self.ids[self.off[r] : self.off[r + 1]].astype(np.int64) for r in rows]
 
     def save(self, path: str | Path) -> Path:
-        from duetime.predict.npz_file import save_npz
-
         header = {
-            "format": BUNDLE_FORMAT,
-            "version": BUNDLE_VERSION,
             "dataset": self.dataset,
             "tokenizer": self.tokenizer,
         }
@@ -71,20 +75,12 @@ class TokenBundle:
             "prompt_len": self.prompt_len,
             "output_len": self.output_len,
         } | {f"split_{k}": v for k, v in self.splits.items()}
-        return save_npz(path, header, arrays)
+        return _BUNDLE_FILE.save(path, header, arrays)
 
     @classmethod
     def load(cls, path: str | Path) -> TokenBundle:
         """Read a bundle; anything else (or another version) raises ``ValueError`` naming it."""
-        from duetime.predict.npz_file import load_npz
-
-        header, data = load_npz(
-            path,
-            fmt=BUNDLE_FORMAT,
-            version=BUNDLE_VERSION,
-            what="duetime token bundle",
-            fix="export it again with `duetime predict export-length-data`",
-        )
+        header, data = _BUNDLE_FILE.load(path)
         try:
             bundle = cls(
                 data["ids"],

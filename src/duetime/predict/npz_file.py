@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import zipfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +77,26 @@ def load_npz(
             f"version {version}; {fix}"
         )
     return header, arrays
+
+
+@dataclass(slots=True, frozen=True)
+class NpzKind:
+    """One kind of file: the ``format`` and ``version`` its header names, and how a
+    refusal reads (:func:`load_npz`). Its :meth:`save` writes the two header keys
+    that its :meth:`load` checks, so a file kind states them once."""
+
+    fmt: str
+    version: int
+    what: str  # the refusals' name for it: "<path>: not a <what> (...)"
+    fix: str  # how to make a readable one, said of a file of another version
+    error: type[Exception] = ValueError
+
+    def save(self, path: str | Path, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> Path:
+        """:func:`save_npz`, with this kind's ``format`` and ``version`` in ``header``."""
+        return save_npz(path, {"format": self.fmt, "version": self.version, **header}, arrays)
+
+    def load(self, path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """:func:`load_npz` of a file of this kind: ``(header, arrays)``, or ``error``."""
+        return load_npz(
+            path, fmt=self.fmt, version=self.version, what=self.what, fix=self.fix, error=self.error
+        )

@@ -55,17 +55,4 @@ def replica_result(rep: Replica) -> SimResult:
         for r in sim.records.values()
         if rep.up or r.finish is not None or r.cancelled_at is not None
     ]
-    return SimResult(
-        records=sorted(recs, key=attrgetter("request.arrival", "request.rid")),
-        sim_time=sim.now,
-        engine_steps=sim.engine_steps,
-        decode_steps=sim.clock.steps,
-        policy_calls=sim.policy_calls,
-        preemptions=sim.preemptions,
-        wall_s=0.0,
-        kv_peak=sim.kv_peak,
-        tokens_generated=sim.tokens_generated,
-        mean_in_system=sim._area / sim.now if sim.now > 0 else 0.0,
-        mean_running=sim._area_run / sim.now if sim.now > 0 else 0.0,
-        counters=dict(sim.counters),
-    )
+    return sim.result(sorted(recs, key=attrgetter("request.arrival", "request.rid")), 0.0)

@@ -315,19 +315,21 @@ class Simulator(ExecutorCore):
                 progress(done_seen, n_jobs)
         if progress is not None:
             progress(self.n_done, n_jobs)
+        records = [self.records[j.request.rid] for j in pending if j.request.rid in self.records]
+        return self.result(records, time.perf_counter() - t0)
+
+    def result(self, records: list[RequestRecord], wall_s: float) -> SimResult:
+        """The run so far as a :class:`SimResult` with ``records`` (the caller picks
+        which, and their order): the run itself, and a fleet for each replica."""
+        now = self.now
         return SimResult(
-            records=[self.records[j.request.rid] for j in pending if j.request.rid in self.records],
-            sim_time=self.now,
-            engine_steps=self.engine_steps,
+            records=records,
+            sim_time=now,
             decode_steps=self.clock.steps,
-            policy_calls=self.policy_calls,
-            preemptions=self.preemptions,
-            wall_s=time.perf_counter() - t0,
-            kv_peak=self.kv_peak,
-            tokens_generated=self.tokens_generated,
-            mean_in_system=self._area / self.now if self.now > 0 else 0.0,
-            mean_running=self._area_run / self.now if self.now > 0 else 0.0,
-            counters=dict(self.counters),
+            wall_s=wall_s,
+            mean_in_system=self._area / now if now > 0 else 0.0,
+            mean_running=self._area_run / now if now > 0 else 0.0,
+            **self.run_counts(),
         )
 
 
