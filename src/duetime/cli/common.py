@@ -88,6 +88,18 @@ DtypeOpt = Annotated[
     ),
 ]
 ThreadsOpt = Annotated[int, typer.Option(min=1, help="Torch compute threads.")]
+#: The engine's KV eviction when a policy asks for it (`serve`, `validate`).
+EvictionOpt = Annotated[
+    str,
+    typer.Option(
+        help="KV eviction when the policy asks for ratio α (e.g. timebill): "
+        "snapkv (observation-window scores, per head) or streaming (sinks + recent)."
+    ),
+]
+#: The length predictor `duetime serve` runs (`serve`, `bench admission`).
+ServedPredictorOpt = Annotated[
+    str, typer.Option(help="The server's length predictor: auto, learned[:path] or none.")
+]
 #: The ALA throughput measurements (`advise batch`, `predict throughput`, `bench ala`).
 AlaDataOpt = Annotated[
     list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
@@ -102,6 +114,25 @@ ArrivalOpt = Annotated[str, typer.Option(help="poisson, gamma or bursts.")]
 CvOpt = Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")]
 BurstSizeOpt = Annotated[
     int, typer.Option(min=1, help="--arrival bursts: requests sent at once, a burst.")
+]
+
+# The requests `duetime load` builds (server/load_workload.py), which `bench fleet-real`
+# and `bench admission` build too: ShareGPT pairs past the caps are left out, not cut.
+# Each command picks its own defaults.
+MaxTokensOpt = Annotated[
+    int, typer.Option(min=1, help="Longest answer, tokens (longer ShareGPT pairs left out).")
+]
+MaxContextOpt = Annotated[
+    int, typer.Option(min=2, help="Longest prompt + answer, tokens (longer pairs left out).")
+]
+FixedMaxTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Every ShareGPT request asks for at most this many tokens, as a chat client "
+        "does, not for its recorded answer's length (which tells the server how long "
+        "the answer is; vLLM's --sharegpt-output-len).",
+    ),
 ]
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -145,6 +176,12 @@ def bound_port(host: str, port: int) -> int:
     from duetime.server.ports import free_port
 
     return port if port != 0 else free_port(host)
+
+
+def comma_list(text: str) -> list[str]:
+    """The items of a comma-separated option, stripped, empty ones dropped: ``"a, b,"``
+    is ``["a", "b"]`` wherever a command takes a list of names."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def parse_confidence(text: str, option: str) -> float | None:

@@ -12,7 +12,15 @@ from typing import Annotated
 import typer
 
 from duetime.bench.limits import MAX_ENGINE_REQUESTS
-from duetime.cli.common import DtypeOpt, ThreadsOpt, _progress, _user_errors, app, writable
+from duetime.cli.common import (
+    DtypeOpt,
+    EvictionOpt,
+    ThreadsOpt,
+    _progress,
+    _user_errors,
+    app,
+    writable,
+)
 from duetime.cli.common import out as console
 
 
@@ -233,9 +241,7 @@ def validate(
     max_output: Annotated[int, typer.Option(min=1)] = 128,
     plot: Annotated[Path, typer.Option("--plot", callback=writable)] = Path("out/validate.png"),
     json_path: Annotated[Path | None, typer.Option("--json", callback=writable)] = None,
-    eviction: Annotated[
-        str, typer.Option(help="KV eviction for policies that evict: snapkv or streaming.")
-    ] = "snapkv",
+    eviction: EvictionOpt = "snapkv",
     predictor: Annotated[
         str,
         typer.Option(

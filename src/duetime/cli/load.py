@@ -11,7 +11,10 @@ from duetime.cli.common import (
     ArrivalOpt,
     BurstSizeOpt,
     CvOpt,
+    FixedMaxTokensOpt,
     JsonOpt,
+    MaxContextOpt,
+    MaxTokensOpt,
     PlotOpt,
     _progress,
     _user_errors,
@@ -56,17 +59,9 @@ def load(
     output_len: Annotated[str, typer.Option(help="Synthetic output tokens: N or LO-HI.")] = (
         "16-256"
     ),
-    max_tokens: Annotated[int, typer.Option(min=1, help="Longest output asked for.")] = 1024,
-    max_context: Annotated[int, typer.Option(min=2, help="Longest prompt + output.")] = 2048,
-    fixed_max_tokens: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Every ShareGPT request asks for at most this many tokens, as a chat client "
-            "does, not for its recorded answer's length (which tells the server how long "
-            "the answer is; vLLM's --sharegpt-output-len).",
-        ),
-    ] = None,
+    max_tokens: MaxTokensOpt = 1024,
+    max_context: MaxContextOpt = 2048,
+    fixed_max_tokens: FixedMaxTokensOpt = None,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="Ask for exactly max_tokens (vLLM, duetime).")
     ] = False,

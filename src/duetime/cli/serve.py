@@ -10,10 +10,12 @@ import typer
 
 from duetime.cli.common import (
     DtypeOpt,
+    EvictionOpt,
     HeaderTimeoutOpt,
     HostOpt,
     LogLevelOpt,
     PortOpt,
+    ServedPredictorOpt,
     ShutdownTimeoutOpt,
     ThreadsOpt,
     _fail,
@@ -109,9 +111,7 @@ def serve(
             "(automatic prefix caching; 0: off). Gemma 3 270M: 37 KB a token.",
         ),
     ] = 4096,
-    predictor: Annotated[
-        str, typer.Option(help="Length predictor: auto, learned[:path] or none.")
-    ] = "auto",
+    predictor: ServedPredictorOpt = "auto",
     length_window: Annotated[
         int,
         typer.Option(
@@ -126,13 +126,7 @@ def serve(
     telemetry: Annotated[
         Path | None, typer.Option(help="Per-step JSONL telemetry.", callback=writable)
     ] = None,
-    eviction: Annotated[
-        str,
-        typer.Option(
-            help="KV eviction when the policy asks for ratio α (e.g. timebill): "
-            "snapkv (observation-window scores, per head) or streaming (sinks + recent)."
-        ),
-    ] = "snapkv",
+    eviction: EvictionOpt = "snapkv",
     request_timeout: Annotated[
         float,
         typer.Option(min=0.001, help="Seconds an answer may take before it is a 504 and aborted."),

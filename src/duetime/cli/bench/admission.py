@@ -11,11 +11,16 @@ from duetime.cli.bench.save import save_figures
 from duetime.cli.common import (
     BurstSizeOpt,
     DtypeOpt,
+    FixedMaxTokensOpt,
     JsonOpt,
+    MaxContextOpt,
+    MaxTokensOpt,
+    ServedPredictorOpt,
     ThreadsOpt,
     _progress,
     _user_errors,
     bench_app,
+    comma_list,
     out,
     parse_confidence,
 )
@@ -49,20 +54,9 @@ def bench_admission(
     deadline: Annotated[
         float, typer.Option(min=0.001, help="Every request's deadline, seconds after arrival.")
     ] = 20.0,
-    max_tokens: Annotated[
-        int, typer.Option(min=1, help="Longest answer (ShareGPT pairs with longer are left out).")
-    ] = 256,
-    max_context: Annotated[
-        int, typer.Option(min=2, help="Longest prompt + answer, tokens (longer pairs left out).")
-    ] = 2048,
-    fixed_max_tokens: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Every request asks for at most this many tokens (a chat client's one "
-            "limit) instead of its recorded answer's length.",
-        ),
-    ] = None,
+    max_tokens: MaxTokensOpt = 256,
+    max_context: MaxContextOpt = 2048,
+    fixed_max_tokens: FixedMaxTokensOpt = None,
     ignore_eos: Annotated[
         bool,
         typer.Option(
@@ -85,9 +79,7 @@ def bench_admission(
             "off (the plain forecast) and/or targets in (0, 1), e.g. off,0.95."
         ),
     ] = "0.95",
-    predictor: Annotated[
-        str, typer.Option(help="The server's length predictor: auto, learned[:path] or none.")
-    ] = "auto",
+    predictor: ServedPredictorOpt = "auto",
     repeats: RepeatsOpt = 1,
     seed: SeedOpt = 0,
     json_path: JsonOpt = None,
@@ -112,7 +104,7 @@ def bench_admission(
             model=model,
             dtype=dtype,
             policy=policy,
-            modes=[m.strip() for m in modes.split(",") if m.strip()],
+            modes=comma_list(modes),
             rate=rate,
             duration_s=duration,
             deadline_s=deadline,
@@ -120,13 +112,9 @@ def bench_admission(
             max_context=max_context,
             fixed_max_tokens=fixed_max_tokens,
             ignore_eos=ignore_eos,
-            lengths=[n.strip() for n in lengths.split(",") if n.strip()],
-            confidences=[
-                parse_confidence(c.strip(), "--confidences")
-                for c in confidences.split(",")
-                if c.strip()
-            ],
-            burst_gaps=[_gap_s(g) for g in burst_gaps.split(",") if g.strip()],
+            lengths=comma_list(lengths),
+            confidences=[parse_confidence(c, "--confidences") for c in comma_list(confidences)],
+            burst_gaps=[_gap_s(g) for g in comma_list(burst_gaps)],
             arrival=arrival,
             burst_size=burst_size,
             repeats=repeats,
@@ -155,4 +143,4 @@ def _gap_s(text: str) -> float:
     try:
         return float(text) / 1000
     except ValueError:
-        raise ValueError(f"--burst-gaps: {text.strip()!r} is not a number of ms") from None
+        raise ValueError(f"--burst-gaps: {text!r} is not a number of ms") from None

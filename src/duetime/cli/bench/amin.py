@@ -18,7 +18,7 @@ from duetime.cli.bench.options import (
     WorkersOpt,
 )
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
+from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, comma_list, out
 
 
 @bench_app.command("amin")
@@ -86,7 +86,7 @@ def bench_amin(
         return
     profile = profile or "a100-llama2-7b"
     with _user_errors():
-        specs = [x.strip() for x in learned.split(",") if x.strip()]
+        specs = comma_list(learned)
         fig = bench.run(
             requests or 2000, seed, kv_capacity or 111_000, profile, workers, two_point, specs
         )
@@ -131,7 +131,7 @@ def run_engine(
     """
     from duetime.bench import amin_engine as bench
 
-    constructions = tuple(c.strip() for c in intervals.split(",") if c.strip())
+    constructions = tuple(comma_list(intervals))
     sizes = {"requests": requests, "kv_capacity": kv_capacity, "max_prompt": max_prompt,
              "max_output": max_output, "constructions": constructions, "seed": seed}  # fmt: skip
     fig = choice.run_bench(bench, checks=sizes, profile=profile, reps=reps, **sizes)

@@ -78,17 +78,22 @@ def bench_deferred_prefill(
     with _user_errors():
         fig = bench.run(requests or 2000, capacity or 256, profile, seed, workers)
     out.print(bench.table(fig))
-    adv = fig["advice"]
-    out.print(
-        f"analytic K* = {adv['k_star']} (approximation: {adv['k_star_approx']}), "
-        f"ρ(K*) = {adv['throughput_k_star_req_s']:.3f} req/s, "
-        f"{adv['gain_vs_k1_pct']:+.1f} % vs K = 1"
-    )
+    out.print(k_star_line(fig["advice"]))
     for curve, s in fig["summary"].items():
         best = f"; analytic ρ(K*) {s['analytic_k_star_throughput_vs_best_pct']:+.1f} % of the best"
         out.print(curve_line(curve, s, best))
     out.print(f"real engine: not run (--engine adds it); wall {fig['wall_s']:.1f} s")
     save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)
+
+
+def k_star_line(adv: Mapping[str, Any]) -> str:
+    """Theorem 1's optimum K* (Proposition 1's approximation beside it) and its gain over
+    K = 1: the simulated and the engine runs print their analytic advice alike."""
+    return (
+        f"analytic K* = {adv['k_star']} (approximation: {adv['k_star_approx']}), "
+        f"ρ(K*) = {adv['throughput_k_star_req_s']:.3f} req/s, "
+        f"{adv['gain_vs_k1_pct']:+.1f} % vs K = 1"
+    )
 
 
 def curve_line(curve: str, s: Mapping[str, Any], extra: str) -> str:
@@ -144,10 +149,7 @@ def run_engine(
         f"t_p·d0/N = {adv['model_prefill_per_prompt'] * 1e3:.1f} ms, "
         f"c_d = {adv['model_c_d'] * 1e3:.1f} ms, t_d = {adv['model_t_d'] * 1e3:.2f} ms"
     )
-    out.print(
-        f"analytic K* = {adv['k_star']}: ρ(K*) = {adv['throughput_k_star_req_s']:.3f} req/s, "
-        f"{adv['gain_vs_k1_pct']:+.1f} % vs K = 1"
-    )
+    out.print(k_star_line(adv))
     for curve, s in fig["summary"].items():
         star = (
             f"; at K* {s['gain_k_star_vs_k1_pct']:+.1f} % throughput, "

@@ -1,9 +1,7 @@
 """`duetime bench eviction`: SnapKV vs StreamingLLM on the engine (cost and output kept).
 
-It loads its model itself rather than through :mod:`duetime.cli.bench.model`:
-its ``tiny`` model follows ``--seed``, so the shared loader would change what it
-measures. Its options (``--model`` and ``--dtype`` included, and the fit of the
-longest prompt in the model's context) are checked before the model loads.
+Its options (``--model`` and ``--dtype`` included, and the fit of the longest
+prompt in the model's context) are checked before the model loads.
 """
 
 from __future__ import annotations
@@ -14,20 +12,14 @@ from typing import Annotated
 import typer
 
 from duetime.cli.bench.model import load_prompted_model
-from duetime.cli.bench.options import PromptSeedOpt
+from duetime.cli.bench.options import BenchModelOpt, PromptSeedOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("eviction")
 def bench_eviction(
-    model: Annotated[
-        str,
-        typer.Option(
-            help="'gemma' (Gemma 3 270M, ShareGPT prompts), 'tiny' (random) or a Gemma 3 "
-            "GGUF path (ShareGPT prompts)."
-        ),
-    ] = "gemma",
+    model: BenchModelOpt = "gemma",
     prompts: Annotated[int, typer.Option(min=1, help="Prompts to continue.")] = 8,
     min_prompt: Annotated[int, typer.Option(min=1, help="Shortest prompt, tokens.")] = 256,
     max_prompt: Annotated[int, typer.Option(min=1, help="Longest prompt, tokens.")] = 512,

@@ -8,7 +8,7 @@ import typer
 
 from duetime.cli.bench.options import SeedOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
+from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, comma_list, out
 
 
 @bench_app.command("fleet")
@@ -36,7 +36,7 @@ def bench_fleet(
             raise ValueError(
                 f"--loads must be comma-separated percentages, got {loads!r}"
             ) from None
-        names = [r.strip() for r in routers.split(",") if r.strip()] or None
+        names = comma_list(routers) or None
         fig = fleet.run(
             replicas=replicas,
             requests=requests,

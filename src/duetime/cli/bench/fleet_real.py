@@ -12,10 +12,13 @@ from duetime.cli.bench.options import SeedOpt, ServedModelOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import (
     JsonOpt,
+    MaxContextOpt,
+    MaxTokensOpt,
     PlotOpt,
     _fail,
     _user_errors,
     bench_app,
+    comma_list,
     out,
     progress_display,
 )
@@ -44,10 +47,8 @@ def bench_fleet_real(
         typer.Option(help="Synthetic prompt words (a token each to Gemma): N or LO-HI."),
     ] = "128",
     output_len: Annotated[str, typer.Option(help="Synthetic answer tokens: N or LO-HI.")] = "64",
-    max_tokens: Annotated[
-        int, typer.Option(min=1, help="ShareGPT: longest answer kept (longer pairs dropped).")
-    ] = 256,
-    max_context: Annotated[int, typer.Option(min=2, help="Longest prompt + answer.")] = 1024,
+    max_tokens: MaxTokensOpt = 256,
+    max_context: MaxContextOpt = 1024,
     class_mix: Annotated[
         str | None,
         typer.Option(help="Classes and weights: interactive=0.3,batch=0.7 (default: 3 classes)."),
@@ -93,7 +94,7 @@ def bench_fleet_real(
             model=model,
             replicas=replicas,
             threads_per_replica=threads_per_replica,
-            routers=[r.strip() for r in routers.split(",") if r.strip()],
+            routers=comma_list(routers),
             policy=policy,
             rate=rate,
             load=load,

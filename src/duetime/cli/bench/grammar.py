@@ -9,7 +9,15 @@ import typer
 from duetime.cli.bench.model import load_prompted_model
 from duetime.cli.bench.options import BenchModelOpt, PromptSeedOpt, RepeatsOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
+from duetime.cli.common import (
+    DtypeOpt,
+    JsonOpt,
+    ThreadsOpt,
+    _user_errors,
+    bench_app,
+    comma_list,
+    out,
+)
 
 
 @bench_app.command("grammar")
@@ -75,7 +83,7 @@ def bench_grammar(
 
     with _user_errors():
         check_dtype(dtype)
-        chosen = [k.strip() for k in kinds.split(",") if k.strip()]
+        chosen = comma_list(kinds)
         unknown = [k for k in chosen if k not in bench.GRAMMARS]
         if unknown or not chosen:
             raise ValueError(

@@ -1,8 +1,7 @@
 """The one engine-model loader of the `duetime bench ... --engine` modes.
 
-Each engine mode used to set torch's threads and load its model its own way;
-they differ only in what they accept (a clock, a GGUF path), which each mode
-checks before calling this. :class:`EngineChoice` is the model / dtype /
+The engine modes differ only in what they accept (a clock, a GGUF path), which
+each mode checks before calling this. :class:`EngineChoice` is the model / dtype /
 threads / clock quadruple that `amin` and `deferred-prefill` resolve, label
 and load the same way.
 """

@@ -16,6 +16,7 @@ from duetime.cli.common import (
     _progress,
     _user_errors,
     bench_app,
+    comma_list,
     out,
 )
 
@@ -52,7 +53,7 @@ def bench_sensitivity(
             sigmas = [float(x) for x in errors.split(",") if x.strip()]
         except ValueError:
             raise ValueError(f"--errors must be comma-separated numbers, got {errors!r}") from None
-        names = [p.strip() for p in policies.split(",") if p.strip()]
+        names = comma_list(policies)
         extra = None if learned == "none" else learned
         if not names:  # ran nothing and wrote an empty table, exit 0
             raise ValueError(f"--policies names no policy: {policies!r}")

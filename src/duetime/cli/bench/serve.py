@@ -8,7 +8,7 @@ import typer
 
 from duetime.cli.bench.options import PoliciesOpt, SeedOpt, ServedModelOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, _progress, _user_errors, bench_app, out
+from duetime.cli.common import JsonOpt, _progress, _user_errors, bench_app, comma_list, out
 
 
 @bench_app.command("serve")
@@ -45,7 +45,7 @@ def bench_serve(
     with _user_errors():
         cfg = ServeBenchConfig(
             model=model,
-            policies=[p.strip() for p in policies.split(",") if p.strip()],
+            policies=comma_list(policies),
             requests=requests,
             rate=rate,
             max_tokens=max_tokens,
