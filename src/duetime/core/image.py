@@ -19,7 +19,7 @@ would) and what a sequence's tokens are (the simulator needs only their number).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from duetime.core.request import Request
 from duetime.core.sequence import SeqStatus
@@ -27,21 +27,7 @@ from duetime.core.sequence import SeqStatus
 if TYPE_CHECKING:
     from duetime.core.policy import Policy
 
-__all__ = ["EngineImage", "ExecutorLimits", "LiveSeq"]
-
-
-class ExecutorLimits(TypedDict):
-    """The executor's limits an image records, named as the executor's keyword arguments
-    and :class:`~duetime.sim.SimConfig`'s fields: a fork runs under them (typed, so
-    mypy checks them where they are unpacked)."""
-
-    kv_capacity: int
-    max_num_seqs: int
-    max_batch_tokens: int
-    prefix_cache_tokens: int
-    prefix_compute_tail: int
-    offload_suspended: bool
-    share_prefills: bool
+__all__ = ["EngineImage", "LiveSeq"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,19 +71,6 @@ class EngineImage:
     # The policy as it stood, forked (None: it has no ``fork``). Never run itself:
     # each forecast runs a fork of it (:meth:`fork_policy`), so all start alike.
     policy: Policy | None = None
-
-    def limits(self) -> ExecutorLimits:
-        """The executor's limits, as the keyword arguments a fork's executor (its
-        ``SimConfig``) is built with."""
-        return ExecutorLimits(
-            kv_capacity=self.kv_capacity,
-            max_num_seqs=self.max_num_seqs,
-            max_batch_tokens=self.max_batch_tokens,
-            prefix_cache_tokens=self.prefix_cache_tokens,
-            prefix_compute_tail=self.prefix_compute_tail,
-            offload_suspended=self.offload_suspended,
-            share_prefills=self.share_prefills,
-        )
 
     def fork_policy(self) -> Policy | None:
         """A policy to play the image forward under, in the state the image records
