@@ -1,0 +1,78 @@
+"""`validate`'s e2e floor: the same requests through the real engine again, the error
+between real runs beside the simulator's."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from duetime.bench import validate
+from duetime.core.request import Job, Request
+from duetime.engine.profile import ProfileGrid, measure_steps
+from duetime.engine.testing import engine_from_hf, tiny_hf_model
+from duetime.predict.cost_report import profile_payload
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return engine_from_hf(tiny_hf_model(seed=1))
+
+
+def _jobs(n: int) -> list[Job]:
+    r = random.Random(5)
+    jobs = []
+    for i in range(n):
+        p = r.randint(1, 30)
+        ids = tuple(r.randrange(256) for _ in range(p))
+        req = Request(rid=i, arrival=0.01 * i, prompt_len=p, prompt_token_ids=ids, max_tokens=32)
+        jobs.append(Job(req, r.randint(2, 16)))
+    return jobs
+
+
+def _rec(rid: int, e2e: float | None) -> Any:
+    finish = None if e2e is None else 1.0 + e2e
+    return SimpleNamespace(request=SimpleNamespace(rid=rid, arrival=1.0), e2e=e2e, finish=finish)
+
+
+def test_the_floor_pools_every_repeated_run_against_the_first() -> None:
+    first = [_rec(0, 1.0), _rec(1, 2.0), _rec(2, None)]
+    again = [[_rec(0, 1.1), _rec(1, 2.0), _rec(2, 3.0)], [_rec(0, 0.5), _rec(1, 3.0)]]
+    floor = validate.e2e_floor(first, again)
+    # errors 10 %, 0 %, 50 %, 50 % (the unfinished request counts in neither run)
+    assert floor["e2e_floor_runs"] == 2
+    assert floor["e2e_floor_median_pct"] == pytest.approx(30.0)
+    assert validate.e2e_floor(first, [])["e2e_floor_median_pct"] is None
+
+
+def test_the_verdict_says_whether_a_real_run_is_any_closer() -> None:
+    assert "machine's limit" in validate.e2e_verdict(8.0, 9.7)
+    assert "misses" in validate.e2e_verdict(12.0, 9.7)
+    assert "--floor-runs 0" in validate.e2e_verdict(8.0, None)
+
+
+def test_validate_runs_the_real_engine_again_for_the_floor(model: Any, tmp_path: Path) -> None:
+    payload = profile_payload(
+        measure_steps(model, ProfileGrid.quick()), name="tiny", source="test",
+        kv_capacity_tokens=10_000, max_num_seqs=8, max_batch_tokens=64,
+    )  # fmt: skip
+    prof = tmp_path / "tiny.json"
+    prof.write_text(json.dumps(payload))
+    kw: dict[str, Any] = {
+        "model": model, "profile": str(prof), "requests": 6, "kv_capacity": 10_000,
+        "max_num_seqs": 8, "max_batch_tokens": 64,
+    }  # fmt: skip
+    fig = validate.run(jobs=_jobs(6), floor_runs=2, **kw)
+    assert fig["e2e_floor_runs"] == 2
+    assert fig["e2e_floor_median_pct"] is not None
+    assert fig["e2e_floor_median_pct"] >= 0
+    assert fig["e2e_floor_p90_pct"] >= fig["e2e_floor_median_pct"]
+    none = validate.run(jobs=_jobs(6), floor_runs=0, **kw)
+    assert none["e2e_floor_runs"] == 0
+    assert none["e2e_floor_median_pct"] is None
+    with pytest.raises(ValueError, match="--floor-runs"):
+        validate.run(jobs=_jobs(6), floor_runs=-1, **kw)
