@@ -71,8 +71,53 @@ def test_validate_runs_the_real_engine_again_for_the_floor(model: Any, tmp_path:
     assert fig["e2e_floor_median_pct"] is not None
     assert fig["e2e_floor_median_pct"] >= 0
     assert fig["e2e_floor_p90_pct"] >= fig["e2e_floor_median_pct"]
+    # the profile at the run's own speed: the simulator again, its steps scaled to the run's
+    assert fig["step_seconds_real_over_model"] > 0
+    assert fig["e2e_at_run_speed_median_pct"] >= 0
+    assert fig["e2e_at_run_speed_p90_pct"] >= fig["e2e_at_run_speed_median_pct"]
     none = validate.run(jobs=_jobs(6), floor_runs=0, **kw)
     assert none["e2e_floor_runs"] == 0
     assert none["e2e_floor_median_pct"] is None
     with pytest.raises(ValueError, match="--floor-runs"):
         validate.run(jobs=_jobs(6), floor_runs=-1, **kw)
+
+
+def test_the_repeat_floor_is_the_spread_of_steps_of_one_shape() -> None:
+    from duetime.predict.cost_report import MIN_REPEATS, repeat_floor_pct
+    from duetime.predict.ete import StepSample
+
+    def decode(seconds: float, kv: int) -> StepSample:
+        return StepSample(0, 0.0, 2, kv, seconds, "decode")
+
+    # one shape (2 decoders, KV within 16 a decoder) timed 0.9, 1.0, 1.0, 1.0, 1.1 s
+    steps = [decode(t, 200 + k) for k, t in enumerate((0.9, 1.0, 1.0, 1.0, 1.1))]
+    assert repeat_floor_pct(steps) == (pytest.approx(4.0), MIN_REPEATS)
+    # another shape's few steps do not count, however they spread
+    spread, counted = repeat_floor_pct([*steps, decode(5.0, 4000), decode(9.0, 4000)])
+    assert (spread, counted) == (pytest.approx(4.0), MIN_REPEATS)
+    assert repeat_floor_pct(steps[:-1]) == (None, 0)
+
+
+def test_the_profile_verdict_takes_the_larger_floor() -> None:
+    from duetime.predict.cost_report import profile_payload
+    from duetime.predict.ete import StepSample, step_kind
+
+    rng = random.Random(3)
+
+    def step(p: int, d: int) -> StepSample:  # steps that spread 0-20 % around a line
+        seconds = (1 + 0.2 * rng.random()) * (1e-3 + 1e-5 * p + 1e-4 * d)
+        return StepSample(p, float(p * p), d, d * 64, seconds, step_kind(p, d))
+
+    samples = [
+        step(p, d) for p in (0, 8, 32, 128) for d in (0, 1, 4, 16) if p or d for _ in range(6)
+    ]
+    kw: dict[str, Any] = {
+        "name": "t", "source": "t", "kv_capacity_tokens": 1, "max_num_seqs": 1,
+        "max_batch_tokens": 1, "noise_floor_pct": 2.0,
+    }  # fmt: skip
+    quiet = profile_payload(samples, **kw)
+    assert quiet["verdict_floor_pct"] == 2.0
+    busy = profile_payload(samples, repeat_floor=30.0, **kw)
+    assert busy["verdict_floor_pct"] == 30.0
+    assert busy["at_noise_limit"] is True
+    assert quiet["at_noise_limit"] is False

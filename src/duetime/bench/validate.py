@@ -21,7 +21,7 @@ import numpy as np
 from duetime.core.request import Job
 from duetime.engine.cost_regimes import regimes_of_any
 from duetime.engine.profile import steps_from_telemetry
-from duetime.predict.cost_report import miss_table
+from duetime.predict.cost_report import miss_table, repeat_floor_pct
 from duetime.predict.ete import cost_mape_pct
 
 if TYPE_CHECKING:
@@ -217,14 +217,27 @@ def run(
     fig.update(e2e_floor(real.records, again))
     # the profile's step model on this run's own steps: where the e2e error comes from
     fig["step_mape_pct"] = cost_mape_pct(cost, steps) if steps else None
+    # the run's own floor: its steps of one shape spread over the run
+    fig["step_repeat_floor_pct"], fig["step_repeat_floor_steps"] = repeat_floor_pct(steps)
     # what e2e sums see: a model on the median step runs short where steps are skewed
     predicted = sum(
         cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
         for s in steps
     )  # fmt: skip
-    fig["step_seconds_real_over_model"] = (
-        sum(s.seconds for s in steps) / predicted if predicted > 0 else None
-    )
+    ratio = sum(s.seconds for s in steps) / predicted if predicted > 0 else None
+    fig["step_seconds_real_over_model"] = ratio
+    # the error left once the machine's speed level is taken out: the profile scaled
+    # to this run's own steps (after the fact: a decomposition, not a forecast)
+    at_speed: dict[str, float | None] = {"median": None, "p90": None}
+    if ratio is not None:
+        level = Simulator(
+            make_policy(policy), cost.scaled(compute=ratio, memory=ratio), cfg,
+            predictor=make_job_predictor(predictor, seed=seed),
+        ).run(copy.deepcopy(jobs))  # fmt: skip
+        errs = compare(real.records, level.records)
+        at_speed = {"median": errs["e2e_rel_err_median_pct"], "p90": errs["e2e_rel_err_p90_pct"]}
+    fig["e2e_at_run_speed_median_pct"] = at_speed["median"]
+    fig["e2e_at_run_speed_p90_pct"] = at_speed["p90"]
     fig["step_misses"] = miss_table(cost, steps, regimes_of_any(model)) if steps else []
     if plot is not None:
         _plot(real.records, sim.records, plot)

@@ -115,7 +115,7 @@ def profile(
         serving_steps,
     )
     from duetime.metrics import write_json
-    from duetime.predict.cost_report import profile_payload
+    from duetime.predict.cost_report import profile_payload, repeat_floor_pct
 
     with _user_errors():
         from duetime.engine.gemma3 import DTYPES
@@ -169,6 +169,7 @@ def profile(
             noise_floor_pct=noise_floor_pct(noise),
             noise=[dataclasses.asdict(n) for n in noise],
             noise_drift_pct=noise_drift_pct(noise_first, noise_last),
+            repeat_floor=repeat_floor_pct(samples[grid_steps:])[0],
             evictions=evictions,
         )
         write_json(out, payload)
@@ -192,6 +193,8 @@ def profile(
         "ete_decode_mape_pct": held["ete_decode_mape_pct"],
         "noise_floor_pct": payload["noise_floor_pct"],
         "noise_drift_pct": payload["noise_drift_pct"],
+        "repeat_floor_pct": payload["repeat_floor_pct"],
+        "verdict_floor_pct": payload["verdict_floor_pct"],
         "noise": payload["noise"],
         "verdict": payload["verdict"],
         "at_noise_limit": payload["at_noise_limit"],
@@ -207,8 +210,9 @@ def profile(
         f"mixed {_pct(held['model_mixed_mape_pct'])}; TimeBill's ETE form: prompts "
         f"{_pct(held['ete_prefill_mape_pct'])}, one-sequence decodes "
         f"{_pct(held['ete_decode_mape_pct'])}\n"
-        f"{payload['verdict']} (the floor: identical steps repeated at the start and the end; "
-        f"their median moved {float(payload['noise_drift_pct'] or 0.0):.1f} %)\n"  # type: ignore[arg-type]
+        f"{payload['verdict']} (the floor: the larger of identical steps repeated at the "
+        f"start and the end, whose median moved {_pct(payload['noise_drift_pct'])}, and the "
+        f"serving run's steps of one shape, {_pct(payload['repeat_floor_pct'])} spread)\n"
         f"SnapKV eviction {1e6 * cost_e:.1f} µs per KV token held"
     )
     if payload["at_noise_limit"] is False:
@@ -305,13 +309,28 @@ def validate(
         f"{fig['verdict']}\n"
         "target: median e2e error <= 5 %, p90 <= 10 % (Vidur: < 9 % against real GPUs)"
     )
+    if fig["e2e_at_run_speed_median_pct"] is not None:
+        console.print(
+            f"the profile scaled to this run's speed (its steps took "
+            f"{fig['step_seconds_real_over_model']:.2f}x the profile's): median e2e error "
+            f"{fig['e2e_at_run_speed_median_pct']:.1f} %, p90 {fig['e2e_at_run_speed_p90_pct']:.1f}"
+            " %: what is left once the machine's speed level is taken out"
+        )
     step_error = fig["step_mape_pct"]
     if step_error is not None:
-        console.print(f"the profile on this run's {fig['real_steps']} steps: "
-                      f"{floor_verdict(step_error, floor)} (the floor: identical steps "
-                      f"repeated before and after the run; their median moved "
-                      f"{fig['noise_drift_pct']:.1f} %)")  # fmt: skip
-        if step_error > AT_LIMIT_FACTOR * floor:
+        repeat = fig["step_repeat_floor_pct"]
+        step_floor = floor if repeat is None else max(floor, repeat)
+        ratio = fig["step_seconds_real_over_model"]
+        in_sum = "-" if ratio is None else f"{ratio:.2f}x"
+        console.print(
+            f"the profile on this run's {fig['real_steps']} steps: "
+            f"{floor_verdict(step_error, step_floor)} (the floor: the larger of identical "
+            f"steps repeated before and after the run, {floor:.1f} %, whose median moved "
+            f"{fig['noise_drift_pct']:.1f} %, and the run's own steps of one shape, "
+            f"{_pct(repeat)} spread over {fig['step_repeat_floor_steps']} steps; the run's "
+            f"steps took {in_sum} the profile's in sum)"
+        )
+        if step_error > AT_LIMIT_FACTOR * step_floor:
             _print_misses(fig["step_misses"], "this run's steps")
     if json_path is not None:
         write_json(json_path, fig)

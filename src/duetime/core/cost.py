@@ -36,9 +36,20 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from duetime.core.cost_bands import BandCost, CostBandError, bands_time, step_rows
+
+_Num = TypeVar("_Num", int, float)
+
+
+def chunk_attention(rows: _Num, end: _Num) -> _Num:
+    """A prompt chunk's term of ``A``: each of its ``rows`` computed tokens attends the
+    keys up to the chunk's ``end`` (its past plus itself; the causal triangle within
+    the chunk is priced as the rectangle). Every executor, the profile and the
+    forecasts price a chunk with this one definition, so the fitted ``a2`` means the
+    same wherever it is used."""
+    return rows * end
 
 
 class CostModel(Protocol):

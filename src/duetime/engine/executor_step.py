@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from duetime.core.cost import chunk_attention
 from duetime.core.sequence import Seq
 from duetime.engine.batch import SeqChunk
 from duetime.engine.executor_logits import LogitNeeds
@@ -37,7 +38,7 @@ class EngineStep(LogitNeeds):
             model_chunks.append(chunk)
             owners.append((seq, end >= seq.prefill_target))
             computed += len(chunk)
-            attn += len(chunk) * end
+            attn += chunk_attention(len(chunk), end)
         decoders = [] if prefill_only else [s for s in self.running.values() if s.decoding]
         if kv.watching:  # a first decode ends the time SnapKV's window is needed
             for seq in decoders:

@@ -333,27 +333,38 @@ class KVStore:
             # SnapKV's window queries saw keys up to window - 1 before themselves: keep
             # those too, so their attention weights can be recomputed exactly
             keep_n += win.filled
+        drop = 0
         if sliding and layer.length > keep_n:
-            drop = layer.length - keep_n
-            keep = slice(drop, layer.length)
-            layer.buf[:, :, :keep_n] = layer.buf[:, :, keep].clone()
-            if layer.pos is not None:
-                layer.pos[:, :keep_n] = layer.pos[:, keep].clone()
-            else:
-                layer.base += drop
-            layer.length = keep_n
-            need = layer.length + n
+            drop = layer.length - keep_n  # entries out of the window: dead
+            need = keep_n + n
             if need + _TRIM_HEADROOM <= layer.capacity:
+                keep = slice(drop, layer.length)
+                layer.buf[:, :, :keep_n] = layer.buf[:, :, keep].clone()
+                if layer.pos is not None:
+                    layer.pos[:, :keep_n] = layer.pos[:, keep].clone()
+                _dropped(layer, drop)
                 return
-        self._resize(layer, max(need, layer.capacity + layer.capacity // 2, _MIN_CAPACITY))
+        # grow, copying only the live entries: a trim that leaves too little room copies once
+        self._resize(layer, max(need, layer.capacity + layer.capacity // 2, _MIN_CAPACITY), drop)
 
-    def _resize(self, layer: _LayerKV, capacity: int) -> None:
-        assert capacity >= layer.length
+    def _resize(self, layer: _LayerKV, capacity: int, drop: int = 0) -> None:
+        """A buffer of ``capacity`` entries holding the layer's entries past its first ``drop``."""
+        live = layer.length - drop
+        assert capacity >= live
         c = self.config
         buf = torch.empty((2, c.num_kv_heads, capacity, c.head_dim), dtype=self.dtype)
-        buf[:, :, : layer.length] = layer.buf[:, :, : layer.length]
+        buf[:, :, :live] = layer.buf[:, :, drop : layer.length]
         layer.buf = buf
         if layer.pos is not None:
             pos = torch.zeros((c.num_kv_heads, capacity), dtype=torch.int64)
-            pos[:, : layer.length] = layer.pos[:, : layer.length]
+            pos[:, :live] = layer.pos[:, drop : layer.length]
             layer.pos = pos
+        _dropped(layer, drop)
+
+
+def _dropped(layer: _LayerKV, drop: int) -> None:
+    """``drop`` leading entries of ``layer`` are gone: its positions are stored with its
+    entries, or counted from ``base``."""
+    if layer.pos is None:
+        layer.base += drop
+    layer.length -= drop

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from duetime.core.cost import chunk_attention
 from duetime.core.request import Job
 from duetime.engine.batch import SeqChunk
 from duetime.engine.gemma3 import Gemma3
@@ -142,7 +143,9 @@ def measure_steps(
             ids = t.ids(min(size, n - past))
             sec = t.time_step([SeqChunk(slot, ids, past)], kv)
             samples.append(
-                StepSample(len(ids), float(len(ids) * (past + len(ids))), 0, 0, sec, "prefill")
+                StepSample(
+                    len(ids), chunk_attention(len(ids), past + len(ids)), 0, 0, sec, "prefill"
+                )
             )
 
     def decode(d: int, c: int) -> None:

@@ -54,6 +54,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from duetime.core.cost import chunk_attention
 from duetime.core.decision import Decision
 from duetime.core.request import TimeUtility
 from duetime.core.sequence import Seq, SeqStatus
@@ -91,8 +92,8 @@ class _StepWork:
     def of(chunks: list[tuple[int, int]], snap: EngineSnapshot, decoders: int) -> _StepWork:
         by_rid = {s.rid: s for s in snap.prefilling}
         tokens = sum(n for _, n in chunks)
-        attn = sum(n * (by_rid[rid].prefilled + n) for rid, n in chunks)
-        return _StepWork(tokens, float(attn), decoders, decoders + len(chunks))
+        attn = sum(chunk_attention(n, by_rid[rid].prefilled + n) for rid, n in chunks)
+        return _StepWork(tokens, attn, decoders, decoders + len(chunks))
 
     def plus(self, seq: Seq, budget: int, hit: int = 0) -> _StepWork:
         """This step with ``seq`` resumed (it decodes now) or prefilled (it decodes after;
@@ -105,7 +106,7 @@ class _StepWork:
         return replace(
             self,
             prefill_tokens=self.prefill_tokens + n,
-            prefill_attn=self.prefill_attn + n * (seq.prefilled + hit + n),
+            prefill_attn=self.prefill_attn + chunk_attention(n, seq.prefilled + hit + n),
             decoders_after=self.decoders_after + 1,
         )
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from duetime.core.cost import LinearStepCost
+from duetime.core.cost import LinearStepCost, chunk_attention
 from duetime.core.cost_bands import CostRegimes, band_index, step_rows
 from duetime.predict.ete import ROW_KNOTS, StepSample, step_kind
 
@@ -47,7 +47,7 @@ def _cell(
 
 def _sample(cost: LinearStepCost, shape: tuple[int, int, int, int], scale: float) -> StepSample:
     p, past, d, ctx = shape
-    attn = float(p * (past + p))
+    attn = chunk_attention(p, past + p)
     seconds = scale * cost.step_time(p, attn, d, d * ctx)
     return StepSample(p, attn, d, d * ctx, seconds, step_kind(p, d))
 

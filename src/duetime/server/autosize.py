@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from duetime.core.cost import LinearStepCost
+from duetime.core.cost import LinearStepCost, chunk_attention
 
 if TYPE_CHECKING:
     from duetime.server.build import ServeOptions
@@ -201,7 +201,7 @@ def measure_step_cost(
             t0 = time.perf_counter()
             model.greedy_step([SeqChunk(slot, part, past)], kv)
             seconds = time.perf_counter() - t0
-            attn = float(len(part) * (past + len(part)))
+            attn = chunk_attention(len(part), past + len(part))
             samples.append(StepSample(len(part), attn, 0, 0, seconds, "prefill"))
     return fit_batch_cost(samples, name="measured at start", regimes=regimes_of(model))
 
