@@ -52,6 +52,9 @@ def test_the_floor_pools_every_repeated_run_against_the_first() -> None:
 def test_the_verdict_says_whether_a_real_run_is_any_closer() -> None:
     assert "machine's limit" in validate.e2e_verdict(8.0, 9.7)
     assert "misses" in validate.e2e_verdict(12.0, 9.7)
+    # above the floor only by the speed level between the profile and the run
+    assert "speed moved" in validate.e2e_verdict(21.2, 11.9, 9.3)
+    assert "misses" in validate.e2e_verdict(21.2, 11.9, 14.0)
     assert "--floor-runs 0" in validate.e2e_verdict(8.0, None)
 
 

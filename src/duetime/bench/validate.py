@@ -83,15 +83,24 @@ def e2e_floor(first: list[Any], again: list[list[Any]]) -> dict[str, float | int
     }
 
 
-def e2e_verdict(error_pct: float, floor_pct: float | None) -> str:
-    """One line: the simulator's median e2e error beside the real runs' own."""
+def e2e_verdict(
+    error_pct: float, floor_pct: float | None, at_speed_pct: float | None = None
+) -> str:
+    """One line: the simulator's median e2e error beside the real runs' own, and where
+    the error is above it, whether the profile at the run's own speed (``at_speed_pct``)
+    is within it: then the machine's speed moved between the profile and the run."""
     if floor_pct is None:
         return f"median e2e error {error_pct:.1f} % (no repeated real run: --floor-runs 0)"
-    where = (
-        "at the machine's limit: a second real run is no closer"
-        if error_pct <= floor_pct
-        else "above it: the simulator misses by more than the machine varies"
-    )
+    if error_pct <= floor_pct:
+        where = "at the machine's limit: a second real run is no closer"
+    elif at_speed_pct is not None and at_speed_pct <= floor_pct:
+        where = (
+            f"above it, but within it at the run's own speed ({at_speed_pct:.1f} %): the "
+            "machine's speed moved between the profile and the run (profile nearer the "
+            "run, or serve with the online fit, which follows the speed)"
+        )
+    else:
+        where = "above it: the simulator misses by more than the machine varies"
     return (
         f"median e2e error {error_pct:.1f} % vs {floor_pct:.1f} % between real runs of the "
         f"same requests: {where}"

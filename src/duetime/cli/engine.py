@@ -299,7 +299,11 @@ def validate(
     median = fig["e2e_rel_err_median_pct"]
     fig["noise_floor_pct"] = floor
     e2e_floor = fig["e2e_floor_median_pct"]
-    fig["verdict"] = None if median is None else v.e2e_verdict(median, e2e_floor)
+    fig["verdict"] = (
+        None
+        if median is None
+        else v.e2e_verdict(median, e2e_floor, fig["e2e_at_run_speed_median_pct"])
+    )
     fig["e2e_at_machine_limit"] = (
         None if median is None or e2e_floor is None else median <= e2e_floor
     )
