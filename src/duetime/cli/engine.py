@@ -54,7 +54,7 @@ def _set_threads(threads: int) -> None:
 
 @app.command()
 def profile(
-    dtype: DtypeOpt = "fp32",
+    dtype: DtypeOpt = "q8",  # the engine `duetime serve` runs
     threads: ThreadsOpt = 2,
     quick: Annotated[bool, typer.Option(help="A small grid (smoke test).")] = False,
     out: Annotated[
@@ -115,7 +115,7 @@ def profile(
         serving_steps,
     )
     from duetime.metrics import write_json
-    from duetime.predict.cost_report import profile_payload, repeat_floor_pct
+    from duetime.predict.cost_report import engine_of, profile_payload, repeat_floor_pct
 
     with _user_errors():
         from duetime.engine.gemma3 import DTYPES
@@ -171,6 +171,7 @@ def profile(
             noise_drift_pct=noise_drift_pct(noise_first, noise_last),
             repeat_floor=repeat_floor_pct(samples[grid_steps:])[0],
             evictions=evictions,
+            engine=engine_of(dtype, threads),
         )
         write_json(out, payload)
     held = payload["heldout"]
@@ -239,7 +240,7 @@ def validate(
     ] = 100,
     rate: Annotated[float, typer.Option(min=0.0)] = 2.0,
     seed: Annotated[int, typer.Option(min=0)] = 0,
-    dtype: DtypeOpt = "fp32",
+    dtype: DtypeOpt = "q8",  # the engine `duetime serve` runs
     threads: ThreadsOpt = 2,
     max_prompt: Annotated[int, typer.Option(min=1)] = 512,
     max_output: Annotated[int, typer.Option(min=1)] = 128,
@@ -265,6 +266,7 @@ def validate(
 ) -> None:
     """Same workload through the real engine and the simulator: per-request error."""
     from duetime.bench import validate as v
+    from duetime.core.cost import LinearStepCost
     from duetime.engine import load_model
     from duetime.engine.profile import (
         measure_noise,
@@ -273,7 +275,7 @@ def validate(
         pool_noise,
     )
     from duetime.metrics import render_table, write_json
-    from duetime.predict.cost_report import AT_LIMIT_FACTOR, floor_verdict
+    from duetime.predict.cost_report import AT_LIMIT_FACTOR, check_profile_engine, floor_verdict
 
     with _user_errors():
         if not Path(profile).exists():
@@ -281,6 +283,7 @@ def validate(
         if eviction not in ("snapkv", "streaming"):
             raise ValueError(f"--eviction must be snapkv or streaming, got {eviction!r}")
         v.check_policy(policy, predictor)  # before the load: hsf failed only once running
+        check_profile_engine(LinearStepCost.from_profile(profile).meta, profile, dtype, threads)
         _set_threads(threads)
         model = load_model(dtype=dtype)  # type: ignore[arg-type]
         with console.status("repeating identical steps for the noise floor (start)"):

@@ -167,6 +167,12 @@ def serve(
             raise ValueError(f"--policy-args is not valid JSON: {e.msg}") from None
         if not isinstance(kwargs, dict):
             raise ValueError("--policy-args must be a JSON object")
+        if profile is not None:  # its engine before the model loads
+            from duetime.core.cost import LinearStepCost
+            from duetime.predict.cost_report import check_profile_engine
+
+            meta = LinearStepCost.from_profile(profile).meta
+            check_profile_engine(meta, str(profile), dtype, threads)
         torch.set_num_threads(threads)
         seqs = _limit(max_num_seqs, "--max-num-seqs", 1)  # None: auto
         chunk = _limit(max_batch_tokens, "--max-batch-tokens", 16)

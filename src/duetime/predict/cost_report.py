@@ -11,7 +11,7 @@ floor the model is at the machine's limit; above it, the table of step shapes
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,8 @@ from duetime.predict.ete import (
 __all__ = [
     "AT_LIMIT_FACTOR",
     "at_noise_limit",
+    "check_profile_engine",
+    "engine_of",
     "fit_eviction_cost",
     "floor_verdict",
     "miss_table",
@@ -169,6 +171,7 @@ def profile_payload(
     holdout: float = 0.25,
     seed: int = 0,
     evictions: Sequence[tuple[int, float]] = (),
+    engine: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     """Fit both models on a train split, score them on the held-out split, pack a profile.
 
@@ -179,6 +182,7 @@ def profile_payload(
     result is what ``LinearStepCost.from_profile`` and ``duetime sim --profile`` read.
     ``repeat_floor``: :func:`repeat_floor_pct` of the timed steps of a serving run; the
     verdict takes the larger of it and ``noise_floor_pct`` (``verdict_floor_pct``).
+    ``engine``: what was timed (:func:`engine_of`), checked by :func:`check_profile_engine`.
     """
     train, test = split_samples(samples, holdout, seed)
     fitted = fit_batch_cost(train, regimes=regimes)
@@ -214,4 +218,37 @@ def profile_payload(
             "samples": len(samples),
         }
     )
+    if engine is not None:
+        payload["engine"] = dict(engine)
     return payload
+
+
+def engine_of(dtype: str, threads: int) -> dict[str, object]:
+    """The engine a profile times, as the profile records it (``"engine"``)."""
+    return {"dtype": dtype, "threads": threads}
+
+
+def check_profile_engine(meta: Mapping[str, Any], where: str, dtype: str, threads: int) -> None:
+    """Refuse a profile (``meta``: its fields, :attr:`LinearStepCost.meta`; ``where``:
+    its name or path) timed on another engine than the one about to run.
+
+    Why: its step costs describe that engine, not this one (a q8 decode step at
+    batch 1 took 4.8 ms against fp32's 51 ms on a 2-core EPYC), so every forecast,
+    batch size and validation built on it would be off by that factor. A profile
+    that records no engine (a shipped or older one, or ``profile --url``) is taken
+    as given.
+    A ValueError names both engines and the two ways out.
+    """
+    recorded = meta.get("engine")
+    if not isinstance(recorded, dict):
+        return
+    want = engine_of(dtype, threads)
+    if all(recorded.get(k) == v for k, v in want.items()):
+        return
+    was_dtype, was_threads = recorded.get("dtype"), recorded.get("threads")
+    raise ValueError(
+        f"{where} was timed on the {was_dtype} engine with {was_threads} threads, and this "
+        f"run is {dtype} with {threads}: its step costs describe another engine. Give "
+        f"--dtype {was_dtype} --threads {was_threads}, or run `duetime profile --dtype "
+        f"{dtype} --threads {threads}` first."
+    )

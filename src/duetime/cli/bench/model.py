@@ -83,14 +83,18 @@ class EngineChoice:
         """An engine bench module's ``run`` on this engine, after the checks every
         ``--engine`` paper bench makes before the model loads, so a typo costs no load:
         the dtype, the clock, ``bench.check_options(**checks)`` against the model's
-        context (read from its config, not its weights) and the profile, if named."""
+        context (read from its config, not its weights) and the profile, if named (timed
+        on this dtype and thread count: :func:`check_profile_engine`)."""
         from duetime.bench.engine_fit import bench_clock, check_dtype, engine_context, read_profile
 
         check_dtype(self.dtype)
         bench_clock(self.clock, self.threads)
         bench.check_options(**checks, context=engine_context(self.model))
         if profile is not None:
-            read_profile(profile)
+            from duetime.predict.cost_report import check_profile_engine
+
+            cost, _ = read_profile(profile)
+            check_profile_engine(cost.meta, profile, self.dtype, self.threads)
         fig: dict[str, Any] = bench.run(
             self.load(), model_name=self.label, clock=self.clock, profile=profile, **run
         )

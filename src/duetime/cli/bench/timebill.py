@@ -192,9 +192,11 @@ def run_engine(
     )
     cost = None
     if profile is not None:
+        from duetime.predict.cost_report import check_profile_engine
         from duetime.sim.profiles import load_profile
 
         cost, _ = load_profile(profile)
+        check_profile_engine(cost.meta, profile, dtype, threads)
     m = load(model, dtype, threads)
     jobs = None
     if model == "tiny":

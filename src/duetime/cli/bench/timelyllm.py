@@ -153,7 +153,10 @@ def run_engine(
             )
         calib = bench.calibration_from_json(calibration) if calibration is not None else None
         if profile is not None:
+            from duetime.predict.cost_report import check_profile_engine
+
             calib = bench.calibration_from_profile(profile)
+            check_profile_engine(calib[0].meta, profile, dtype, threads)
         bench.check_fits(wids, requests, seed, kv_capacity, calib[1] if calib else None)
         model = load_engine("gemma", dtype, threads)
         if calib is None:
