@@ -178,6 +178,11 @@ def bound_port(host: str, port: int) -> int:
     return port if port != 0 else free_port(host)
 
 
+def pct_text(v: object) -> str:
+    """A percentage figure for a report line: two decimals, or "-" where there is none."""
+    return "-" if v is None else f"{float(v):.2f} %"  # type: ignore[arg-type]
+
+
 def comma_list(text: str) -> list[str]:
     """The items of a comma-separated option, stripped, empty ones dropped: ``"a, b,"``
     is ``["a", "b"]`` wherever a command takes a list of names."""

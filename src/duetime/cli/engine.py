@@ -19,13 +19,10 @@ from duetime.cli.common import (
     _progress,
     _user_errors,
     app,
+    pct_text,
     writable,
 )
 from duetime.cli.common import out as console
-
-
-def _pct(v: object) -> str:
-    return "-" if v is None else f"{float(v):.2f} %"  # type: ignore[arg-type]
 
 
 def _print_misses(
@@ -206,14 +203,15 @@ def profile(
     }
     console.print(
         f"profiled {len(samples)} steps in {measure_s:.1f} s (model load {load_s:.1f} s)\n"
-        f"held-out MAPE, step-cost model: all {_pct(held['batch_model_mape_pct'])}, prompts "
-        f"{_pct(held['model_prefill_mape_pct'])}, decodes {_pct(held['model_decode_mape_pct'])}, "
-        f"mixed {_pct(held['model_mixed_mape_pct'])}; TimeBill's ETE form: prompts "
-        f"{_pct(held['ete_prefill_mape_pct'])}, one-sequence decodes "
-        f"{_pct(held['ete_decode_mape_pct'])}\n"
+        f"held-out MAPE, step-cost model: all {pct_text(held['batch_model_mape_pct'])}, prompts "
+        f"{pct_text(held['model_prefill_mape_pct'])}, "
+        f"decodes {pct_text(held['model_decode_mape_pct'])}, "
+        f"mixed {pct_text(held['model_mixed_mape_pct'])}; TimeBill's ETE form: prompts "
+        f"{pct_text(held['ete_prefill_mape_pct'])}, one-sequence decodes "
+        f"{pct_text(held['ete_decode_mape_pct'])}\n"
         f"{payload['verdict']} (the floor: the larger of identical steps repeated at the "
-        f"start and the end, whose median moved {_pct(payload['noise_drift_pct'])}, and the "
-        f"serving run's steps of one shape, {_pct(payload['repeat_floor_pct'])} spread)\n"
+        f"start and the end, whose median moved {pct_text(payload['noise_drift_pct'])}, and the "
+        f"serving run's steps of one shape, {pct_text(payload['repeat_floor_pct'])} spread)\n"
         f"SnapKV eviction {1e6 * cost_e:.1f} µs per KV token held"
     )
     if payload["at_noise_limit"] is False:
@@ -334,7 +332,7 @@ def validate(
             f"{floor_verdict(step_error, step_floor)} (the floor: the larger of identical "
             f"steps repeated before and after the run, {floor:.1f} %, whose median moved "
             f"{fig['noise_drift_pct']:.1f} %, and the run's own steps of one shape, "
-            f"{_pct(repeat)} spread over {fig['step_repeat_floor_steps']} steps; the run's "
+            f"{pct_text(repeat)} spread over {fig['step_repeat_floor_steps']} steps; the run's "
             f"steps took {in_sum} the profile's in sum)"
         )
         if step_error > AT_LIMIT_FACTOR * step_floor:

@@ -10,12 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from duetime.cli.common import _fail, _progress, _user_errors
+from duetime.cli.common import _fail, _progress, _user_errors, pct_text
 from duetime.cli.common import out as console
-
-
-def _pct(v: object) -> str:
-    return "-" if v is None else f"{float(v):.2f} %"  # type: ignore[arg-type]
 
 
 def profile_url(
@@ -101,8 +97,9 @@ def profile_url(
     console.print(
         f"probed {info.model} at {url}: {len(run.samples)} steps from {run.requests} "
         f"requests in {measure_s:.1f} s{eos}\n"
-        f"held-out MAPE, step-cost model: all {_pct(held['batch_model_mape_pct'])}, prompts "
-        f"{_pct(held['model_prefill_mape_pct'])}, decodes {_pct(held['model_decode_mape_pct'])}"
+        f"held-out MAPE, step-cost model: all {pct_text(held['batch_model_mape_pct'])}, prompts "
+        f"{pct_text(held['model_prefill_mape_pct'])}, "
+        f"decodes {pct_text(held['model_decode_mape_pct'])}"
         f"\n{payload['verdict']}",
         highlight=False,
     )
