@@ -178,3 +178,41 @@ def on_threads(n: int, fn: Callable[[], T]) -> T:
         return fn()
     finally:
         torch.set_num_threads(before)
+
+
+def tiny_engine_profile(model: Any, path: Any, **limits: int) -> str:
+    """A profile of ``model``'s quick grid written to ``path`` (limits: 10,000 KV tokens,
+    8 sequences, 64-token steps unless given); its path, as `validate` takes it."""
+    import json
+
+    from duetime.engine.profile import ProfileGrid, measure_steps
+    from duetime.predict.cost_report import profile_payload
+
+    sizes = {"kv_capacity_tokens": 10_000, "max_num_seqs": 8, "max_batch_tokens": 64, **limits}
+    payload = profile_payload(
+        measure_steps(model, ProfileGrid.quick()), name="tiny", source="test", **sizes
+    )
+    path.write_text(json.dumps(payload))
+    return str(path)
+
+
+def forbid_model_loads(monkeypatch: Any) -> None:
+    """Make any model load (real, GGUF, tiny, served) fail loudly: for checks that must
+    refuse bad options before the model loads."""
+
+    def loaded(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a model was loaded before the options were checked")
+
+    import duetime.bench.serve
+    import duetime.engine
+    import duetime.engine.load
+    import duetime.engine.testing
+    import duetime.engine.weights
+    import duetime.server.build
+
+    monkeypatch.setattr(duetime.engine.load, "load_model", loaded)
+    monkeypatch.setattr(duetime.engine, "load_model", loaded)
+    monkeypatch.setattr(duetime.engine.weights, "load_weights", loaded)
+    monkeypatch.setattr(duetime.engine.testing, "engine_from_hf", loaded)
+    monkeypatch.setattr(duetime.bench.serve, "load_served_model", loaded)
+    monkeypatch.setattr(duetime.server.build, "load_served_model", loaded)

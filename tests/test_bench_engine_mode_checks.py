@@ -21,7 +21,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from duetime.cli import app
-from tests.factories import cli_refused
+from tests.factories import cli_refused, forbid_model_loads
 
 runner = CliRunner()
 
@@ -34,21 +34,7 @@ def _invoke(*args: str) -> tuple[int, str]:
 @pytest.fixture
 def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any model load (real, GGUF, tiny, served) fails loudly."""
-
-    def loaded(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a model was loaded before the options were checked")
-
-    import duetime.bench.serve
-    import duetime.engine
-    import duetime.engine.load
-    import duetime.engine.testing
-    import duetime.engine.weights
-
-    monkeypatch.setattr(duetime.engine.load, "load_model", loaded)
-    monkeypatch.setattr(duetime.engine, "load_model", loaded)
-    monkeypatch.setattr(duetime.engine.weights, "load_weights", loaded)
-    monkeypatch.setattr(duetime.engine.testing, "engine_from_hf", loaded)
-    monkeypatch.setattr(duetime.bench.serve, "load_served_model", loaded)
+    forbid_model_loads(monkeypatch)
 
 
 DP = ("bench", "deferred-prefill", "--engine", "--model", "tiny", "--requests", "6",

@@ -17,7 +17,7 @@ from duetime.engine.rescored_head import RescoredInt8Head
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies import make_policy
 from duetime.policies.base import QueuePolicy
-from tests.factories import EvictAfterPrefill
+from tests.factories import EvictAfterPrefill, tiny_engine_profile
 
 
 @pytest.fixture(scope="module")
@@ -157,23 +157,14 @@ def test_telemetry_has_one_line_per_step(model: Any, tmp_path: Any) -> None:
 
 
 def test_validate_compares_engine_and_simulator_per_request(model: Any, tmp_path: Any) -> None:
-    import json
-
     from duetime.bench import validate
-    from duetime.engine.profile import ProfileGrid, measure_steps
-    from duetime.predict.cost_report import profile_payload
 
-    payload = profile_payload(
-        measure_steps(model, ProfileGrid.quick()), name="tiny", source="test",
-        kv_capacity_tokens=10_000, max_num_seqs=8, max_batch_tokens=64,
-    )  # fmt: skip
-    prof = tmp_path / "tiny.json"
-    prof.write_text(json.dumps(payload))
+    prof = tiny_engine_profile(model, tmp_path / "tiny.json")
     jobs = _jobs(6, seed=7)
     for k, j in enumerate(jobs):
         j.request.arrival = 0.01 * k
     fig = validate.run(
-        model=model, profile=str(prof), requests=6, jobs=jobs, plot=tmp_path / "v.png",
+        model=model, profile=prof, requests=6, jobs=jobs, plot=tmp_path / "v.png",
         kv_capacity=10_000, max_num_seqs=8, max_batch_tokens=64,
     )  # fmt: skip
     assert fig["requests_compared"] == 6

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from duetime.core.cost import LinearStepCost
 from duetime.predict.cost_report import check_profile_engine, engine_of, profile_payload
 from duetime.predict.ete import StepSample
-from tests.factories import cli_refused
+from tests.factories import cli_refused, forbid_model_loads
 
 
 def _samples() -> list[StepSample]:
@@ -39,18 +38,7 @@ def _profile(tmp_path: Path, engine: dict[str, object] | None) -> Path:
 @pytest.fixture
 def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any model load fails loudly: the engine is checked before it."""
-
-    def loaded(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a model was loaded before the profile's engine was checked")
-
-    import duetime.bench.engine_fit
-    import duetime.engine
-    import duetime.engine.load
-    import duetime.server.build
-
-    monkeypatch.setattr(duetime.engine.load, "load_model", loaded)
-    monkeypatch.setattr(duetime.engine, "load_model", loaded)
-    monkeypatch.setattr(duetime.server.build, "load_served_model", loaded)
+    forbid_model_loads(monkeypatch)
 
 
 def test_the_profile_records_its_engine_and_the_check_reads_it(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@ between real runs beside the simulator's."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,9 +12,8 @@ import pytest
 
 from duetime.bench import validate
 from duetime.core.request import Job, Request
-from duetime.engine.profile import ProfileGrid, measure_steps
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
-from duetime.predict.cost_report import profile_payload
+from tests.factories import tiny_engine_profile
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +57,9 @@ def test_the_verdict_says_whether_a_real_run_is_any_closer() -> None:
 
 
 def test_validate_runs_the_real_engine_again_for_the_floor(model: Any, tmp_path: Path) -> None:
-    payload = profile_payload(
-        measure_steps(model, ProfileGrid.quick()), name="tiny", source="test",
-        kv_capacity_tokens=10_000, max_num_seqs=8, max_batch_tokens=64,
-    )  # fmt: skip
-    prof = tmp_path / "tiny.json"
-    prof.write_text(json.dumps(payload))
+    prof = tiny_engine_profile(model, tmp_path / "tiny.json")
     kw: dict[str, Any] = {
-        "model": model, "profile": str(prof), "requests": 6, "kv_capacity": 10_000,
+        "model": model, "profile": prof, "requests": 6, "kv_capacity": 10_000,
         "max_num_seqs": 8, "max_batch_tokens": 64,
     }  # fmt: skip
     fig = validate.run(jobs=_jobs(6), floor_runs=2, **kw)
