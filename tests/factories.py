@@ -180,18 +180,18 @@ def on_threads(n: int, fn: Callable[[], T]) -> T:
         torch.set_num_threads(before)
 
 
-def tiny_engine_profile(model: Any, path: Any, **limits: int) -> str:
-    """A profile of ``model``'s quick grid written to ``path`` (limits: 10,000 KV tokens,
-    8 sequences, 64-token steps unless given); its path, as `validate` takes it."""
+def tiny_engine_profile(model: Any, path: Any) -> str:
+    """A profile of ``model``'s quick grid written to ``path`` (10,000 KV tokens, 8
+    sequences, 64-token steps); its path, as `validate` takes it."""
     import json
 
     from duetime.engine.profile import ProfileGrid, measure_steps
     from duetime.predict.cost_report import profile_payload
 
-    sizes = {"kv_capacity_tokens": 10_000, "max_num_seqs": 8, "max_batch_tokens": 64, **limits}
     payload = profile_payload(
-        measure_steps(model, ProfileGrid.quick()), name="tiny", source="test", **sizes
-    )
+        measure_steps(model, ProfileGrid.quick()), name="tiny", source="test",
+        kv_capacity_tokens=10_000, max_num_seqs=8, max_batch_tokens=64,
+    )  # fmt: skip
     path.write_text(json.dumps(payload))
     return str(path)
 
