@@ -69,9 +69,9 @@ def e2e_floor(first: list[Any], again: list[list[Any]]) -> dict[str, float | int
     requests against the first, pooled (median and p90, %).
 
     Why: a shared machine's speed moves by 10-20 % between 5-second windows, and two
-    runs do not meet the same slow moments: on machine E two back-to-back real runs of
-    `validate`'s default 100 requests differed by 9.7 % per request in median, 27.3 %
-    at p90 (results.md#validate-floor), above the 5 % / 10 % a model is asked for.
+    runs do not meet the same slow moments: on machine E two real runs of 100 ShareGPT
+    requests at 1 req/s differed by 7.3-17.3 % per request in median, 17-44 % at p90
+    in seven runs (results.md#validate-floor), above the 5 % / 10 % a model is asked for.
     A simulator that knew the mean step time exactly would still differ from one real
     run by about 1/√2 of this figure."""
     errs = [e for run in again for e in e2e_rel_errors(first, run)]

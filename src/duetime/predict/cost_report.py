@@ -129,8 +129,8 @@ def repeat_floor_pct(samples: Sequence[StepSample]) -> tuple[float | None, int]:
     that is (None and 0 without any). A shape is the prompt rows, the decoders and the
     KV tokens to within :data:`KV_TOKENS_PER_SHAPE` a decoder.
 
-    Why: identical steps repeated back to back spread 2-6 % on machine E, while the
-    same shape timed across a 100-second `validate` run spread 12-15 %: the machine's
+    Why: identical steps repeated back to back spread 2-7 % on machine E, while the
+    same shape timed across a 100-second `validate` run spread 7-14 %: the machine's
     speed moves between 5-second windows (results.md#validate-floor). A model scored
     on steps spread over a run meets that spread, so the verdict sets it beside them.
     """
