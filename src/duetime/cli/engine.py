@@ -73,6 +73,15 @@ def profile(
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the report here.", callback=writable)
     ] = None,
+    samples_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--samples",
+            help="Write every timed step here as JSON lines (the executor's telemetry "
+            "fields, and source: grid or serving), to refit or compare offline.",
+            callback=writable,
+        ),
+    ] = None,
     url: Annotated[
         str | None,
         typer.Option(
@@ -93,6 +102,10 @@ def profile(
     if url is not None:
         from duetime.cli.profile_url import profile_url
 
+        if samples_path is not None:
+            with _user_errors():
+                raise ValueError("--samples writes the embedded engine's steps; not with --url")
+
         profile_url(
             url, model=served_model, quick=quick, out=out, json_path=json_path,
             kv_capacity=kv_capacity, max_num_seqs=max_num_seqs,
@@ -111,6 +124,7 @@ def profile(
         pool_noise,
         serving_steps,
     )
+    from duetime.engine.step_samples import write_steps
     from duetime.metrics import write_json
     from duetime.predict.cost_report import engine_of, profile_payload, repeat_floor_pct
 
@@ -171,6 +185,9 @@ def profile(
             engine=engine_of(dtype, threads),
         )
         write_json(out, payload)
+        if samples_path is not None:
+            sources = ["grid"] * grid_steps + ["serving"] * (len(samples) - grid_steps)
+            write_steps(samples_path, samples, sources)
     held = payload["heldout"]
     assert isinstance(held, dict)
     coeffs = payload["coefficients"]
@@ -216,7 +233,7 @@ def profile(
     )
     if payload["at_noise_limit"] is False:
         _print_misses(report["misses"])
-    console.print(f"wrote {out}")
+    console.print(f"wrote {out}" + (f" and {samples_path}" if samples_path else ""))
     if json_path is not None:
         write_json(json_path, report)
 

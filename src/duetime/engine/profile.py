@@ -19,7 +19,6 @@ their context) is not timed.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import tempfile
 import time
@@ -35,8 +34,9 @@ from duetime.core.request import Job
 from duetime.engine.batch import SeqChunk
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.kv_cache import KVCache
+from duetime.engine.step_samples import steps_from_telemetry
 from duetime.predict.cost_report import fit_eviction_cost
-from duetime.predict.ete import StepSample, step_kind
+from duetime.predict.ete import StepSample
 
 __all__ = [
     "NoiseShape",
@@ -305,24 +305,6 @@ def measure_evictions(
             dt = time.perf_counter() - t0
             if rep:
                 out.append((held, dt))
-    return out
-
-
-def steps_from_telemetry(path: Path) -> list[StepSample]:
-    """The executor's per-step telemetry lines as cost-model samples."""
-    out = []
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        out.append(
-            StepSample(
-                r["prefill_tokens"],
-                float(r["prefill_attn"]),
-                r["decode_seqs"],
-                r["kv_tokens_attended"],
-                r["step_s"],
-                step_kind(r["prefill_tokens"], r["decode_seqs"]),
-            )
-        )
     return out
 
 
