@@ -25,11 +25,13 @@ def test_profile_samples_load_back_and_refit_to_the_profile(
     model = engine_from_hf(tiny_hf_model())
     monkeypatch.setattr(duetime.engine, "load_model", lambda **kw: model)
     out, steps, report = tmp_path / "p.json", tmp_path / "s.jsonl", tmp_path / "r.json"
+    png = tmp_path / "fit.png"
     res = CliRunner().invoke(app, [
         "profile", "--quick", "--serve-requests", "2", "--threads", "1", "--out", str(out),
-        "--samples", str(steps), "--json", str(report),
+        "--samples", str(steps), "--json", str(report), "--plot", str(png),
     ])  # fmt: skip
     assert res.exit_code == 0, res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [json.loads(line) for line in steps.read_text().splitlines()]
     rep = json.loads(report.read_text())
     assert len(rows) == rep["samples"]
@@ -52,6 +54,16 @@ def test_write_steps_refuses_a_source_list_of_another_length(tmp_path: Path) -> 
     assert not (tmp_path / "s.jsonl").exists()
 
 
-def test_samples_are_refused_with_a_url(tmp_path: Path) -> None:
-    cli_refused("profile", "--url", "http://127.0.0.1:9", "--samples", str(tmp_path / "s.jsonl"),
-                names="--samples")  # fmt: skip
+@pytest.mark.parametrize("option", ["--samples", "--plot"])
+def test_samples_and_plot_are_refused_with_a_url(tmp_path: Path, option: str) -> None:
+    cli_refused("profile", "--url", "http://127.0.0.1:9", option, str(tmp_path / "x"),
+                names="not with --url")  # fmt: skip
+
+
+def test_a_plot_of_no_steps_is_refused(tmp_path: Path) -> None:
+    from duetime.core.cost import LinearStepCost
+    from duetime.predict.cost_plot import plot_step_fit
+
+    with pytest.raises(ValueError, match="no timed steps"):
+        plot_step_fit(LinearStepCost(c0=0.001), [], tmp_path / "p.png")
+    assert not (tmp_path / "p.png").exists()

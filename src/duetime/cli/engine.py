@@ -15,6 +15,7 @@ from duetime.bench.limits import MAX_ENGINE_REQUESTS
 from duetime.cli.common import (
     DtypeOpt,
     EvictionOpt,
+    PlotOpt,
     ThreadsOpt,
     _progress,
     _user_errors,
@@ -82,6 +83,7 @@ def profile(
             callback=writable,
         ),
     ] = None,
+    plot: PlotOpt = None,
     url: Annotated[
         str | None,
         typer.Option(
@@ -102,9 +104,11 @@ def profile(
     if url is not None:
         from duetime.cli.profile_url import profile_url
 
-        if samples_path is not None:
+        if samples_path is not None or plot is not None:
             with _user_errors():
-                raise ValueError("--samples writes the embedded engine's steps; not with --url")
+                raise ValueError(
+                    "--samples and --plot show the embedded engine's timed steps; not with --url"
+                )
 
         profile_url(
             url, model=served_model, quick=quick, out=out, json_path=json_path,
@@ -112,6 +116,7 @@ def profile(
             max_batch_tokens=max_batch_tokens, timeout_s=timeout,
         )  # fmt: skip
         return
+    from duetime.core.cost import LinearStepCost
     from duetime.engine import load_model
     from duetime.engine.cost_regimes import regimes_of
     from duetime.engine.profile import (
@@ -188,6 +193,14 @@ def profile(
         if samples_path is not None:
             sources = ["grid"] * grid_steps + ["serving"] * (len(samples) - grid_steps)
             write_steps(samples_path, samples, sources)
+        if plot is not None:
+            from duetime.predict.cost_plot import plot_step_fit
+
+            plot_step_fit(
+                LinearStepCost.from_profile(out), samples, plot,
+                floor_pct=payload["verdict_floor_pct"],  # type: ignore[arg-type]
+                title=f"{name}: every timed step, the fit of all",
+            )  # fmt: skip
     held = payload["heldout"]
     assert isinstance(held, dict)
     coeffs = payload["coefficients"]
@@ -233,7 +246,8 @@ def profile(
     )
     if payload["at_noise_limit"] is False:
         _print_misses(report["misses"])
-    console.print(f"wrote {out}" + (f" and {samples_path}" if samples_path else ""))
+    written = [str(p) for p in (out, samples_path, plot) if p is not None]
+    console.print(f"wrote {', '.join(written)}")
     if json_path is not None:
         write_json(json_path, report)
 
