@@ -17,6 +17,7 @@ from duetime.cli.common import (
     EvictionOpt,
     PlotOpt,
     ThreadsOpt,
+    _fail,
     _progress,
     _user_errors,
     app,
@@ -105,10 +106,7 @@ def profile(
         from duetime.cli.profile_url import profile_url
 
         if samples_path is not None or plot is not None:
-            with _user_errors():
-                raise ValueError(
-                    "--samples and --plot show the embedded engine's timed steps; not with --url"
-                )
+            _fail("--samples and --plot show the embedded engine's timed steps; not with --url")
 
         profile_url(
             url, model=served_model, quick=quick, out=out, json_path=json_path,
