@@ -335,18 +335,14 @@ def test_lor_routes_by_the_backends_own_metrics() -> None:
     """Backend 0 is kept busy by a client that bypasses the gateway: only its own /metrics
     tells the gateway so (by the gateway's counts alone the two tie, and backend 0 wins)."""
     with _fleet("lor") as (_, urls, gw):
+        long = {"model": MODEL, "prompt": "busy", "max_tokens": 400, "ignore_eos": True}
 
-        async def keep_busy(client: httpx.AsyncClient, stop: asyncio.Event) -> int:
+        async def keep_busy(client: httpx.AsyncClient, stop: asyncio.Event) -> None:
             """Posts long requests to backend 0 back to back until ``stop``: the backend
             stays at work however fast this machine decodes them."""
-            done = 0
             while not stop.is_set():
                 r = await client.post(urls[0] + "/v1/completions", json=long)
                 assert r.status_code == 200, r.text
-                done += 1
-            return done
-
-        long = {"model": MODEL, "prompt": "busy", "max_tokens": 400, "ignore_eos": True}
 
         async def run() -> tuple[dict, list[str | None]]:
             async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:

@@ -48,7 +48,8 @@ from duetime.bench.timebill_engine_cost import eviction_samples, fit_engine_cost
 from duetime.bench.timebill_engine_report import predictor_report
 from duetime.core.cost import LinearStepCost
 from duetime.core.request import Job
-from duetime.engine.profile import fit_eviction_cost, steps_from_telemetry
+from duetime.engine.profile import fit_eviction_cost
+from duetime.engine.step_samples import steps_from_telemetry
 
 PAPER_BUDGETS_S = (5.0, 7.5, 10.0)
 BUDGET_SCALES = ("job", "step")

@@ -20,7 +20,7 @@ import numpy as np
 
 from duetime.core.request import Job
 from duetime.engine.cost_regimes import regimes_of_any
-from duetime.engine.profile import steps_from_telemetry
+from duetime.engine.step_samples import steps_from_telemetry
 from duetime.predict.cost_report import miss_table, repeat_floor_pct
 from duetime.predict.ete import cost_mape_pct
 
