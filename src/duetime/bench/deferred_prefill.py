@@ -77,7 +77,8 @@ def measure(jobs: list[Job], cost: LinearStepCost, capacity: int, k: int) -> dic
     for r in recs:
         phase[float(r.first_token or 0.0)].append(r.request.prompt_len)
     step = {
-        t: cost.step_time(sum(ps), float(sum(p * p for p in ps)), 0, 0) for t, ps in phase.items()
+        t: cost.step_time(sum(ps), sum(cost.chunk_attention(p, p) for p in ps), 0, 0)
+        for t, ps in phase.items()
     }
     return {**window_metrics(recs, step, k), "wall_s": res.wall_s}
 

@@ -31,7 +31,7 @@ def rate_for_running(jobs: list[Job], cost: LinearStepCost, target_running: floa
     o = float(np.mean([j.output_len for j in jobs]))
     b = target_running
     step = cost.decode_step(max(round(b), 1), b * (p.mean() + o / 2))
-    w_p = float(np.mean([cost.step_time(n, n * n, 0, 0) - cost.c0 for n in p]))
+    w_p = float(np.mean([cost.prefill_time(int(n)) - cost.c0 for n in p]))
     return b / (o * step + b * w_p)
 
 

@@ -137,7 +137,7 @@ def calibration_from_json(path: str | Path) -> tuple[LinearStepCost, EngineScale
     try:
         fig = json.loads(Path(path).read_text())
         sc = fig["scale"]
-        cost = LinearStepCost(**fig["cost"]["coefficients"], name=fig["cost"]["name"])
+        cost = LinearStepCost.from_dict(fig["cost"], f"{path}: its cost")
         scale = EngineScale(
             float(sc["time_x"]),
             float(sc["prompt_x"]),

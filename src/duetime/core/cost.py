@@ -6,6 +6,8 @@ One linear family covers both forms the papers use and the profiles we fit::
 
 P  prefill tokens in the step,
 A  Σ n_i·(past_i + n_i) over prefill chunks (attention work; N² for a whole prompt),
+   or, for a model with an :class:`~duetime.core.attention_shape.AttentionShape`,
+   the scores its kernels compute (sliding-window layers see fewer keys),
 D  sequences decoding one token,
 KV KV-cache tokens those decoders attend to,
 W  tokens swapped in or out during the step.
@@ -36,20 +38,20 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
+from duetime.core.attention_shape import AttentionShape, AttentionShapeError
 from duetime.core.cost_bands import BandCost, CostBandError, bands_time, step_rows
 
-_Num = TypeVar("_Num", int, float)
 
-
-def chunk_attention(rows: _Num, end: _Num) -> _Num:
-    """A prompt chunk's term of ``A``: each of its ``rows`` computed tokens attends the
-    keys up to the chunk's ``end`` (its past plus itself; the causal triangle within
-    the chunk is priced as the rectangle). Every executor, the profile and the
-    forecasts price a chunk with this one definition, so the fitted ``a2`` means the
-    same wherever it is used."""
-    return rows * end
+def chunk_attention(rows: float, end: float, shape: AttentionShape | None = None) -> float:
+    """A prompt chunk's term of ``A``: its ``rows`` computed tokens, the last at position
+    ``end - 1``. Without ``shape``, each attends every key up to the chunk's end (the
+    causal triangle within the chunk priced as the rectangle): ``rows·end``. With the
+    model's :class:`~duetime.core.attention_shape.AttentionShape`, the scores its
+    kernels compute. Every executor, the profile and the forecasts price a chunk with
+    this one definition, so the fitted ``a2`` means the same wherever it is used."""
+    return rows * end if shape is None else shape.work(rows, end)
 
 
 class CostModel(Protocol):
@@ -69,6 +71,10 @@ class CostModel(Protocol):
 
     def prefill_time(self, n: int) -> float:
         """Seconds to prefill one prompt of n tokens alone."""
+        ...
+
+    def chunk_attention(self, rows: float, end: float) -> float:
+        """A prompt chunk's ``prefill_attn`` as this model prices it (:func:`chunk_attention`)."""
         ...
 
     def decode_span(self, k: int, decode_seqs: int, kv_tokens: int) -> float:
@@ -105,6 +111,8 @@ class LinearStepCost:
     s: float = 0.0
     e: float = 0.0
     bands: tuple[BandCost, ...] = ()
+    #: The model's attention kernels, for the ``A`` term; None prices ``rows·end``.
+    attention: AttentionShape | None = None
     name: str = "linear"
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     #: The bands' seconds per decode batch, filled as the simulator asks (its steps are
@@ -150,27 +158,39 @@ class LinearStepCost:
             raise CostModelError(f"{path}: not a profile (not UTF-8 text)") from None
         except json.JSONDecodeError as e:
             raise CostModelError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(raw, str(path), path.stem)
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str, default_name: str = "profile") -> LinearStepCost:
+        """A profile's JSON object (:meth:`to_profile`'s, a file's or a backend's
+        ``/v1/profile``); ``where`` names it in a :class:`CostModelError`."""
         if not isinstance(raw, dict) or not isinstance(raw.get("coefficients"), dict):
-            raise CostModelError(f"{path}: expected an object with a 'coefficients' object")
+            raise CostModelError(f"{where}: expected an object with a 'coefficients' object")
         coeffs = raw["coefficients"]
         unknown = set(coeffs) - set(_COEFFS)
         if unknown:
-            raise CostModelError(f"{path}: unknown coefficient(s) {sorted(unknown)}")
+            raise CostModelError(f"{where}: unknown coefficient(s) {sorted(unknown)}")
         wrong = [
             k for k, v in coeffs.items() if isinstance(v, bool) or not isinstance(v, int | float)
         ]
         if wrong:  # float() read "0.01" and true as numbers
-            raise CostModelError(f"{path}: coefficients must be numbers: {sorted(wrong)}")
+            raise CostModelError(f"{where}: coefficients must be numbers: {sorted(wrong)}")
         values = {k: float(coeffs.get(k, 0.0)) for k in _COEFFS}
-        raw_bands = raw.get("bands", [])
+        raw_bands = raw.get("bands") or []
         if not isinstance(raw_bands, list) or not all(isinstance(b, dict) for b in raw_bands):
-            raise CostModelError(f"{path}: 'bands' must be a list of band objects")
-        meta = {k: v for k, v in raw.items() if k not in ("coefficients", "name", "bands")}
+            raise CostModelError(f"{where}: 'bands' must be a list of band objects")
+        own = ("coefficients", "name", "bands", "attention")
+        meta = {k: v for k, v in raw.items() if k not in own}
         try:
             bands = tuple(BandCost.from_dict(b) for b in raw_bands)
-            return cls(**values, bands=bands, name=str(raw.get("name", path.stem)), meta=meta)
-        except (CostModelError, CostBandError) as e:
-            raise CostModelError(f"{path}: {e}") from None
+            attention = raw.get("attention")
+            shape = None if attention is None else AttentionShape.from_dict(attention)
+            return cls(
+                **values, bands=bands, attention=shape, name=str(raw.get("name", default_name)),
+                meta=meta,
+            )  # fmt: skip
+        except (CostModelError, CostBandError, AttentionShapeError) as e:
+            raise CostModelError(f"{where}: {e}") from None
 
     def to_profile(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in _COEFFS}
@@ -179,6 +199,8 @@ class LinearStepCost:
         out: dict[str, Any] = {"name": name, "coefficients": d}
         if self.bands:
             out["bands"] = [b.as_dict() for b in self.bands]
+        if self.attention is not None:
+            out["attention"] = self.attention.as_dict()
         return {**out, **meta}
 
     # --- costs ----------------------------------------------------------------
@@ -237,7 +259,11 @@ class LinearStepCost:
 
     def prefill_time(self, n: int) -> float:
         """One whole prompt of n tokens alone (TimeBill's t_prefill)."""
-        return self.step_time(n, float(n) * n, 0, 0)
+        return self.step_time(n, self.chunk_attention(n, n), 0, 0)
+
+    def chunk_attention(self, rows: float, end: float) -> float:
+        """A prompt chunk's ``prefill_attn`` under this model's :attr:`attention`."""
+        return chunk_attention(rows, end, self.attention)
 
     def alone_time(self, prompt_tokens: int, output_tokens: int) -> float:
         """One request on an idle engine: its prompt's prefill, then ``output_tokens - 1``

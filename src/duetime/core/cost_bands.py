@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+from duetime.core.attention_shape import AttentionShape
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -48,14 +50,19 @@ class CostBandError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class CostRegimes:
-    """Row counts at which the engine changes kernels, per axis.
+    """Row counts at which the engine changes kernels, per axis, and the shape of its
+    prompt attention.
 
     Each edge ends a band (inclusive): ``rows=(8,)`` means bands ``1-8`` and ``9+``.
-    Empty: one band, the plain linear model.
+    Empty: one band, the plain linear model. ``as_dict`` holds the axes only: a fitted
+    cost model carries the attention shape itself (:attr:`LinearStepCost.attention`).
     """
 
     rows: tuple[int, ...] = ()
     head_rows: tuple[int, ...] = ()
+    #: Where prompt attention changes kernel (by keys, not rows): priced in the ``A``
+    #: term (:func:`~duetime.core.cost.chunk_attention`), not as a band.
+    attention: AttentionShape | None = None
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -85,7 +92,8 @@ class CostRegimes:
         if unknown:
             raise CostBandError(f"unknown regime axis {sorted(unknown)}; axes are {list(AXES)}")
         try:
-            return cls(**{k: tuple(int(e) for e in v) for k, v in raw.items()})
+            edges = {k: tuple(int(e) for e in v) for k, v in raw.items()}
+            return cls(rows=edges.get("rows", ()), head_rows=edges.get("head_rows", ()))
         except (TypeError, ValueError) as e:
             raise CostBandError(f"regime edges must be lists of integers: {e}") from None
 

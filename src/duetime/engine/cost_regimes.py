@@ -11,13 +11,17 @@ each row count runs, and fails when two row counts in one band take different pa
 
 from __future__ import annotations
 
+from duetime.core.attention_shape import AttentionShape
 from duetime.core.cost_bands import CostRegimes
+from duetime.engine import attention
 from duetime.engine.decode_loop import MANY_ROWS
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.linear import ByRows, Q8Linear
 from duetime.engine.rescored_head import RescoredInt8Head
 
-__all__ = ["regimes_of", "regimes_of_any", "traced_paths", "unpriced_switches"]
+__all__ = [
+    "attention_shape_of", "regimes_of", "regimes_of_any", "traced_paths", "unpriced_switches",
+]  # fmt: skip
 
 
 def regimes_of_any(model: object) -> CostRegimes | None:
@@ -46,7 +50,22 @@ def regimes_of(model: Gemma3) -> CostRegimes:
             rank = rank.fallback
         if isinstance(rank, ByRows):
             head_rows.add(rank.max_rows)
-    return CostRegimes(rows=tuple(sorted(rows)), head_rows=tuple(sorted(head_rows)))
+    return CostRegimes(
+        rows=tuple(sorted(rows)), head_rows=tuple(sorted(head_rows)),
+        attention=attention_shape_of(model),
+    )  # fmt: skip
+
+
+def attention_shape_of(model: Gemma3) -> AttentionShape:
+    """Where ``model``'s prompt attention changes kernel: its window, its sliding layers,
+    and the block a long chunk is cut into (:func:`~duetime.engine.attention.attend_prefill`)."""
+    cfg = model.config
+    # without blocks a chunk is one call, however long: no chunk outgrows the context
+    block = attention.PREFILL_BLOCK if model.blocked_prefill_attention else None
+    return AttentionShape(
+        window=cfg.sliding_window, sliding_layers=sum(cfg.sliding_layers),
+        layers=cfg.num_layers, block=block or cfg.max_position_embeddings,
+    )  # fmt: skip
 
 
 #: Modules whose calls depend on memory and bookkeeping, not on a kernel choice: the KV

@@ -16,6 +16,7 @@ from typing import IO, TYPE_CHECKING, Any
 from duetime.core.cost import LinearStepCost
 from duetime.core.executor import ExecutorCore
 from duetime.core.policy import Policy
+from duetime.engine.cost_regimes import attention_shape_of
 from duetime.engine.eviction import DEFAULT_WINDOW, EVICTION_METHODS
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.logprobs import LogprobLog
@@ -100,6 +101,8 @@ class EngineState(ExecutorCore):
             share_prefills=share_prefills,
         )
         self.model = model
+        # how the model's kernels price a prompt chunk's attention (telemetry's A term)
+        self.attention = attention_shape_of(model) if isinstance(model, Gemma3) else None
         self.kv = model.new_kv_cache()
         if self.prefix_cache is not None:
             # a block that began in an earlier step is still held when it is offered
@@ -124,7 +127,7 @@ class EngineState(ExecutorCore):
         self.eos_token_id: int | None = model.config.eos_token_id
         # rid → the tokens that end its answer (EOS, a client's stop ids), from min_tokens on
         self.stop_tokens: dict[int, StopRule] = {}
-        self.last_step: tuple[float, int, int, int, int] | None = None  # (s, P, D, KV, attn)
+        self.last_step: tuple[float, int, int, int, float] | None = None  # (s, P, D, KV, attn)
         self.on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
         # Segmented generation by text (TimelyLLM's stop checker): rid → its checker.
         self.segmenters: dict[int, TextSegmenter] = {}
@@ -196,7 +199,7 @@ class EngineState(ExecutorCore):
         else:
             time.sleep(min(delay, 0.05))
 
-    def _log_step(self, computed: int, attn: int, n_dec: int, kv: int, dt: float) -> None:
+    def _log_step(self, computed: int, attn: float, n_dec: int, kv: int, dt: float) -> None:
         if self._telemetry_path is None:
             return
         if self._telemetry is None:

@@ -23,7 +23,8 @@ class EngineStep(LogitNeeds):
         owners: list[tuple[Seq, bool]] = []  # (seq, produces a sampled token)
         borrowed = self.borrowed
         index: dict[int, int] = {}  # rid → its chunk's place in the step (a leader's)
-        computed = attn = 0  # prefill rows the model runs, and their attention n·(past + n)
+        computed = 0  # prefill rows the model runs
+        attn = 0.0  # and their attention work, as the model's kernels do it
         for seq, n in chunks:
             slot = self.slots[seq.rid]
             start = seq.prefilled
@@ -38,7 +39,7 @@ class EngineStep(LogitNeeds):
             model_chunks.append(chunk)
             owners.append((seq, end >= seq.prefill_target))
             computed += len(chunk)
-            attn += chunk_attention(len(chunk), end)
+            attn += chunk_attention(len(chunk), end, self.attention)
         decoders = [] if prefill_only else [s for s in self.running.values() if s.decoding]
         if kv.watching:  # a first decode ends the time SnapKV's window is needed
             for seq in decoders:

@@ -32,6 +32,7 @@ import torch
 from duetime.core.cost import chunk_attention
 from duetime.core.request import Job
 from duetime.engine.batch import SeqChunk
+from duetime.engine.cost_regimes import attention_shape_of
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.kv_cache import KVCache
 from duetime.engine.step_samples import steps_from_telemetry
@@ -134,6 +135,7 @@ def measure_steps(
     """
     g = grid or ProfileGrid()
     t = _Timer(model)
+    shape = attention_shape_of(model)
     samples: list[StepSample] = []
 
     def chunked(n: int, size: int) -> None:  # a whole prompt: size n
@@ -142,11 +144,8 @@ def measure_steps(
         for past in range(0, n, size):
             ids = t.ids(min(size, n - past))
             sec = t.time_step([SeqChunk(slot, ids, past)], kv)
-            samples.append(
-                StepSample(
-                    len(ids), chunk_attention(len(ids), past + len(ids)), 0, 0, sec, "prefill"
-                )
-            )
+            attn = chunk_attention(len(ids), past + len(ids), shape)
+            samples.append(StepSample(len(ids), attn, 0, 0, sec, "prefill"))
 
     def decode(d: int, c: int) -> None:
         kv = model.new_kv_cache()

@@ -51,6 +51,7 @@ the admission rule above.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -84,16 +85,18 @@ class _StepWork:
     """The next step as admitted so far: its prefill chunks and the batch around it."""
 
     prefill_tokens: int
-    prefill_attn: float  # Σ n·(prefilled + n) over the chunks, as the simulator charges it
+    prefill_attn: float  # the chunks' A, as the cost model prices it (chunk_attention)
     decoders_now: int  # sequences that decode in this step
     decoders_after: int  # ... and in the steps after it (this step's prefills joined)
+    attend: Callable[[float, float], float]  # a chunk's A: the snapshot's cost model's
 
     @staticmethod
     def of(chunks: list[tuple[int, int]], snap: EngineSnapshot, decoders: int) -> _StepWork:
         by_rid = {s.rid: s for s in snap.prefilling}
+        attend = chunk_attention if snap.cost is None else snap.cost.chunk_attention
         tokens = sum(n for _, n in chunks)
-        attn = sum(chunk_attention(n, by_rid[rid].prefilled + n) for rid, n in chunks)
-        return _StepWork(tokens, attn, decoders, decoders + len(chunks))
+        attn = sum(attend(n, by_rid[rid].prefilled + n) for rid, n in chunks)
+        return _StepWork(tokens, attn, decoders, decoders + len(chunks), attend)
 
     def plus(self, seq: Seq, budget: int, hit: int = 0) -> _StepWork:
         """This step with ``seq`` resumed (it decodes now) or prefilled (it decodes after;
@@ -106,7 +109,7 @@ class _StepWork:
         return replace(
             self,
             prefill_tokens=self.prefill_tokens + n,
-            prefill_attn=self.prefill_attn + chunk_attention(n, seq.prefilled + hit + n),
+            prefill_attn=self.prefill_attn + self.attend(n, seq.prefilled + hit + n),
             decoders_after=self.decoders_after + 1,
         )
 

@@ -65,8 +65,8 @@ def ete_from_cost(cost: LinearStepCost) -> TimeBillETE:
         )
     n1 = 1 + max((int(b.lo) for b in cost.bands), default=0) + 1
     n2 = 2 * n1
-    lin1 = cost.prefill_time(n1) - cost.a2 * n1 * n1
-    lin2 = cost.prefill_time(n2) - cost.a2 * n2 * n2
+    lin1 = cost.prefill_time(n1) - cost.a2 * cost.chunk_attention(n1, n1)
+    lin2 = cost.prefill_time(n2) - cost.a2 * cost.chunk_attention(n2, n2)
     slope = (lin2 - lin1) / (n2 - n1)
     return TimeBillETE(a=cost.a2, b=slope, c=lin1 - slope * n1, p=cost.d, q=cost.decode_step(1, 0))
 

@@ -140,6 +140,9 @@ def fit_batch_cost(
 
     ``extra``: priced shapes fitted beside the timed ``samples``
     (:mod:`~duetime.predict.step_anchors`); the sum calibration counts the timed ones only.
+
+    The samples' ``prefill_attn`` must be priced with ``regimes.attention`` (the engine's
+    telemetry and profile grid are); the model keeps that shape to price chunks alike.
     """
     timed = len(samples)
     samples = [*samples, *extra]
@@ -177,8 +180,8 @@ def fit_batch_cost(
     if one <= 0:
         c0 = float(np.min(y)) * 1e-3  # keep the model valid: a decode step always costs something
     return LinearStepCost(
-        c0=c0, c_prefill=c_prefill, a1=a1, a2=a2, b=b, d=d, bands=tuple(bands), name=name,
-        meta=meta,
+        c0=c0, c_prefill=c_prefill, a1=a1, a2=a2, b=b, d=d, bands=tuple(bands),
+        attention=None if regimes is None else regimes.attention, name=name, meta=meta,
     )  # fmt: skip
 
 

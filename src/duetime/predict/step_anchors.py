@@ -45,10 +45,14 @@ def _cell(
     return band_index(row_edges, rows), band_index(head_edges, head), prefill > 0
 
 
-def _sample(cost: LinearStepCost, shape: tuple[int, int, int, int], scale: float) -> StepSample:
+def _sample(
+    cost: LinearStepCost, shape: tuple[int, int, int, int], scale: float, regimes: CostRegimes
+) -> StepSample:
+    """An anchor step: priced by ``cost``, its attention written as the fit's samples
+    write theirs (``regimes.attention``, the engine's kernels)."""
     p, past, d, ctx = shape
-    attn = chunk_attention(p, past + p)
-    seconds = scale * cost.step_time(p, attn, d, d * ctx)
+    seconds = scale * cost.step_time(p, cost.chunk_attention(p, past + p), d, d * ctx)
+    attn = chunk_attention(p, past + p, regimes.attention)
     return StepSample(p, attn, d, d * ctx, seconds, step_kind(p, d))
 
 
@@ -68,7 +72,7 @@ def anchor_samples(
     edges = (tuple(sorted({*regimes.edges("rows"), *ROW_KNOTS})), regimes.edges("head_rows"))
     seen = Counter(_cell(*edges, s.prefill_tokens, s.decode_seqs) for s in window)
     return [
-        _sample(prior, shape, scale)
+        _sample(prior, shape, scale, regimes)
         for shape in ANCHOR_SHAPES
         if seen[_cell(*edges, shape[0], shape[2])] < SEEN
     ]

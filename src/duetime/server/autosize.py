@@ -108,7 +108,7 @@ def limits_from_cost(
     batch = seqs
 
     def with_chunk(n: int) -> float:  # a first chunk of n prompt tokens beside the decoders
-        return cost.step_time(n, float(n * n), batch, batch * context)
+        return cost.step_time(n, cost.chunk_attention(n, n), batch, batch * context)
 
     if budget is None:
         chunk = CHUNK_UNIT
@@ -168,6 +168,7 @@ def measure_step_cost(
     from duetime.engine.cost_regimes import regimes_of
     from duetime.predict.ete import StepSample, fit_batch_cost
 
+    regimes = regimes_of(model)
     samples: list[StepSample] = []
     g = np.random.default_rng(0)
     vocab = model.config.vocab_size
@@ -201,9 +202,9 @@ def measure_step_cost(
             t0 = time.perf_counter()
             model.greedy_step([SeqChunk(slot, part, past)], kv)
             seconds = time.perf_counter() - t0
-            attn = chunk_attention(len(part), past + len(part))
+            attn = chunk_attention(len(part), past + len(part), regimes.attention)
             samples.append(StepSample(len(part), attn, 0, 0, seconds, "prefill"))
-    return fit_batch_cost(samples, name="measured at start", regimes=regimes_of(model))
+    return fit_batch_cost(samples, name="measured at start", regimes=regimes)
 
 
 def size_options(

@@ -279,7 +279,7 @@ class EngineLoop(LoopOutcomes):
         )
 
     def _log(
-        self, t0: float, shape: tuple[float, int, int, int, int] | None, **parts: float
+        self, t0: float, shape: tuple[float, int, int, int, float] | None, **parts: float
     ) -> None:
         """One :class:`StepRow` into :attr:`step_log`, if one is kept: the round's
         ``parts`` (seconds; the rest 0) and its step's shape."""

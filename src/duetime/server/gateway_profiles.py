@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 from duetime.core.cost import CostModelError, LinearStepCost
-from duetime.core.cost_bands import BandCost, CostBandError
 from duetime.server.gateway_poll import BackendPoller
 from duetime.server.gateway_routing import Backend, PublishedCost
 
@@ -33,14 +32,7 @@ log = logging.getLogger("duetime.gateway")
 
 def cost_of(body: Any) -> LinearStepCost:
     """The cost model of a profile JSON object. Raises :class:`CostModelError`."""
-    if not isinstance(body, dict) or not isinstance(body.get("coefficients"), dict):
-        raise CostModelError("a profile is an object with a 'coefficients' object")
-    try:
-        coeffs: dict[str, Any] = {str(k): float(v) for k, v in body["coefficients"].items()}
-        bands = tuple(BandCost.from_dict(b) for b in body.get("bands") or [])
-        return LinearStepCost(**coeffs, bands=bands, name=str(body.get("name", "published")))
-    except (CostBandError, TypeError, ValueError) as e:
-        raise CostModelError(f"not a usable profile: {e}") from None
+    return LinearStepCost.from_dict(body, "not a usable profile", "published")
 
 
 def give_profile(b: Backend, body: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from duetime.core.cost import CostModel, LinearStepCost, chunk_attention
+from duetime.core.cost import CostModel, LinearStepCost
 from duetime.core.executor import ExecutorCore, ExecutorError
 from duetime.core.policy import Policy
 from duetime.core.record import RequestRecord
@@ -127,7 +127,7 @@ class Simulator(ExecutorCore):
         for seq, n in chunks:
             rows = self.computed_rows(seq, n) if lent else n
             p_tokens += rows
-            attn += chunk_attention(rows, seq.prefilled + n)
+            attn += self.cost.chunk_attention(rows, seq.prefilled + n)
         swap = self._pending_swap
         self._pending_swap = 0
         n_dec, kv = (0, 0) if prefill_only else (self._n_dec, self._dec_kv())
