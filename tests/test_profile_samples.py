@@ -19,7 +19,7 @@ def test_profile_samples_load_back_and_refit_to_the_profile(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     import duetime.engine
-    from duetime.engine.cost_regimes import regimes_of
+    from duetime.engine.cost_regimes import attention_shape_of, regimes_of
     from duetime.engine.testing import engine_from_hf, tiny_hf_model
 
     model = engine_from_hf(tiny_hf_model())
@@ -40,6 +40,15 @@ def test_profile_samples_load_back_and_refit_to_the_profile(
     back = steps_from_telemetry(steps)
     assert [s.kind for s in back] == [r["kind"] for r in rows]
     profile = json.loads(out.read_text())
+    # each prompt step keeps its chunks, from which its A was counted as the model's
+    # kernels count it: the shape the profile carries, so an offline refit can recount
+    shape = attention_shape_of(model)
+    assert profile["attention"] == shape.as_dict()
+    prompts = [s for s in back if s.prefill_tokens]
+    assert prompts
+    assert all(sum(r for r, _ in s.chunks) == s.prefill_tokens for s in prompts)
+    for s in prompts:
+        assert s.prefill_attn == pytest.approx(sum(shape.work(r, e) for r, e in s.chunks))
     refit = fit_batch_cost(back, name=profile["name"], regimes=regimes_of(model))
     for k, v in refit.to_profile()["coefficients"].items():
         if k == "e":  # fitted from the timed evictions, which are not steps

@@ -117,3 +117,16 @@ def test_the_profile_verdict_takes_the_larger_floor() -> None:
     assert busy["verdict_floor_pct"] == 30.0
     assert busy["at_noise_limit"] is True
     assert quiet["at_noise_limit"] is False
+
+
+def test_the_speed_now_is_read_against_the_profiles_own_repeated_steps() -> None:
+    from duetime.engine.profile import NoiseShape
+    from duetime.predict.cost_report import speed_against_profile
+
+    meta = {"noise": [{"name": "a", "median_s": 0.010}, {"name": "b", "median_s": 0.100}]}
+    now = [NoiseShape("a", 0.012, 1.0), NoiseShape("b", 0.1 * 1.2**0.5, 1.0)]
+    # the geometric mean of 1.2 and sqrt(1.2)
+    assert speed_against_profile(meta, now) == pytest.approx(1.2**0.75)
+    assert speed_against_profile(meta, [NoiseShape("c", 0.01, 1.0)]) is None
+    assert speed_against_profile({}, now) is None  # a profile that timed no noise
+    assert speed_against_profile({"noise": [{"name": "a", "median_s": 0}]}, now) is None

@@ -169,8 +169,11 @@ def time_shapes(
     not show) plus ``D`` sequences of the given context decoding one token.
     Like ``duetime profile``, but on the bench's ``clock`` and its shapes.
     """
+    from duetime.core.cost import chunk_attention
     from duetime.engine.batch import SeqChunk
+    from duetime.engine.cost_regimes import attention_shape_of_any
 
+    shape = attention_shape_of_any(model)
     rng = np.random.default_rng(3)
     lo, hi = _id_range(model.config.vocab_size)
 
@@ -196,9 +199,10 @@ def time_shapes(
                 kv.free(s)
             if rep:
                 p_tok = sum(prompts)
-                attn = float(sum(p * p for p in prompts))
+                attn = sum(chunk_attention(p, p, shape) for p in prompts)
                 kind = step_kind(p_tok, d)
-                samples.append(StepSample(p_tok, attn, d, held, max(dt, 1e-9), kind))
+                geometry = tuple((p, p) for p in prompts)
+                samples.append(StepSample(p_tok, attn, d, held, max(dt, 1e-9), kind, geometry))
     return samples
 
 

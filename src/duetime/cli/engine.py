@@ -195,7 +195,7 @@ def profile(
             from duetime.predict.cost_plot import plot_step_fit
 
             plot_step_fit(
-                LinearStepCost.from_profile(out), samples, plot,
+                LinearStepCost.from_dict(payload, str(out)), samples, plot,
                 floor_pct=payload["verdict_floor_pct"],  # type: ignore[arg-type]
                 title=f"{name}: every timed step, the fit of all",
             )  # fmt: skip
@@ -302,7 +302,12 @@ def validate(
         pool_noise,
     )
     from duetime.metrics import render_table, write_json
-    from duetime.predict.cost_report import AT_LIMIT_FACTOR, check_profile_engine, floor_verdict
+    from duetime.predict.cost_report import (
+        AT_LIMIT_FACTOR,
+        check_profile_engine,
+        floor_verdict,
+        speed_against_profile,
+    )
 
     with _user_errors():
         if not Path(profile).exists():
@@ -310,7 +315,8 @@ def validate(
         if eviction not in ("snapkv", "streaming"):
             raise ValueError(f"--eviction must be snapkv or streaming, got {eviction!r}")
         v.check_policy(policy, predictor)  # before the load: hsf failed only once running
-        check_profile_engine(LinearStepCost.from_profile(profile).meta, profile, dtype, threads)
+        meta = LinearStepCost.from_profile(profile).meta
+        check_profile_engine(meta, profile, dtype, threads)
         _set_threads(threads)
         model = load_model(dtype=dtype)  # type: ignore[arg-type]
         with console.status("repeating identical steps for the noise floor (start)"):
@@ -326,6 +332,8 @@ def validate(
             last = measure_noise(model)
         floor = noise_floor_pct(pool_noise(first, last))
         fig["noise_drift_pct"] = noise_drift_pct(first, last)
+        fig["speed_at_start_x"] = speed_against_profile(meta, first)
+        fig["speed_at_end_x"] = speed_against_profile(meta, last)
     median = fig["e2e_rel_err_median_pct"]
     fig["noise_floor_pct"] = floor
     e2e_floor = fig["e2e_floor_median_pct"]

@@ -20,7 +20,8 @@ from duetime.engine.linear import ByRows, Q8Linear
 from duetime.engine.rescored_head import RescoredInt8Head
 
 __all__ = [
-    "attention_shape_of", "regimes_of", "regimes_of_any", "traced_paths", "unpriced_switches",
+    "attention_shape_of", "attention_shape_of_any", "regimes_of", "regimes_of_any",
+    "traced_paths", "unpriced_switches",
 ]  # fmt: skip
 
 
@@ -54,6 +55,11 @@ def regimes_of(model: Gemma3) -> CostRegimes:
         rows=tuple(sorted(rows)), head_rows=tuple(sorted(head_rows)),
         attention=attention_shape_of(model),
     )  # fmt: skip
+
+
+def attention_shape_of_any(model: object) -> AttentionShape | None:
+    """:func:`attention_shape_of` for our engine, None for any other model (priced dense)."""
+    return attention_shape_of(model) if isinstance(model, Gemma3) else None
 
 
 def attention_shape_of(model: Gemma3) -> AttentionShape:

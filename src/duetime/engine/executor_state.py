@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, Any
 from duetime.core.cost import LinearStepCost
 from duetime.core.executor import ExecutorCore
 from duetime.core.policy import Policy
-from duetime.engine.cost_regimes import attention_shape_of
+from duetime.engine.cost_regimes import attention_shape_of_any
 from duetime.engine.eviction import DEFAULT_WINDOW, EVICTION_METHODS
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.logprobs import LogprobLog
@@ -102,7 +102,7 @@ class EngineState(ExecutorCore):
         )
         self.model = model
         # how the model's kernels price a prompt chunk's attention (telemetry's A term)
-        self.attention = attention_shape_of(model) if isinstance(model, Gemma3) else None
+        self.attention = attention_shape_of_any(model)
         self.kv = model.new_kv_cache()
         if self.prefix_cache is not None:
             # a block that began in an earlier step is still held when it is offered
@@ -199,7 +199,15 @@ class EngineState(ExecutorCore):
         else:
             time.sleep(min(delay, 0.05))
 
-    def _log_step(self, computed: int, attn: float, n_dec: int, kv: int, dt: float) -> None:
+    def _log_step(
+        self,
+        computed: int,
+        attn: float,
+        n_dec: int,
+        kv: int,
+        dt: float,
+        chunks: list[tuple[int, int]],
+    ) -> None:
         if self._telemetry_path is None:
             return
         if self._telemetry is None:
@@ -210,6 +218,7 @@ class EngineState(ExecutorCore):
             "step_s": round(dt, 6),
             "prefill_tokens": computed,  # less rows borrowed from another chunk
             "prefill_attn": attn,
+            "prefill_chunks": chunks,  # (rows computed, end) of each: what attn counts
             "decode_seqs": n_dec,
             "kv_tokens_attended": kv,
             "kv_used_tokens": self.kv_used,

@@ -25,6 +25,7 @@ class EngineStep(LogitNeeds):
         index: dict[int, int] = {}  # rid → its chunk's place in the step (a leader's)
         computed = 0  # prefill rows the model runs
         attn = 0.0  # and their attention work, as the model's kernels do it
+        geometry: list[tuple[int, int]] = []  # each chunk's (rows computed, end)
         for seq, n in chunks:
             slot = self.slots[seq.rid]
             start = seq.prefilled
@@ -40,6 +41,7 @@ class EngineStep(LogitNeeds):
             owners.append((seq, end >= seq.prefill_target))
             computed += len(chunk)
             attn += chunk_attention(len(chunk), end, self.attention)
+            geometry.append((len(chunk), end))
         decoders = [] if prefill_only else [s for s in self.running.values() if s.decoding]
         if kv.watching:  # a first decode ends the time SnapKV's window is needed
             for seq in decoders:
@@ -126,7 +128,7 @@ class EngineStep(LogitNeeds):
             self._check_kv()
         rode = sum(len(r) for r in riding.values())
         self.last_step = (dt, computed + rode, len(decoders), kv_attended, attn)
-        self._log_step(computed, attn, len(decoders), kv_attended, dt)
+        self._log_step(computed, attn, len(decoders), kv_attended, dt, geometry)
         return dt
 
     def _check_segments(self, produced: list[tuple[int, int]]) -> None:

@@ -144,8 +144,9 @@ def measure_steps(
         for past in range(0, n, size):
             ids = t.ids(min(size, n - past))
             sec = t.time_step([SeqChunk(slot, ids, past)], kv)
+            geometry = ((len(ids), past + len(ids)),)
             attn = chunk_attention(len(ids), past + len(ids), shape)
-            samples.append(StepSample(len(ids), attn, 0, 0, sec, "prefill"))
+            samples.append(StepSample(len(ids), attn, 0, 0, sec, "prefill", geometry))
 
     def decode(d: int, c: int) -> None:
         kv = model.new_kv_cache()
@@ -165,7 +166,8 @@ def measure_steps(
             chunks = [*t.decode_chunks(kv, slots), SeqChunk(new, t.ids(p), 0)]
             sec = t.time_step(chunks, kv)
             kv.free(new)
-            samples.append(StepSample(p, float(p * p), d, kv_tokens, sec, "mixed"))
+            attn = chunk_attention(p, p, shape)
+            samples.append(StepSample(p, attn, d, kv_tokens, sec, "mixed", ((p, p),)))
 
     cells: list[Callable[[], None]] = [
         *(partial(chunked, n, n) for n in g.prompt_lens for _ in range(g.reps)),

@@ -31,6 +31,7 @@ def steps_from_telemetry(path: Path) -> list[StepSample]:
                 r["kv_tokens_attended"],
                 r["step_s"],
                 step_kind(r["prefill_tokens"], r["decode_seqs"]),
+                tuple((int(rows), int(end)) for rows, end in r.get("prefill_chunks", ())),
             )
         )
     return out
@@ -49,6 +50,7 @@ def write_steps(path: Path, samples: Sequence[StepSample], sources: Sequence[str
                 "kind": s.kind,
                 "prefill_tokens": s.prefill_tokens,
                 "prefill_attn": s.prefill_attn,
+                "prefill_chunks": s.chunks,
                 "decode_seqs": s.decode_seqs,
                 "kv_tokens_attended": s.kv_tokens,
                 "step_s": s.seconds,

@@ -36,6 +36,7 @@ __all__ = [
     "miss_table",
     "profile_payload",
     "repeat_floor_pct",
+    "speed_against_profile",
 ]
 
 #: Error within this factor of the noise floor: the model is as good as the machine allows.
@@ -252,3 +253,21 @@ def check_profile_engine(meta: Mapping[str, Any], where: str, dtype: str, thread
         f"--dtype {was_dtype} --threads {was_threads}, or run `duetime profile --dtype "
         f"{dtype} --threads {threads}` first."
     )
+
+
+def speed_against_profile(meta: Mapping[str, Any], now: Sequence[Any]) -> float | None:
+    """How slow the machine runs now against when a profile was timed: the geometric
+    mean, over the noise shapes both timed (``meta["noise"]``, the profile's; ``now``:
+    :class:`~duetime.engine.profile.NoiseShape` rows), of now's median over the
+    profile's. None when they share no shape (a shipped or black-box profile).
+
+    Why: the machine's speed level moves by 5-10 % between minutes here, and a
+    profile timed in a faster minute prices every step of a slower one short.
+    """
+    recorded: dict[str, float] = {}
+    for n in meta.get("noise", ()):
+        median = n.get("median_s") if isinstance(n, dict) else None
+        if isinstance(median, int | float) and median > 0:
+            recorded[str(n.get("name"))] = float(median)
+    ratios = [s.median_s / recorded[s.name] for s in now if s.name in recorded]
+    return float(np.exp(np.mean(np.log(ratios)))) if ratios else None

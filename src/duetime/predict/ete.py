@@ -39,6 +39,10 @@ class StepSample:
     kv_tokens: int
     seconds: float
     kind: str = "mixed"  # "prefill" (one prompt alone), "decode" (decoders only) or "mixed"
+    #: Each prompt chunk's (rows computed, end position), where recorded: what
+    #: ``prefill_attn`` was counted from, so a fit can recount it under another
+    #: attention shape (:func:`~duetime.core.cost.chunk_attention`).
+    chunks: tuple[tuple[int, int], ...] = ()
 
 
 def step_kind(prefill_tokens: int, decode_seqs: int) -> str:
