@@ -315,10 +315,12 @@ def _count_extra_rows(ex: EngineExecutor, into: list[int]) -> None:
     """Have ``ex`` append to ``into`` each step's rows beyond its prefill and decoders."""
     log_step = ex._log_step
 
-    def count_rows(computed: int, attn: int, n_dec: int, kv: int, dt: float) -> None:
+    def count_rows(
+        computed: int, attn: float, n_dec: int, kv: int, dt: float, chunks: list[tuple[int, int]]
+    ) -> None:
         assert ex.last_step is not None
         into.append(ex.last_step[1] - computed)  # (its P: computed rows + riding rows)
-        log_step(computed, attn, n_dec, kv, dt)
+        log_step(computed, attn, n_dec, kv, dt, chunks)
 
     ex._log_step = count_rows  # type: ignore[method-assign]
 

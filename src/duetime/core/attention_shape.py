@@ -19,10 +19,10 @@ chunk by one of three kernels (:func:`duetime.engine.attention.attend_prefill`):
   the chunk);
 * a longer chunk: blocks of ``block`` queries, each over the keys it may see.
 
-Priced that way (the layers' mean), held-out prompt MAPE fell from 8.3 / 8.4 /
-8.2 % to 7.2 / 7.8 / 7.2 % on three q8 profiles (eight splits each): ``rows·end``
-overpriced whole prompts past the window (its sliding layers see 512 keys, not
-1,024) and had to bend ``a2`` down to meet them (results.md#attention-shape).
+Priced that way (the layers' mean), held-out prompt MAPE fell from 6.9 / 7.1 /
+7.7 / 11.4 % to 6.0 / 6.0 / 6.7 / 10.6 % on four q8 profiles' steps (eight splits
+each): ``rows·end`` overpriced whole prompts past the window (their sliding layers
+see 512 keys, not 1,024) and bent ``a2`` down to meet them (results.md#attention-shape).
 """
 
 from __future__ import annotations
