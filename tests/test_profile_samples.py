@@ -43,7 +43,8 @@ def test_profile_samples_load_back_and_refit_to_the_profile(
     # each prompt step keeps its chunks, from which its A was counted as the model's
     # kernels count it: the shape the profile carries, so an offline refit can recount
     shape = attention_shape_of(model)
-    assert profile["attention"] == shape.as_dict()
+    assert profile["attention"] == rep["attention"] == shape.as_dict()
+    assert f"{shape.sliding_layers} of {shape.layers} layers" in res.output
     prompts = [s for s in back if s.prefill_tokens]
     assert prompts
     assert all(sum(r for r, _ in s.chunks) == s.prefill_tokens for s in prompts)

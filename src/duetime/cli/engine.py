@@ -225,6 +225,7 @@ def profile(
         "verdict": payload["verdict"],
         "at_noise_limit": payload["at_noise_limit"],
         "regimes": payload.get("regimes"),
+        "attention": payload.get("attention"),
         "misses": payload["misses"],
         "eviction_s_per_kv_token": cost_e,
         "eviction_ms_at_max_len": 1e3 * max(evictions)[1] if evictions else None,
@@ -242,6 +243,13 @@ def profile(
         f"serving run's steps of one shape, {pct_text(payload['repeat_floor_pct'])} spread)\n"
         f"SnapKV eviction {1e6 * cost_e:.1f} µs per KV token held"
     )
+    shape = payload.get("attention")
+    if isinstance(shape, dict):
+        console.print(
+            f"prompt attention counted as the kernels compute it: {shape['sliding_layers']} "
+            f"of {shape['layers']} layers see the last {shape['window']} keys, a chunk of more "
+            f"than {shape['block']} rows runs in blocks"
+        )
     if payload["at_noise_limit"] is False:
         _print_misses(report["misses"])
     written = [str(p) for p in (out, samples_path, plot) if p is not None]
