@@ -4,8 +4,9 @@ as the engine's kernels count it (its attention shape), on the same timed steps.
 Reads the steps `duetime profile --samples STEPS` saved (each chunk's rows and end are
 recorded) and the profile it wrote beside them (``STEPS`` without ``-steps.jsonl``, plus
 ``.json``: its regimes), refits both ways on the same random 75/25 splits and prints the
-mean held-out MAPE of lone prompts, mixed steps and decodes. Reproduces
-docs/results.md#attention-shape::
+mean held-out MAPE of lone prompts, mixed steps and decodes; then TimeBill's own
+prefill form (``aN² + bN + c``) fitted and judged on every lone prompt step against
+whole prompts alone, its domain. Reproduces docs/results.md#attention-shape::
 
     duetime profile --dtype q8 --out out/p1.json --samples out/p1-steps.jsonl
     .venv/bin/python scripts/attention_forms.py out/p1-steps.jsonl [more ...]
@@ -24,7 +25,13 @@ from duetime.core.attention_shape import AttentionShape
 from duetime.core.cost import chunk_attention
 from duetime.core.cost_bands import CostRegimes
 from duetime.engine.step_samples import steps_from_telemetry
-from duetime.predict.ete import StepSample, fit_batch_cost, split_samples
+from duetime.predict.ete import (
+    StepSample,
+    fit_batch_cost,
+    fit_timebill,
+    split_samples,
+    whole_prompts,
+)
 
 #: Gemma 3 270M: 15 of 18 layers slide over 512 keys; long chunks in blocks of 256.
 GEMMA = AttentionShape(window=512, sliding_layers=15, layers=18, block=256)
@@ -57,6 +64,21 @@ def heldout(samples: list[StepSample], regimes: CostRegimes, splits: int) -> dic
     return {kind: float(np.mean(v)) for kind, v in by_kind.items()}
 
 
+def timebill_prefill(samples: list[StepSample], whole: bool, splits: int) -> float:
+    """Held-out MAPE (%) of TimeBill's prefill form on lone prompt steps (``whole``: on
+    whole prompts alone, as ``fit_timebill`` now fits and ``evaluate`` judges it)."""
+    pre = whole_prompts(samples) if whole else [s for s in samples if s.kind == "prefill"]
+    decodes = [s for s in samples if s.kind == "decode" and s.decode_seqs == 1]
+    errs = []
+    for seed in range(splits):
+        train, test = split_samples(pre, 0.25, seed)
+        # without recorded chunks fit_timebill takes every lone prompt step as whole
+        ete = fit_timebill([replace(s, chunks=()) for s in train] + decodes)
+        errs.append(100 * float(np.mean([abs(ete.prefill(s.prefill_tokens) / s.seconds - 1)
+                                         for s in test])))  # fmt: skip
+    return float(np.mean(errs))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("steps", nargs="+", type=Path, help="`duetime profile --samples` files")
@@ -75,6 +97,11 @@ def main() -> None:
         for form, e in rows[str(path)].items():
             print(f"{path} {form:5s}: prompts {e['prefill']:.2f} %, mixed {e['mixed']:.2f} %, "
                   f"decodes {e['decode']:.2f} %")  # fmt: skip
+        tb = {kind: timebill_prefill(samples, kind == "whole", args.splits)
+              for kind in ("every", "whole")}  # fmt: skip
+        rows[str(path)]["timebill_prefill"] = tb
+        print(f"{path} TimeBill's prefill form: every lone prompt step {tb['every']:.2f} %, "
+              f"whole prompts {tb['whole']:.2f} %")  # fmt: skip
     print(json.dumps(rows))
 
 

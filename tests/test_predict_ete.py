@@ -12,6 +12,7 @@ from duetime.predict.ete import (
     fit_batch_cost,
     fit_timebill,
     split_samples,
+    whole_prompts,
 )
 
 TRUE = LinearStepCost(c0=0.006, c_prefill=0.002, a1=4e-4, a2=2e-8, b=3e-4, d=2e-7)
@@ -103,6 +104,22 @@ def test_timebill_fit_matches_its_closed_forms() -> None:
     direct = ete.prefill(n) + sum(ete.decode_step(n + i) for i in range(o - 1))
     assert ete.e2e(n, o) == pytest.approx(direct, rel=1e-12)
     assert ete.e2e(n, o, keep_ratio=0.5) < ete.e2e(n, o)
+
+
+def test_timebill_fits_and_is_judged_on_whole_prompts_only() -> None:
+    """A chunk after its past is not a prompt of the chunk's rows: TimeBill's t_prefill(N)
+    neither fits nor is scored on one (it would price it as a whole prompt of N)."""
+    whole = _samples(0.0)
+    chunks = []
+    for past in (256, 512, 768):  # 256-row chunks of a 1,024-token prompt, priced exactly
+        attn = float(256 * (past + 256))
+        t = TRUE.step_time(256, attn, 0, 0)
+        chunks.append(StepSample(256, attn, 0, 0, t, "prefill", ((256, past + 256),)))
+    ete = fit_timebill(whole + chunks)
+    assert ete.a == pytest.approx(TRUE.a2, rel=1e-6)  # the chunks moved nothing
+    assert evaluate(TRUE, ete, whole + chunks)["ete_prefill_mape_pct"] == pytest.approx(0, abs=1e-6)
+    recorded = [StepSample(64, 64.0 * 64, 0, 0, 0.03, "prefill", ((64, 64),))]
+    assert whole_prompts(recorded + chunks) == recorded
 
 
 def test_timebill_prefill_fit_weights_short_prompts_like_long_ones() -> None:

@@ -235,7 +235,7 @@ def profile(
         f"held-out MAPE, step-cost model: all {pct_text(held['batch_model_mape_pct'])}, prompts "
         f"{pct_text(held['model_prefill_mape_pct'])}, "
         f"decodes {pct_text(held['model_decode_mape_pct'])}, "
-        f"mixed {pct_text(held['model_mixed_mape_pct'])}; TimeBill's ETE form: prompts "
+        f"mixed {pct_text(held['model_mixed_mape_pct'])}; TimeBill's ETE form: whole prompts "
         f"{pct_text(held['ete_prefill_mape_pct'])}, one-sequence decodes "
         f"{pct_text(held['ete_decode_mape_pct'])}\n"
         f"{payload['verdict']} (the floor: the larger of identical steps repeated at the "

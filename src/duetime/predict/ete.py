@@ -278,13 +278,24 @@ def _relative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
     return np.linalg.lstsq(x / t[:, None], np.ones_like(t), rcond=None)[0]
 
 
+def whole_prompts(samples: Sequence[StepSample]) -> list[StepSample]:
+    """The steps that prefill whole prompts alone: TimeBill's ``t_prefill(N)`` is a whole
+    prompt's, so a chunk after its past (priced by it as a prompt of the chunk's rows,
+    128-140 ms against the 72-88 ms a whole 192-token prompt took) is not its to predict.
+    A step with no recorded chunks counts as whole."""
+    return [
+        s for s in samples if s.kind == "prefill" and all(rows == end for rows, end in s.chunks)
+    ]
+
+
 def fit_timebill(samples: Sequence[StepSample]) -> TimeBillETE:
-    """Least-squares fits on single-prompt prefills and single-sequence decodes.
+    """Least-squares fits on whole prompts alone (:func:`whole_prompts`) and
+    single-sequence decodes.
 
     The paper's forms (Sec. 4.2) fitted by least squares on relative residuals
     (:func:`_relative_lstsq`), because the estimator is judged by MAPE.
     """
-    pre = [s for s in samples if s.kind == "prefill"]
+    pre = whole_prompts(samples)
     dec = [s for s in samples if s.kind == "decode" and s.decode_seqs == 1]
     if len(pre) < 3 or len(dec) < 2:
         raise ValueError(
@@ -317,13 +328,13 @@ def evaluate(
     cost: LinearStepCost, ete: TimeBillETE, samples: Sequence[StepSample]
 ) -> dict[str, float | None]:
     """MAPE of both models on ``samples``: the batch model on all and on each kind of
-    step, TimeBill's ETE on its own kinds (prompts alone, single-sequence decodes)."""
+    step, TimeBill's ETE on its own kinds (whole prompts alone, single-sequence decodes)."""
     out: dict[str, float | None] = {}
     out["batch_model_mape_pct"] = cost_mape_pct(cost, samples) if len(samples) else None
     for kind in ("prefill", "decode", "mixed"):  # the batch model on each kind of step
         of_kind = [s for s in samples if s.kind == kind]
         out[f"model_{kind}_mape_pct"] = cost_mape_pct(cost, of_kind) if of_kind else None
-    pre = [s for s in samples if s.kind == "prefill"]
+    pre = whole_prompts(samples)
     dec = [s for s in samples if s.kind == "decode" and s.decode_seqs == 1]
     out["ete_prefill_mape_pct"] = _mape_on(lambda s: ete.prefill(s.prefill_tokens), pre)
     out["ete_decode_mape_pct"] = _mape_on(lambda s: ete.decode_step(s.kv_tokens), dec)
