@@ -224,6 +224,7 @@ def _check_answer(res: dict, max_tokens: int) -> str:
         assert res["status"] in (502, 503), res
         assert "error" in res["json"]
         return "failed"
+    assert res["status"] == 200, res  # a stream may fail under way, not be refused
     events = res["events"]
     assert events.count("[DONE]") == 1, events[-3:]
     assert events[-1] == "[DONE]"

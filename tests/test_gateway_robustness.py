@@ -360,3 +360,38 @@ def test_a_slot_comes_back_even_when_closing_the_upstream_is_cancelled() -> None
 
     slow = FakeBackend("b0", tokens=40, pieces=40, gap_s=0.01, shield_close=False)
     asyncio.run(_with_fakes([slow], GatewayConfig(), scenario))
+
+
+def test_a_probe_that_times_out_takes_a_backend_down_only_after_a_few_in_a_row() -> None:
+    late = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "dead":
+            raise httpx.ConnectError("refused", request=request)
+        if late["n"]:
+            late["n"] -= 1
+            raise httpx.ReadTimeout("busy", request=request)
+        return httpx.Response(200, json={"status": "ok", "data": [{"id": "m"}]})
+
+    async def scenario() -> None:
+        gw = Gateway(["http://busy", "http://dead"])
+        gw.client = _client(handler)
+        busy, dead = gw.backends
+        await gw.probe(busy)
+        await gw.probe(dead)
+        assert busy.up
+        assert not dead.up  # a refused connection: down at once
+        late["n"] = 2
+        for _ in range(2):  # two late answers: still up (the default is 3 in a row)
+            await gw.probe(busy)
+            assert busy.up
+        await gw.probe(busy)  # answered: the count starts again
+        assert busy.probe_timeouts == 0
+        late["n"] = 3
+        for _ in range(3):
+            await gw.probe(busy)
+        assert not busy.up  # three in a row: down
+        await gw.probe(busy)
+        assert busy.up  # and a good probe brings it back
+
+    asyncio.run(scenario())

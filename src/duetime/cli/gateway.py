@@ -96,6 +96,14 @@ def gateway(
     health_interval: Annotated[
         float, typer.Option(min=0.05, help="Seconds between health probes.")
     ] = 0.5,
+    down_after: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Health probes in a row that time out (1 s each) before a backend is down; "
+            "a refused connection or an error status is down at once.",
+        ),
+    ] = 3,
     request_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds per request.")] = 600.0,
     suspect_after: Annotated[
         int,
@@ -180,6 +188,7 @@ def gateway(
             max_inflight=max_inflight,
             max_queue=max_queue,
             health_interval_s=health_interval,
+            down_after_probe_timeouts=down_after,
             request_timeout_s=request_timeout,
             suspect_after_timeouts=suspect_after,
             suspect_cooldown_s=suspect_cooldown,

@@ -179,9 +179,17 @@ class Gateway:
             if ok and not b.models:
                 m = await self.client.get(b.url + "/v1/models", timeout=1.0)
                 b.models = [d["id"] for d in model_ids(m.json())]
+        except httpx.TimeoutException as e:  # busy or dead: down only after a few in a row
+            b.probe_timeouts += 1
+            log.debug("probe of %s timed out (%d in a row): %r", b.url, b.probe_timeouts, e)
+            if b.probe_timeouts < self.config.down_after_probe_timeouts:
+                return
+            ok = False
         except Exception as e:  # a probe that raises must not stop probing for good
             log.debug("probe of %s failed: %r", b.url, e)
             ok = False
+        else:
+            b.probe_timeouts = 0
         self.mark(b, ok)
 
     async def health_loop(self) -> None:

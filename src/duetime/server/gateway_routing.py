@@ -26,6 +26,12 @@ _DEFAULT_TPOT_S = 0.02
 class GatewayConfig:
     max_inflight: int = 8  # per backend
     health_interval_s: float = 0.5
+    #: Health probes in a row that time out (1 s each) before a backend is marked down.
+    #: A refused connection or an error status marks it down at once; a probe that times
+    #: out may be a backend too busy to answer in time, not a dead one: with two engines
+    #: and the tests on two cores, one late probe took the only survivor of a killed
+    #: backend out of rotation and the gateway answered 503 with nothing down.
+    down_after_probe_timeouts: int = 3
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
     max_queue: int = 1024
@@ -84,6 +90,7 @@ class Backend:
     seeded: bool = False  # ttft_s / tpot_s given by hand (--profile URL=path): they lead
     models: list[str] = field(default_factory=list)
     timeouts: int = 0  # read timeouts in a row; any answer that arrives whole resets it
+    probe_timeouts: int = 0  # health probes in a row that timed out; an answer resets it
     suspect_until: float = 0.0  # monotonic end of the cool-down; 0: not suspect
     #: Streams sent here whose first byte has not come back: the prompts ahead of a new
     #: one in this backend's prefill queue (a whole answer's first token is not seen).
