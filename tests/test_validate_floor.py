@@ -3,6 +3,7 @@ between real runs beside the simulator's."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import pytest
 
 from duetime.bench import validate
 from duetime.core.request import Job, Request
+from duetime.engine.step_samples import steps_from_telemetry
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from tests.factories import tiny_engine_profile
 
@@ -71,9 +73,15 @@ def test_validate_runs_the_real_engine_again_for_the_floor(model: Any, tmp_path:
     assert fig["step_seconds_real_over_model"] > 0
     assert fig["e2e_at_run_speed_median_pct"] >= 0
     assert fig["e2e_at_run_speed_p90_pct"] >= fig["e2e_at_run_speed_median_pct"]
-    none = validate.run(jobs=_jobs(6), floor_runs=0, **kw)
+    none = validate.run(jobs=_jobs(6), floor_runs=0, samples=tmp_path / "steps.jsonl", **kw)
     assert none["e2e_floor_runs"] == 0
     assert none["e2e_floor_median_pct"] is None
+    # the real run's steps, written as profile --samples writes its own
+    steps = steps_from_telemetry(tmp_path / "steps.jsonl")
+    assert len(steps) == none["real_steps"]
+    assert {json.loads(line)["source"] for line in (tmp_path / "steps.jsonl").open()} == {
+        "validate"
+    }
     with pytest.raises(ValueError, match="--floor-runs"):
         validate.run(jobs=_jobs(6), floor_runs=-1, **kw)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from duetime.core.request import Job
 from duetime.engine.cost_regimes import regimes_of_any
-from duetime.engine.step_samples import steps_from_telemetry
+from duetime.engine.step_samples import steps_from_telemetry, write_steps
 from duetime.predict.cost_report import miss_table, repeat_floor_pct
 from duetime.predict.ete import cost_mape_pct
 
@@ -149,6 +149,7 @@ def run(
     eviction: str = "snapkv",
     predictor: str = "none",
     floor_runs: int = 1,
+    samples: Path | None = None,
 ) -> dict[str, Any]:
     """Run both executors; returns the comparison figures (and writes a plot).
 
@@ -156,6 +157,7 @@ def run(
     ``predictor``: a length predictor spec; each side gets its own, seeded alike.
     ``floor_runs``: the real engine runs the same requests this many more times, for
     the machine's own per-request error (:func:`e2e_floor`; 0: none).
+    ``samples``: write the first real run's steps there (:func:`write_steps`).
     """
     if floor_runs < 0:
         raise ValueError(f"--floor-runs must be >= 0, got {floor_runs}")
@@ -203,6 +205,8 @@ def run(
         telemetry = Path(where) / "steps.jsonl"
         real = real_run(engine_predictor, telemetry)
         steps = steps_from_telemetry(telemetry) if telemetry.exists() else []
+    if samples is not None:
+        write_steps(samples, steps, ["validate"] * len(steps))
     again = [real_run(make_job_predictor(predictor, seed=seed)).records for _ in range(floor_runs)]
     cfg = SimConfig(
         kv_capacity=kv_capacity, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens

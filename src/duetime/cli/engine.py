@@ -281,6 +281,15 @@ def validate(
     max_output: Annotated[int, typer.Option(min=1)] = 128,
     plot: Annotated[Path, typer.Option("--plot", callback=writable)] = Path("out/validate.png"),
     json_path: Annotated[Path | None, typer.Option("--json", callback=writable)] = None,
+    samples_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--samples",
+            help="Write the real run's steps here as JSON lines (profile --samples' fields, "
+            "source: validate), to price them offline against this or another profile.",
+            callback=writable,
+        ),
+    ] = None,
     eviction: EvictionOpt = "snapkv",
     predictor: Annotated[
         str,
@@ -335,6 +344,7 @@ def validate(
                 model=model, profile=profile, policy=policy, requests=requests, rate=rate,
                 seed=seed, max_prompt=max_prompt, max_output=max_output, plot=plot,
                 eviction=eviction, predictor=predictor, floor_runs=floor_runs,
+                samples=samples_path,
             )  # fmt: skip
         with console.status("repeating identical steps for the noise floor (end)"):
             last = measure_noise(model)
