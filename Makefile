@@ -33,14 +33,14 @@ test: $(STAMP)
 CSRC := $(wildcard src/duetime/engine/csrc/*.cpp src/duetime/engine/csrc/*.h)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
-	$(BIN)/mypy src
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/mypy src scripts
 	$(BIN)/clang-format --dry-run --Werror $(CSRC)
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests
-	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests scripts
+	$(BIN)/ruff check --fix src tests scripts
 	$(BIN)/clang-format -i $(CSRC)
 
 # Every reproduction that needs no real-engine run (simulator, cost models, predictors),
