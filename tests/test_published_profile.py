@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import ExitStack
 from pathlib import Path
@@ -10,6 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from duetime.core.attention_shape import AttentionShape
 from duetime.core.cost import CostModelError, LinearStepCost
 from duetime.server.app import create_app
 from duetime.server.gateway import Backend, GatewayConfig, create_gateway_app
@@ -105,6 +107,9 @@ def test_a_published_model_prices_a_request_until_the_backend_answers() -> None:
 
 def test_a_published_profile_body_that_is_no_model_is_refused() -> None:
     assert cost_of(COST.to_profile()) == COST
+    # a backend's attention shape comes through: the gateway prices its prompts alike
+    shaped = dataclasses.replace(COST, attention=AttentionShape(512, 15, 18, 256))
+    assert cost_of(shaped.to_profile()).attention == shaped.attention
     for bad in ({}, {"coefficients": {"zz": 1.0}}, {"coefficients": {"c0": "x"}}, []):
         with pytest.raises(CostModelError):
             cost_of(bad)
