@@ -27,6 +27,7 @@ from duetime.core.cost_bands import CostRegimes
 from duetime.engine.step_samples import steps_from_telemetry
 from duetime.predict.ete import (
     StepSample,
+    cost_mape_pct,
     fit_batch_cost,
     fit_timebill,
     split_samples,
@@ -55,12 +56,7 @@ def heldout(samples: list[StepSample], regimes: CostRegimes, splits: int) -> dic
         train, test = split_samples(samples, 0.25, seed)
         cost = fit_batch_cost(train, regimes=regimes)
         for kind, errs in by_kind.items():
-            rel = [
-                abs(cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
-                    / s.seconds - 1)
-                for s in test if s.kind == kind
-            ]  # fmt: skip
-            errs.append(100 * float(np.mean(rel)))
+            errs.append(cost_mape_pct(cost, [s for s in test if s.kind == kind]))
     return {kind: float(np.mean(v)) for kind, v in by_kind.items()}
 
 

@@ -22,7 +22,7 @@ from duetime.core.request import Job
 from duetime.engine.cost_regimes import regimes_of_any
 from duetime.engine.step_samples import steps_from_telemetry, write_steps
 from duetime.predict.cost_report import miss_table, repeat_floor_pct
-from duetime.predict.ete import cost_mape_pct
+from duetime.predict.ete import cost_mape_pct, priced_seconds
 
 if TYPE_CHECKING:
     from duetime.predict.oracle import JobPredictor
@@ -233,10 +233,7 @@ def run(
     # the run's own floor: its steps of one shape spread over the run
     fig["step_repeat_floor_pct"], fig["step_repeat_floor_steps"] = repeat_floor_pct(steps)
     # what e2e sums see: a model on the median step runs short where steps are skewed
-    predicted = sum(
-        cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
-        for s in steps
-    )  # fmt: skip
+    predicted = float(priced_seconds(cost, steps).sum())
     ratio = sum(s.seconds for s in steps) / predicted if predicted > 0 else None
     fig["step_seconds_real_over_model"] = ratio
     # the error left once the machine's speed level is taken out: the profile scaled

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from duetime.core.cost import LinearStepCost
-from duetime.predict.ete import StepSample
+from duetime.predict.ete import StepSample, priced_seconds
 
 __all__ = ["plot_step_fit"]
 
@@ -41,12 +41,7 @@ def plot_step_fit(
 
     if not samples:
         raise ValueError("no timed steps to plot")
-    pred = np.array(
-        [
-            cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
-            for s in samples
-        ]
-    )
+    pred = priced_seconds(cost, samples)
     real = np.array([s.seconds for s in samples])
     rows = np.array([s.prefill_tokens + s.decode_seqs for s in samples])
     kinds = np.array([s.kind for s in samples])

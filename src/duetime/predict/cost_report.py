@@ -23,6 +23,7 @@ from duetime.predict.ete import (
     evaluate,
     fit_batch_cost,
     fit_timebill,
+    priced_seconds,
     split_samples,
 )
 
@@ -93,8 +94,7 @@ def miss_table(
     """
     cells: dict[tuple[str, str], list[float]] = {}
     batch_edges = _batch_bands(regimes)
-    for s in samples:
-        pred = cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
+    for s, pred in zip(samples, priced_seconds(cost, samples), strict=True):
         key = (
             "0" if s.decode_seqs == 0 else _label(batch_edges, s.decode_seqs),
             _label(_PROMPT_EDGES[1:], s.prefill_tokens, zero=True),

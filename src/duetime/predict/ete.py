@@ -107,11 +107,18 @@ def mape_pct(pred: np.ndarray, actual: np.ndarray) -> float:
     return float(100.0 * np.mean(np.abs(pred - actual) / actual))
 
 
+def priced_seconds(cost: LinearStepCost, samples: Sequence[StepSample]) -> np.ndarray:
+    """What ``cost`` prices each timed step at, in the samples' order (seconds)."""
+    return np.array(
+        [cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
+         for s in samples],
+        dtype=float,
+    )  # fmt: skip
+
+
 def cost_mape_pct(cost: LinearStepCost, samples: Sequence[StepSample]) -> float:
     """MAPE (%) of a step-cost model on timed steps."""
-    pred = [cost.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
-            for s in samples]  # fmt: skip
-    return mape_pct(np.array(pred), np.array([s.seconds for s in samples]))
+    return mape_pct(priced_seconds(cost, samples), np.array([s.seconds for s in samples]))
 
 
 def fit_batch_cost(

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from duetime.core.cost import LinearStepCost, chunk_attention
 from duetime.core.cost_bands import CostRegimes, band_index, step_rows
-from duetime.predict.ete import ROW_KNOTS, StepSample, step_kind
+from duetime.predict.ete import ROW_KNOTS, StepSample, priced_seconds, step_kind
 
 __all__ = ["ANCHOR_SHAPES", "anchor_samples"]
 
@@ -62,10 +62,7 @@ def anchor_samples(
     """Anchor steps for the cells of ``regimes`` (and the fit's knots) that ``window``
     has fewer than :data:`SEEN` steps in, priced by ``prior`` times the window's
     measured seconds over the prior's (bounded by :data:`SCALE_BOUNDS`)."""
-    priced = sum(
-        prior.step_time(s.prefill_tokens, s.prefill_attn, s.decode_seqs, s.kv_tokens)
-        for s in window
-    )
+    priced = float(priced_seconds(prior, window).sum())
     measured = sum(s.seconds for s in window)
     scale = measured / priced if priced > 0 and measured > 0 else 1.0
     scale = min(max(scale, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
