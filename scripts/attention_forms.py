@@ -34,9 +34,6 @@ from duetime.predict.ete import (
     whole_prompts,
 )
 
-#: Gemma 3 270M: 15 of 18 layers slide over 512 keys; long chunks in blocks of 256.
-GEMMA = AttentionShape(window=512, sliding_layers=15, layers=18, block=256)
-
 
 def recount(samples: list[StepSample], shape: AttentionShape | None) -> list[StepSample]:
     """The samples with ``prefill_attn`` counted from their chunks under ``shape``."""
@@ -84,11 +81,12 @@ def main() -> None:
     for path in args.steps:
         profile = json.loads(path.with_name(path.name.replace("-steps.jsonl", ".json")).read_text())
         edges = {axis: tuple(v) for axis, v in profile["regimes"].items()}
+        engine_shape = AttentionShape.from_dict(profile["attention"])  # what the engine ran
         samples = steps_from_telemetry(path)
         rows[str(path)] = {
             form: heldout(recount(samples, shape), CostRegimes(**edges, attention=shape),
                           args.splits)
-            for form, shape in (("dense", None), ("shape", GEMMA))
+            for form, shape in (("dense", None), ("shape", engine_shape))
         }  # fmt: skip
         for form, e in rows[str(path)].items():
             print(f"{path} {form:5s}: prompts {e['prefill']:.2f} %, mixed {e['mixed']:.2f} %, "
