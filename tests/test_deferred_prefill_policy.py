@@ -40,7 +40,7 @@ def phases(records: list[RequestRecord]) -> tuple[list[int], list[int]]:
 
 def test_a_refill_cut_short_by_memory_waits_for_k_departures() -> None:
     """KV for 5 prompts, C = 8, K = 3: every refill stops at 5 with requests waiting, so
-    3 slots always stand free; counting free slots (the old rule) prefilled after every
+    3 slots always stand free; a rule counting free slots would prefill after every
     single departure, one prompt at a time. The paper's rule waits for 3 departures."""
     k = 3
     outputs = [int(x) for x in np.random.default_rng(0).integers(2, 13, size=40)]

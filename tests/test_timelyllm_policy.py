@@ -92,7 +92,7 @@ def test_latency_guard_counts_the_prefills_admitted_in_the_same_call() -> None:
     """§4.4: one urgent segment is decoding, 16 new tasks arrive at once. Whatever the
     policy admits lands in the urgent segment's next step (their prefill) and batch
     (their decoding): the segment must still end by its due time under the same cost
-    model. The old guard counted only resumed sequences and let all 16 in (late 0.6 s)."""
+    model. A guard counting only resumed sequences would let all 16 in (late 0.6 s)."""
     cost, cfg = paper_rtx4090()
     clock = DecodeClock()
     now = 10.0

@@ -71,7 +71,7 @@ class Gemma3:
     ``int8_output`` swaps only the output layer to int8 (default: on for
     ``"int8"`` only; ~91 % agreement, about 2x faster decode than fp32).
     ``packed=False`` keeps fp32 weights for MKL's ``F.linear`` instead of
-    oneDNN-packed ones (the old kernels; for benchmarks and comparisons).
+    oneDNN-packed ones (for benchmarks and comparisons).
     ``q8_quantize``: where ``q8`` gets its int8 weights (default: quantise now).
     ``bf16_rows`` (``q8`` only): steps of more than 8 rows multiply the layer weights
     in bf16 (:class:`~duetime.engine.linear.Bf16Linear`) instead of fp32: prefill

@@ -1,0 +1,106 @@
+"""Every link in README.md and docs/ lands: the file exists, and an anchor names a row or
+a heading of the page it points into.
+
+The README's figures point to rows of docs/results.md (``results.md#<id>``), in
+Markdown links and in plain text (code comments of the README's command list); a row
+renamed or dropped would leave a figure pointing nowhere, which no reader reports.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+RESULTS_MENTION = re.compile(r"results\.md#([\w-]+)")
+ROW_ANCHOR = re.compile(r'<a id="([^"]+)"')
+HEADING = re.compile(r"^#+ (.+)$", re.MULTILINE)
+
+
+def _pages(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def heading_slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but ``-`` dropped, each
+    space a ``-`` (``The lengths (`--x`)`` -> ``the-lengths---x``)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors a page offers: its ``<a id>`` rows and its headings."""
+    text = page.read_text(encoding="utf-8")
+    return set(ROW_ANCHOR.findall(text)) | {heading_slug(h) for h in HEADING.findall(text)}
+
+
+def broken_links(root: Path) -> list[str]:
+    """``page: link (why)`` for each link of README.md and docs/*.md that lands nowhere."""
+    offered: dict[Path, set[str]] = {}
+    bad = []
+    results = root / "docs" / "results.md"
+    for page in _pages(root):
+        text = page.read_text(encoding="utf-8")
+        for link in LINK.findall(text):
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, fragment = link.partition("#")
+            target = (page.parent / path).resolve() if path else page.resolve()
+            if not target.exists():
+                bad.append(f"{page.relative_to(root)}: {link} (no such file)")
+            elif fragment and target.suffix == ".md":
+                if target not in offered:
+                    offered[target] = anchors(target)
+                if fragment not in offered[target]:
+                    bad.append(f"{page.relative_to(root)}: {link} (no such anchor)")
+        if results.exists():
+            rows = offered.setdefault(results.resolve(), anchors(results))
+            for row in RESULTS_MENTION.findall(LINK.sub("]", text)):  # links: checked above
+                if row not in rows:
+                    bad.append(f"{page.relative_to(root)}: results.md#{row} (no such row)")
+    return bad
+
+
+def test_every_link_in_the_docs_lands() -> None:
+    bad = broken_links(ROOT)
+    assert not bad, "links that land nowhere:\n" + "\n".join(bad)
+
+
+def test_the_readme_points_into_the_results_page() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(RESULTS_MENTION.findall(readme)) >= 5
+
+
+def _tree(tmp_path: Path, readme: str) -> Path:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results.md").write_text(
+        '# Results\n\n## Serving\n\n| <a id="serve-peers"></a>serve-peers | 1.5x |\n'
+    )
+    (tmp_path / "README.md").write_text(readme)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("readme", "why"),
+    [
+        ("[x](docs/results.md#serve-peer)", "no such anchor"),
+        ("[x](docs/missing.md)", "no such file"),
+        ("run it  # 1.5x: docs/results.md#serve-peerz", "no such row"),
+    ],
+)
+def test_a_link_that_lands_nowhere_is_named(tmp_path: Path, readme: str, why: str) -> None:
+    bad = broken_links(_tree(tmp_path, readme))
+    assert len(bad) == 1, bad
+    assert why in bad[0]
+    assert bad[0].startswith("README.md: ")
+
+
+def test_rows_headings_and_plain_mentions_that_land_pass(tmp_path: Path) -> None:
+    readme = (
+        "[a](docs/results.md#serve-peers) [b](docs/results.md#serving) "
+        "[c](#readme) see docs/results.md#serve-peers [d](https://example.com/x#y)\n# README\n"
+    )
+    assert broken_links(_tree(tmp_path, readme)) == []
+    assert heading_slug("The lengths (`--length-window`)") == "the-lengths---length-window"
