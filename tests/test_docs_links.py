@@ -1,5 +1,6 @@
 """Every link in README.md and docs/ lands: the file exists, and an anchor names a row or
-a heading of the page it points into.
+a heading of the page it points into. Every module and source file the pages name in
+code spans (`duetime.server.step_timer`, `server/step_timer.py`) exists.
 
 The README's figures point to rows of docs/results.md (``results.md#<id>``), in
 Markdown links and in plain text (code comments of the README's command list); a row
@@ -18,6 +19,14 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 RESULTS_MENTION = re.compile(r"results\.md#([\w-]+)")
 ROW_ANCHOR = re.compile(r'<a id="([^"]+)"')
 HEADING = re.compile(r"^#+ (.+)$", re.MULTILINE)
+PACKAGES = "|".join(
+    sorted(d.name for d in (ROOT / "src" / "duetime").iterdir() if (d / "__init__.py").exists())
+)
+SOURCE_PATH = re.compile(
+    rf"`((?:src/)?duetime/[\w/]+\.(?:py|cpp|h)|(?:{PACKAGES})/[\w/]+\.(?:py|cpp|h))`"
+)
+# `duetime.<package>...`: `duetime.ttft_ms` and the like are fields of an answer's JSON.
+MODULE = re.compile(rf"`(duetime\.(?:{PACKAGES})(?:\.\w+)*)`")
 
 
 def _pages(root: Path) -> list[Path]:
@@ -63,9 +72,56 @@ def broken_links(root: Path) -> list[str]:
     return bad
 
 
+def _module_exists(src: Path, dotted: str) -> bool:
+    """``duetime.a.b`` names a module, or a name a module defines (``duetime.a.Cls``)."""
+    parts = dotted.split(".")
+    base = src.joinpath(*parts)
+    if base.with_suffix(".py").exists() or (base / "__init__.py").exists():
+        return True
+    owner = src.joinpath(*parts[:-1])
+    for file in (owner.with_suffix(".py"), owner / "__init__.py"):
+        if file.exists() and re.search(rf"\b{parts[-1]}\b", file.read_text(encoding="utf-8")):
+            return True
+    return False
+
+
+def missing_code(root: Path) -> list[str]:
+    """``page: name`` for each module or source file a page names that is not in src/."""
+    src, bad = root / "src", []
+    for page in _pages(root):
+        text = page.read_text(encoding="utf-8")
+        for path in SOURCE_PATH.findall(text):
+            rel = path.removeprefix("src/")
+            if not ((src / rel).exists() or (src / "duetime" / rel).exists()):
+                bad.append(f"{page.relative_to(root)}: {path}")
+        bad += [
+            f"{page.relative_to(root)}: {m}"
+            for m in MODULE.findall(text)
+            if not _module_exists(src, m)
+        ]
+    return bad
+
+
 def test_every_link_in_the_docs_lands() -> None:
     bad = broken_links(ROOT)
     assert not bad, "links that land nowhere:\n" + "\n".join(bad)
+
+
+def test_every_module_and_source_file_the_docs_name_exists() -> None:
+    bad = missing_code(ROOT)
+    assert not bad, "names of code that is not there:\n" + "\n".join(bad)
+
+
+def test_a_renamed_module_is_named(tmp_path: Path) -> None:
+    tree = _tree(
+        tmp_path, "`duetime.core.cost` `duetime.core.cost.LinearStepCost` `core/cost.py`\n"
+    )
+    (tmp_path / "src" / "duetime" / "core").mkdir(parents=True)
+    (tmp_path / "src" / "duetime" / "core" / "__init__.py").write_text("")
+    (tmp_path / "src" / "duetime" / "core" / "cost.py").write_text("class LinearStepCost: ...\n")
+    assert missing_code(tree) == []
+    (tmp_path / "README.md").write_text("`duetime.core.costs` and `server/gone.py`\n")
+    assert missing_code(tree) == ["README.md: server/gone.py", "README.md: duetime.core.costs"]
 
 
 def test_the_readme_points_into_the_results_page() -> None:
