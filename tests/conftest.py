@@ -33,9 +33,9 @@ def served() -> Iterator[tuple[str, Any]]:
     per test module that asks)."""
     from duetime.server.app import create_app
     from duetime.server.threaded import serve_in_thread
-    from tests.test_server import _state
+    from tests.served import tiny_state
 
-    state = _state()
+    state = tiny_state()
     with serve_in_thread(create_app(state)) as url:
         yield url, state
 

@@ -1,4 +1,5 @@
-"""Small builders for requests, jobs and snapshots used across the tests."""
+"""Small builders for requests, jobs and snapshots used across the tests, and the
+hypothesis strategies that the simulator's and the engine's policy fuzzers share."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from hypothesis import strategies as st
 
 from duetime.core.cost import LinearStepCost
 from duetime.core.decision import Decision
@@ -216,3 +218,40 @@ def forbid_model_loads(monkeypatch: Any) -> None:
     monkeypatch.setattr(duetime.engine.testing, "engine_from_hf", loaded)
     monkeypatch.setattr(duetime.bench.serve, "load_served_model", loaded)
     monkeypatch.setattr(duetime.server.build, "load_served_model", loaded)
+
+
+#: Options drawn per policy (each a strategy of keyword arguments).
+POLICY_OPTIONS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
+    "fcfs": st.fixed_dictionaries(
+        {
+            "chunked_prefill": st.booleans(),
+            "head_of_line_blocking": st.booleans(),
+            "preempt_mode": st.sampled_from(["recompute", "swap", "restart"]),
+        }
+    ),
+    "deferred-prefill": st.fixed_dictionaries(
+        {"k": st.integers(1, 6), "stall_decode": st.booleans()}
+    ),
+    "timebill": st.fixed_dictionaries(
+        {
+            "overrun": st.sampled_from(["kill", "skip-next"]),
+            "fixed_alpha": st.sampled_from([None, 0.0, 0.5]),
+            "batch_aware": st.booleans(),
+        }
+    ),
+    "timelyllm": st.fixed_dictionaries(
+        {"segment_tokens": st.integers(1, 20), "latency_guard": st.booleans()}
+    ),
+    "amax": st.fixed_dictionaries({"seed": st.integers(0, 9)}),
+    "hsf": st.fixed_dictionaries({"seed": st.integers(0, 9)}),
+}
+
+
+def maybe_two_segments(
+    draw: st.DrawFn, output: int, gap: st.SearchStrategy[float]
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """No segments, or (for 2+ tokens, half the time) the output cut in two with a drawn gap."""
+    if output >= 2 and draw(st.booleans()):
+        cut = draw(st.integers(1, output - 1))
+        return (cut, output - cut), (draw(gap),)
+    return (), ()

@@ -33,9 +33,14 @@ from duetime.engine.gemma3 import Gemma3
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies import available_policies, make_policy
 from duetime.predict.oracle import make_job_predictor
-from tests.factories import SIMPLE_COST, fresh_jobs, record_evictions
-from tests.test_engine_fuzz import CheckedEngine, _solo
-from tests.test_sim_invariants_all_policies import POLICY_OPTIONS, maybe_two_segments
+from tests.engine_checks import CheckedEngine, solo_answer
+from tests.factories import (
+    POLICY_OPTIONS,
+    SIMPLE_COST,
+    fresh_jobs,
+    maybe_two_segments,
+    record_evictions,
+)
 
 EXAMPLES = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "6"))
 
@@ -115,7 +120,7 @@ def _serve(
     r = random.Random(sc["seed"])
     min_tokens: dict[int, int] = {}
     if sc["eos"]:  # an id some answer really produces early, so that EOS stops happen
-        firsts = [t for j in jobs for t in _solo(model, j.request.prompt_token_ids or (), 3)]
+        firsts = [t for j in jobs for t in solo_answer(model, j.request.prompt_token_ids or (), 3)]
         ex.eos_token_id = r.choice(firsts)
         for j in jobs:
             if r.random() < 0.5:
@@ -173,7 +178,7 @@ def test_every_policy_on_the_engine_frees_everything_and_keeps_greedy_answers(
             assert len(out) == rec.output_tokens == rec.target_tokens, rec
             if rid in evicted:
                 continue  # lost KV: its text may change, not its length
-            expect = _solo(model, job.request.prompt_token_ids or (), len(out))
+            expect = solo_answer(model, job.request.prompt_token_ids or (), len(out))
             if rid in min_tokens:  # it ends at its first allowed end-of-sequence
                 stops = [k for k, t in enumerate(expect) if t == ex.eos_token_id]
                 stops = [k for k in stops if k + 1 >= min_tokens[rid]]

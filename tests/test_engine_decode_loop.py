@@ -228,7 +228,7 @@ def test_models_the_loop_does_not_serve_have_none(hf: Any, monkeypatch, caplog) 
 def test_an_executor_answers_the_same_with_and_without_the_loop(hf: Any, seed: int) -> None:
     """Tight memory (preemptions), random evictions and suspensions: the answers and
     the cache's books are the same whether plain decode steps run in the loop."""
-    from tests.test_engine_fuzz import CheckedEngine, EngineChaos
+    from tests.engine_checks import CheckedEngine, EngineChaos
 
     r = random.Random(seed)
     jobs = []

@@ -42,6 +42,7 @@ from duetime.engine.testing import engine_from_hf, hf_greedy, tiny_hf_model
 from duetime.policies import make_policy
 from duetime.policies.base import QueuePolicy
 from duetime.sim import SimConfig, Simulator
+from tests.engine_checks import CheckedEngine, EngineChaos, solo_answer
 from tests.factories import SIMPLE_COST
 
 
@@ -55,17 +56,6 @@ def model(hf: Any) -> Gemma3:
     return engine_from_hf(hf)
 
 
-_REF: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
-
-
-def _solo(model: Gemma3, prompt: tuple[int, ...], n: int) -> list[int]:
-    """The greedy answer of ``prompt`` run alone in one prefill (cached per model)."""
-    key = (id(model), prompt, n)
-    if key not in _REF:
-        _REF[key] = greedy_generate(model, [list(prompt)], n)[0]
-    return _REF[key]
-
-
 def _job(rid: int, prompt: tuple[int, ...], output: int, **kw: Any) -> Job:
     segs = kw.pop("segments", ())
     gaps = kw.pop("gaps", ())
@@ -76,96 +66,6 @@ def _job(rid: int, prompt: tuple[int, ...], output: int, **kw: Any) -> Job:
 
 def _prompt(r: random.Random, n: int) -> tuple[int, ...]:
     return tuple(r.randrange(256) for _ in range(n))
-
-
-class CheckedEngine(EngineExecutor):
-    """An engine executor that checks every live sequence's KV against the books each step."""
-
-    spooled_at_close: dict[int, Any] | None = None
-
-    def _check_kv(self) -> None:
-        super()._check_kv()
-        for rid, slot in self.slots.items():
-            seq = self.seqs[rid]
-            assert seq.status in (SeqStatus.RUNNING, SeqStatus.SUSPENDED), seq
-            assert self.kv.num_tokens(slot) == seq.kv_tokens, (seq, self.kv.num_tokens(slot))
-            fed = seq.prefilled if not seq.prefill_done else seq.context_len - 1
-            assert self.kv.seq_len(slot) == fed, (seq, self.kv.seq_len(slot))
-            if seq.prefill_done:
-                assert len(self.tokens[rid]) == seq.context_len, seq
-        for rid in self._spooled:
-            seq = self.seqs[rid]
-            assert seq.status is SeqStatus.SUSPENDED, seq
-            assert seq.kv_offloaded, seq
-            assert rid not in self.slots, seq
-        for seq in self.seqs.values():
-            holds = seq.status is SeqStatus.RUNNING or (
-                seq.status is SeqStatus.SUSPENDED and seq.rid not in self._spooled
-            )
-            assert (seq.rid in self.slots) == holds, seq
-
-    def close(self) -> None:
-        self.spooled_at_close = dict(self._spooled)  # close() forgets them: look first
-        super().close()
-
-
-class EngineChaos(QueuePolicy):
-    """FCFS plus random cancels, suspends, resumes, evictions and preemptions (seeded).
-
-    Like ``test_sim_properties.ChaosPolicy``, but it also picks on waiting and
-    suspended sequences, and evicts at ratios from 0 to 0.99. ``evicted`` is
-    every request that lost KV (its text may change, not its length).
-    """
-
-    name = "engine-chaos"
-
-    def __init__(self, seed: int, mode: str, p: float) -> None:
-        super().__init__(preempt_mode=mode)  # type: ignore[arg-type]
-        self.rng = random.Random(seed)
-        self.p = p
-        self.evicted: set[int] = set()
-
-    def schedule(self, snap: EngineSnapshot) -> Decision:
-        dec = super().schedule(snap)
-        if not self.p:
-            return dec
-        touched = {rid for rid, _ in dec.prefill} | set(dec.preempt) | set(dec.cancel)
-        touched |= set(dec.resume)
-        r = self.rng
-        running = {s.rid for s in snap.running}
-        for s in [*snap.running, *snap.suspended, *snap.waiting]:
-            if s.rid in touched:
-                continue
-            x = r.random() / self.p
-            holds_kv = s.status in (SeqStatus.RUNNING, SeqStatus.SUSPENDED)
-            if x < 0.2:
-                dec.cancel.append(s.rid)
-            elif x < 0.5 and s.rid in running and s.prefill_done:
-                dec.suspend.append(s.rid)
-            elif x < 0.7 and holds_kv and s.prefill_done:
-                alpha = r.choice([0.0, 0.25, 0.5, 0.9, 0.99])
-                dec.evict[s.rid] = alpha
-                if int(alpha * s.kv_tokens):
-                    self.evicted.add(s.rid)
-                continue  # an evicted sequence may still be resumed below
-            elif x < 1.0 and holds_kv:
-                dec.preempt.append(s.rid)
-            else:
-                continue
-            touched.add(s.rid)
-        # Resume anything suspended (ready or not) in steps without other work, within limits.
-        if not dec.prefill and not dec.resume:
-            room = snap.max_num_seqs - len(snap.running)
-            budget = snap.max_batch_tokens - snap.num_decoding
-            free = snap.kv_free - snap.num_decoding
-            for s in list(snap.suspended):
-                need = s.kv_tokens + 1 if s.kv_offloaded else 1
-                if s.rid in touched or room <= 0 or budget <= 0 or need > free:
-                    continue
-                if r.random() < 0.4 or not snap.running:
-                    dec.resume.append(s.rid)
-                    room, budget, free = room - 1, budget - 1, free - need
-        return dec
 
 
 _BAR = SegmentRule("bar", re.compile(r"\|"))
@@ -274,7 +174,7 @@ def _chaos(model: Gemma3, sc: dict[str, Any]) -> None:
     )  # fmt: skip
     r = random.Random(sc["seed"])
     want = {
-        j.request.rid: _solo(
+        j.request.rid: solo_answer(
             model, j.request.prompt_token_ids or (), min(j.output_len, j.request.max_tokens)
         )
         for j in jobs
@@ -378,7 +278,7 @@ def test_an_answer_that_exactly_fills_the_kv_needs_no_preemption(model: Gemma3) 
     # the last token is produced, never fed back: prompt + output - 1 KV tokens
     ex = CheckedEngine(make_policy("fcfs"), model, kv_capacity=20 + 12 - 1)
     res = ex.run([_job(0, prompt, 12)])
-    assert res.outputs[0] == _solo(model, prompt, 12)
+    assert res.outputs[0] == solo_answer(model, prompt, 12)
     assert res.preemptions == 0
     assert res.kv_peak == 31
     assert ex.kv.total_tokens == 0
@@ -391,7 +291,7 @@ def test_an_answer_one_token_too_long_for_the_kv_is_cancelled_cleanly(model: Gem
     rec = res.records[0]
     assert rec.cancelled_at is not None
     assert rec.finish is None
-    assert res.outputs[0] == _solo(model, prompt, 12)[:11]  # what it had was right
+    assert res.outputs[0] == solo_answer(model, prompt, 12)[:11]  # what it had was right
     assert not ex.kv.slots
     assert ex.kv.total_tokens == 0
 
@@ -401,7 +301,7 @@ def test_a_prompt_that_can_never_fit_is_rejected_and_holds_nothing(model: Gemma3
     res = ex.run([_job(0, tuple(range(10)), 1), _job(1, tuple(range(9)), 1)])
     assert res.records[0].cancelled_at is not None
     assert res.counters["rejected"] == 1
-    assert res.outputs[1] == _solo(model, tuple(range(9)), 1)  # prompt + 1 = capacity fits
+    assert res.outputs[1] == solo_answer(model, tuple(range(9)), 1)  # prompt + 1 = capacity fits
     assert not ex.kv.slots
 
 
@@ -415,7 +315,9 @@ def test_many_tiny_requests_at_limits_of_one(model: Gemma3) -> None:
         res = ex.run(jobs)
         for j in jobs:
             n = min(j.output_len, j.request.max_tokens)
-            assert res.outputs[j.request.rid] == _solo(model, j.request.prompt_token_ids or (), n)
+            assert res.outputs[j.request.rid] == solo_answer(
+                model, j.request.prompt_token_ids or (), n
+            )
         assert all(rec.finish is not None for rec in res.records)
         assert not ex.kv.slots
 
@@ -492,7 +394,7 @@ def test_abort_of_a_finished_or_unknown_request_is_harmless(model: Gemma3) -> No
     assert not ex.end_segment(0)
     assert not ex.finish_early(99)
     assert res.records[0].finish is not None
-    assert res.outputs[0] == _solo(model, prompt, 3)
+    assert res.outputs[0] == solo_answer(model, prompt, 3)
 
 
 # --- regressions ----------------------------------------------------------------------
@@ -511,7 +413,7 @@ def test_a_duplicate_request_id_leaves_the_live_request_untouched(model: Gemma3)
         ex.admit_arrival(_job(0, (1, 2, 3), 8))
     while ex.in_system:
         ex.tick()
-    assert ex.tokens[0] == [*prompt, *_solo(model, prompt, 8)]
+    assert ex.tokens[0] == [*prompt, *solo_answer(model, prompt, 8)]
     assert ex.records[0].finish is not None
 
 
@@ -588,5 +490,5 @@ def test_resumes_stay_within_the_step_token_budget_on_the_engine(model: Gemma3) 
     )  # fmt: skip
     res = ex.run(jobs)
     for j in jobs:
-        want = _solo(model, j.request.prompt_token_ids or (), j.output_len)
+        want = solo_answer(model, j.request.prompt_token_ids or (), j.output_len)
         assert res.outputs[j.request.rid] == want

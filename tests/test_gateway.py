@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,13 +18,12 @@ from duetime.core.cost import LinearStepCost
 from duetime.core.router import Route
 from duetime.routers import make_router
 from duetime.server.gateway import Ask, Backend, GatewayConfig, create_gateway_app
-from duetime.server.ports import free_port
 from duetime.server.threaded import serve_in_thread
+from tests.backend_procs import DUETIME, start_backend, wait_healthy
 from tests.factories import prometheus_samples
 from tests.gateway_choice import offer, routed
 
 MODEL = "duetime-tiny"
-DUETIME = Path(sys.executable).with_name("duetime")
 
 
 def test_routing_picks_earliest_predicted_finish() -> None:
@@ -129,40 +125,17 @@ def test_cli_refuses_bad_backends() -> None:
 # --- end to end --------------------------------------------------------------------------
 
 
-def _start_backend() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [str(DUETIME), "serve", "--model", "tiny", "--port", str(port)]
-    cmd += ["--predictor", "none", "--log-level", "warning", "--threads", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"backend {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=0.5, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    pytest.fail(f"backend {url} did not start")
-
-
 @contextmanager
 def _fleet(router: str) -> Iterator[tuple[list[subprocess.Popen], list[str], str]]:
     """Two `duetime serve` backends behind a gateway routing with ``router``."""
     if not DUETIME.exists():
         pytest.skip("the duetime console script is not installed next to the interpreter")
-    started = [_start_backend(), _start_backend()]
+    started = [start_backend(), start_backend()]
     procs = [p for p, _ in started]
     urls = [u for _, u in started]
     try:
         for p, u in started:
-            _wait_healthy(p, u)
+            wait_healthy(p, u)
         config = GatewayConfig(
             max_inflight=3, health_interval_s=0.2, request_timeout_s=60.0, router=router
         )

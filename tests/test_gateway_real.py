@@ -17,7 +17,7 @@ import pytest
 from duetime.server.gateway import GatewayConfig, create_gateway_app
 from duetime.server.ports import free_port
 from duetime.server.threaded import serve_in_thread
-from tests.test_gateway import DUETIME, _wait_healthy
+from tests.backend_procs import DUETIME, wait_healthy
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -38,7 +38,7 @@ def test_a_gateway_over_two_gemma_backends_routes_answers_and_refuses() -> None:
     started = [_start_gemma(), _start_gemma()]
     try:
         for proc, url in started:
-            _wait_healthy(proc, url, timeout=240.0)
+            wait_healthy(proc, url, timeout=240.0)
         urls = [u for _, u in started]
         config = GatewayConfig(max_inflight=2, health_interval_s=0.2, request_timeout_s=120.0)
         with serve_in_thread(create_gateway_app(urls, config)) as gw:

@@ -157,10 +157,10 @@ def test_a_header_timeout_close_is_counted_in_metrics(server: str) -> None:
     from duetime.server.app import create_app
     from duetime.server.gateway import GatewayConfig, create_gateway_app
     from tests.factories import prometheus_samples
-    from tests.test_server_regressions import _served_state
+    from tests.served import char_state
 
     if server == "serve":
-        app = create_app(_served_state())
+        app = create_app(char_state())
         sample = 'duetime_http_responses_total{route="other",status="408"}'
     else:
         app = create_gateway_app(["http://127.0.0.1:9"], GatewayConfig(health_interval_s=60))

@@ -121,7 +121,7 @@ def test_the_server_predicts_concurrent_requests_together_and_caps_them() -> Non
 
     from duetime.server.app import create_app
     from duetime.server.threaded import serve_in_thread
-    from tests.test_server import MODEL, _idle, _state
+    from tests.served import MODEL, tiny_state, wait_idle
 
     class Batched:
         name = "batched"
@@ -137,7 +137,7 @@ def test_the_server_predicts_concurrent_requests_together_and_caps_them() -> Non
         def predict_job(self, job: Job) -> LengthPrediction:  # (the protocol's; unused)
             raise AssertionError("one at a time")
 
-    state = _state()
+    state = tiny_state()
     state.predictor = fake = Batched()
     bodies = [{"model": MODEL, "prompt": "x" * k, "max_tokens": 6} for k in range(1, 13)]
     with serve_in_thread(create_app(state)) as url:
@@ -147,7 +147,7 @@ def test_the_server_predicts_concurrent_requests_together_and_caps_them() -> Non
 
         with ThreadPoolExecutor(len(bodies)) as clients:
             answers = list(clients.map(post, bodies))
-        _idle(state)
+        wait_idle(state)
     prompt_lens = [len(state.codec.encode(str(b["prompt"]))) for b in bodies]
     got = [a["duetime"]["predicted_tokens"] for a in answers]  # type: ignore[index]
     assert got == [min(6.0, n) for n in prompt_lens]

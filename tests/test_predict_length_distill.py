@@ -12,7 +12,7 @@ from duetime.predict.epoch_loop import CheckpointError
 from duetime.predict.length_distill import load_teacher, teacher_distributions, teachers_digest
 from duetime.predict.length_finetune import check_soft_targets, train_finetuned_rlp
 from duetime.predict.length_model import LengthModel, RLPConfig, bucket_of
-from tests.test_predict_length_finetune import CFG, make_bundle, synthetic_texts
+from tests.length_bundles import CFG, make_bundle, synthetic_texts
 
 FAST = replace(CFG, epochs=2)
 

@@ -22,7 +22,7 @@ from duetime.server.probe_http import StreamTiming, base_url, discover, negotiat
 from duetime.server.probe_profile import ProbeGrid, decode_samples
 from duetime.server.threaded import serve_in_thread
 from duetime.sim.profiles import load_profile
-from tests.test_server import _state
+from tests.served import tiny_state
 
 #: A grid small enough for a test on a busy 2-core machine (the CLI's --quick is larger).
 TINY_GRID = ProbeGrid(prompts=(8, 24, 48), concurrencies=(2, 3), output_tokens=8, reps=3)
@@ -117,7 +117,7 @@ def test_a_refused_ignore_eos_is_dropped_and_probing_goes_on(tmp_path: Path, mon
 
 def test_profile_url_fits_a_tiny_duetime_serve(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(ProbeGrid, "quick", classmethod(lambda cls: TINY_GRID))
-    state = _state()
+    state = tiny_state()
     out, report = tmp_path / "tiny.json", tmp_path / "report.json"
     with serve_in_thread(create_app(state)) as url:
         args = ["profile", "--url", url, "--quick", "--out", str(out), "--json", str(report)]

@@ -24,7 +24,7 @@ from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies import make_policy
 from duetime.server.codec import ByteCodec
 from duetime.server.logprob_format import joined, prompt_logprobs
-from tests.test_server import MODEL, _idle
+from tests.served import MODEL, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_a_harness_s_echo_request_scores_its_prompt(served: tuple[str, Any]) -> 
     assert lp["top_logprobs"][0] is None
     assert "".join(lp["tokens"]) == choice["text"]
     assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids) + 1)]
-    _idle(state)
+    wait_idle(state)
     want = _reference(state.engine.executor.model, ids)
     for i in range(1, len(ids)):
         assert lp["token_logprobs"][i] == pytest.approx(float(want[i - 1, ids[i]]), abs=1e-4)
@@ -170,7 +170,7 @@ def test_a_harness_s_echo_request_scores_its_prompt(served: tuple[str, Any]) -> 
     for c in two["choices"]:  # (two prompts in one step: the last bits may differ)
         assert c["logprobs"]["token_logprobs"][0] is None
         assert c["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:])
-    _idle(state)
+    wait_idle(state)
 
 
 def test_a_plain_prompt_after_a_scored_one_still_hits_the_cache(served: tuple[str, Any]) -> None:
@@ -185,4 +185,4 @@ def test_a_plain_prompt_after_a_scored_one_still_hits_the_cache(served: tuple[st
         url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
     ).json()
     assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    _idle(state)
+    wait_idle(state)

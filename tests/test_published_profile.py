@@ -18,13 +18,13 @@ from duetime.server.gateway import Backend, GatewayConfig, create_gateway_app
 from duetime.server.gateway_profiles import cost_of
 from duetime.server.threaded import serve_in_thread
 from duetime.sim.profiles import load_profile
-from tests.test_server import MODEL, _state
+from tests.served import MODEL, tiny_state
 
 COST = LinearStepCost(c0=0.004, a1=2e-5, b=1e-4, d=1e-7, name="measured at start")
 
 
 def test_no_model_yet_is_503_then_the_online_fit_is_published(tmp_path: Path) -> None:
-    state = _state()
+    state = tiny_state()
     with serve_in_thread(create_app(state)) as url:
         r = httpx.get(url + "/v1/profile", trust_env=False)
         assert r.status_code == 503
@@ -53,7 +53,7 @@ def test_no_model_yet_is_503_then_the_online_fit_is_published(tmp_path: Path) ->
 
 
 def test_a_model_measured_at_start_is_published_as_such() -> None:
-    state = _state(measured_cost=COST)
+    state = tiny_state(measured_cost=COST)
     with serve_in_thread(create_app(state)) as url:
         r = httpx.get(url + "/v1/profile/", trust_env=False)  # a trailing slash too
     assert r.status_code == 200
@@ -67,14 +67,14 @@ def test_a_model_measured_at_start_is_published_as_such() -> None:
 def test_a_given_profile_is_named(tmp_path: Path) -> None:
     path = tmp_path / "given.json"
     path.write_text(json.dumps(COST.to_profile()))
-    state = _state(profile=path)
+    state = tiny_state(profile=path)
     with serve_in_thread(create_app(state)) as url:
         p = httpx.get(url + "/v1/profile", trust_env=False).json()
     assert p["origin"] == {"kind": f"given profile {path}", "steps": 0}
 
 
 def test_the_gateway_reads_a_backends_published_model_and_prices_on_it_until_answers() -> None:
-    state = _state(measured_cost=COST)
+    state = tiny_state(measured_cost=COST)
     config = GatewayConfig(health_interval_s=0.2, scrape_interval_s=0, profile_interval_s=0.2)
     # the second backend answers 404 everywhere: not `duetime serve`
     with ExitStack() as stack:

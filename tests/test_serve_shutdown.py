@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from duetime.server.ports import free_port
-from tests.test_gateway import DUETIME, _start_backend, _wait_healthy
+from tests.backend_procs import DUETIME, start_backend, wait_healthy
 
 #: Headers and the start of a body that never comes: the connection stays open.
 _HALF_REQUEST = (
@@ -32,9 +32,9 @@ _HALF_REQUEST = (
 def test_sigterm_lets_a_streamed_answer_finish_then_exits() -> None:
     if not DUETIME.exists():
         pytest.skip("the duetime console script is not installed next to the interpreter")
-    proc, url = _start_backend()
+    proc, url = start_backend()
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url)
         body = {
             "model": "duetime-tiny",
             "prompt": "hi",

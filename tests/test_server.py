@@ -18,28 +18,7 @@ from duetime.server.app import ServerState, create_app
 from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.codec import ByteCodec
 from duetime.server.threaded import serve_in_thread
-
-MODEL = "duetime-tiny"
-
-
-def _state(**overrides: object) -> ServerState:
-    options = ServeOptions(model="tiny", predictor=None, kv_capacity=4096, **overrides)  # type: ignore[arg-type]
-    model, codec, name = load_served_model(options)
-    return build_state(options, model, codec, name)
-
-
-def _idle(state: ServerState, timeout: float = 10.0) -> None:
-    """Wait until the engine holds no request and no KV memory (or fail)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = state.engine.stats
-        ex = state.engine.executor
-        quiet = s.kv_used == 0 and s.running == 0 and s.waiting == 0
-        if quiet and not state.engine.inbox_size and ex.kv_used == 0 and not ex.seqs:
-            return
-        time.sleep(0.02)
-    s = state.engine.stats
-    pytest.fail(f"engine not idle: {s}, seqs={list(state.engine.executor.seqs)}")
+from tests.served import MODEL, tiny_state, wait_idle
 
 
 def test_completion_reports_timing_and_meets_deadline(
@@ -60,7 +39,7 @@ def test_completion_reports_timing_and_meets_deadline(
     assert timing["deadline_met"] is True
     assert 0 < timing["ttft_ms"] <= timing["e2e_ms"]
     assert timing["predicted_tokens"] == 6  # ignore_eos: the length is known exactly
-    _idle(served[1])
+    wait_idle(served[1])
 
 
 def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
@@ -111,7 +90,7 @@ def test_sampling_is_seeded_per_request_and_greedy_stays_the_default(
     assert penalised != greedy
     assert answer(frequency_penalty=2.0, repetition_penalty=1.5) == penalised  # still greedy
     assert answer(presence_penalty=0, frequency_penalty=0, repetition_penalty=1) == greedy
-    _idle(served[1])
+    wait_idle(served[1])
     assert not served[1].engine.executor.samplers  # each one left with its request
 
 
@@ -141,7 +120,7 @@ def test_completion_logprobs_cover_the_answer_streamed_or_not(
     assert [t for p in parts for t in p["tokens"]] == lp["tokens"]
     assert [v for p in parts for v in p["token_logprobs"]] == lp["token_logprobs"]
     assert [o for p in parts for o in p["text_offset"]] == lp["text_offset"]
-    _idle(state)
+    wait_idle(state)
 
 
 def test_chat_logprobs_list_the_top_tokens(client: openai.OpenAI) -> None:
@@ -189,7 +168,7 @@ def test_stop_token_ids_end_the_answer_with_that_token(served: tuple[str, Server
         timeout=30,
     ).json()
     assert later["usage"]["completion_tokens"] > k + 1  # not before min_tokens
-    _idle(state)
+    wait_idle(state)
 
 
 def test_stop_string_cuts_the_answer(client: openai.OpenAI) -> None:
@@ -237,7 +216,7 @@ def test_an_answer_ended_by_a_stop_string_is_complete(served: tuple[str, ServerS
     assert r["choices"][0]["text"] == ""
     assert r["duetime"]["deadline_met"] is True
     assert r["usage"]["completion_tokens"] <= len(stop)  # nothing generated after the stop
-    _idle(state)
+    wait_idle(state)
     assert metrics.requests.labels("abort")._value.get() == aborts
     assert metrics.requests.labels("stop")._value.get() == stops + 1
 
@@ -270,7 +249,7 @@ def test_a_trailing_slash_reaches_the_route(served: tuple[str, ServerState]) -> 
     r = httpx.get(url + "/v1/nothing/")
     assert r.status_code == 404
     assert r.json()["error"]["type"] == "not_found_error"
-    _idle(state)
+    wait_idle(state)
 
 
 def test_metrics_count_every_response_by_route_and_status(
@@ -314,7 +293,7 @@ def test_metrics_count_every_response_by_route_and_status(
     text = httpx.get(url + "/metrics").text
     assert f'duetime_http_responses_total{{route="{route}",status="413"}}' in text
     assert "wp-login" not in text
-    _idle(state)
+    wait_idle(state)
 
 
 @pytest.mark.parametrize(
@@ -432,7 +411,7 @@ def test_bad_input_is_a_4xx_with_an_error_object(
     err = r.json()["error"]
     assert needle.lower() in err["message"].lower()
     assert err["type"]
-    _idle(state)
+    wait_idle(state)
 
 
 @pytest.mark.parametrize(
@@ -489,7 +468,7 @@ def test_bad_chat_input_is_a_400(
     )
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
-    _idle(state)
+    wait_idle(state)
 
 
 def test_fields_that_change_nothing_here_are_accepted(served: tuple[str, ServerState]) -> None:
@@ -509,7 +488,7 @@ def test_fields_that_change_nothing_here_are_accepted(served: tuple[str, ServerS
     text = {"model": MODEL, "prompt": "ab", "max_tokens": 2, "suffix": None, "logit_bias": None}
     r = httpx.post(url + "/v1/completions", json=text, timeout=30)
     assert r.status_code == 200, r.text
-    _idle(state)
+    wait_idle(state)
 
 
 def test_logit_bias_steers_the_answer(served: tuple[str, ServerState]) -> None:
@@ -536,7 +515,7 @@ def test_logit_bias_steers_the_answer(served: tuple[str, ServerState]) -> None:
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"].startswith("logit_bias"), r.text
         assert words in r.json()["error"]["message"], r.text
-    _idle(state)
+    wait_idle(state)
 
 
 def test_chat_without_max_tokens_fits_what_the_context_leaves(
@@ -555,7 +534,7 @@ def test_chat_without_max_tokens_fits_what_the_context_leaves(
     r = httpx.post(url + "/v1/chat/completions", json=full)
     assert r.status_code == 400
     assert "leaves no room" in r.json()["error"]["message"]
-    _idle(state)
+    wait_idle(state)
 
 
 def test_echo_repeats_a_token_id_prompt(served: tuple[str, ServerState]) -> None:
@@ -577,7 +556,7 @@ def test_client_disconnect_frees_the_sequence(served: tuple[str, ServerState]) -
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
         assert state.engine.stats.running + state.engine.stats.waiting >= 1
-    _idle(state)
+    wait_idle(state)
     assert state.metrics.requests.labels("abort")._value.get() == before + 1
 
 
@@ -614,13 +593,13 @@ def test_fuzzed_bodies_never_crash_or_leak(served: tuple[str, ServerState]) -> N
     fuzz("/v1/chat/completions")
     fuzz("/tokenize")
     fuzz("/detokenize")
-    _idle(state, timeout=30)
+    wait_idle(state, timeout=30)
 
 
 def test_admission_refuses_unreachable_deadlines(tmp_path: Path) -> None:
     profile = tmp_path / "slow.json"
     profile.write_text(json.dumps({"name": "slow", "coefficients": {"c0": 0.5, "b": 0.01}}))
-    state = _state(profile=profile)
+    state = tiny_state(profile=profile)
     with serve_in_thread(create_app(state)) as url:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 50, "ignore_eos": True}
         r = httpx.post(url + "/v1/completions", json={**body, "deadline_ms": 200})
@@ -646,11 +625,11 @@ def test_admission_refuses_unreachable_deadlines(tmp_path: Path) -> None:
         assert fine.status_code == 200
         metrics = httpx.get(url + "/metrics").text
         assert 'duetime_rejected_total{why="deadline"} 2.0' in metrics
-        _idle(state)
+        wait_idle(state)
 
 
 def test_a_failing_step_fails_its_requests_and_the_server_goes_on() -> None:
-    state = _state()
+    state = tiny_state()
     ex = state.engine.executor
     real_step = ex.model.hidden_states  # the forward every step runs
     calls = {"n": 0}
@@ -671,7 +650,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on() -> None:
             r2 = httpx.post(url + "/v1/completions", json=body, timeout=30)
             assert r2.status_code == 200, r2.text
             assert state.engine.stats.engine_errors == 1
-            _idle(state)
+            wait_idle(state)
     finally:
         ex.model.hidden_states = real_step  # type: ignore[method-assign]
 
@@ -679,7 +658,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on() -> None:
 def test_health_reports_a_hung_engine_and_recovers_when_it_moves() -> None:
     """A step that never returned left /health at 200 (the thread was alive), so a
     gateway kept routing to the hung backend until each request timed out."""
-    state = _state(stall_after_s=1.0)
+    state = tiny_state(stall_after_s=1.0)
     ex = state.engine.executor
     real_step = ex.model.hidden_states  # the forward every step runs
     release = threading.Event()
@@ -705,7 +684,7 @@ def test_health_reports_a_hung_engine_and_recovers_when_it_moves() -> None:
                 release.set()
                 assert answer.result().status_code == 200
             assert httpx.get(url + "/health").status_code == 200
-            _idle(state)
+            wait_idle(state)
     finally:
         release.set()
         ex.model.hidden_states = real_step  # type: ignore[method-assign]
@@ -837,7 +816,7 @@ def test_real_gemma_answers_through_the_openai_client() -> None:
         calls = called.choices[0].message.tool_calls or []
         assert [c.function.name for c in calls] == ["move_arm"]  # type: ignore[union-attr]
         _RobotCommand.model_validate_json(calls[0].function.arguments)  # type: ignore[union-attr]
-        _idle(state)
+        wait_idle(state)
 
 
 class _RobotCommand(BaseModel):
@@ -848,13 +827,13 @@ class _RobotCommand(BaseModel):
 
 def test_retired_requests_leave_no_policy_state() -> None:
     """A long-running server forgets each finished request, in the executor and the policy."""
-    state = _state(policy="timebill")
+    state = tiny_state(policy="timebill")
     with serve_in_thread(create_app(state)) as url:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
         for _ in range(3):
             r = httpx.post(url + "/v1/completions", json={**body, "deadline_ms": 60_000})
             assert r.status_code == 200, r.text
-        _idle(state)
+        wait_idle(state)
         policy = state.engine.executor.policy
         assert policy._evicted == set()  # type: ignore[attr-defined]
         assert not state.engine.executor.records
@@ -883,9 +862,9 @@ def test_a_repeated_system_prompt_is_served_from_the_prefix_cache(
     hits = next(ln for ln in text.splitlines() if ln.startswith("duetime_prefix_cache_hits_total"))
     assert float(hits.split()[-1]) >= details.cached_tokens
     assert "duetime_prefix_cache_tokens " in text
-    _idle(state)
+    wait_idle(state)
 
-    off = _state(prefix_cache_tokens=0)
+    off = tiny_state(prefix_cache_tokens=0)
     with serve_in_thread(create_app(off)) as url_off:
         plain = openai.OpenAI(base_url=url_off + "/v1", api_key="unused", max_retries=0)
         for _ in range(2):
@@ -904,7 +883,7 @@ def test_admission_counts_a_cached_prompt_as_the_copy_it_is(tmp_path: Path) -> N
     profile = tmp_path / "prefill-bound.json"
     coefficients = {"c0": 0.001, "a1": 0.01}  # 10 ms a prefill token, 1 ms a decode step
     profile.write_text(json.dumps({"name": "prefill-bound", "coefficients": coefficients}))
-    state = _state(profile=profile)
+    state = tiny_state(profile=profile)
     with serve_in_thread(create_app(state)) as url:
         prompt = "The warehouse robot waits for its next order. " * 9  # 415 bytes
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
@@ -918,4 +897,4 @@ def test_admission_counts_a_cached_prompt_as_the_copy_it_is(tmp_path: Path) -> N
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 352
         other = {**body, "prompt": prompt.upper(), "deadline_ms": 1500}
         assert httpx.post(url + "/v1/completions", json=other).status_code == 429
-        _idle(state)
+        wait_idle(state)

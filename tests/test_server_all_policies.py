@@ -46,40 +46,7 @@ from duetime.server.schemas import ChatMessage
 from duetime.server.threaded import serve_in_thread
 from duetime.sim import SimConfig, Simulator
 from tests.factories import answer_shape_problems
-
-MODEL = "duetime-tiny"
-#: An id the tiny model (seed 0) often writes: as end-of-sequence, answers stop on their own.
-EOS = 26
-
-
-class CharCodec:
-    """One character per token: id ``i`` is ``chr(i - 3)`` (ids 0-2 are pad, eos, bos).
-
-    The end-of-sequence id is :data:`EOS`, and it is kept in the text (as
-    ``"\\x17"``) so that every generated token is exactly one character.
-    """
-
-    OFFSET = 3
-
-    def __init__(self) -> None:
-        self.bos_id: int | None = 2
-        self.eos_id: int | None = EOS
-
-    def encode(self, text: str) -> list[int]:
-        return [2, *(ord(c) + self.OFFSET for c in text)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(chr(i - self.OFFSET) for i in ids if self.OFFSET <= i < 259)
-
-
-class HalfPredictor:
-    """A length predictor for policies that need one (hsf): about half of ``max_tokens``."""
-
-    name = "half"
-
-    def predict_job(self, job: Job) -> LengthPrediction:
-        n = float(job.request.max_tokens)
-        return LengthPrediction(point=(n + 1) / 2, lo=1.0, hi=n, confidence=0.5)
+from tests.served import EOS, MODEL, CharCodec, HalfPredictor
 
 
 @pytest.fixture(scope="module")

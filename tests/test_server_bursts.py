@@ -14,8 +14,7 @@ import httpx
 from duetime.core.request import LengthPrediction, Request
 from duetime.server.app import ServerState, create_app
 from duetime.server.threaded import serve_in_thread
-from tests.test_server_all_policies import MODEL
-from tests.test_server_regressions import _post_and_hang_up, _served_state
+from tests.served import MODEL, char_state, post_and_hang_up
 
 
 class _HeldPredictor:
@@ -52,7 +51,7 @@ def _judged_with(state: ServerState) -> list[tuple[int, int]]:
 
 
 def test_the_first_of_a_burst_is_judged_knowing_of_the_others_on_their_way() -> None:
-    state = _served_state(kv_capacity=1024)
+    state = char_state(kv_capacity=1024)
     state.predictor = _HeldPredictor(state, 5)  # type: ignore[assignment]
     seen = _judged_with(state)
     bodies = [
@@ -74,14 +73,14 @@ def test_the_first_of_a_burst_is_judged_knowing_of_the_others_on_their_way() -> 
 
 
 def test_a_request_that_fails_or_leaves_before_admission_is_no_longer_arriving() -> None:
-    state = _served_state(kv_capacity=1024)
+    state = char_state(kv_capacity=1024)
     state.predictor = _FailingPredictor()  # type: ignore[assignment]
     with serve_in_thread(create_app(state)) as url:
         body = {"model": MODEL, "prompt": "go", "max_tokens": 4}
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 500
     assert state.arriving == 0
-    state = _served_state(kv_capacity=1024)
+    state = char_state(kv_capacity=1024)
     app = create_app(state, manage_engine=False)
     body_bytes = json.dumps({"model": MODEL, "prompt": "hello", "n": 3}).encode()
-    assert _post_and_hang_up(app, "/v1/completions", body_bytes)[0]["status"] == 499
+    assert post_and_hang_up(app, "/v1/completions", body_bytes)[0]["status"] == 499
     assert state.arriving == 0

@@ -11,7 +11,7 @@ import pytest
 
 from duetime.server.app import ServerState, create_app
 from duetime.server.threaded import serve_in_thread
-from tests.test_server import MODEL, _idle, _state
+from tests.served import MODEL, tiny_state, wait_idle
 
 
 def _one(client: openai.OpenAI, seed: int, prompt: str = "Once upon") -> str:
@@ -44,7 +44,7 @@ def test_choice_i_is_the_answer_seed_plus_i_gives(
     body = resp.to_dict()
     assert all(c["duetime"]["completion_tokens"] == 12 for c in body["choices"])  # type: ignore[index]
     assert body["duetime"] == body["choices"][0]["duetime"]  # type: ignore[index]
-    _idle(served[1])
+    wait_idle(served[1])
 
 
 def test_the_choices_of_a_long_prompt_compute_it_once(
@@ -68,7 +68,7 @@ def test_the_choices_of_a_long_prompt_compute_it_once(
     texts = [c.text for c in resp.choices]
     assert texts == [_one(client, 40 + i, prompt) for i in range(3)]
     assert len(set(texts)) > 1
-    _idle(served[1])
+    wait_idle(served[1])
 
 
 def test_greedy_choices_are_the_same_answer(client: openai.OpenAI) -> None:
@@ -117,7 +117,7 @@ def test_streamed_choices_add_up_to_the_whole_ones(
             assert tokens[i] == c["logprobs"]["tokens"]
     assert events[-1]["choices"] == []
     assert events[-1]["usage"]["completion_tokens"] == 30 == whole["usage"]["completion_tokens"]
-    _idle(state)
+    wait_idle(state)
 
 
 def test_a_client_gone_mid_stream_frees_every_choice(served: tuple[str, ServerState]) -> None:
@@ -135,13 +135,13 @@ def test_a_client_gone_mid_stream_frees_every_choice(served: tuple[str, ServerSt
         got = [next(lines) for _ in range(10)]
         assert any(line.startswith("data: ") for line in got)
         assert state.engine.stats.running + state.engine.stats.waiting >= 2
-    _idle(state)
+    wait_idle(state)
 
 
 def test_too_many_choices_are_refused_and_admission_judges_each() -> None:
     """n counts against the queue: a server with room for two more sequences refuses
     n = 3 outright (429, nothing queued) and serves n = 2."""
-    state = _state(max_waiting=2)
+    state = tiny_state(max_waiting=2)
     with serve_in_thread(create_app(state)) as url:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
         r = httpx.post(url + "/v1/completions", json={**body, "n": 17}, timeout=30)
@@ -153,4 +153,4 @@ def test_too_many_choices_are_refused_and_admission_judges_each() -> None:
         r = httpx.post(url + "/v1/completions", json={**body, "n": 2}, timeout=30)
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 2
-        _idle(state)
+        wait_idle(state)

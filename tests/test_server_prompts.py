@@ -18,7 +18,7 @@ import pytest
 
 from duetime.server.app import ServerState
 from duetime.server.schemas import MAX_PROMPTS
-from tests.test_server import MODEL, _idle
+from tests.served import MODEL, wait_idle
 
 PROMPTS = ["Once upon", "The cat sat on", "1, 2, 3,"]
 
@@ -41,7 +41,7 @@ def test_each_prompt_gets_its_own_answers_numbered_prompt_by_prompt(
     body = resp.to_dict()
     completions = [c["duetime"]["completion_tokens"] for c in body["choices"]]  # type: ignore[index]
     assert resp.usage.completion_tokens == sum(completions)
-    _idle(state)
+    wait_idle(state)
 
 
 def test_a_harness_batch_of_id_prompts_is_scored_prompt_by_prompt(
@@ -76,7 +76,7 @@ def test_a_harness_batch_of_id_prompts_is_scored_prompt_by_prompt(
         scores = [v for c in mine if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
         assert scores[0] is None
         assert scores[1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:], abs=1e-4)
-    _idle(state)
+    wait_idle(state)
 
 
 def test_bad_prompts_in_a_list_are_named(served: tuple[str, ServerState]) -> None:
@@ -92,7 +92,7 @@ def test_bad_prompts_in_a_list_are_named(served: tuple[str, ServerState]) -> Non
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt})
         assert r.status_code == 400, prompt
         assert words in r.json()["error"]["message"], r.json()
-    _idle(state)
+    wait_idle(state)
 
 
 def test_prompts_count_against_the_queue_and_a_refusal_queues_none() -> None:
@@ -100,9 +100,9 @@ def test_prompts_count_against_the_queue_and_a_refusal_queues_none() -> None:
     fourth (429, nothing queued, nothing generated), two × one is served."""
     from duetime.server.app import create_app
     from duetime.server.threaded import serve_in_thread
-    from tests.test_server import _state
+    from tests.served import tiny_state
 
-    state = _state(max_waiting=3)
+    state = tiny_state(max_waiting=3)
     with serve_in_thread(create_app(state)) as url:
         body = {"model": MODEL, "prompt": ["hi", "yo"], "max_tokens": 2, "ignore_eos": True}
         r = httpx.post(url + "/v1/completions", json={**body, "n": 2}, timeout=30)
@@ -112,4 +112,4 @@ def test_prompts_count_against_the_queue_and_a_refusal_queues_none() -> None:
         r = httpx.post(url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 200, r.text
         assert [c["index"] for c in r.json()["choices"]] == [0, 1]
-        _idle(state)
+        wait_idle(state)

@@ -70,7 +70,7 @@ from duetime.server.codec import ByteCodec, Codec
 from duetime.server.schemas import ChatMessage
 from duetime.server.threaded import serve_in_thread
 from tests.factories import answer_shape_problems, byte_codec_text, prometheus_samples
-from tests.test_server_all_policies import CharCodec, HalfPredictor
+from tests.served import CharCodec, HalfPredictor
 
 EXAMPLES = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "2"))
 MODEL = "duetime-tiny"

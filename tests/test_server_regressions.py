@@ -29,15 +29,14 @@ from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies.fcfs import FCFS
 from duetime.server.answers import Meta, whole_answer
 from duetime.server.app import ServerState, create_app
-from duetime.server.build import ServeOptions, build_state, load_served_model
-from duetime.server.codec import ByteCodec, Codec, Detokenizer
+from duetime.server.codec import ByteCodec, Detokenizer
 from duetime.server.engine_loop import EngineLoop
 from duetime.server.errors import ApiError
 from duetime.server.gateway import GatewayConfig, create_gateway_app
 from duetime.server.streams import Outcome
 from duetime.server.threaded import serve_in_thread
 from tests.factories import byte_codec_text
-from tests.test_server_all_policies import MODEL, CharCodec
+from tests.served import MODEL, char_state, post_and_hang_up
 
 # Bytes that start, continue or break characters come up often among the ids.
 _IDS = st.sampled_from([*range(3, 259), *(b + ByteCodec.OFFSET for b in (0xFF, 0xC3, 0xE2, 0x82))])
@@ -135,18 +134,11 @@ def test_a_restarted_request_that_ends_early_counts_the_tokens_its_client_has() 
     assert outcome.output_tokens == 1
 
 
-def _served_state(policy: str = "fcfs", codec: Codec | None = None, **kw: Any) -> ServerState:
-    """A server state (not started) on the tiny model, by default with one character per
-    token (CharCodec)."""
-    options = ServeOptions(model="tiny", predictor=None, policy=policy, **kw)
-    return build_state(options, load_served_model(options)[0], codec or CharCodec(), MODEL)
-
-
 def test_a_stop_string_in_the_last_allowed_token_is_counted_as_the_client_saw_it() -> None:
     """The engine ended the answer at max_tokens ("length") in the step that made the
     token holding the stop string; the client rightly got "stop", but /metrics counted
     the request under reason="length" (found by the server property test)."""
-    state = _served_state(kv_capacity=256)
+    state = char_state(kv_capacity=256)
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 1, "ignore_eos": True}
     with serve_in_thread(create_app(state)) as url:
         first = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
@@ -171,7 +163,7 @@ def test_an_answer_past_the_server_timeout_is_a_504_streamed_or_not() -> None:
     instead of the documented 504, and a stream that broke off without an error event
     or [DONE] (found by the server property test with a 50 ms server timeout)."""
     # a prefill of ~100 steps, far past the server's timeout
-    state = _served_state(kv_capacity=1024, max_batch_tokens=8, request_timeout_s=0.05)
+    state = char_state(kv_capacity=1024, max_batch_tokens=8, request_timeout_s=0.05)
     body = {"model": MODEL, "prompt": "a" * 900, "max_tokens": 10, "ignore_eos": True}
     with serve_in_thread(create_app(state)) as url:
         r = httpx.post(url + "/v1/completions", json=body, timeout=30)
@@ -200,7 +192,7 @@ def test_a_stop_string_does_not_end_an_answer_before_min_tokens() -> None:
     ended the answer there ("stop" after 1 token with min_tokens 4). As in vLLM, only a
     stop string that begins after the first min_tokens tokens ends the answer now
     (found by the server property test once it checked the documented contract)."""
-    state = _served_state(kv_capacity=256)
+    state = char_state(kv_capacity=256)
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 12, "ignore_eos": True}
     with serve_in_thread(create_app(state)) as url:
         full = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
@@ -304,36 +296,6 @@ def test_the_detokenizer_decodes_a_run_of_broken_bytes_in_linear_work() -> None:
     assert codec.decoded < 40 * len(ids), codec.decoded
 
 
-def _post_and_hang_up(app: Any, path: str, body: bytes) -> list[dict]:
-    """Call ``app`` as a server would for a client that sent ``body`` and then left:
-    every receive after the body says the client disconnected. The messages sent back."""
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-    sent: list[dict] = []
-
-    async def receive() -> dict:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
-    asyncio.run(app(scope, receive, send))
-    return sent
-
-
 def _answered_meanwhile(
     url: str, blocked: dict[str, Any], waiting: threading.Event, release: threading.Event
 ) -> httpx.Response:
@@ -357,11 +319,11 @@ def test_a_client_gone_before_its_request_is_submitted_costs_the_engine_nothing(
     the engine ran its prefill until the answer's disconnect watch aborted it (0.25 s
     later for a whole answer, at the first token for a stream). Checked before the
     submit, it never reaches the engine."""
-    state = _served_state(kv_capacity=1024)
+    state = char_state(kv_capacity=1024)
     app = create_app(state, manage_engine=False)  # nothing drains the engine's inbox
     for stream in (False, True):
         body = json.dumps({"model": MODEL, "prompt": "hello", "stream": stream}).encode()
-        sent = _post_and_hang_up(app, "/v1/completions", body)
+        sent = post_and_hang_up(app, "/v1/completions", body)
         assert sent[0]["status"] == 499, sent
         assert state.engine.inbox_size == 0
 
@@ -386,7 +348,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
     """Prompts were tokenized on the event loop: while a 1 MB one took ~0.3 s, no other
     client got a token, an answer or even /health. Long ones now go to a worker thread."""
     codec = _SlowCodec()
-    with serve_in_thread(create_app(_served_state(codec=codec, kv_capacity=1024))) as url:
+    with serve_in_thread(create_app(char_state(codec=codec, kv_capacity=1024))) as url:
         body = {"model": MODEL, "prompt": "x" * 20_000, "max_tokens": 2}
         long = _answered_meanwhile(url, body, codec.waiting, codec.release)
         assert long.status_code == 400  # longer than the context: refused
@@ -412,7 +374,7 @@ class _SlowPredictor:
 def test_the_length_predictor_runs_off_the_event_loop() -> None:
     """Each request's length prediction ran on the event loop: while it ran, no other
     client got a token or an answer. It now runs on its own worker thread."""
-    state = _served_state(kv_capacity=1024)
+    state = char_state(kv_capacity=1024)
     predictor = _SlowPredictor()
     state.predictor = predictor
     with serve_in_thread(create_app(state)) as url:
@@ -441,7 +403,7 @@ def test_a_body_that_stops_coming_is_a_408(server: str) -> None:
     """A client that sent half a request held its connection and a handler until
     shutdown (and then kept the server up: see test_serve_shutdown.py)."""
     if server == "serve":
-        state = _served_state(kv_capacity=1024)
+        state = char_state(kv_capacity=1024)
         state.config.body_timeout_s = 0.5
         app = create_app(state)
     else:
@@ -464,7 +426,7 @@ def test_the_engine_image_exists_before_the_first_round() -> None:
     """A request admitted before the engine thread's first round found no image and was
     judged by the estimate instead of a forecast (test_structured_outputs failed 3 of 4
     runs on a loaded machine for it)."""
-    state = _served_state()
+    state = char_state()
     loop = state.engine
     loop._idle_wait_s = 30.0  # the thread's round may come much later
     loop.start()

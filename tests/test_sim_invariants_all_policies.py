@@ -26,36 +26,10 @@ from duetime.core.request import Job, Request, TimeUtility
 from duetime.policies import available_policies, make_policy
 from duetime.predict.oracle import make_job_predictor
 from duetime.sim import SimConfig, Simulator
-from tests.factories import SIMPLE_COST, fresh_jobs
+from tests.factories import POLICY_OPTIONS, SIMPLE_COST, fresh_jobs, maybe_two_segments
 
 MAX_POLICY_CALLS = 20_000
 EXAMPLES = int(os.environ.get("DUETIME_FUZZ_EXAMPLES", "25"))
-
-#: Options drawn per policy (each a strategy of keyword arguments).
-POLICY_OPTIONS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
-    "fcfs": st.fixed_dictionaries(
-        {
-            "chunked_prefill": st.booleans(),
-            "head_of_line_blocking": st.booleans(),
-            "preempt_mode": st.sampled_from(["recompute", "swap", "restart"]),
-        }
-    ),
-    "deferred-prefill": st.fixed_dictionaries(
-        {"k": st.integers(1, 6), "stall_decode": st.booleans()}
-    ),
-    "timebill": st.fixed_dictionaries(
-        {
-            "overrun": st.sampled_from(["kill", "skip-next"]),
-            "fixed_alpha": st.sampled_from([None, 0.0, 0.5]),
-            "batch_aware": st.booleans(),
-        }
-    ),
-    "timelyllm": st.fixed_dictionaries(
-        {"segment_tokens": st.integers(1, 20), "latency_guard": st.booleans()}
-    ),
-    "amax": st.fixed_dictionaries({"seed": st.integers(0, 9)}),
-    "hsf": st.fixed_dictionaries({"seed": st.integers(0, 9)}),
-}
 
 
 @st.composite
@@ -82,16 +56,6 @@ def _job(draw: Any, rid: int, t: float) -> Job:
     )
     segments, gaps = maybe_two_segments(draw, output, st.floats(0.0, 0.3))
     return Job(request, output, segments, gaps)
-
-
-def maybe_two_segments(
-    draw: st.DrawFn, output: int, gap: st.SearchStrategy[float]
-) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """No segments, or (for 2+ tokens, half the time) the output cut in two with a drawn gap."""
-    if output >= 2 and draw(st.booleans()):
-        cut = draw(st.integers(1, output - 1))
-        return (cut, output - cut), (draw(gap),)
-    return (), ()
 
 
 @st.composite
