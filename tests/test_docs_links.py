@@ -1,6 +1,7 @@
 """Every link in README.md and docs/ lands: the file exists, and an anchor names a row or
-a heading of the page it points into. Every module and source file the pages name in
-code spans (`duetime.server.step_timer`, `server/step_timer.py`) exists.
+a heading of the page it points into. Every module, source file and test file the pages
+name in code spans (`duetime.server.step_timer`, `server/step_timer.py`,
+`tests/test_server_*.py`) exists.
 
 The README's figures point to rows of docs/results.md (``results.md#<id>``), in
 Markdown links and in plain text (code comments of the README's command list); a row
@@ -22,6 +23,8 @@ HEADING = re.compile(r"^#+ (.+)$", re.MULTILINE)
 PACKAGES = "|".join(
     sorted(d.name for d in (ROOT / "src" / "duetime").iterdir() if (d / "__init__.py").exists())
 )
+# `tests/test_x.py`, or a family of them: `tests/test_server_*.py`.
+TEST_PATH = re.compile(r"`(tests/[\w*]+\.py)`")
 SOURCE_PATH = re.compile(
     rf"`((?:src/)?duetime/[\w/]+\.(?:py|cpp|h)|(?:{PACKAGES})/[\w/]+\.(?:py|cpp|h))`"
 )
@@ -86,7 +89,8 @@ def _module_exists(src: Path, dotted: str) -> bool:
 
 
 def missing_code(root: Path) -> list[str]:
-    """``page: name`` for each module or source file a page names that is not in src/."""
+    """``page: name`` for each module, source file or test file a page names that is not
+    in the tree."""
     src, bad = root / "src", []
     for page in _pages(root):
         text = page.read_text(encoding="utf-8")
@@ -98,6 +102,11 @@ def missing_code(root: Path) -> list[str]:
             f"{page.relative_to(root)}: {m}"
             for m in MODULE.findall(text)
             if not _module_exists(src, m)
+        ]
+        bad += [
+            f"{page.relative_to(root)}: {t}"
+            for t in TEST_PATH.findall(text)
+            if not any(root.glob(t))
         ]
     return bad
 
@@ -120,8 +129,14 @@ def test_a_renamed_module_is_named(tmp_path: Path) -> None:
     (tmp_path / "src" / "duetime" / "core" / "__init__.py").write_text("")
     (tmp_path / "src" / "duetime" / "core" / "cost.py").write_text("class LinearStepCost: ...\n")
     assert missing_code(tree) == []
-    (tmp_path / "README.md").write_text("`duetime.core.costs` and `server/gone.py`\n")
-    assert missing_code(tree) == ["README.md: server/gone.py", "README.md: duetime.core.costs"]
+    (tmp_path / "README.md").write_text(
+        "`duetime.core.costs` `server/gone.py` `tests/test_x*.py`\n"
+    )
+    assert missing_code(tree) == [
+        "README.md: server/gone.py",
+        "README.md: duetime.core.costs",
+        "README.md: tests/test_x*.py",
+    ]
 
 
 def test_the_readme_points_into_the_results_page() -> None:

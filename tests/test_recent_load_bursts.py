@@ -91,7 +91,7 @@ def test_one_burst_is_a_coincidence_two_a_pattern() -> None:
     """A client that sends its next request as soon as the last was refused makes a
     "burst" of two, the second accepted. Once, that is no reason to expect a companion
     beside a later lone request (a forecast of 4 s of another prompt's prefill refused
-    such a request in tests/test_server.py, now and then); twice, it is."""
+    such a request in the server's end-to-end tests, now and then); twice, it is."""
     load = RecentLoad(window_s=60.0)
 
     def pair(t: float, rid: int) -> None:

@@ -181,7 +181,7 @@ def test_failed_write_to_new_path_creates_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-# --- found by tests/test_load_and_trace_properties.py ------------------------------------------
+# --- found by tests/test_trace_file_properties.py ------------------------------------------------
 
 
 def test_a_trace_read_and_written_again_is_the_same_file(tmp_path: Path) -> None:

@@ -1,23 +1,8 @@
-"""Every registered policy serves real HTTP traffic correctly (tiny random model).
-
-A policy never knows whether it drives the simulator or the engine, so each one
-is put behind `duetime serve` and sent one burst of concurrent requests:
-completions and chats, streamed and not, short and long answers, tight and
-loose deadlines, priorities, ``ignore_eos``, stop strings, segments, KV
-eviction, and clients that disconnect mid-stream or give up before the first
-token. The engine is small (KV for 192 tokens, 3 sequences, 48 tokens a step),
-so requests are preempted, restarted, swapped and cancelled.
-
-Each request must get exactly one well-formed answer (a 200 or a 429 with an
-error object; never a 5xx, never a hang); a finished answer is the model's own
-greedy continuation cut where its finish reason says, and an answer the policy
-cut short is a prefix of it (a client never sees a token change); the usage and
-``duetime`` fields agree with what was sent; afterwards the engine holds no
-request and no KV.
-
-The server runs here with :class:`CharCodec`, one character per token id, so
-that text and tokens can be compared one to one (the byte codec turns this
-model's answers into U+FFFD).
+"""What the all-policies server tests share: a server state of the tiny model with
+:class:`CharCodec` (one character per token) under a given policy, a wait until the
+engine holds no request, KV or per-request state, the reference answer a request must
+get (the model's greedy continuation), the random burst of mixed requests, the client
+that sends one of them, and the checks of what it got back.
 """
 
 from __future__ import annotations
@@ -34,28 +19,17 @@ from typing import Any
 import httpx
 import pytest
 
-from duetime.core.cost import LinearStepCost
-from duetime.core.request import Job, LengthPrediction, Request
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.generate import greedy_generate
-from duetime.policies.registry import available_policies, make_policy
-from duetime.server.app import ServerState, create_app
-from duetime.server.build import ServeOptions, build_state, load_served_model
+from duetime.server.app import ServerState
+from duetime.server.build import ServeOptions, build_state
 from duetime.server.chat_template import render_chat
 from duetime.server.schemas import ChatMessage
-from duetime.server.threaded import serve_in_thread
-from duetime.sim import SimConfig, Simulator
 from tests.factories import answer_shape_problems
-from tests.served import EOS, MODEL, CharCodec, HalfPredictor
+from tests.served import EOS, MODEL, CharCodec
 
 
-@pytest.fixture(scope="module")
-def model() -> Gemma3:
-    options = ServeOptions(model="tiny", predictor=None)
-    return load_served_model(options)[0]
-
-
-def _state(
+def policy_state(
     model: Gemma3,
     policy: str,
     policy_kwargs: dict[str, Any] | None = None,
@@ -73,7 +47,7 @@ def _state(
         return build_state(options, model, CharCodec(), MODEL)
 
 
-def _idle(state: ServerState, timeout: float = 15.0) -> None:
+def wait_drained(state: ServerState, timeout: float = 15.0) -> None:
     """Wait until the engine holds no request, no KV and no per-request state (or fail)."""
     deadline = time.monotonic() + timeout
     engine = state.engine
@@ -161,7 +135,7 @@ class Result:
     problems: list[str] = field(default_factory=list)
 
 
-def _specs(seed: int, codec: CharCodec, max_context: int, n: int) -> list[Spec]:
+def burst_specs(seed: int, codec: CharCodec, max_context: int, n: int) -> list[Spec]:
     rng = random.Random(seed)
     specs = []
     for i in range(n):
@@ -224,7 +198,7 @@ def _specs(seed: int, codec: CharCodec, max_context: int, n: int) -> list[Spec]:
     return specs
 
 
-async def _send(client: httpx.AsyncClient, url: str, spec: Spec) -> Result:
+async def send_spec(client: httpx.AsyncClient, url: str, spec: Spec) -> Result:
     if spec.kind == "cancel":
         task = asyncio.ensure_future(client.post(url + spec.path, json=spec.body))
         await asyncio.sleep(spec.after)
@@ -282,7 +256,7 @@ def _whole(spec: Spec, r: httpx.Response, content: bytes | None = None) -> Resul
     return Result(200, text=text, final=data, usage=data.get("usage"))
 
 
-def _check(spec: Spec, res: Result, ref: Reference) -> list[str]:
+def check_answer(spec: Spec, res: Result, ref: Reference) -> list[str]:
     """What is wrong with one request's answer (empty: nothing)."""
     bad = list(res.problems)
     if res.status == "gone":
@@ -350,224 +324,7 @@ def _check(spec: Spec, res: Result, ref: Reference) -> list[str]:
     return bad
 
 
-def _metric(text: str, name: str) -> float:
+def metric_value(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     assert m is not None, name
     return float(m.group(1))
-
-
-@dataclass(frozen=True)
-class Case:
-    policy: str
-    kwargs: dict[str, Any] | None = None
-    seed: int = 0
-
-    def __str__(self) -> str:
-        args = ",".join(f"{k}={v}" for k, v in (self.kwargs or {}).items())
-        return self.policy + (f"[{args}]" if args else "")
-
-
-CASES = [Case(p, seed=i) for i, p in enumerate(available_policies())] + [
-    Case("fcfs", {"preempt_mode": "restart"}, seed=101),
-    Case("edf", {"preempt_mode": "swap"}, seed=102),
-    Case("deferred-prefill", {"k": 3}, seed=103),
-    Case("timebill", {"overrun": "skip-next"}, seed=104),
-]
-
-
-def test_every_registered_policy_is_covered() -> None:
-    assert {c.policy for c in CASES} == set(available_policies())
-    assert len(available_policies()) >= 12
-
-
-@pytest.fixture(scope="module")
-def reference(model: Gemma3) -> Reference:
-    return Reference(model)
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_a_burst_of_mixed_requests_is_served_correctly(
-    model: Gemma3, reference: Reference, case: Case
-) -> None:
-    # hsf schedules by predicted lengths and refuses to be served without a predictor
-    predictor = HalfPredictor() if case.policy == "hsf" else None
-    state = _state(
-        model,
-        case.policy,
-        case.kwargs,
-        predictor,
-        kv_capacity=192,
-        max_num_seqs=3,
-        max_batch_tokens=48,
-    )
-    specs = _specs(case.seed, CharCodec(), state.config.max_context, n=24)
-    with serve_in_thread(create_app(state)) as url:
-
-        async def burst() -> list[Result]:
-            timeout = httpx.Timeout(30.0)
-            limits = httpx.Limits(max_connections=64)
-            async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-                return await asyncio.gather(*(_send(client, url, s) for s in specs))
-
-        results = asyncio.run(burst())
-        _idle(state)
-        assert httpx.get(url + "/health").json()["status"] == "ok"
-        metrics = httpx.get(url + "/metrics").text
-        for gauge in (
-            "duetime_queue_length",
-            "duetime_running",
-            "duetime_suspended",
-            "duetime_kv_used_tokens",
-        ):
-            assert _metric(metrics, gauge) == 0, gauge
-        assert _metric(metrics, "duetime_engine_errors") == 0
-        assert 'reason="error"' not in metrics
-        # The server still answers: one more request, after the burst.
-        after = httpx.post(
-            url + "/v1/completions",
-            json={"model": MODEL, "prompt": "abc", "max_tokens": 4, "ignore_eos": True},
-            timeout=30,
-        )
-        assert after.status_code == 200, after.text
-        # The step times are known by now: a deadline no step could meet is refused.
-        hopeless = httpx.post(
-            url + "/v1/completions",
-            json={
-                "model": MODEL,
-                "prompt": "abc",
-                "max_tokens": 60,
-                "ignore_eos": True,
-                "deadline_ms": 1,
-            },
-        )
-        assert hopeless.status_code == 429, hopeless.text
-        assert int(hopeless.headers["Retry-After"]) >= 1
-        assert hopeless.json()["error"]["code"] == "deadline_unreachable"
-        _idle(state)
-    problems = [
-        f"#{s.i} {s.body}: {p}"
-        for s, r in zip(specs, results, strict=True)
-        for p in _check(s, r, reference)
-    ]
-    assert not problems, "\n".join(problems)
-    assert sum(r.status == 200 for r in results) >= len(specs) // 2
-
-
-# --- regressions found by the burst ------------------------------------------------------
-def test_a_request_the_policy_cannot_queue_leaves_nothing_behind() -> None:
-    """hsf orders its queue by a length prediction and raises without one (served on a
-    tiny model without a predictor, it did): the request failed, but its sequence stayed
-    in the executor for good, WAITING in no queue, and the server went on with it."""
-    sim = Simulator(make_policy("hsf"), LinearStepCost(c0=0.01, name="unit"), SimConfig())
-    job = Job(Request(rid=0, arrival=0.0, prompt_len=3), 4)
-    with pytest.raises(ValueError, match="length prediction"):
-        sim.admit_arrival(job)
-    assert not sim.seqs
-    assert not sim.records
-    assert len(sim.waiting) == 0
-    job.request.predicted = LengthPrediction.exact(4)  # the same id, now queueable
-    sim.admit_arrival(job)
-    assert list(sim.seqs) == [0]
-
-
-def test_a_policy_that_needs_predictions_is_refused_without_a_predictor(model: Gemma3) -> None:
-    """Served without one, hsf failed every request without ignore_eos with a 500 telling
-    the client to use --predictor oracle, which a server refuses."""
-    with pytest.raises(ValueError, match=r"hsf.*--predictor learned"):
-        _state(model, "hsf")
-
-
-def test_ttft_is_when_the_client_got_its_first_token_even_after_a_restart(model: Gemma3) -> None:
-    """A restart voids the executor's first-token time, but the client keeps the tokens it
-    has: its TTFT was reported as the time of the re-run's first token, long after the
-    client had read it (and as none at all when the request ended before the re-run)."""
-    state = _state(model, "fcfs", {"preempt_mode": "restart"}, kv_capacity=64, max_batch_tokens=64)
-    body = {"model": MODEL, "prompt": "P", "max_tokens": 55, "ignore_eos": True, "stream": True}
-
-    async def one(client: httpx.AsyncClient, url: str) -> tuple[float, dict[str, Any]]:
-        t0 = time.perf_counter()
-        first = None
-        final: dict[str, Any] = {}
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                obj = json.loads(line.removeprefix("data: "))
-                if first is None and obj["choices"][0]["text"]:
-                    first = (time.perf_counter() - t0) * 1000
-                if "duetime" in obj:
-                    final = obj["duetime"]
-        assert first is not None
-        return first, final
-
-    with serve_in_thread(create_app(state)) as url:
-
-        async def both() -> list[tuple[float, dict[str, Any]]]:
-            async with httpx.AsyncClient(timeout=30) as client:
-                return await asyncio.gather(one(client, url), one(client, url))
-
-        answers = asyncio.run(both())
-        _idle(state)
-    assert any(timing["preemptions"] for _, timing in answers)  # one of them was restarted
-    for seen_ms, timing in answers:
-        assert timing["completion_tokens"] == 55
-        # The server's clock starts after the client's and stops before the client reads.
-        assert timing["ttft_ms"] <= seen_ms, (timing, seen_ms)
-
-
-@pytest.mark.parametrize(
-    ("prompt", "max_tokens", "ignore_eos", "reason", "tokens"),
-    [
-        ("a", 1, False, "stop", 1),  # the first token is EOS
-        ("U", 2, False, "stop", 2),  # the second token is EOS
-        ("U", 5, False, "stop", 2),
-        ("U", 2, True, "length", 2),  # EOS is only a token here
-        ("P", 2, False, "length", 2),
-    ],
-)
-def test_an_answer_whose_last_allowed_token_is_eos_ends_with_stop(
-    model: Gemma3, prompt: str, max_tokens: int, ignore_eos: bool, reason: str, tokens: int
-) -> None:
-    """The model ended the answer, so it is complete: "stop", as in vLLM and OpenAI. When
-    EOS was also the max_tokens-th token, the answer was reported as cut ("length")."""
-    state = _state(model, "fcfs", kv_capacity=256)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": ignore_eos}
-    with serve_in_thread(create_app(state)) as url:
-        for stream in (False, True):
-            r = httpx.post(url + "/v1/completions", json={**body, "stream": stream}, timeout=30)
-            assert r.status_code == 200, r.text
-            if stream:
-                events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x[6:7] == "{"]
-                final = next(e for e in events if e["choices"][0]["finish_reason"])
-            else:
-                final = r.json()
-            assert final["choices"][0]["finish_reason"] == reason
-            assert final["duetime"]["completion_tokens"] == tokens
-        _idle(state)
-
-
-def test_timebill_cancels_a_job_that_is_both_killed_and_skipped_once() -> None:
-    """Requests choose their own overrun strategy: in one class, a job whose request says
-    "kill" is past its deadline while an earlier one says "skip_next" and overran too. It
-    was cancelled twice in one decision, an illegal step, which on the server failed every
-    request in flight with a 500 (found by the burst above)."""
-
-    def job(rid: int, output: int, deadline: float, overrun: str) -> Job:
-        req = Request(
-            rid=rid,
-            arrival=0.0,
-            prompt_len=10,
-            max_tokens=100,
-            deadline=deadline,
-            klass="t",
-            overrun=overrun,
-        )
-        return Job(request=req, output_len=output)
-
-    cost = LinearStepCost.timebill(a=1e-9, b=5e-5, c=0.02, p=2e-6, q=0.01)
-    sim = Simulator(make_policy("timebill"), cost, SimConfig(kv_capacity=1000, max_num_seqs=1))
-    jobs = [job(0, 50, 0.05, "skip-next"), job(1, 5, 0.001, "skip-next"), job(2, 5, 0.001, "kill")]
-    records = {r.request.rid: r for r in sim.run(jobs).records}
-    assert records[2].cancelled_at is not None  # killed (and skipped), once
-    assert records[0].finish is not None  # skip-next never kills
-    assert records[1].finish is not None

