@@ -203,7 +203,10 @@ def serve(
         except ImportError as e:
             _fail(str(e))
         if options.profile is None and None in (seqs, chunk):
-            err.print("  timing the model's steps to size its batches (a few seconds) ...")
+            err.print(
+                "  timing the model's steps to size its batches (~10 s on 2 cores; --profile, "
+                "or --max-num-seqs and --max-batch-tokens, skip it) ..."
+            )
         sizing = size_options(
             options,
             loaded,
