@@ -29,7 +29,7 @@ from typer._click.exceptions import (
 )
 
 from duetime.cli import app
-from duetime.cli.common import _log_level, writable
+from duetime.cli.common import _log_level, _print_version, writable
 from duetime.cli.sim import _demo_outputs
 from duetime.policies.registry import available_policies
 
@@ -42,8 +42,9 @@ SHELL_FENCES = {"", "bash", "sh", "shell", "console"}  # ```python / ```json quo
 # --log-level in the docs is caught like a bad --port.
 _PURE_CALLBACKS: set[Any] = {_log_level}
 # These touch the machine (``writable`` creates the parent directory of a --json
-# path), so they are dropped: whether out/ is writable here says nothing about the docs.
-_SKIPPED_CALLBACKS: set[Any] = {writable, _demo_outputs}
+# path) or end the run (``--version``), so they are dropped: whether out/ is writable
+# here says nothing about the docs.
+_SKIPPED_CALLBACKS: set[Any] = {writable, _demo_outputs, _print_version}
 
 
 @dataclass(frozen=True, slots=True)

@@ -155,3 +155,13 @@ def test_engine_commands_refuse_bad_input_with_exit_2(tmp_path: Path) -> None:
     assert code == 2
     assert "fp64" in output
     assert not (tmp_path / "p.json").exists()
+
+
+def test_version_prints_the_package_version_and_runs_nothing() -> None:
+    from importlib.metadata import version
+
+    code, output = _invoke("--version")
+    assert code == 0, output
+    assert output.strip() == f"duetime {version('duetime')}"
+    code, output = _invoke("--version", "sim", "--rate", "-1")  # eager: the command never runs
+    assert (code, output.strip()) == (0, f"duetime {version('duetime')}")

@@ -41,6 +41,27 @@ advise_app = typer.Typer(
 )
 app.add_typer(advise_app, name="advise")
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from duetime import __version__
+
+        print(f"duetime {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Options of `duetime` itself, before a command."""
+
+
 # emoji off: rich turned "trunc.csv:100:2" into "trunc.csv💯2" (file:line:field messages)
 out = Console(emoji=False)
 err = Console(stderr=True, soft_wrap=True, emoji=False)
