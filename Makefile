@@ -44,7 +44,7 @@ format: $(STAMP)
 	$(BIN)/clang-format -i $(CSRC)
 
 # Every reproduction that needs no real-engine run (simulator, cost models, predictors),
-# each writing out/bench/<name>.json and, where it plots, .png: about 2 minutes on 2 cores.
+# each writing out/bench/<name>.json and, where it plots, .png: about 3 minutes on 2 cores.
 # The real-engine runs (`duetime bench <name> --engine`, `bench engine`, `bench serve`)
 # take minutes each and are listed in README.md.
 BENCH_SIM_PLOTS := amin deferred-prefill timelyllm timebill ala sensitivity predict-length
