@@ -1,6 +1,7 @@
 """No history in the tree: no "session" followed by a number in src/, tests/ or docs/,
 no output folder named after one (``out/s24/``), and none of the phrases that tell a
-run's place in a diary ("the day before", "since replaced").
+run's place in a diary ("the day before", "since replaced"), and no number of the
+project's own issue tracker, which lives outside the tree ("issue #7").
 
 Such a mark says when something changed, which only git should hold; a reader
 cannot tell what it refers to. Comments, option help, variant names and docs
@@ -21,7 +22,9 @@ WORD = "sess" + "ion"
 DIARY = ("previous day", "day before", "an hour earlier", "since replaced", "at that commit",
          "before this change", "as it was then")  # fmt: skip
 HISTORY = re.compile(
-    "|".join([WORD + r"s? [0-9]", r"\bout/s[0-9]+/", *(re.escape(p) for p in DIARY)]),
+    "|".join(
+        [WORD + r"s? [0-9]", r"\bout/s[0-9]+/", r"\bissues? #[0-9]", *(re.escape(p) for p in DIARY)]
+    ),
     re.IGNORECASE,
 )
 
@@ -44,6 +47,7 @@ def _hits(text: str) -> list[int]:
 def test_pattern_catches_marks_and_spares_plain_use() -> None:
     marks = [f"{WORD} 12", f"(before {WORD.capitalize()} 3)", f"{WORD}s 2-4", f"{WORD.upper()} 30"]
     marks += ["`out/s24/adm.json`", "on older code the Day Before", "a fit since replaced"]
+    marks += ["Targets (issue #7):", "see Issues #41-#44"]
     plain = [f"a {WORD}-scoped fixture", f"one {WORD} per client", f"{WORD}_id 7"]
     plain += ["out/serve-peers/table.md", "layout/s2/x", "the day's first run"]
     assert all(_hits(m) == [1] for m in marks)

@@ -6,7 +6,7 @@ encoder, same seeded split by conversation), fits the three baselines of
 and times single-prompt inference from text (word-piece tokenisation,
 encoder, head, interval) on this CPU.
 
-Targets (issue #7): MAE <= 0.8 x the best baseline's; 90 % intervals cover
+Targets: MAE <= 0.8 x the best baseline's; 90 % intervals cover
 >= 88 % of held-out answers; inference <= 20 ms per prompt.
 """
 
