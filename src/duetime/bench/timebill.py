@@ -1,6 +1,6 @@
 """`duetime bench timebill`: TimeBill's comparison (Sec. 6.4, Fig. 7) on the simulator.
 
-Methods (``/work/shared/seeds/timebill.txt`` Sec. 6.1), all the ``timebill`` policy:
+Methods (``../shared/seeds/timebill.txt`` Sec. 6.1), all the ``timebill`` policy:
 
 - ``vanilla``: no eviction (``fixed_alpha=0``);
 - ``alpha=25%`` … ``alpha=95%``: fixed-ratio KV eviction after prefill;

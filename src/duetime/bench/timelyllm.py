@@ -1,6 +1,6 @@
 """`duetime bench timelyllm`: TimelyLLM's evaluation (§7) on LRTrace WID1–WID3, simulated.
 
-Systems compared (``/work/shared/seeds/timelyllm.txt`` §7.1, §7.3.2):
+Systems compared (``../shared/seeds/timelyllm.txt`` §7.1, §7.3.2):
 
 - ``vllm``: FCFS continuous batching on *unsegmented* jobs; the robot gets
   the whole plan when generation finishes (every segment delivered at finish);

@@ -1,6 +1,6 @@
 """Text stop checkers for segmented generation (TimelyLLM §4.1, §5, §7.4.2).
 
-Source: ``/work/shared/seeds/timelyllm.txt``. TimelyLLM detokenizes as it
+Source: ``../shared/seeds/timelyllm.txt``. TimelyLLM detokenizes as it
 generates and suspends a request as soon as the text holds a complete
 executable robot action ("regular expression matching to detect whether a
 robot action appears", e.g. ``pick([obj],{})``); for chatbot text it cuts at

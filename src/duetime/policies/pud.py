@@ -1,6 +1,6 @@
 """TimelyLLM (Ling, Chen, Zhong): PUD priority over initial and suspended generations.
 
-Source: ``/work/shared/seeds/timelyllm.txt``, §4.3 Eq. 4 and §4.4. At every
+Source: ``../shared/seeds/timelyllm.txt``, §4.3 Eq. 4 and §4.4. At every
 scheduling point the priority of each candidate segment ``s_k`` of request
 ``i`` is recomputed at ``t = snap.now``::
 

@@ -1,6 +1,6 @@
 """LRTrace-style robot workloads (TimelyLLM §6, Tables 2–3), generated, seeded.
 
-Source: ``/work/shared/seeds/timelyllm.txt``. The paper records real traces
+Source: ``../shared/seeds/timelyllm.txt``. The paper records real traces
 from a Tello drone and an Indy7 arm; those traces are not public, so this
 module rebuilds the *structure* the paper describes:
 
