@@ -23,7 +23,7 @@ from duetime.engine.gemma3 import Gemma3
 from duetime.engine.generate import greedy_generate
 from duetime.server.app import ServerState
 from duetime.server.build import ServeOptions, build_state
-from duetime.server.chat_template import render_chat
+from duetime.server.chat_template import TURN_END, render_chat
 from duetime.server.schemas import ChatMessage
 from tests.factories import answer_shape_problems
 from tests.served import EOS, MODEL, CharCodec
@@ -64,6 +64,15 @@ def wait_drained(state: ServerState, timeout: float = 15.0) -> None:
     pytest.fail(f"engine not idle: {engine.stats}, seqs={status}, live={list(engine._live)}")
 
 
+def answer_stops(body: dict[str, Any], chat: bool) -> list[str]:
+    """The stop strings a request's answer ends at: the client's, and for a chat answer
+    that need not reach its length the end of the assistant's turn (the server's rule)."""
+    stops = list(body.get("stop") or [])
+    if chat and not body.get("ignore_eos") and TURN_END not in stops:
+        stops.append(TURN_END)
+    return stops
+
+
 # --- what the answer must be ----------------------------------------------------------
 class Reference:
     """The engine's greedy continuation of a prompt, and the answer a request must get."""
@@ -81,7 +90,7 @@ class Reference:
         return have[:n]
 
     def answer(
-        self, ids: Sequence[int], body: dict[str, Any], max_tokens: int
+        self, ids: Sequence[int], body: dict[str, Any], max_tokens: int, chat: bool
     ) -> tuple[str, str, int]:
         """(text, finish reason, tokens sent) of a request that ran to its end.
 
@@ -96,7 +105,7 @@ class Reference:
                     gen, reason = gen[: i + 1], "stop"
                     break
         text = self.codec.decode(gen)
-        stops = [s for s in body.get("stop") or [] if s in text]
+        stops = [s for s in answer_stops(body, chat) if s in text]
         if stops:
             cut = min(text.find(s) for s in stops)
             return text[:cut], "stop", min(text.find(s) + len(s) for s in stops)
@@ -297,7 +306,7 @@ def check_answer(spec: Spec, res: Result, ref: Reference) -> list[str]:
         if not text.startswith(echo):
             return [*bad, f"echo missing: {text!r}"]
         text = text[len(echo) :]
-    want, want_reason, want_n = ref.answer(spec.ids, spec.body, spec.max_tokens)
+    want, want_reason, want_n = ref.answer(spec.ids, spec.body, spec.max_tokens, spec.chat)
     if reason not in ("stop", "length", "abort"):
         bad.append(f"finish_reason {reason!r}")
     elif timing["kv_eviction_ratio"] > 0:  # evicting KV changes the answer
@@ -310,7 +319,10 @@ def check_answer(spec: Spec, res: Result, ref: Reference) -> list[str]:
             )
     elif not want.startswith(text):  # cut short by the policy: what was sent stands
         bad.append(f"aborted answer {text!r} is not a prefix of {want!r}")
-    if not spec.body.get("stop") and len(text) != n:  # one character per token
+    full = ref.codec.decode(ref.tokens(spec.ids, spec.max_tokens))
+    turn_end_cut = TURN_END in answer_stops(spec.body, spec.chat) and TURN_END in full
+    cut = spec.body.get("stop") or turn_end_cut  # a stop string's tokens count, not its text
+    if not cut and len(text) != n:  # one character per token
         bad.append(f"{len(text)} characters sent but completion_tokens {n}")
     bad += answer_shape_problems(n, reason, spec.max_tokens, timing)
     e2e = timing["e2e_ms"]

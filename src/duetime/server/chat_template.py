@@ -8,8 +8,10 @@ continues naturally, and end with the assistant's turn open::
     User: What is 2 + 2?
     Assistant:
 
-The answer is whatever the model writes next; clients usually pass
-``stop=["\\nUser:"]`` so it does not go on to write the user's next turn.
+The answer is what the model writes next, up to the point where it starts the
+user's next turn (:data:`TURN_END`): the server ends a chat answer there, as a chat
+template's end-of-turn token would, unless the answer must run to its length
+(``ignore_eos``) or a grammar decides where it ends (:func:`chat_stops`).
 
 Where the answer is a forced tool call, the tools come first, one ``Tool
 available:`` line each (name, description, parameters' schema); an earlier
@@ -23,6 +25,9 @@ import json
 from collections.abc import Sequence
 
 from duetime.server.chat_messages import ChatMessage, ToolDef
+
+#: Where an assistant's turn ends in the transcript: the model starting the user's next.
+TURN_END = "\nUser:"
 
 _ROLE = {
     "system": "System",
@@ -52,3 +57,17 @@ def _turn(m: ChatMessage) -> str:
         {"name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls or ()
     ]
     return " ".join(part for part in (m.text(), json.dumps(calls) if calls else "") if part)
+
+
+def chat_stops(stops: Sequence[str], *, ignore_eos: bool, grammar: bool) -> list[str]:
+    """A chat answer's stop strings: the client's, and the end of the assistant's turn.
+
+    The base model has no end-of-turn token, so without this a chat answer runs on
+    into a ``User:`` turn it wrote itself (a 270M model does, within a dozen tokens).
+    Not added where the answer must reach its length (``ignore_eos``: benchmarks that
+    fix output lengths, as with vLLM) or where a grammar bounds the answer (a
+    structured output or a tool call: cutting it would break its form).
+    """
+    if ignore_eos or grammar or TURN_END in stops:
+        return list(stops)
+    return [*stops, TURN_END]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from duetime.core.request import Job
 from duetime.engine.grammar import TokenGrammar
 from duetime.engine.logprobs import LogprobLog
+from duetime.server.chat_template import chat_stops
 from duetime.server.codec import Detokenizer
 from duetime.server.relay import Relay
 from duetime.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -54,6 +55,8 @@ def choice(
         grammar=grammar,
     )
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    if isinstance(body, ChatCompletionRequest):
+        stops = chat_stops(stops, ignore_eos=body.ignore_eos, grammar=grammar is not None)
     detok = Detokenizer(state.codec)
     relay = Relay(
         engine,
