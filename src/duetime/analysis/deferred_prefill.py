@@ -148,9 +148,7 @@ class DeferredPrefillModel:
             alpha=alpha,
             c_p=cost.c0 + cost.c_prefill,
             # the prompt's own work (its rows' bands included) over a step's fixed part
-            prefill_per_prompt=cost.step_time(d0, cost.chunk_attention(d0, d0), 0, 0)
-            - cost.c0
-            - cost.c_prefill,
+            prefill_per_prompt=cost.prompt_step(d0) - cost.c0 - cost.c_prefill,
             c_d=cost.c0,
             # a decoder's share of a full batch's step (b with no bands)
             t_d=(cost.decode_step(capacity, 0) - cost.c0) / capacity

@@ -259,7 +259,13 @@ class LinearStepCost:
 
     def prefill_time(self, n: int) -> float:
         """One whole prompt of n tokens alone (TimeBill's t_prefill)."""
-        return self.step_time(n, self.chunk_attention(n, n), 0, 0)
+        return self.prompt_step(n)
+
+    def prompt_step(self, n: float, decode_seqs: int = 0, kv_tokens: int = 0) -> float:
+        """One step that prefills a whole prompt of ``n`` tokens (one chunk, no past)
+        beside ``decode_seqs`` decoders attending ``kv_tokens``: the one place a whole
+        prompt's ``A`` is counted, so every estimate prices it as the kernels run it."""
+        return self.step_time(n, self.chunk_attention(n, n), decode_seqs, kv_tokens)
 
     def chunk_attention(self, rows: float, end: float) -> float:
         """A prompt chunk's ``prefill_attn`` under this model's :attr:`attention`."""

@@ -108,7 +108,7 @@ def limits_from_cost(
     batch = seqs
 
     def with_chunk(n: int) -> float:  # a first chunk of n prompt tokens beside the decoders
-        return cost.step_time(n, cost.chunk_attention(n, n), batch, batch * context)
+        return cost.prompt_step(n, batch, batch * context)
 
     if budget is None:
         chunk = CHUNK_UNIT

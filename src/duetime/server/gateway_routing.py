@@ -170,7 +170,7 @@ class Backend:
         n = max(1, prompt_len)
         decoding = max(0, running - self.prefilling)
         kv = decoding * context
-        prompt = cost.step_time(n, cost.chunk_attention(n, n), decoding, kv)
+        prompt = cost.prompt_step(n, decoding, kv)
         residual = 0.5 * cost.decode_step(decoding, kv) if decoding else 0.0
         return residual + (1 + self.prefilling) * prompt
 

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from duetime.core.cost import chunk_attention
 from duetime.predict.ete import StepSample
 from duetime.server.probe_http import (
     ProbeError,
@@ -212,7 +213,8 @@ def _record(
     if c == 1 and group[0].ttft_s is not None:
         n = lens[0]
         ttft = group[0].ttft_s
-        run.samples.append(StepSample(n, float(n * n), 0, 0, ttft, "prefill"))
+        # a black box's kernels are unknown: its prompt attention is priced dense
+        run.samples.append(StepSample(n, float(chunk_attention(n, n)), 0, 0, ttft, "prefill"))
         per_cell.setdefault(("prefill", p, 1), []).append(ttft)
     dec = decode_samples(group, lens, tokens, grid.splits)
     if not dec:

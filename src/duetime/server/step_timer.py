@@ -187,7 +187,7 @@ class StepTimer:
             cost = self._cost
         if cost is None:
             return 0.0
-        return cost.step_time(prefill, cost.chunk_attention(prefill, prefill), decoders, kv)
+        return cost.prompt_step(prefill, decoders, kv)
 
     def prefill_time(self, n: int) -> float:
         """Seconds to prefill ``n`` tokens alone (0 with no model)."""
