@@ -26,7 +26,7 @@ from duetime.server.build import ServeOptions, build_state
 from duetime.server.chat_template import TURN_END, render_chat
 from duetime.server.schemas import ChatMessage
 from tests.factories import answer_shape_problems
-from tests.served import EOS, MODEL, CharCodec
+from tests.served import EOS, MODEL, CharCodec, answer_stops
 
 
 def policy_state(
@@ -62,15 +62,6 @@ def wait_drained(state: ServerState, timeout: float = 15.0) -> None:
     ex = engine.executor
     status = {rid: seq.status.name for rid, seq in ex.seqs.items()}
     pytest.fail(f"engine not idle: {engine.stats}, seqs={status}, live={list(engine._live)}")
-
-
-def answer_stops(body: dict[str, Any], chat: bool) -> list[str]:
-    """The stop strings a request's answer ends at: the client's, and for a chat answer
-    that need not reach its length the end of the assistant's turn (the server's rule)."""
-    stops = list(body.get("stop") or [])
-    if chat and not body.get("ignore_eos") and TURN_END not in stops:
-        stops.append(TURN_END)
-    return stops
 
 
 # --- what the answer must be ----------------------------------------------------------

@@ -1,6 +1,7 @@
 """What the server tests share: the tiny model's served name, a codec of one character a
-token, a length predictor for the policies that need one, server states built on the
-tiny model, a wait for an engine to fall idle, and a client that leaves after its body.
+token, a length predictor for the policies that need one, the stop strings an answer
+ends at, server states built on the tiny model, a wait for an engine to fall idle, and
+a client that leaves after its body.
 
 Test files import these from here rather than from each other, so that each test
 file holds tests alone and can move or split without breaking another.
@@ -18,6 +19,7 @@ import pytest
 from duetime.core.request import Job, LengthPrediction
 from duetime.server.app import ServerState
 from duetime.server.build import ServeOptions, build_state, load_served_model
+from duetime.server.chat_template import TURN_END
 from duetime.server.codec import Codec
 
 MODEL = "duetime-tiny"
@@ -53,6 +55,17 @@ class HalfPredictor:
     def predict_job(self, job: Job) -> LengthPrediction:
         n = float(job.request.max_tokens)
         return LengthPrediction(point=(n + 1) / 2, lo=1.0, hi=n, confidence=0.5)
+
+
+def answer_stops(fields: dict[str, Any], chat: bool) -> list[str]:
+    """The stop strings a request's answer ends at, by the server's rule written out
+    here: the client's ``stop``, and for a chat answer that need not reach its length
+    (no ``ignore_eos``) the end of the assistant's turn."""
+    stop = fields.get("stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if chat and not fields.get("ignore_eos") and TURN_END not in stops:
+        stops.append(TURN_END)
+    return stops
 
 
 def tiny_state(**overrides: object) -> ServerState:

@@ -16,7 +16,7 @@ from typing import Any
 
 from duetime.server.chat_template import TURN_END
 from tests.factories import answer_shape_problems, byte_codec_text
-from tests.served import CharCodec
+from tests.served import CharCodec, answer_stops
 from tests.server_calls import Call, Engine, Seen, greedy, make_codec
 
 
@@ -34,16 +34,6 @@ def _greedy_request(c: Call) -> bool:
     f = c.fields
     argmax = f.get("temperature", 0.0) == 0 or f.get("top_k") == 1
     return argmax and not f.get("frequency_penalty")
-
-
-def call_stops(c: Call) -> list[str]:
-    """The stop strings ``c``'s answer ends at: the client's, and for a chat answer that
-    need not reach its length the end of the assistant's turn (the server's rule)."""
-    stop = c.fields.get("stop")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if c.chat and not c.fields.get("ignore_eos") and TURN_END not in stops:
-        stops.append(TURN_END)
-    return stops
 
 
 def _reference(eng: Engine, c: Call) -> tuple[str, str, int]:
@@ -64,7 +54,7 @@ def _reference(eng: Engine, c: Call) -> tuple[str, str, int]:
         if tok in ends and k + 1 >= max(min_tokens, 1):
             gen, reason = gen[: k + 1], "stop"
             break
-    stops = call_stops(c)
+    stops = answer_stops(c.fields, c.chat)
     floor = len(_text_after(eng.codec, gen[:min_tokens], final=False))
     # A stop string is found once its last token is in: scan the answer token by token.
     for k in range(max(min_tokens, 1), len(gen) + 1):
@@ -176,7 +166,7 @@ def _check_answer(eng: Engine, c: Call, s: Seen) -> list[str]:
         # Text held back as the possible start of a stop string is sent at the end: the
         # stop never came. A half character at the cut is sent as U+FFFD.
         full = _text_after(eng.codec, greedy(c.ids, c.max_tokens), final=True)
-        stops = call_stops(c)
+        stops = answer_stops(c.fields, c.chat)
         if not unlike_ref and not full.startswith(text.rstrip("\ufffd")):
             bad.append(f"aborted answer {text!r} is not a prefix of {full!r}")
         if any(stop in text for stop in stops):
@@ -191,7 +181,7 @@ def _check_answer(eng: Engine, c: Call, s: Seen) -> list[str]:
             bad.append(f"logprobs' tokens {pieces} do not make up the text {text!r}")
         # a stop string cuts the text, and the entries with it, short of the tokens
         full = _text_after(eng.codec, greedy(c.ids, c.max_tokens), final=True)
-        turn_end_cut = TURN_END in call_stops(c) and TURN_END in full
+        turn_end_cut = TURN_END in answer_stops(c.fields, c.chat) and TURN_END in full
         if len(pieces) > n or (not (c.fields.get("stop") or turn_end_cut) and len(pieces) != n):
             bad.append(f"{len(pieces)} logprobs entries for {n} tokens")
     elif s.pieces:
