@@ -4,8 +4,9 @@ Cells: one prompt of 128 / 512 / 2048 tokens (prefill tok/s) and one decode
 step of 1 / 4 / 16 / 64 sequences after a ``context``-token prompt each
 (decode tok/s = batch ÷ median step time). Engine variants (``fp32``: exact
 reference; ``fast``: int8 output layer with fp32 re-scoring; ``q8``: ``fast`` plus
-weight-only int8 products for steps of few rows; ``fp32-mkl``: the
-previous kernels, for a before/after in one run) are measured *interleaved*,
+weight-only int8 products for steps of few rows; ``fp32-mkl``: fp32
+through MKL's unpacked products and per-sequence decode attention, the
+alternative the packed kernels are measured against in one run) are measured *interleaved*,
 variant after variant within each repetition, so a neighbour's load hits them
 alike; figures are medians. llama.cpp (when importable; batched through its C
 API, see ``engine_peers.LlamaCppRunner``) is interleaved the same way;
@@ -25,12 +26,12 @@ The shared weights are paged in before any variant is built
 
 from __future__ import annotations
 
-import gc
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,20 +44,17 @@ from duetime.bench.engine_machine import (
     memory_bandwidth_gb_s,
     page_in,
     peak_rss_mb,
-    rss_mb,
-    rss_reset,
-    weight_bytes,
 )
-from duetime.bench.engine_peers import HFRunner, LlamaCppRunner, llama_cpp_available
+from duetime.bench.engine_peers import HFRunner, LlamaCppRunner
 from duetime.bench.engine_speed_report import plot, ratios, table
+from duetime.bench.engine_speed_runners import Column, Runner, Weights, build_runners, prefill_s
 from duetime.bench.engine_variants import ENGINE_VARIANTS, MODEL_SWITCHES
 from duetime.engine.batch import SeqChunk
 from duetime.engine.config import Gemma3Config
 from duetime.engine.gemma3 import Gemma3
 
-__all__ = ["agreement", "memory_bandwidth_gb_s", "plot", "run", "table"]
+__all__ = ["MODEL_SWITCHES", "agreement", "memory_bandwidth_gb_s", "plot", "run", "table"]
 
-Weights = dict[str, torch.Tensor]
 # (prompt lengths, decode batch sizes, context tokens before decode, decode steps per rep)
 FULL = ((128, 512, 2048), (1, 4, 16, 64), 128, 8)
 QUICK = ((16, 64), (1, 4), 16, 3)
@@ -87,24 +85,20 @@ class _EngineCell:
         return out
 
 
-def _prefill_s(model: Gemma3, ids: list[int]) -> float:
-    kv = model.new_kv_cache()
-    chunk = SeqChunk(kv.allocate(len(ids)), ids, 0)
-    t = time.perf_counter()
-    model.greedy_step([chunk], kv)
-    return time.perf_counter() - t
+@dataclass(frozen=True)
+class _Grid:
+    """The checked cells and how often each runs, handed whole to the phases that need them."""
 
+    prefill: tuple[int, ...]  # prompt lengths, one prefill cell each
+    batches: tuple[int, ...]  # decode batch sizes, one decode cell each
+    ctx: int  # prompt tokens of every sequence before its decode steps
+    n_steps: int  # decode steps per repetition
+    reps: int  # interleaved repetitions per cell
 
-def _start_up(kind: str, load_s: float, rss0: float) -> dict[str, Any]:
-    """The figures every runner's column begins with, read right after its build and
-    warm-up: what it is, its load time, and the process's peak and this runner's own
-    memory (``rss0``: the resident set before the build)."""
-    return {
-        "kind": kind,
-        "load_s": load_s,
-        "peak_rss_mb": peak_rss_mb(),
-        "own_rss_mb": rss_mb() - rss0,
-    }
+    @property
+    def llama_cpp_ctx(self) -> int:
+        """llama.cpp's context: room for the longest prompt and for every decode step."""
+        return max(*self.prefill, self.ctx + self.n_steps * self.reps + 8)
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -156,201 +150,50 @@ def run(
     """
     wall0 = time.perf_counter()
     sizes = QUICK if quick else FULL
-    # None is "the default grid"; an empty list given on purpose (--prefill ,) is a mistake.
-    for opt, given in (("--prefill", prefill_tokens), ("--batch", batch_sizes)):
-        if given is not None and not len(given):
-            raise ValueError(f"{opt} is empty: give at least one size, or leave it out")
-    prefill = tuple(sizes[0] if prefill_tokens is None else prefill_tokens)
-    batches = tuple(sizes[1] if batch_sizes is None else batch_sizes)
-    ctx = context or sizes[2]
-    n_steps = steps or sizes[3]
-    for e in engines:
-        if e not in ENGINE_VARIANTS:
-            raise ValueError(f"unknown engine variant {e!r}; known: {', '.join(ENGINE_VARIANTS)}")
-    for hf_dtype in transformers:
-        if hf_dtype not in TRANSFORMERS_DTYPES:
-            raise ValueError(
-                f"unknown --transformers dtype {hf_dtype!r}; "
-                f"known: {', '.join(TRANSFORMERS_DTYPES)}"
-            )
-    for opt, sizes_given in (("--prefill", prefill), ("--batch", batches)):
-        if not all(n >= 1 for n in sizes_given):
-            raise ValueError(f"{opt} sizes must be >= 1, got {','.join(map(str, sizes_given))}")
+    grid = _checked_grid(
+        sizes, engines, transformers, prefill_tokens, batch_sizes, context, steps, reps
+    )
     real = source is None
-    if source is None:
-        from duetime.engine.gguf_file import GGUFFile
-        from duetime.engine.weights import default_gguf_path
-
-        gguf_path = Path(gguf_path) if gguf_path is not None else default_gguf_path()
-        # The header alone (no weights) says how long a sequence may get.
-        context = Gemma3Config.from_gguf(GGUFFile(gguf_path)).max_position_embeddings
-    else:
-        context = source[0].max_position_embeddings
-    check_positions(prefill, ctx, n_steps, reps, context)
+    gguf, positions = _gguf_and_positions(source, gguf_path)
+    check_positions(grid.prefill, grid.ctx, grid.n_steps, grid.reps, positions)
     if threads is not None:
         torch.set_num_threads(threads)
-    if source is None:
-        from duetime.engine.weights import load_weights
-
-        assert gguf_path is not None
-        cfg, weights = load_weights(gguf_path, progress=progress)
-    else:
-        cfg, weights = source
-    notes: list[str] = []
+    cfg, weights = _load(source, gguf, progress)
     bandwidth = memory_bandwidth_gb_s(64 if quick else 512)
     shared_mb = page_in(weights)
-
-    # ---- build every runner, one at a time, recording its start-up and peak RSS
-    runners: dict[str, Any] = {}
-    figs: dict[str, dict[str, Any]] = {}
     g = torch.Generator().manual_seed(0)
-    warm = _prompt(g, 8, cfg)
-    for name in engines:
-        spec = dict(ENGINE_VARIANTS[name])
-        switches = {k: spec.pop(k) for k in MODEL_SWITCHES if k in spec}
-        gc.collect()
-        rss_reset()
-        rss0 = rss_mb()
-        t = time.perf_counter()
-        model = Gemma3(cfg, weights, **spec)
-        for switch, on in switches.items():
-            setattr(model, switch, on)
-        load_s = time.perf_counter() - t
-        _prefill_s(model, warm)
-        runners[name] = model
-        figs[name] = {
-            **_start_up("engine", load_s, rss0),
-            "weight_mb": weight_bytes(model) / 1e6,
-            "weight_mb_by_batch": {b: weight_bytes(model, b) / 1e6 for b in batches},
-            "kv_itemsize": model.kv_dtype.itemsize,
-        }
-    for tdt in transformers:
-        name = f"transformers-{tdt}"
-        try:
-            gc.collect()
-            rss_reset()
-            rss0 = rss_mb()
-            t = time.perf_counter()
-            hf = HFRunner(cfg, weights, torch.bfloat16 if tdt == "bf16" else torch.float32)
-            load_s = time.perf_counter() - t
-            hf.generate(torch.tensor([warm]), 2)
-        except ImportError as exc:  # transformers is a dependency, but keep the bench usable
-            notes.append(f"{name}: skipped ({exc})")
-            continue
-        runners[name] = hf
-        figs[name] = {
-            **_start_up("transformers", load_s, rss0),
-            "weight_mb": hf.nbytes / 1e6,
-            "kv_itemsize": 2 if tdt == "bf16" else 4,
-        }
-    if llama_cpp and real and llama_cpp_available():
-        assert gguf_path is not None
-        rss_reset()
-        rss0 = rss_mb()
-        t = time.perf_counter()
-        lc = LlamaCppRunner(
-            Path(gguf_path),
-            torch.get_num_threads(),
-            n_ctx=max(*prefill, ctx + n_steps * reps + 8),
-            max_batch=max(batches, default=1),
-        )
-        runners["llama.cpp"] = lc
-        figs["llama.cpp"] = {
-            **_start_up("llama.cpp", time.perf_counter() - t, rss0),
-            "weight_mb": lc.nbytes / 1e6,
-            "kv_itemsize": 2,
-        }
-    elif llama_cpp:
-        why = "a tiny test model has no GGUF" if not real else "`pip install llama-cpp-python`"
-        notes.append(f"llama.cpp: skipped (llama_cpp not importable or not applicable: {why})")
-    for f in figs.values():
-        f["prefill"], f["decode"] = [], []
-
-    # ---- the cells
-    cells = len(prefill) + len(batches)
-    with _Progress(progress, cells) as advance:
-        for n in prefill:
-            ids = _prompt(g, n, cfg)
-            times: dict[str, list[float]] = {k: [] for k in runners}
-            for rep in range(reps):
-                for name, r in runners.items():
-                    if isinstance(r, Gemma3):
-                        times[name].append(_prefill_s(r, ids))
-                    elif rep == 0 and isinstance(r, HFRunner):
-                        times[name].append(r.generate(torch.tensor([ids]), 1)[0])
-                    elif isinstance(r, LlamaCppRunner):
-                        times[name].append(r.prefill_s(ids))
-            for name, ts in times.items():
-                figs[name]["prefill"].append(
-                    {"tokens": n, "prefill_tok_s": n / _median(ts), "prefill_s": _median(ts)}
-                )
+    runners, figs, notes = build_runners(
+        cfg,
+        weights,
+        _prompt(g, 8, cfg),
+        engines=engines,
+        transformers=transformers,
+        batches=grid.batches,
+        llama_cpp=llama_cpp,
+        real=real,
+        gguf=gguf,
+        n_ctx=grid.llama_cpp_ctx,
+    )
+    with _Progress(progress, len(grid.prefill) + len(grid.batches)) as advance:
+        for n in grid.prefill:
+            _time_prefill(runners, figs, _prompt(g, n, cfg), grid.reps)
             advance()
-        for b in batches:
-            prompts = [_prompt(g, ctx, cfg) for _ in range(b)]
-            engine_cells = {
-                k: _EngineCell(r, prompts) for k, r in runners.items() if isinstance(r, Gemma3)
-            }
-            for c in engine_cells.values():
-                c.steps(1)  # warm-up
-            times = {k: [] for k in runners}
-            for rep in range(reps):
-                for name, r in runners.items():
-                    if name in engine_cells:
-                        times[name] += engine_cells[name].steps(n_steps)
-                    elif rep == 0 and isinstance(r, HFRunner):
-                        times[name] += r.generate(torch.tensor(prompts), n_steps + 2)[1][1:]
-                    elif isinstance(r, LlamaCppRunner):
-                        times[name] += r.decode_steps_s(prompts, n_steps)
-            del engine_cells
-            for name, ts in times.items():
-                if not ts:
-                    continue
-                f = figs[name]
-                step = _median(ts)
-                kv_ctx = ctx + n_steps * reps // 2
-                weight_mb = f.get("weight_mb_by_batch", {}).get(b, f["weight_mb"])
-                nbytes = weight_mb * 1e6 + kv_bytes_read(cfg, b, kv_ctx, f["kv_itemsize"])
-                roof = b * bandwidth * 1e9 / nbytes
-                f["decode"].append(
-                    {
-                        "batch": b,
-                        "decode_tok_s": b / step,
-                        "step_ms": step * 1e3,
-                        "step_ms_best": min(ts) * 1e3,
-                        "bytes_per_step_mb": nbytes / 1e6,
-                        "roofline_tok_s": roof,
-                        "roofline_fraction": b / step / roof,
-                    }
-                )
+        for b in grid.batches:
+            prompts = [_prompt(g, grid.ctx, cfg) for _ in range(b)]
+            _time_decode(runners, figs, prompts, grid, cfg, bandwidth)
             advance()
-
-    # ---- fidelity of the non-exact engine variants against fp32
-    agree: dict[str, Any] = {}
-    ref = runners.get("fp32")
-    if ref is not None:
-        prompts = agreement_prompts(real, cfg, g)
-        for name in engines:
-            if name != "fp32" and ENGINE_VARIANTS[name]["dtype"] != "fp32":
-                share, positions = agreement(ref, runners[name], prompts, 8 if quick else 32)
-                agree[name] = {"top1_agreement_vs_fp32": share, "positions": positions}
+    agree = _agreement(runners, engines, real, cfg, g, 8 if quick else 32)
     del runners
     return {
         "model": "gemma3-270m" if real else "custom",
-        "gguf": str(gguf_path) if real else None,
-        "machine": {
-            "cpu": cpu_name(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "python": platform.python_version(),
-        },
+        "gguf": str(gguf) if real else None,
+        "machine": _machine(),
         "settings": {
-            "prefill_tokens": list(prefill),
-            "batch_sizes": list(batches),
-            "context_tokens": ctx,
-            "decode_steps_per_rep": n_steps,
-            "reps": reps,
+            "prefill_tokens": list(grid.prefill),
+            "batch_sizes": list(grid.batches),
+            "context_tokens": grid.ctx,
+            "decode_steps_per_rep": grid.n_steps,
+            "reps": grid.reps,
             "quick": quick,
         },
         "memory_bandwidth_gb_s": bandwidth,
@@ -361,6 +204,170 @@ def run(
         "agreement": agree,
         "notes": notes,
         "wall_s": time.perf_counter() - wall0,
+    }
+
+
+def _checked_grid(
+    sizes: tuple[tuple[int, ...], tuple[int, ...], int, int],
+    engines: Sequence[str],
+    transformers: Sequence[str],
+    prefill_tokens: Sequence[int] | None,
+    batch_sizes: Sequence[int] | None,
+    context: int | None,
+    steps: int | None,
+    reps: int,
+) -> _Grid:
+    """The cells from the options, refusing bad ones before anything loads so none costs a load."""
+    # None is "the default grid"; an empty list given on purpose (--prefill ,) is a mistake.
+    for opt, given in (("--prefill", prefill_tokens), ("--batch", batch_sizes)):
+        if given is not None and not len(given):
+            raise ValueError(f"{opt} is empty: give at least one size, or leave it out")
+    grid = _Grid(
+        prefill=tuple(sizes[0] if prefill_tokens is None else prefill_tokens),
+        batches=tuple(sizes[1] if batch_sizes is None else batch_sizes),
+        ctx=context or sizes[2],
+        n_steps=steps or sizes[3],
+        reps=reps,
+    )
+    for e in engines:
+        if e not in ENGINE_VARIANTS:
+            raise ValueError(f"unknown engine variant {e!r}; known: {', '.join(ENGINE_VARIANTS)}")
+    for hf_dtype in transformers:
+        if hf_dtype not in TRANSFORMERS_DTYPES:
+            raise ValueError(
+                f"unknown --transformers dtype {hf_dtype!r}; "
+                f"known: {', '.join(TRANSFORMERS_DTYPES)}"
+            )
+    for opt, sizes_given in (("--prefill", grid.prefill), ("--batch", grid.batches)):
+        if not all(n >= 1 for n in sizes_given):
+            raise ValueError(f"{opt} sizes must be >= 1, got {','.join(map(str, sizes_given))}")
+    return grid
+
+
+def _gguf_and_positions(
+    source: tuple[Gemma3Config, Weights] | None, gguf_path: str | Path | None
+) -> tuple[Path | None, int]:
+    """The GGUF (None for ``source``) and its positions, from the header so checks precede loads."""
+    if source is not None:
+        return None, source[0].max_position_embeddings
+    from duetime.engine.gguf_file import GGUFFile
+    from duetime.engine.weights import default_gguf_path
+
+    gguf = Path(gguf_path) if gguf_path is not None else default_gguf_path()
+    return gguf, Gemma3Config.from_gguf(GGUFFile(gguf)).max_position_embeddings
+
+
+def _load(
+    source: tuple[Gemma3Config, Weights] | None, gguf: Path | None, progress: bool
+) -> tuple[Gemma3Config, Weights]:
+    """The config and fp32 weights every runner shares: ``source``, or the GGUF's."""
+    if source is not None:
+        return source
+    from duetime.engine.weights import load_weights
+
+    assert gguf is not None
+    return load_weights(gguf, progress=progress)
+
+
+def _time_prefill(
+    runners: dict[str, Runner], figs: dict[str, Column], ids: list[int], reps: int
+) -> None:
+    """One prefill cell, reps interleaved across runners so a neighbour's load hits all alike."""
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for rep in range(reps):
+        for name, r in runners.items():
+            if isinstance(r, Gemma3):
+                times[name].append(prefill_s(r, ids))
+            elif rep == 0 and isinstance(r, HFRunner):
+                times[name].append(r.generate(torch.tensor([ids]), 1)[0])
+            elif isinstance(r, LlamaCppRunner):
+                times[name].append(r.prefill_s(ids))
+    n = len(ids)
+    for name, ts in times.items():
+        figs[name]["prefill"].append(
+            {"tokens": n, "prefill_tok_s": n / _median(ts), "prefill_s": _median(ts)}
+        )
+
+
+def _time_decode(
+    runners: dict[str, Runner],
+    figs: dict[str, Column],
+    prompts: list[list[int]],
+    grid: _Grid,
+    cfg: Gemma3Config,
+    bandwidth: float,
+) -> None:
+    """One decode cell, interleaved like a prefill cell, so a neighbour's load hits all alike."""
+    engine_cells = {k: _EngineCell(r, prompts) for k, r in runners.items() if isinstance(r, Gemma3)}
+    for c in engine_cells.values():
+        c.steps(1)  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for rep in range(grid.reps):
+        for name, r in runners.items():
+            if name in engine_cells:
+                times[name] += engine_cells[name].steps(grid.n_steps)
+            elif rep == 0 and isinstance(r, HFRunner):
+                times[name] += r.generate(torch.tensor(prompts), grid.n_steps + 2)[1][1:]
+            elif isinstance(r, LlamaCppRunner):
+                times[name] += r.decode_steps_s(prompts, grid.n_steps)
+    del engine_cells
+    for name, ts in times.items():
+        if ts:
+            figs[name]["decode"].append(
+                _decode_cell(figs[name], ts, len(prompts), grid, cfg, bandwidth)
+            )
+
+
+def _decode_cell(
+    f: Column, ts: list[float], b: int, grid: _Grid, cfg: Gemma3Config, bandwidth: float
+) -> dict[str, Any]:
+    """A runner's decode figures for batch ``b``, beside the memory roofline that bounds them."""
+    step = _median(ts)
+    kv_ctx = grid.ctx + grid.n_steps * grid.reps // 2
+    weight_mb = f.get("weight_mb_by_batch", {}).get(b, f["weight_mb"])
+    nbytes = weight_mb * 1e6 + kv_bytes_read(cfg, b, kv_ctx, f["kv_itemsize"])
+    roof = b * bandwidth * 1e9 / nbytes
+    return {
+        "batch": b,
+        "decode_tok_s": b / step,
+        "step_ms": step * 1e3,
+        "step_ms_best": min(ts) * 1e3,
+        "bytes_per_step_mb": nbytes / 1e6,
+        "roofline_tok_s": roof,
+        "roofline_fraction": b / step / roof,
+    }
+
+
+def _agreement(
+    runners: dict[str, Runner],
+    engines: Sequence[str],
+    real: bool,
+    cfg: Gemma3Config,
+    g: torch.Generator,
+    n: int,
+) -> dict[str, Any]:
+    """Top-1 agreement of each non-fp32 engine variant with fp32: the fidelity its speed costs."""
+    models = {k: r for k, r in runners.items() if isinstance(r, Gemma3)}
+    agree: dict[str, Any] = {}
+    ref = models.get("fp32")
+    if ref is not None:
+        prompts = agreement_prompts(real, cfg, g)
+        for name in engines:
+            if name != "fp32" and ENGINE_VARIANTS[name]["dtype"] != "fp32":
+                share, positions = agreement(ref, models[name], prompts, n)
+                agree[name] = {"top1_agreement_vs_fp32": share, "positions": positions}
+    return agree
+
+
+def _machine() -> dict[str, Any]:
+    """What the figures were measured on, to tell runs on different machines apart."""
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
     }
 
 
