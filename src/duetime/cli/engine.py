@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import platform
-import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -18,31 +14,13 @@ from duetime.cli.common import (
     PlotOpt,
     ThreadsOpt,
     _fail,
-    _progress,
     _user_errors,
     app,
     pct_text,
     writable,
 )
 from duetime.cli.common import out as console
-
-
-def _print_misses(
-    rows: list[dict[str, object]], what: str = "held-out steps", top: int = 8
-) -> None:
-    """The step shapes the model misses most, as a small table."""
-    console.print(f"where the model misses most ({what}, by share of the error):")
-    head = (
-        f"  {'decoders':>9} {'prompt tok':>10} {'steps':>6} {'MAPE %':>7} {'median %':>9} "
-        f"{'share %':>8}"
-    )
-    console.print(head)
-    for r in rows[:top]:
-        console.print(
-            f"  {r['decoders']!s:>9} {r['prompt_tokens']!s:>10} {r['steps']!s:>6} "
-            f"{float(r['mape_pct']):>7.1f} {float(r['median_error_pct']):>+9.1f} "  # type: ignore[arg-type]
-            f"{float(r['error_share_pct']):>8.1f}"  # type: ignore[arg-type]
-        )
+from duetime.cli.profile_engine import print_misses
 
 
 def _set_threads(threads: int) -> None:
@@ -114,148 +92,15 @@ def profile(
             max_batch_tokens=max_batch_tokens, timeout_s=timeout,
         )  # fmt: skip
         return
-    from duetime.core.cost import LinearStepCost
-    from duetime.engine import load_model
-    from duetime.engine.cost_regimes import regimes_of
-    from duetime.engine.profile import (
-        ProfileGrid,
-        measure_evictions,
-        measure_noise,
-        measure_steps,
-        noise_drift_pct,
-        noise_floor_pct,
-        pool_noise,
-        serving_steps,
-    )
-    from duetime.engine.step_samples import write_steps
-    from duetime.metrics import write_json
-    from duetime.predict.cost_report import engine_of, profile_payload, repeat_floor_pct
+    from duetime.cli.profile_engine import profile_engine
 
     with _user_errors():
-        from duetime.engine.gemma3 import DTYPES
-
-        if dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        _set_threads(threads)
-        t0 = time.perf_counter()
-        model = load_model(dtype=dtype)  # type: ignore[arg-type]
-        load_s = time.perf_counter() - t0
-        grid = ProfileGrid.quick() if quick else ProfileGrid()
-        noise_reps = 4 if quick else 15
-        t0 = time.perf_counter()
-        with console.status("repeating identical steps for the noise floor (start)"):
-            noise_first = measure_noise(model, reps=noise_reps)
-        prog, cb = _progress(1, "profiling")
-        with prog:
-            samples = measure_steps(model, grid, progress=cb)
-        grid_steps = len(samples)
-        if serve_requests:
-            # --quick serves at most 4 short requests: say how many really run.
-            n_serve = min(serve_requests, 4) if quick else serve_requests
-            note = f" (--quick: {serve_requests} asked)" if n_serve != serve_requests else ""
-            with console.status(f"serving {n_serve} ShareGPT requests{note} for in-situ steps"):
-                samples += serving_steps(
-                    model,
-                    requests=n_serve,
-                    max_prompt=32 if quick else 256,
-                    max_output=8 if quick else 64,
-                )
-        evictions = measure_evictions(model, (32, 64) if quick else (128, 256, 512))
-        with console.status("repeating identical steps for the noise floor (end)"):
-            noise_last = measure_noise(model, reps=noise_reps)
-        noise = pool_noise(noise_first, noise_last)
-        measure_s = time.perf_counter() - t0
-        name = f"gemma3-270m-cpu-{dtype}-t{threads}"
-        source = (
-            f"measured by `duetime profile` on {platform.node()} ({platform.machine()}, "
-            f"{threads} torch threads, {dtype}) at "
-            f"{datetime.now(UTC).isoformat(timespec='seconds')}: {len(samples)} timed steps "
-            f"({grid_steps} of the grid, {len(samples) - grid_steps} of a serving run)"
-        )
-        payload = profile_payload(
-            samples,
-            name=name,
-            source=source,
-            kv_capacity_tokens=kv_capacity,
-            max_num_seqs=max_num_seqs,
+        profile_engine(
+            dtype=dtype, threads=threads, quick=quick, serve_requests=serve_requests,
+            out=out, json_path=json_path, samples_path=samples_path, plot=plot,
+            kv_capacity=kv_capacity, max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
-            regimes=regimes_of(model),
-            noise_floor_pct=noise_floor_pct(noise),
-            noise=[dataclasses.asdict(n) for n in noise],
-            noise_drift_pct=noise_drift_pct(noise_first, noise_last),
-            repeat_floor=repeat_floor_pct(samples[grid_steps:])[0],
-            evictions=evictions,
-            engine=engine_of(dtype, threads),
-        )
-        write_json(out, payload)
-        if samples_path is not None:
-            sources = ["grid"] * grid_steps + ["serving"] * (len(samples) - grid_steps)
-            write_steps(samples_path, samples, sources)
-        if plot is not None:
-            from duetime.predict.cost_plot import plot_step_fit
-
-            plot_step_fit(
-                LinearStepCost.from_dict(payload, str(out)), samples, plot,
-                floor_pct=payload["verdict_floor_pct"],  # type: ignore[arg-type]
-                title=f"{name}: every timed step, the fit of all",
-            )  # fmt: skip
-    held = payload["heldout"]
-    assert isinstance(held, dict)
-    coeffs = payload["coefficients"]
-    assert isinstance(coeffs, dict)
-    cost_e = coeffs["e"]  # fitted from the timed evictions
-    report = {
-        "profile": str(out),
-        "load_s": load_s,
-        "measure_s": measure_s,
-        "samples": len(samples),
-        "grid_samples": grid_steps,
-        "serving_samples": len(samples) - grid_steps,
-        "batch_model_mape_pct": held["batch_model_mape_pct"],
-        "model_prefill_mape_pct": held["model_prefill_mape_pct"],
-        "model_decode_mape_pct": held["model_decode_mape_pct"],
-        "model_mixed_mape_pct": held["model_mixed_mape_pct"],
-        "ete_prefill_mape_pct": held["ete_prefill_mape_pct"],
-        "ete_decode_mape_pct": held["ete_decode_mape_pct"],
-        "noise_floor_pct": payload["noise_floor_pct"],
-        "noise_drift_pct": payload["noise_drift_pct"],
-        "repeat_floor_pct": payload["repeat_floor_pct"],
-        "verdict_floor_pct": payload["verdict_floor_pct"],
-        "noise": payload["noise"],
-        "verdict": payload["verdict"],
-        "at_noise_limit": payload["at_noise_limit"],
-        "regimes": payload.get("regimes"),
-        "attention": payload.get("attention"),
-        "misses": payload["misses"],
-        "eviction_s_per_kv_token": cost_e,
-        "eviction_ms_at_max_len": 1e3 * max(evictions)[1] if evictions else None,
-    }
-    console.print(
-        f"profiled {len(samples)} steps in {measure_s:.1f} s (model load {load_s:.1f} s)\n"
-        f"held-out MAPE, step-cost model: all {pct_text(held['batch_model_mape_pct'])}, prompts "
-        f"{pct_text(held['model_prefill_mape_pct'])}, "
-        f"decodes {pct_text(held['model_decode_mape_pct'])}, "
-        f"mixed {pct_text(held['model_mixed_mape_pct'])}; TimeBill's ETE form: whole prompts "
-        f"{pct_text(held['ete_prefill_mape_pct'])}, one-sequence decodes "
-        f"{pct_text(held['ete_decode_mape_pct'])}\n"
-        f"{payload['verdict']} (the floor: the larger of identical steps repeated at the "
-        f"start and the end, whose median moved {pct_text(payload['noise_drift_pct'])}, and the "
-        f"serving run's steps of one shape, {pct_text(payload['repeat_floor_pct'])} spread)\n"
-        f"SnapKV eviction {1e6 * cost_e:.1f} µs per KV token held"
-    )
-    shape = payload.get("attention")
-    if isinstance(shape, dict):
-        console.print(
-            f"prompt attention counted as the kernels compute it: {shape['sliding_layers']} "
-            f"of {shape['layers']} layers see the last {shape['window']} keys, a chunk of more "
-            f"than {shape['block']} rows runs in blocks"
-        )
-    if payload["at_noise_limit"] is False:
-        _print_misses(report["misses"])
-    written = [str(p) for p in (out, samples_path, plot) if p is not None]
-    console.print(f"wrote {', '.join(written)}")
-    if json_path is not None:
-        write_json(json_path, report)
+        )  # fmt: skip
 
 
 @app.command()
@@ -391,6 +236,6 @@ def validate(
             f"steps took {in_sum} the profile's in sum)"
         )
         if step_error > AT_LIMIT_FACTOR * step_floor:
-            _print_misses(fig["step_misses"], "this run's steps")
+            print_misses(fig["step_misses"], "this run's steps")
     if json_path is not None:
         write_json(json_path, fig)
