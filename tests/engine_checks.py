@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 from duetime.core.decision import Decision
+from duetime.core.request import Job, Request
 from duetime.core.sequence import SeqStatus
 from duetime.core.snapshot import EngineSnapshot
 from duetime.engine import greedy_generate
@@ -25,6 +26,21 @@ def solo_answer(model: Gemma3, prompt: tuple[int, ...], n: int) -> list[int]:
     if key not in _REF:
         _REF[key] = greedy_generate(model, [list(prompt)], n)[0]
     return _REF[key]
+
+
+def engine_job(rid: int, prompt: tuple[int, ...], output: int, **kw: Any) -> Job:
+    """A job of ``prompt`` arriving at ``arrival`` (0), ``output`` tokens long, with its
+    ``segments`` and ``gaps``; the other keywords go to its request."""
+    segs = kw.pop("segments", ())
+    gaps = kw.pop("gaps", ())
+    arrival = kw.pop("arrival", 0.0)
+    req = Request(rid=rid, arrival=arrival, prompt_len=len(prompt), prompt_token_ids=prompt, **kw)
+    return Job(req, output, segs, gaps)
+
+
+def random_prompt(r: random.Random, n: int) -> tuple[int, ...]:
+    """``n`` random token ids below 256 (the tiny model's vocabulary)."""
+    return tuple(r.randrange(256) for _ in range(n))
 
 
 class CheckedEngine(EngineExecutor):

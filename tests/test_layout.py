@@ -2,9 +2,7 @@
 hold tests alone.
 
 - A Python file in src/ or tests/ is at most 400 lines, a doc at most 300: past that a
-  file has more than one job, and a reader cannot find the one they came for. Three
-  engine test files are kept whole (:data:`KEPT_WHOLE`): they are the kernel and
-  executor tests that vouch for the engine's behaviour, so they change only with it.
+  file has more than one job, and a reader cannot find the one they came for.
 - C++ lives in ``.cpp`` / ``.h`` files under ``engine/csrc/``, where a compiler,
   formatter and editor see it, never in a Python string.
 - A test file that imports another (``from tests.test_server import _state``) ties the
@@ -22,7 +20,6 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 MAX_PY_LINES = 400
 MAX_DOC_LINES = 300
-KEPT_WHOLE = {"test_engine_fuzz.py", "test_engine_eviction.py", "test_engine_q8.py"}
 IMPORTS_A_TEST = re.compile(r"^\s*(?:from|import)\s+tests\.test_\w+", re.MULTILINE)
 # Lines only C++ source has: an include at the start of a line (a Python comment has a
 # space after its '#'), an op registration, a function taking or returning a tensor.
@@ -58,7 +55,7 @@ def test_python_files_are_at_most_400_lines() -> None:
         f"{p.relative_to(ROOT)}: {n}"
         for tree in ("src", "tests")
         for p in sorted((ROOT / tree).rglob("*.py"))
-        if (n := _lines(p)) > MAX_PY_LINES and p.name not in KEPT_WHOLE
+        if (n := _lines(p)) > MAX_PY_LINES
     ]
     assert not long, "split along the file's seams:\n" + "\n".join(long)
 
