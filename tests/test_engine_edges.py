@@ -31,12 +31,7 @@ from duetime.engine.testing import engine_from_hf, hf_greedy, tiny_hf_model
 from duetime.policies import make_policy
 from duetime.policies.base import QueuePolicy
 from duetime.sim import SimConfig, Simulator
-from tests.engine_checks import (
-    CheckedEngine,
-    engine_job,
-    random_prompt,
-    solo_answer,
-)
+from tests.engine_checks import CheckedEngine, engine_job, random_prompt, solo_answer
 from tests.factories import SIMPLE_COST
 
 

@@ -30,12 +30,7 @@ from duetime.engine.executor import StopRule
 from duetime.engine.gemma3 import Gemma3
 from duetime.engine.segment_stop import SegmentRule, TextSegmenter
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
-from tests.engine_checks import (
-    CheckedEngine,
-    EngineChaos,
-    engine_job,
-    solo_answer,
-)
+from tests.engine_checks import CheckedEngine, EngineChaos, engine_job, solo_answer
 
 
 @pytest.fixture(scope="module")
