@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -28,6 +28,10 @@ from duetime.cli.common import (
 )
 from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S
+
+if TYPE_CHECKING:  # (the server's modules import torch: not before it serves)
+    from duetime.server.autosize import ServeLimits
+    from duetime.server.build import ServeOptions
 
 
 @app.command()
@@ -161,12 +165,7 @@ def serve(
 
         if dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        try:
-            kwargs = json.loads(policy_args) if policy_args else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--policy-args is not valid JSON: {e.msg}") from None
-        if not isinstance(kwargs, dict):
-            raise ValueError("--policy-args must be a JSON object")
+        kwargs = _policy_kwargs(policy_args)
         if profile is not None:  # its engine before the model loads
             from duetime.core.cost import LinearStepCost
             from duetime.predict.cost_report import check_profile_engine
@@ -218,16 +217,44 @@ def serve(
         options.limits = sizing.as_dict()
         state = build_state(options, loaded, codec, name)
         port = bound_port(host, port)
+    _announce(name, policy, host, port, options, sizing)
+    app = create_app(state)
+    run_server(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        shutdown_timeout_s=shutdown_timeout,
+        header_timeout_s=header_timeout,
+    )
+
+
+def _policy_kwargs(text: str | None) -> dict[str, object]:
+    """``--policy-args``: a JSON object of the policy's keyword arguments ({} if none)."""
+    try:
+        kwargs = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--policy-args is not valid JSON: {e.msg}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--policy-args must be a JSON object")
+    return kwargs
+
+
+def _announce(
+    name: str, policy: str, host: str, port: int, options: ServeOptions, sizing: ServeLimits
+) -> None:
+    """The start-up lines on stderr: where it serves, the batch limits and why they are
+    what they are, and a request to try."""
     err.print(
         f"duetime: serving [bold]{name}[/] with policy [bold]{policy}[/] on "
-        f"http://{host}:{port}/v1 (KV budget {kv_capacity} tokens)",
+        f"http://{host}:{port}/v1 (KV budget {options.kv_capacity} tokens)",
         highlight=False,
     )
     why = f"{sizing.source}"
     if sizing.decode_step_ms is not None:
         why += (
             f": decode step {sizing.decode_step_ms:.0f} ms at that batch and "
-            f"{sizing.context_tokens} tokens a sequence, TPOT target {tpot_target_ms:g} ms"
+            f"{sizing.context_tokens} tokens a sequence, TPOT target {sizing.tpot_target_ms:g} ms"
         )
     err.print(
         f"  up to {options.max_num_seqs} sequences at once, {options.max_batch_tokens} "
@@ -241,15 +268,6 @@ def serve(
         f'"deadline_ms": 5000}}\'',
         highlight=False,
         soft_wrap=True,
-    )
-    app = create_app(state)
-    run_server(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        shutdown_timeout_s=shutdown_timeout,
-        header_timeout_s=header_timeout,
     )
 
 
