@@ -16,6 +16,16 @@ from duetime.cli.common import (
     predict_app,
     writable,
 )
+from duetime.cli.predict_train import (
+    check_option_combinations,
+    check_precision_and_device,
+    check_train_numbers,
+    report_test_metrics,
+    rlp_config,
+    save_model,
+    train_finetuned,
+    train_head,
+)
 from duetime.predict.ala_limits import MAX_BATCH, MAX_TOKENS
 
 # `train-length` and `export-length-data`: the bucket range the model is trained for.
@@ -115,137 +125,61 @@ def predict_train_length(
     checkpoint (``<out>.ckpt``) is written after every epoch and removed once
     the model file is saved; after an interruption, ``--resume`` continues it.
     """
-    from duetime.metrics import write_json
-    from duetime.predict.length_model import RLPConfig
-
     finetune = encoder.partition(":")[0] == "minilm-ft"
     with _user_errors():
-        _check_train_numbers(
+        check_train_numbers(
             coverage=coverage,
             lr=lr,
             encoder_lr=encoder_lr,
             label_sigma=label_sigma,
             dropout=dropout,
         )
-        if bundle is not None and not finetune:
-            raise ValueError("--bundle feeds a fine-tuned encoder only (--encoder minilm-ft...)")
-        if all_turns and not finetune:
-            raise ValueError(
-                "--all-turns feeds a fine-tuned encoder only (--encoder minilm-ft...): "
-                "a frozen encoder's head did not gain from them (docs/predictors.md)"
-            )
-        if all_turns and bundle is not None:
-            raise ValueError("--all-turns builds the rows; a --bundle has its rows already")
-        if teachers and not finetune:
-            raise ValueError(
-                "--teacher distils into a fine-tuned encoder only (--encoder minilm-ft...)"
-            )
-        if soft_weight is not None and not teachers:
-            raise ValueError("--soft-weight weighs the teachers' distribution: give --teacher")
-        from duetime.predict.precision import resolve_precision
-
-        resolve_precision(precision, device)  # a bad --precision fails before the data loads
-        if finetune:
-            from duetime.predict.length_finetune import check_device
-
-            check_device(device)  # and so does a bad --device
-        cfg = RLPConfig(
+        check_option_combinations(
+            finetune=finetune,
+            bundle=bundle,
+            all_turns=all_turns,
+            teachers=teachers,
+            soft_weight=soft_weight,
+        )
+        check_precision_and_device(precision, device, finetune=finetune)
+        cfg = rlp_config(
+            finetune=finetune,
+            distil=bool(teachers),
             bucket_size=bucket_size,
             max_len=max_len,
             encoder=encoder,
             hidden=hidden,
-            dropout=dropout if dropout is not None else (0.1 if finetune else 0.2),
-            epochs=epochs or (6 if finetune else 40),
-            batch_size=batch_size or (32 if finetune else 256),
+            dropout=dropout,
+            epochs=epochs,
+            batch_size=batch_size,
             lr=lr,
             label_sigma=label_sigma,
             readout=readout,
             seed=seed,
             lora_rank=lora_rank,
             encoder_lr=encoder_lr,
-            soft_weight=(1.0 if soft_weight is None else soft_weight) if teachers else 0.0,
+            soft_weight=soft_weight,
             train_seed=train_seed,
         )
         ckpt = out_path.with_name(out_path.name + ".ckpt")
         if finetune:
-            from duetime.predict.length_finetune import train_finetuned_rlp
-            from duetime.predict.length_tokens import TokenBundle, build_bundle
-
-            tokens = (
-                TokenBundle.load(bundle)
-                if bundle is not None
-                else build_bundle(max_len=max_len, seed=seed, all_turns=all_turns)
-            )
-            if tokens.split_seed not in (None, seed):
-                raise ValueError(
-                    f"{bundle}: its rows were split with seed {tokens.split_seed}, not --seed "
-                    f"{seed}; --seed names the split (the model file records it and the bench "
-                    "splits by it again): vary the training with --train-seed"
-                )
-            soft, soft_id = None, None
-            if teachers:
-                from duetime.predict.length_distill import (
-                    teacher_distributions,
-                    teachers_digest,
-                    teachers_meta,
-                )
-
-                soft = teacher_distributions(tokens, teachers, cfg, device=device)
-                soft_id = teachers_digest(teachers)
-            rlp = train_finetuned_rlp(
-                tokens,
+            rlp = train_finetuned(
                 cfg,
+                bundle=bundle,
+                all_turns=all_turns,
+                teachers=teachers,
                 device=device,
                 checkpoint=ckpt,
                 resume=resume,
                 coverage=coverage,
                 precision=precision,
-                soft_targets=soft,
-                soft_identity=soft_id,
             )
-            if teachers:
-                rlp.meta["teachers"] = teachers_meta(teachers)
         else:
-            from duetime.predict.length_features import make_encoder
-            from duetime.predict.length_fit import load_length_data, train_rlp
-
-            static = encoder.partition(":")[0] == "minilm-static"  # a lookup: fp32 unless asked
-            infer = (
-                "fp32" if static and precision == "auto" else resolve_precision(precision, "cpu")
+            rlp = train_head(
+                cfg, precision=precision, checkpoint=ckpt, resume=resume, coverage=coverage
             )
-            enc = make_encoder(encoder, precision=infer)
-            data = load_length_data(enc, max_len=max_len, seed=seed)
-            rlp = train_rlp(data, cfg, checkpoint=ckpt, resume=resume, coverage=coverage)
-        rlp.save(out_path)
-        ckpt.unlink(missing_ok=True)  # the model file is written: nothing left to resume
-    m = rlp.meta["test_metrics"][cfg.readout]
-    out.print(
-        f"wrote {escape(str(out_path))} (best epoch {rlp.meta['best_epoch']}/{cfg.epochs}); "
-        f"test, {readout}: "
-        f"MAE {m['mae_tokens']:.1f} tokens, RMSE {m['rmse_tokens']:.1f}, R² {m['r2']:.3f}, "
-        f"bucket acc {m['bucket_acc']:.3f}, {coverage:.0%} interval covers {m['coverage']:.3f} "
-        f"(mean width {m['interval_width_tokens']:.0f} tokens)"
-    )
-    if json_path is not None:
-        write_json(json_path, {"config": rlp.config, "meta": rlp.meta})
-
-
-def _check_train_numbers(
-    *, coverage: float, lr: float, encoder_lr: float, label_sigma: float, dropout: float | None
-) -> None:
-    """Numbers typer's own range checks let through (NaN passes ``min``/``max``; the rates
-    have no range): refused before any data loads, not after the training."""
-    import math
-
-    if not (math.isfinite(coverage) and 0 < coverage < 1):
-        raise ValueError(f"--coverage must be in (0, 1), got {coverage}")
-    for opt, v in (("--lr", lr), ("--encoder-lr", encoder_lr)):
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{opt} must be finite and > 0, got {v}")
-    if not math.isfinite(label_sigma):
-        raise ValueError(f"--label-sigma must be finite, got {label_sigma}")
-    if dropout is not None and not math.isfinite(dropout):
-        raise ValueError(f"--dropout must be finite, got {dropout}")
+        save_model(rlp, out_path, ckpt)
+    report_test_metrics(rlp, cfg, out_path=out_path, coverage=coverage, json_path=json_path)
 
 
 @predict_app.command("export-length-data")
