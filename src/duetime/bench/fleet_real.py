@@ -43,7 +43,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,9 @@ __all__ = ["FleetRealConfig", "Progress", "run_fleet_real"]
 
 #: ``progress(stage, done, total)``: a stage's label and how far it is.
 Progress = Callable[[str, int, int], None]
+
+#: One simulated run: its row, its records, each request's replica.
+_Sim = tuple[dict[str, Any], list[Any], dict[int, int]]
 
 
 # --- the trace as the simulator takes it -------------------------------------------------
@@ -123,7 +126,7 @@ def _default_deadlines(
 
 def _simulate(
     cfg: FleetRealConfig, specs: Sequence[ReplicaSpec], router: str, jobs: Sequence[Job]
-) -> tuple[dict[str, Any], list[Any], dict[int, int]]:
+) -> _Sim:
     """The trace through the simulated fleet: its row, its records, each request's replica."""
     fresh = [Job(replace(j.request), j.output_len) for j in jobs]
     fleet = Fleet(specs, lambda: make_policy(cfg.policy), make_router(router, seed=cfg.seed))
@@ -136,11 +139,7 @@ def _simulate(
 def run_fleet_real(cfg: FleetRealConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Start the fleet, run every router real and simulated, end every process."""
     cfg.check()
-
-    def step(stage: str, done: int, total: int) -> None:
-        if progress is not None:
-            progress(stage, done, total)
-
+    step = _stepper(progress)
     # the trace's shapes before any process starts (a class --deadline names that no
     # request has is refused here); lengths and classes do not depend on the rate
     shapes = cfg.trace(class_mix=cfg.class_mix, deadlines=cfg.deadlines).build(1.0)
@@ -151,69 +150,148 @@ def run_fleet_real(cfg: FleetRealConfig, progress: Progress | None = None) -> di
     ):
         tmp = Path(d)
         given = cfg.external_profiles()
-        step("starting backends", 0, 1)
-        own = [b.url for b in start_backends(cfg, procs)]
-        step("starting backends", 1, 1)
+        own = _start_own(cfg, procs, step)
         model, max_len = served_model(client, own[0])
         tokens = prompt_tokens(client, own[0], [lr.prompt for lr in shapes])
         shape_jobs = _jobs(shapes, tokens, max_len)  # a prompt too long: refused before warm-up
         longest = max(j.request.prompt_len + j.output_len for j in shape_jobs)
         check_external(client, list(given), model, longest)
         urls = own + list(given)
-        warm = None
-        for round_ in range(WARMUP_ROUNDS):
-            step("warm-up", round_, WARMUP_ROUNDS)
-            warm_up(cfg, own, model, round_)
-            warm = profiles(client, urls, tmp, "warmup", given)
-            if warm is not None:
-                break
-        if warm is None:
-            raise FleetStartError(
-                f"a backend of {', '.join(own)} published no cost model at /v1/profile "
-                f"after {WARMUP_ROUNDS} warm-up bursts"
-            )
-        step("warm-up", WARMUP_ROUNDS, WARMUP_ROUNDS)
+        warm = _warm_profiles(cfg, client, own, urls, tmp, given, model, step)
         warm_specs = specs_of(urls, tmp, "warmup")
-        capacity = sum(capacity_req_s(s, shape_jobs) for s in warm_specs)
-        rate = cfg.rate if cfg.rate is not None else cfg.load * capacity
-        mix, deadlines = cfg.class_mix, cfg.deadlines
-        if not deadlines:
-            mix, deadlines = _default_deadlines(cfg, warm_specs, shape_jobs)
-        plan = cfg.trace(class_mix=mix, deadlines=deadlines).build(rate)
-        tokens.update(prompt_tokens(client, own[0], [lr.prompt for lr in plan]))
-        jobs = _jobs(plan, tokens, max_len)
+        trace = _trace(cfg, client, own[0], warm_specs, shape_jobs, tokens, max_len)
         runs = []
         for k, router in enumerate(cfg.routers):
             stage = f"{router}: real ({k + 1}/{len(cfg.routers)})"
-            real = real_run(cfg, procs, urls, router, model, plan, partial(step, stage))
+            real = real_run(cfg, procs, urls, router, model, trace.plan, partial(step, stage))
             after = profiles(client, urls, tmp, f"{router}-after", given)
             after_specs = specs_of(urls, tmp, f"{router}-after") if after else warm_specs
             step(f"{router}: simulated", 0, 1)
-            sim_row, sim_records, sim_routes = _simulate(cfg, after_specs, router, jobs)
-            warm_row, warm_records, warm_routes = _simulate(cfg, warm_specs, router, jobs)
+            sim = _simulate(cfg, after_specs, router, trace.jobs)
+            sim_warm = _simulate(cfg, warm_specs, router, trace.jobs)
             step(f"{router}: simulated", 1, 1)
-            figures, pairs = compare(real["records"], sim_records)
-            figures["routed_alike"] = routed_alike(real["routes"], sim_routes)
-            for pair in pairs:
-                pair["real_replica"] = real["routes"].get(pair["rid"])
-                pair["sim_replica"] = sim_routes.get(pair["rid"])
-            warm_figures = compare(real["records"], warm_records)[0]
-            warm_figures["routed_alike"] = routed_alike(real["routes"], warm_routes)
-            runs.append(
-                {
-                    "router": router,
-                    "real": real["row"],
-                    "sim": sim_row,
-                    "sim_warmup": warm_row,
-                    "compare": figures,
-                    "compare_warmup": warm_figures,
-                    "profiles_after": after,
-                    "pairs": pairs,
-                    # each request's replica (index into "backends"), also those refused
-                    # by a backend (its 429 names it); the gateway's own refusals have none
-                    "routes": {"real": real["routes"], "sim": sim_routes},
-                }
-            )
+            runs.append(_router_entry(router, real, after, sim, sim_warm))
+    return _report(cfg, model, urls, given, trace, warm, runs)
+
+
+# --- its phases --------------------------------------------------------------------------
+def _stepper(progress: Progress | None) -> Progress:
+    """A step to call at every stage whether or not the caller asked for progress."""
+
+    def step(stage: str, done: int, total: int) -> None:
+        if progress is not None:
+            progress(stage, done, total)
+
+    return step
+
+
+def _start_own(cfg: FleetRealConfig, procs: LocalProcesses, step: Progress) -> list[str]:
+    """Start the backends this run owns (the slow part of a start); their URLs."""
+    step("starting backends", 0, 1)
+    own = [b.url for b in start_backends(cfg, procs)]
+    step("starting backends", 1, 1)
+    return own
+
+
+def _warm_profiles(
+    cfg: FleetRealConfig,
+    client: httpx.Client,
+    own: Sequence[str],
+    urls: Sequence[str],
+    tmp: Path,
+    given: Mapping[str, dict[str, Any]],
+    model: str,
+    step: Progress,
+) -> list[dict[str, Any]]:
+    """Warm-up bursts to the backends this run owns until every backend publishes a cost
+    model (its online fit needs steps first): the warm-up profiles, also written to
+    ``tmp``. A backend still without one after the last burst ends the run."""
+    for round_ in range(WARMUP_ROUNDS):
+        step("warm-up", round_, WARMUP_ROUNDS)
+        warm_up(cfg, own, model, round_)
+        warm = profiles(client, urls, tmp, "warmup", given)
+        if warm is not None:
+            step("warm-up", WARMUP_ROUNDS, WARMUP_ROUNDS)
+            return warm
+    raise FleetStartError(
+        f"a backend of {', '.join(own)} published no cost model at /v1/profile "
+        f"after {WARMUP_ROUNDS} warm-up bursts"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Trace:
+    """The trace every router runs, with the rate and classes it was built with."""
+
+    capacity: float  # requests/s the fleet takes, under the warm-up profiles
+    rate: float
+    mix: dict[str, float]
+    deadlines: dict[str, float]
+    plan: list[LoadRequest]
+    jobs: list[Job]  # the plan as the simulator takes it
+
+
+def _trace(
+    cfg: FleetRealConfig,
+    client: httpx.Client,
+    url: str,
+    warm_specs: Sequence[ReplicaSpec],
+    shape_jobs: Sequence[Job],
+    tokens: Mapping[str, int],
+    max_len: int,
+) -> _Trace:
+    """The trace at its rate: ``--rate``, or ``--load`` × the fleet's capacity; its
+    deadlines those given, or `bench fleet`'s. Both are priced by the warm-up profiles on
+    the trace's shapes, and every prompt is counted by the backend at ``url``."""
+    capacity = sum(capacity_req_s(s, shape_jobs) for s in warm_specs)
+    rate = cfg.rate if cfg.rate is not None else cfg.load * capacity
+    mix, deadlines = cfg.class_mix, cfg.deadlines
+    if not deadlines:
+        mix, deadlines = _default_deadlines(cfg, warm_specs, shape_jobs)
+    plan = cfg.trace(class_mix=mix, deadlines=deadlines).build(rate)
+    counted = {**tokens, **prompt_tokens(client, url, [lr.prompt for lr in plan])}
+    return _Trace(capacity, rate, mix, deadlines, plan, _jobs(plan, counted, max_len))
+
+
+def _router_entry(
+    router: str, real: Mapping[str, Any], after: list[dict[str, Any]] | None, sim: _Sim, warm: _Sim
+) -> dict[str, Any]:
+    """One router's entry: the real run beside both simulations and how close each came,
+    with every request finished on both sides paired with the replica each sent it to."""
+    sim_row, sim_records, sim_routes = sim
+    warm_row, warm_records, warm_routes = warm
+    figures, pairs = compare(real["records"], sim_records)
+    figures["routed_alike"] = routed_alike(real["routes"], sim_routes)
+    for pair in pairs:
+        pair["real_replica"] = real["routes"].get(pair["rid"])
+        pair["sim_replica"] = sim_routes.get(pair["rid"])
+    warm_figures = compare(real["records"], warm_records)[0]
+    warm_figures["routed_alike"] = routed_alike(real["routes"], warm_routes)
+    return {
+        "router": router,
+        "real": real["row"],
+        "sim": sim_row,
+        "sim_warmup": warm_row,
+        "compare": figures,
+        "compare_warmup": warm_figures,
+        "profiles_after": after,
+        "pairs": pairs,
+        # each request's replica (index into "backends"), also those refused
+        # by a backend (its 429 names it); the gateway's own refusals have none
+        "routes": {"real": real["routes"], "sim": sim_routes},
+    }
+
+
+def _report(
+    cfg: FleetRealConfig,
+    model: str,
+    urls: Sequence[str],
+    given: Mapping[str, dict[str, Any]],
+    trace: _Trace,
+    warm: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The run's JSON: the fleet, the trace and how its rate was chosen, every router's."""
     return {
         "model": model,
         "replicas": len(urls),
@@ -223,17 +301,17 @@ def run_fleet_real(cfg: FleetRealConfig, progress: Progress | None = None) -> di
         "max_num_seqs": cfg.max_num_seqs,
         "max_batch_tokens": cfg.max_batch_tokens,
         "workload": cfg.workload,
-        "requests": len(plan),
+        "requests": len(trace.plan),
         "seed": cfg.seed,
         "backends": urls,
-        "capacity_req_s": capacity,
-        "rate_req_s": rate,
+        "capacity_req_s": trace.capacity,
+        "rate_req_s": trace.rate,
         "rate_chosen": cfg.rate is None,
         "load": cfg.load if cfg.rate is None else None,
-        "class_mix": mix,
-        "deadlines_s": deadlines,
-        "prompt_tokens_mean": statistics.fmean(j.request.prompt_len for j in jobs),
-        "output_tokens_mean": statistics.fmean(j.output_len for j in jobs),
+        "class_mix": trace.mix,
+        "deadlines_s": trace.deadlines,
+        "prompt_tokens_mean": statistics.fmean(j.request.prompt_len for j in trace.jobs),
+        "output_tokens_mean": statistics.fmean(j.output_len for j in trace.jobs),
         "profiles_warmup": warm,
         "runs": runs,
     }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -22,6 +22,11 @@ from duetime.cli.common import (
     err,
     out,
 )
+
+if TYPE_CHECKING:  # (imported when the command runs: the CLI starts without them)
+    from duetime.core.record import RequestRecord
+    from duetime.server.load_workload import LoadRequest, LoadWorkload
+    from duetime.server.loadgen import Bounds, Target
 
 
 @app.command()
@@ -104,44 +109,29 @@ def load(
     plot: PlotOpt = None,
 ) -> None:
     """Open-loop load against an OpenAI-compatible endpoint: TTFT, TBT, e2e, goodput, deadlines."""
-    from rich.markup import escape
-
-    from duetime.metrics import render_table, write_json
-    from duetime.server import load_workload as lw
-    from duetime.server.load_report import (
-        TABLE_KEYS,
-        plot_rates,
-        plot_run,
-        run_label,
-        summarize_run,
-        to_record,
-    )
+    from duetime.metrics import write_json
     from duetime.server.load_target import check_target, discover_model
-    from duetime.server.loadgen import Bounds, Target, run_load
+    from duetime.server.loadgen import Bounds, Target
 
     with _user_errors():
         base = check_target(url, allow_remote=allow_remote)
-        spec = lw.LoadWorkload(
+        spec = _workload_spec(
             workload=workload,
             requests=requests,
             arrival=arrival,
             cv=cv,
             burst_size=burst_size,
             seed=seed,
-            prompt_len=lw.parse_range(prompt_len, "--prompt-len"),
-            output_len=lw.parse_range(output_len, "--output-len"),
+            prompt_len=prompt_len,
+            output_len=output_len,
             max_tokens=max_tokens,
             max_context=max_context,
             fixed_max_tokens=fixed_max_tokens,
-            class_mix=lw.parse_mix(class_mix),
-            deadlines=lw.parse_deadlines(deadline or []),
-            priorities=lw.parse_class_values(priority or [], "--priority", int),
+            class_mix=class_mix,
+            deadline=deadline,
+            priority=priority,
         )
-        rates: list[float | None] = list(lw.parse_rates(rate))
-        if spec.is_trace:
-            if len(rates) > 1:
-                raise ValueError("a trace has its own arrival times: give one --rate, or none")
-            rates = [None]
+        rates = _rates(spec, rate)
         bounds = Bounds(
             max_requests=requests,
             duration_s=duration,
@@ -163,8 +153,85 @@ def load(
     )
     slo_s = None if slo_ttft_ms is None else slo_ttft_ms / 1000.0
 
+    rows, records = _run_plans(plans, target, bounds, requests, slo_s)
+    _print_table(rows, target, slo_s)
+    if json_path is not None:
+        write_json(json_path, {"config": _config(target, spec, bounds), "rows": rows})
+    if plot is not None:
+        _plot(rows, records, plot)
+    for path in (json_path, plot):
+        if path is not None:
+            out.print(f"wrote {Path(path)}")
+
+
+# --- before any request: the options as a workload and its rates --------------------------
+def _workload_spec(
+    *,
+    workload: str,
+    requests: int,
+    arrival: str,
+    cv: float,
+    burst_size: int,
+    seed: int,
+    prompt_len: str,
+    output_len: str,
+    max_tokens: int,
+    max_context: int,
+    fixed_max_tokens: int | None,
+    class_mix: str | None,
+    deadline: list[str] | None,
+    priority: list[str] | None,
+) -> LoadWorkload:
+    """The workload the options describe; the text options parsed here, in option order,
+    so that a bad one fails before any request is sent, naming its option."""
+    from duetime.server import load_workload as lw
+
+    return lw.LoadWorkload(
+        workload=workload,
+        requests=requests,
+        arrival=arrival,
+        cv=cv,
+        burst_size=burst_size,
+        seed=seed,
+        prompt_len=lw.parse_range(prompt_len, "--prompt-len"),
+        output_len=lw.parse_range(output_len, "--output-len"),
+        max_tokens=max_tokens,
+        max_context=max_context,
+        fixed_max_tokens=fixed_max_tokens,
+        class_mix=lw.parse_mix(class_mix),
+        deadlines=lw.parse_deadlines(deadline or []),
+        priorities=lw.parse_class_values(priority or [], "--priority", int),
+    )
+
+
+def _rates(spec: LoadWorkload, rate: str) -> list[float | None]:
+    """The rates to run, one run each. A trace brings its own arrival times, so it runs
+    once, at no rate (``None``), and a sweep of rates over it is refused."""
+    from duetime.server import load_workload as lw
+
+    rates: list[float | None] = list(lw.parse_rates(rate))
+    if spec.is_trace:
+        if len(rates) > 1:
+            raise ValueError("a trace has its own arrival times: give one --rate, or none")
+        rates = [None]
+    return rates
+
+
+# --- the runs ------------------------------------------------------------------------------
+def _run_plans(
+    plans: list[tuple[float | None, list[LoadRequest]]],
+    target: Target,
+    bounds: Bounds,
+    requests: int,
+    slo_s: float | None,
+) -> tuple[list[dict[str, Any]], dict[str, list[RequestRecord]]]:
+    """Send each rate's requests in turn: a summary row per run (for the table and the JSON)
+    and its requests' records by run label (for a plot of one run)."""
+    from duetime.server.load_report import run_label, summarize_run, to_record
+    from duetime.server.loadgen import run_load
+
     rows: list[dict[str, Any]] = []
-    records = {}
+    records: dict[str, list[RequestRecord]] = {}
     for r, plan in plans:
         label = run_label(r)
         prog, cb = _progress(min(len(plan), requests), f"load {label}")
@@ -174,43 +241,65 @@ def load(
         row = {"rate_req_s": r, "run": label, **summarize_run(run, slo_s)}
         rows.append(row)
         records[label] = [to_record(o) for o in run.sent]
-        if row["top_errors"]:
-            message, count = next(iter(row["top_errors"].items()))
-            # escape: the message quotes the server ("[/INST]" was a MarkupError traceback)
-            err.print(escape(f"{label}: {row['errors']} errors; most common ({count}×): {message}"))
+        _print_top_error(label, row)
+    return rows, records
+
+
+def _print_top_error(label: str, row: dict[str, Any]) -> None:
+    """Name a run's most common error as it ends: the table only counts them."""
+    from rich.markup import escape
+
+    if row["top_errors"]:
+        message, count = next(iter(row["top_errors"].items()))
+        # escape: the message quotes the server ("[/INST]" was a MarkupError traceback)
+        err.print(escape(f"{label}: {row['errors']} errors; most common ({count}×): {message}"))
+
+
+# --- the report ----------------------------------------------------------------------------
+def _print_table(rows: list[dict[str, Any]], target: Target, slo_s: float | None) -> None:
+    """One table row per run; deadline and TTFT-SLO columns only where the runs have them."""
+    from rich.markup import escape
+
+    from duetime.metrics import render_table
+    from duetime.server.load_report import TABLE_KEYS, run_label
 
     keys = list(TABLE_KEYS)
     keys += sorted({k for row in rows for k in row if k.startswith("deadline_hit_rate[")})
     if slo_s is not None:
         keys += ["ttft_slo_met", "ttft_slo_refused", "ttft_slo_refusal_p50_s"]
     shown = [(run_label(row["rate_req_s"]), row) for row in rows]  # render_table escapes labels
-    title = escape(f"{target.model} at {base}{target.path}")
+    title = escape(f"{target.model} at {target.base}{target.path}")
     out.print(render_table(shown, keys=keys, title=title))
-    if json_path is not None:
-        config = {
-            "url": base,
-            "model": target.model,
-            "endpoint": target.path,
-            "ignore_eos": ignore_eos,
-            "system_prompt_chars": len(system_prompt or ""),
-            "slo_ttft_ms": slo_ttft_ms,
-            "workload": workload,
-            "arrival": arrival,
-            "cv": cv,
-            "burst_size": burst_size,
-            "seed": seed,
-            "class_mix": spec.class_mix,
-            "deadlines_s": spec.deadlines,
-            "priorities": spec.priorities,
-            "bounds": bounds,
-        }
-        write_json(json_path, {"config": config, "rows": rows})
-    if plot is not None:
-        numeric = [row for row in rows if row["rate_req_s"] is not None]
-        if len(numeric) > 1:
-            plot_rates(numeric, plot)
-        else:
-            plot_run(records, plot)
-    for path in (json_path, plot):
-        if path is not None:
-            out.print(f"wrote {Path(path)}")
+
+
+def _config(target: Target, spec: LoadWorkload, bounds: Bounds) -> dict[str, Any]:
+    """The JSON's record of what was measured and how: enough to run it again."""
+    return {
+        "url": target.base,
+        "model": target.model,
+        "endpoint": target.path,
+        "ignore_eos": target.ignore_eos,
+        "system_prompt_chars": len(target.system_prompt or ""),
+        "slo_ttft_ms": target.slo_ttft_ms,
+        "workload": spec.workload,
+        "arrival": spec.arrival,
+        "cv": spec.cv,
+        "burst_size": spec.burst_size,
+        "seed": spec.seed,
+        "class_mix": spec.class_mix,
+        "deadlines_s": spec.deadlines,
+        "priorities": spec.priorities,
+        "bounds": bounds,
+    }
+
+
+def _plot(rows: list[dict[str, Any]], records: dict[str, list[RequestRecord]], plot: Path) -> None:
+    """A sweep of rates plots its metrics against the rate; a single run (or a trace)
+    plots its own requests, as there is no rate axis to draw."""
+    from duetime.server.load_report import plot_rates, plot_run
+
+    numeric = [row for row in rows if row["rate_req_s"] is not None]
+    if len(numeric) > 1:
+        plot_rates(numeric, plot)
+    else:
+        plot_run(records, plot)
