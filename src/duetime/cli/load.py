@@ -110,26 +110,29 @@ def load(
 ) -> None:
     """Open-loop load against an OpenAI-compatible endpoint: TTFT, TBT, e2e, goodput, deadlines."""
     from duetime.metrics import write_json
+    from duetime.server import load_workload as lw
     from duetime.server.load_target import check_target, discover_model
     from duetime.server.loadgen import Bounds, Target
 
     with _user_errors():
         base = check_target(url, allow_remote=allow_remote)
-        spec = _workload_spec(
+        # the text options parsed in option order: a bad one fails before any request is
+        # sent, naming its option
+        spec = lw.LoadWorkload(
             workload=workload,
             requests=requests,
             arrival=arrival,
             cv=cv,
             burst_size=burst_size,
             seed=seed,
-            prompt_len=prompt_len,
-            output_len=output_len,
+            prompt_len=lw.parse_range(prompt_len, "--prompt-len"),
+            output_len=lw.parse_range(output_len, "--output-len"),
             max_tokens=max_tokens,
             max_context=max_context,
             fixed_max_tokens=fixed_max_tokens,
-            class_mix=class_mix,
-            deadline=deadline,
-            priority=priority,
+            class_mix=lw.parse_mix(class_mix),
+            deadlines=lw.parse_deadlines(deadline or []),
+            priorities=lw.parse_class_values(priority or [], "--priority", int),
         )
         rates = _rates(spec, rate)
         bounds = Bounds(
@@ -165,45 +168,6 @@ def load(
 
 
 # --- before any request: the options as a workload and its rates --------------------------
-def _workload_spec(
-    *,
-    workload: str,
-    requests: int,
-    arrival: str,
-    cv: float,
-    burst_size: int,
-    seed: int,
-    prompt_len: str,
-    output_len: str,
-    max_tokens: int,
-    max_context: int,
-    fixed_max_tokens: int | None,
-    class_mix: str | None,
-    deadline: list[str] | None,
-    priority: list[str] | None,
-) -> LoadWorkload:
-    """The workload the options describe; the text options parsed here, in option order,
-    so that a bad one fails before any request is sent, naming its option."""
-    from duetime.server import load_workload as lw
-
-    return lw.LoadWorkload(
-        workload=workload,
-        requests=requests,
-        arrival=arrival,
-        cv=cv,
-        burst_size=burst_size,
-        seed=seed,
-        prompt_len=lw.parse_range(prompt_len, "--prompt-len"),
-        output_len=lw.parse_range(output_len, "--output-len"),
-        max_tokens=max_tokens,
-        max_context=max_context,
-        fixed_max_tokens=fixed_max_tokens,
-        class_mix=lw.parse_mix(class_mix),
-        deadlines=lw.parse_deadlines(deadline or []),
-        priorities=lw.parse_class_values(priority or [], "--priority", int),
-    )
-
-
 def _rates(spec: LoadWorkload, rate: str) -> list[float | None]:
     """The rates to run, one run each. A trace brings its own arrival times, so it runs
     once, at no rate (``None``), and a sweep of rates over it is refused."""

@@ -21,7 +21,6 @@ from duetime.cli.predict_train import (
     check_precision_and_device,
     check_train_numbers,
     report_test_metrics,
-    rlp_config,
     save_model,
     train_finetuned,
     train_head,
@@ -125,6 +124,8 @@ def predict_train_length(
     checkpoint (``<out>.ckpt``) is written after every epoch and removed once
     the model file is saved; after an interruption, ``--resume`` continues it.
     """
+    from duetime.predict.length_model import RLPConfig
+
     finetune = encoder.partition(":")[0] == "minilm-ft"
     with _user_errors():
         check_train_numbers(
@@ -142,23 +143,23 @@ def predict_train_length(
             soft_weight=soft_weight,
         )
         check_precision_and_device(precision, device, finetune=finetune)
-        cfg = rlp_config(
-            finetune=finetune,
-            distil=bool(teachers),
+        # a fine-tuned encoder overfits sooner and its steps cost more than a head's: its
+        # own dropout, epochs and batch size; the teachers' weight is 0 without teachers
+        cfg = RLPConfig(
             bucket_size=bucket_size,
             max_len=max_len,
             encoder=encoder,
             hidden=hidden,
-            dropout=dropout,
-            epochs=epochs,
-            batch_size=batch_size,
+            dropout=dropout if dropout is not None else (0.1 if finetune else 0.2),
+            epochs=epochs or (6 if finetune else 40),
+            batch_size=batch_size or (32 if finetune else 256),
             lr=lr,
             label_sigma=label_sigma,
             readout=readout,
             seed=seed,
             lora_rank=lora_rank,
             encoder_lr=encoder_lr,
-            soft_weight=soft_weight,
+            soft_weight=(1.0 if soft_weight is None else soft_weight) if teachers else 0.0,
             train_seed=train_seed,
         )
         ckpt = out_path.with_name(out_path.name + ".ckpt")

@@ -1,5 +1,5 @@
-"""The phases of `duetime predict train-length`: check the options, build the config,
-train (a fine-tuned encoder or a head on a frozen one), save, report.
+"""The phases of `duetime predict train-length`: check the options, train
+(a fine-tuned encoder or a head on a frozen one), save, report.
 
 The command in :mod:`duetime.cli.predict` calls these in that order. Every check runs
 before any data loads, so a wrong option costs a line, not a training run; the heavy
@@ -78,50 +78,6 @@ def check_precision_and_device(precision: str, device: str, *, finetune: bool) -
         from duetime.predict.length_finetune import check_device
 
         check_device(device)
-
-
-def rlp_config(
-    *,
-    finetune: bool,
-    distil: bool,
-    bucket_size: int,
-    max_len: int,
-    encoder: str,
-    hidden: int,
-    dropout: float | None,
-    epochs: int | None,
-    batch_size: int | None,
-    lr: float,
-    label_sigma: float,
-    readout: str,
-    seed: int,
-    lora_rank: int,
-    encoder_lr: float,
-    soft_weight: float | None,
-    train_seed: int | None,
-) -> RLPConfig:
-    """The model's hyper-parameters from the options. Dropout, epochs and batch size
-    default by the kind of training (a fine-tuned encoder overfits sooner and its steps
-    cost more than a head's); the teachers' weight is 0 without teachers."""
-    from duetime.predict.length_model import RLPConfig
-
-    return RLPConfig(
-        bucket_size=bucket_size,
-        max_len=max_len,
-        encoder=encoder,
-        hidden=hidden,
-        dropout=dropout if dropout is not None else (0.1 if finetune else 0.2),
-        epochs=epochs or (6 if finetune else 40),
-        batch_size=batch_size or (32 if finetune else 256),
-        lr=lr,
-        label_sigma=label_sigma,
-        readout=readout,
-        seed=seed,
-        lora_rank=lora_rank,
-        encoder_lr=encoder_lr,
-        soft_weight=(1.0 if soft_weight is None else soft_weight) if distil else 0.0,
-        train_seed=train_seed,
-    )
 
 
 def _load_tokens(bundle: Path | None, *, max_len: int, seed: int, all_turns: bool) -> TokenBundle:
