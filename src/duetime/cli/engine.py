@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -157,19 +157,9 @@ def validate(
     from duetime.bench import validate as v
     from duetime.core.cost import LinearStepCost
     from duetime.engine import load_model
-    from duetime.engine.profile import (
-        measure_noise,
-        noise_drift_pct,
-        noise_floor_pct,
-        pool_noise,
-    )
-    from duetime.metrics import render_table, write_json
-    from duetime.predict.cost_report import (
-        AT_LIMIT_FACTOR,
-        check_profile_engine,
-        floor_verdict,
-        speed_against_profile,
-    )
+    from duetime.engine.profile import measure_noise, noise_drift_pct, noise_floor_pct, pool_noise
+    from duetime.metrics import write_json
+    from duetime.predict.cost_report import check_profile_engine, speed_against_profile
 
     with _user_errors():
         if not Path(profile).exists():
@@ -197,8 +187,19 @@ def validate(
         fig["noise_drift_pct"] = noise_drift_pct(first, last)
         fig["speed_at_start_x"] = speed_against_profile(meta, first)
         fig["speed_at_end_x"] = speed_against_profile(meta, last)
-    median = fig["e2e_rel_err_median_pct"]
     fig["noise_floor_pct"] = floor
+    _judge(fig)
+    _print_validation(fig)
+    if json_path is not None:
+        write_json(json_path, fig)
+
+
+def _judge(fig: dict[str, Any]) -> None:
+    """Add the run's verdict: its median e2e error beside the machine's own (two real
+    runs of the same requests) and beside the error left at the run's own speed."""
+    from duetime.bench import validate as v
+
+    median = fig["e2e_rel_err_median_pct"]
     e2e_floor = fig["e2e_floor_median_pct"]
     fig["verdict"] = (
         None
@@ -208,6 +209,16 @@ def validate(
     fig["e2e_at_machine_limit"] = (
         None if median is None or e2e_floor is None else median <= e2e_floor
     )
+
+
+def _print_validation(fig: dict[str, Any]) -> None:
+    """The comparison table, the verdict against the target, the error at the run's own
+    speed, and the profile's error on the run's own steps beside their floor (with the
+    shapes it misses most where it is past the machine's limit)."""
+    from duetime.metrics import render_table
+    from duetime.predict.cost_report import AT_LIMIT_FACTOR, floor_verdict
+
+    floor = fig["noise_floor_pct"]
     skip = ("verdict", "step_misses")
     console.print(render_table([("real vs sim", fig)], keys=[k for k in fig if k not in skip]))
     console.print(
@@ -237,5 +248,3 @@ def validate(
         )
         if step_error > AT_LIMIT_FACTOR * step_floor:
             print_misses(fig["step_misses"], "this run's steps")
-    if json_path is not None:
-        write_json(json_path, fig)
