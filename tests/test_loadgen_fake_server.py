@@ -233,6 +233,25 @@ def test_cli_sweep_writes_json_rows_and_png(server: tuple[FakeServer, str], tmp_
     assert "ttft_slo_met" in output
 
 
+def test_each_rate_of_a_sweep_sends_prompts_of_its_own(server: tuple[FakeServer, str]) -> None:
+    """The same prompts at the next rate would be served from the prefix cache the run
+    before filled: ShareGPT prompts at 1 then 2 requests/s showed 0 % then 87 % cached.
+    The sweep's first run is the single-rate run's."""
+    fake, url = server
+    args = ("--url", url, "--workload", "synthetic", "--prompt-len", "32", "--output-len", "2",
+            "--max-requests", "6")  # fmt: skip
+    code, output = invoke_load(*args, "--rate", "400,800")
+    assert code == 0, output
+    prompts = [b["prompt"] for b in fake.bodies]
+    first, second = set(prompts[:6]), set(prompts[6:])
+    assert len(prompts) == 12
+    assert not first & second
+    fake.reset()
+    code, output = invoke_load(*args, "--rate", "400")
+    assert code == 0, output
+    assert {b["prompt"] for b in fake.bodies} == first
+
+
 def test_cli_trace_replay_one_rate_plots_cdf(
     server: tuple[FakeServer, str], tmp_path: Path
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -57,7 +58,13 @@ def load(
     arrival: ArrivalOpt = "poisson",
     cv: CvOpt = 1.0,
     burst_size: BurstSizeOpt = 1,
-    seed: Annotated[int, typer.Option(min=0, help="Random seed (lengths, arrivals, classes).")] = 0,
+    seed: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Random seed (lengths, arrivals, classes); a sweep's k-th rate uses seed + k.",
+        ),
+    ] = 0,
     prompt_len: Annotated[str, typer.Option(help="Synthetic prompt tokens: N or LO-HI.")] = (
         "16-512"
     ),
@@ -142,7 +149,12 @@ def load(
             request_timeout_s=request_timeout,
             concurrency=concurrency,
         )
-        plans = [(r, spec.build(r if r is not None else 1.0)) for r in rates]
+        # each rate of a sweep draws its own requests (seed + its place in the sweep): the
+        # same prompts again would find the last run's in the server's prefix cache
+        plans = [
+            (r, dataclasses.replace(spec, seed=spec.seed + k).build(r if r is not None else 1.0))
+            for k, r in enumerate(rates)
+        ]
         if model is None:
             model = discover_model(base, api_key=api_key)
     target = Target(
