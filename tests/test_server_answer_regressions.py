@@ -233,3 +233,21 @@ def test_an_answer_that_fails_as_its_client_leaves_logs_nothing() -> None:
         return errors
 
     assert asyncio.run(main()) == []
+
+
+def test_a_streamed_chunk_carries_the_log_probabilities_of_its_own_tokens() -> None:
+    """Each chunk's ``logprobs`` came one token late: " the" with none, then " capital"
+    with " the"'s. A client reading a chunk's text with its figures had them apart. With
+    one whole character a token nothing is held back, so every chunk's pieces are its
+    text."""
+    state = char_state(kv_capacity=256)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 12, "ignore_eos": True,
+            "logprobs": 1, "stream": True}  # fmt: skip
+    with serve_in_thread(create_app(state)) as url:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    chunks = [(e["choices"][0]["text"], e["choices"][0]["logprobs"]) for e in events]
+    texts = [text for text, part in chunks if text]
+    assert len(texts) == 12, chunks
+    for text, part in chunks:
+        assert "".join(part["tokens"] if part else []) == text, chunks

@@ -121,6 +121,9 @@ class Detokenizer:
         #: Where each id added by :meth:`add_each` ends in ``text`` (its string is the
         #: piece since the one before): what a token's log-probability entry shows.
         self.ends: list[int] = []
+        #: Text of the ids so far not in ``text`` yet (half a character, or what a broken
+        #: byte holds back): :meth:`flush` would hand it to the newest id.
+        self.holding = False
 
     def add_each(self, new_ids: Sequence[int]) -> None:
         """Append ids one at a time, noting in :attr:`ends` where each one's text ends
@@ -145,6 +148,7 @@ class Detokenizer:
         full = self.text[: self._prefix_chars] + window
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text = full if full.startswith(self.text) else self.text
+        self.holding = self.text != self.text[: self._prefix_chars] + raw
         if len(self.ids) - self._prefix > self.WINDOW:
             # Settle all but the last WINDOW tokens; their text will not change any more.
             # Text ending in U+FFFD settles only where the cut leaves the window's text
@@ -167,6 +171,7 @@ class Detokenizer:
         full = self.text[: self._prefix_chars] + self.codec.decode(self.ids[self._prefix :])
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
+        self.holding = False
         if self.ends:  # text held back at the end is the last token's
             self.ends[-1] = len(self.text)
         return delta

@@ -140,12 +140,15 @@ class Relay:
         """The tokens whose text the client now has whole and whose log-probabilities it
         has not got yet; once the answer ended, every token with text in it.
 
-        The newest token waits for the next (or the end): text the detokenizer still
-        holds back is its, and a streamed answer must split its text as a whole one."""
+        So a chunk carries the figures of the tokens its text came from, as OpenAI's and
+        vLLM's streams do. Only while the detokenizer holds text back (half a character)
+        does the newest token wait for the next or the end: that text may yet be its
+        (:meth:`Detokenizer.flush`), and a streamed answer splits its text as a whole one."""
         if self.logprobs is None:
             return []
         sent, ends, ended = len(self.sent), self.detok.ends, self.outcome is not None
-        upto = min(len(ends) if ended else len(ends) - 1, len(self.logprobs.entries))
+        settled = ended or not self.detok.holding
+        upto = min(len(ends) if settled else len(ends) - 1, len(self.logprobs.entries))
         out = []
         for i in range(self._given, upto):
             start = ends[i - 1] if i else 0
