@@ -23,10 +23,10 @@ from duetime.engine.gemma3 import Gemma3
 from duetime.engine.generate import greedy_generate
 from duetime.server.app import ServerState
 from duetime.server.build import ServeOptions, build_state
-from duetime.server.chat_template import TURN_END, render_chat
+from duetime.server.chat_template import render_chat
 from duetime.server.schemas import ChatMessage
 from tests.factories import answer_shape_problems
-from tests.served import EOS, MODEL, CharCodec, answer_stops
+from tests.served import EOS, MODEL, CharCodec, answer_stops, turn_ended
 
 
 def policy_state(
@@ -311,7 +311,7 @@ def check_answer(spec: Spec, res: Result, ref: Reference) -> list[str]:
     elif not want.startswith(text):  # cut short by the policy: what was sent stands
         bad.append(f"aborted answer {text!r} is not a prefix of {want!r}")
     full = ref.codec.decode(ref.tokens(spec.ids, spec.max_tokens))
-    turn_end_cut = TURN_END in answer_stops(spec.body, spec.chat) and TURN_END in full
+    turn_end_cut = turn_ended(spec.body, spec.chat, full)
     cut = spec.body.get("stop") or turn_end_cut  # a stop string's tokens count, not its text
     if not cut and len(text) != n:  # one character per token
         bad.append(f"{len(text)} characters sent but completion_tokens {n}")

@@ -19,7 +19,7 @@ import pytest
 from duetime.core.request import Job, LengthPrediction
 from duetime.server.app import ServerState
 from duetime.server.build import ServeOptions, build_state, load_served_model
-from duetime.server.chat_template import TURN_END
+from duetime.server.chat_template import TURN_ENDS
 from duetime.server.codec import Codec
 
 MODEL = "duetime-tiny"
@@ -63,9 +63,16 @@ def answer_stops(fields: dict[str, Any], chat: bool) -> list[str]:
     (no ``ignore_eos``) the end of the assistant's turn."""
     stop = fields.get("stop")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if chat and not fields.get("ignore_eos") and TURN_END not in stops:
-        stops.append(TURN_END)
+    if chat and not fields.get("ignore_eos"):
+        stops += [end for end in TURN_ENDS if end not in stops]
     return stops
+
+
+def turn_ended(fields: dict[str, Any], chat: bool, full: str) -> bool:
+    """Whether the end-of-turn rule cuts an answer whose uncut text is ``full``: a turn
+    label among its stop strings that ``full`` writes."""
+    stops = answer_stops(fields, chat)
+    return any(end in stops and end in full for end in TURN_ENDS)
 
 
 def tiny_state(**overrides: object) -> ServerState:

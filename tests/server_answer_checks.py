@@ -14,9 +14,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from duetime.server.chat_template import TURN_END
 from tests.factories import answer_shape_problems, byte_codec_text
-from tests.served import CharCodec, answer_stops
+from tests.served import CharCodec, answer_stops, turn_ended
 from tests.server_calls import Call, Engine, Seen, greedy, make_codec
 
 
@@ -181,7 +180,7 @@ def _check_answer(eng: Engine, c: Call, s: Seen) -> list[str]:
             bad.append(f"logprobs' tokens {pieces} do not make up the text {text!r}")
         # a stop string cuts the text, and the entries with it, short of the tokens
         full = _text_after(eng.codec, greedy(c.ids, c.max_tokens), final=True)
-        turn_end_cut = TURN_END in answer_stops(c.fields, c.chat) and TURN_END in full
+        turn_end_cut = turn_ended(c.fields, c.chat, full)
         if len(pieces) > n or (not (c.fields.get("stop") or turn_end_cut) and len(pieces) != n):
             bad.append(f"{len(pieces)} logprobs entries for {n} tokens")
     elif s.pieces:

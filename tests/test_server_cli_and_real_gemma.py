@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from duetime.server.app import create_app
 from duetime.server.build import ServeOptions, build_state, load_served_model
-from duetime.server.chat_template import TURN_END, chat_stops, render_chat
+from duetime.server.chat_template import TURN_ENDS, chat_stops, render_chat
 from duetime.server.schemas import ChatMessage
 from duetime.server.threaded import serve_in_thread
 from tests.served import wait_idle
@@ -91,14 +91,15 @@ def test_real_gemma_answers_through_the_openai_client() -> None:
             stream=True,
         )
         assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices).strip()
-        # Without a stop, a chat answer ends where the base model starts the user's next
-        # turn (it does within 24 tokens here); with ignore_eos it runs to its length.
+        # Without a stop, a chat answer ends where the base model starts a next turn
+        # (it does within 24 tokens here); with ignore_eos it runs to its length.
         turn = render_chat([ChatMessage(role="user", content="What is 2 + 2?")])
         full = codec.decode(greedy_generate(model, [codec.encode(turn)], 24)[0])
-        assert TURN_END in full
+        ends = [full.index(end) for end in TURN_ENDS if end in full]
+        assert ends
         ask = {"model": name, "messages": [{"role": "user", "content": "What is 2 + 2?"}]}
         ended = client.chat.completions.create(**ask, max_tokens=24)
-        assert ended.choices[0].message.content == full[: full.index(TURN_END)]
+        assert ended.choices[0].message.content == full[: min(ends)]
         assert ended.choices[0].finish_reason == "stop"
         whole = client.chat.completions.create(
             **ask, max_tokens=24, extra_body={"ignore_eos": True}
@@ -167,9 +168,15 @@ class _RobotCommand(BaseModel):
     urgent: bool
 
 
-def test_a_chat_answer_ends_at_the_users_next_turn_unless_it_must_run_on() -> None:
-    assert chat_stops([], ignore_eos=False, grammar=False) == [TURN_END]
-    assert chat_stops(["."], ignore_eos=False, grammar=False) == [".", TURN_END]
-    assert chat_stops([TURN_END], ignore_eos=False, grammar=False) == [TURN_END]
+def test_a_chat_answer_ends_at_a_next_turn_unless_it_must_run_on() -> None:
+    """Any role's turn ends the answer: with "You are terse." as the system message,
+    "What is 2 + 2?" got " 2 + 2 = 4.\nSystem: 2 + 2 = 4." when only User: did."""
+    assert TURN_ENDS == ("\nSystem:", "\nUser:", "\nAssistant:", "\nTool:")
+    assert chat_stops([], ignore_eos=False, grammar=False) == list(TURN_ENDS)
+    assert chat_stops(["."], ignore_eos=False, grammar=False) == [".", *TURN_ENDS]
+    assert chat_stops(["\nUser:"], ignore_eos=False, grammar=False) == [
+        "\nUser:",
+        *(end for end in TURN_ENDS if end != "\nUser:"),
+    ]
     assert chat_stops(["."], ignore_eos=True, grammar=False) == ["."]  # fixed lengths
     assert chat_stops(["."], ignore_eos=False, grammar=True) == ["."]  # its form decides

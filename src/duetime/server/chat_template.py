@@ -8,9 +8,10 @@ continues naturally, and end with the assistant's turn open::
     User: What is 2 + 2?
     Assistant:
 
-The answer is what the model writes next, up to the point where it starts the
-user's next turn (:data:`TURN_END`): the server ends a chat answer there, as a chat
-template's end-of-turn token would, unless the answer must run to its length
+The answer is what the model writes next, up to the point where it starts a next
+turn of the transcript (:data:`TURN_ENDS`: a ``User:``, ``System:``, ``Assistant:`` or
+``Tool:`` line): the server ends a chat answer there, as a chat template's end-of-turn
+token would, unless the answer must run to its length
 (``ignore_eos``) or a grammar decides where it ends (:func:`chat_stops`).
 
 Where the answer is a forced tool call, the tools come first, one ``Tool
@@ -26,9 +27,6 @@ from collections.abc import Sequence
 
 from duetime.server.chat_messages import ChatMessage, ToolDef
 
-#: Where an assistant's turn ends in the transcript: the model starting the user's next.
-TURN_END = "\nUser:"
-
 _ROLE = {
     "system": "System",
     "developer": "System",
@@ -36,6 +34,11 @@ _ROLE = {
     "assistant": "Assistant",
     "tool": "Tool",
 }
+
+#: Where an assistant's turn ends in the transcript: the model starting a next turn, of
+#: any role the template writes (a 270M model writes ``User:`` most, but also
+#: ``System:`` and ``Assistant:``).
+TURN_ENDS = tuple(f"\n{label}:" for label in dict.fromkeys(_ROLE.values()))
 
 
 def render_chat(messages: Sequence[ChatMessage], tools: Sequence[ToolDef] = ()) -> str:
@@ -63,11 +66,11 @@ def chat_stops(stops: Sequence[str], *, ignore_eos: bool, grammar: bool) -> list
     """A chat answer's stop strings: the client's, and the end of the assistant's turn.
 
     The base model has no end-of-turn token, so without this a chat answer runs on
-    into a ``User:`` turn it wrote itself (a 270M model does, within a dozen tokens).
+    into a turn it wrote itself (a 270M model does, within a dozen tokens).
     Not added where the answer must reach its length (``ignore_eos``: benchmarks that
     fix output lengths, as with vLLM) or where a grammar bounds the answer (a
     structured output or a tool call: cutting it would break its form).
     """
-    if ignore_eos or grammar or TURN_END in stops:
+    if ignore_eos or grammar:
         return list(stops)
-    return [*stops, TURN_END]
+    return [*stops, *(end for end in TURN_ENDS if end not in stops)]
