@@ -86,6 +86,32 @@ def _cost(
     return cost, dataclasses.replace(cfg, offload_suspended=offload)
 
 
+def kv_needed(wids: tuple[int, ...], seed: int) -> tuple[int, int, Job]:
+    """The smallest KV budget (tokens) every task of ``wids`` fits, with the workload and
+    task that set it: a task holds its prompt and whole answer at once, less the newest
+    token (produced, never fed back); one that cannot never finishes."""
+    from duetime.workloads.lrtrace import lrtrace_jobs
+
+    tasks = (
+        (j.request.prompt_len + j.output_len - 1, w, j)
+        for w in wids
+        for j in lrtrace_jobs(w, seed=seed)
+    )
+    return max(tasks, key=lambda t: t[0])  # the first of the largest
+
+
+def check_fits(wids: tuple[int, ...], seed: int, kv_capacity: int, source: str) -> None:
+    """Refuse a KV budget some task cannot fit (it would never finish), naming the
+    smallest that works. ``source``: where the budget came from, for the message."""
+    need, w, j = kv_needed(wids, seed)
+    if kv_capacity < need:
+        raise ValueError(
+            f"{source} {kv_capacity:,} is too small: the smallest that works is {need:,} KV "
+            f"tokens (task {j.request.rid} of WID{w} holds its {j.request.prompt_len}-token "
+            f"prompt and {j.output_len}-token answer at once, less the last token)"
+        )
+
+
 def robot_outcome(job: Job, done: list[float]) -> tuple[float, float, float]:
     """(utility, response time, waiting time) of one task from its delivery times ``done``."""
     req = job.request
@@ -240,8 +266,12 @@ def run(
     max_num_seqs: int | None = None,
     offload: bool = True,
 ) -> dict[str, Any]:
-    """Every system on every workload, gains vs vLLM, and the scheduling overhead."""
+    """Every system on every workload, gains vs vLLM, and the scheduling overhead; a KV
+    budget some task cannot fit is refused (:func:`check_fits`) before any run."""
     t0 = time.perf_counter()
+    _, cfg = _cost(profile, kv_capacity, max_num_seqs, offload)
+    source = "--kv-capacity" if kv_capacity is not None else f"profile {profile}'s KV capacity"
+    check_fits(wids, seed, cfg.kv_capacity, source)
     rows = [
         run_system(s, w, seed, profile, kv_capacity, max_num_seqs, offload)
         for w in wids
