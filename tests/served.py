@@ -132,3 +132,20 @@ def post_and_hang_up(app: Any, path: str, body: bytes) -> list[dict]:
     }
     asyncio.run(app(scope, receive, send))
     return sent
+
+
+def no_serving(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Make ``duetime serve`` / ``gateway`` return where they would start serving; the
+    dict they return gets the uvicorn ``config`` and the ``sockets`` it was handed."""
+    import uvicorn
+
+    ran: dict[str, Any] = {}
+
+    def run(server: uvicorn.Server, sockets: list[Any] | None = None) -> None:
+        ran.update(config=server.config, sockets=sockets)
+        server.started = True
+        for sock in sockets or ():
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    return ran

@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from duetime.cli import app
-from duetime.cli.common import bound_port
 from duetime.metrics.atomic import atomic_path
 from duetime.policies import make_policy
+from duetime.server.ports import listening_socket
 from duetime.workloads._files import atomic_writer
 
 runner = CliRunner()
@@ -130,12 +130,40 @@ def test_an_unknown_log_level_is_refused(command: str) -> None:
     assert "--log-level" in out
 
 
-def test_port_zero_becomes_the_free_port_the_banner_prints() -> None:
-    assert bound_port("127.0.0.1", 8123) == 8123
-    port = bound_port("127.0.0.1", 0)
-    assert port > 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))  # it was free a moment ago; binding it works
+def test_port_zero_becomes_a_listening_port_the_banner_prints() -> None:
+    with listening_socket("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+        assert port > 0
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # listening already: a client waits in the backlog while the model loads
+        with pytest.raises(ValueError, match=rf"--port {port}: 127\.0\.0\.1:{port} is in use"):
+            listening_socket("127.0.0.1", port)
+
+
+@pytest.mark.parametrize("command", ["serve", "gateway"])
+def test_a_port_in_use_and_an_unknown_policy_are_refused_before_the_model_loads(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`duetime serve --model gemma` on a taken port said so after 2 min 35 s of loading
+    and timing the model, exit 3; an unknown policy came after the step timing."""
+    import duetime.server.build
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(duetime.server.build, "load_served_model", never)
+    with listening_socket("127.0.0.1", 0) as taken:
+        port = str(taken.getsockname()[1])
+        extra = ["--backend", "http://127.0.0.1:9"] if command == "gateway" else []
+        code, out = _invoke(command, "--port", port, *extra)
+        assert code == 2, out
+        assert f"--port {port}: 127.0.0.1:{port} is in use" in out
+    if command == "serve":
+        code, out = _invoke("serve", "--policy", "nope", "--port", "0")
+        assert code == 2, out
+        assert "unknown policy 'nope'" in out
+    with pytest.raises(ValueError, match=r"--host no\.such\.host\.invalid: not an address"):
+        listening_socket("no.such.host.invalid", 0)
 
 
 def test_help_shows_bracketed_defaults() -> None:

@@ -20,6 +20,7 @@ from duetime.cli import app as cli_app
 from duetime.server.gateway import Backend, GatewayConfig, create_gateway_app
 from tests.gateway_choice import routed
 from tests.gateway_fakes import MODEL, FakeBackend, FakeFleet, Seen, call
+from tests.served import no_serving
 
 BODY = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 16}).encode()
 
@@ -117,7 +118,6 @@ def test_traffic_leaves_a_hanging_backend_and_comes_back_when_it_recovers() -> N
 
 
 def test_cli_passes_the_suspect_options_to_the_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
-    import uvicorn
 
     from duetime.server import gateway as gateway_module
 
@@ -129,7 +129,7 @@ def test_cli_passes_the_suspect_options_to_the_gateway(monkeypatch: pytest.Monke
         return real(urls, config, *args, **kw)
 
     monkeypatch.setattr(gateway_module, "create_gateway_app", capture)
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    no_serving(monkeypatch)
     args = ["gateway", "--backend", "http://127.0.0.1:9", "--port", "0"]
     r = CliRunner().invoke(cli_app, [*args, "--suspect-after", "5", "--suspect-cooldown", "2.5"])
     assert r.exit_code == 0, r.output

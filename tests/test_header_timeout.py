@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from duetime.server.header_timeout import header_timeout_protocol
 from duetime.server.threaded import serve_in_thread
+from tests.served import no_serving
 
 TIMEOUT_S = 0.3
 SLOW_S = 1.0  # longer than the header timeout: work after the headers must not be cut
@@ -123,12 +124,10 @@ def test_the_commands_serve_with_their_header_timeout(
     command: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
-    import uvicorn
 
     from duetime.cli import app
 
-    ran: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda asgi, **kwargs: ran.update(kwargs))
+    ran = no_serving(monkeypatch)
     if command == "serve":  # the command sets torch's threads: leave this process's be
         args = ["serve", "--model", "tiny", "--predictor", "none"]
         args += ["--threads", str(torch.get_num_threads())]
@@ -136,7 +135,7 @@ def test_the_commands_serve_with_their_header_timeout(
         args = ["gateway", "--backend", "http://127.0.0.1:9"]
     result = CliRunner().invoke(app, [*args, "--port", "0", "--header-timeout", "4.5"])
     assert result.exit_code == 0, result.output
-    assert ran["http"].header_timeout_s == 4.5
+    assert ran["config"].http.header_timeout_s == 4.5
     result = CliRunner().invoke(app, [*args, "--port", "0", "--header-timeout", "0"])
     assert result.exit_code == 2
 

@@ -15,7 +15,7 @@ from duetime.server.build import ServeOptions, build_state, load_served_model
 from duetime.server.chat_template import TURN_ENDS, chat_stops, render_chat
 from duetime.server.schemas import ChatMessage
 from duetime.server.threaded import serve_in_thread
-from tests.served import wait_idle
+from tests.served import no_serving, wait_idle
 
 
 def test_serve_cli_rejects_bad_options() -> None:
@@ -31,17 +31,11 @@ def test_serve_cli_rejects_bad_options() -> None:
 
 
 def test_serve_cli_passes_its_timeouts_to_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    import uvicorn
     from typer.testing import CliRunner
 
     from duetime.cli import app
 
-    ran: dict[str, object] = {}
-
-    def run(asgi: object, **kwargs: object) -> None:
-        ran.update(kwargs, app=asgi)
-
-    monkeypatch.setattr(uvicorn, "run", run)
+    ran = no_serving(monkeypatch)
     import torch
 
     threads = str(torch.get_num_threads())  # the command sets them: leave this process's be
@@ -49,10 +43,12 @@ def test_serve_cli_passes_its_timeouts_to_the_server(monkeypatch: pytest.MonkeyP
     args += ["--request-timeout", "7.5", "--stall-after", "12", "--shutdown-timeout", "3"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    config = ran["app"].state.duetime.config  # type: ignore[attr-defined]
+    config = ran["config"].app.state.duetime.config
     assert config.request_timeout_s == 7.5
     assert config.stall_after_s == 12.0
-    assert ran["timeout_graceful_shutdown"] == 3
+    assert ran["config"].timeout_graceful_shutdown == 3
+    assert len(ran["sockets"]) == 1
+    assert ran["config"].port > 0  # port 0: the one the socket bound before the model loaded
 
 
 @pytest.mark.real_model

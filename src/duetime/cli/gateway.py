@@ -18,7 +18,6 @@ from duetime.cli.common import (
     ShutdownTimeoutOpt,
     _user_errors,
     app,
-    bound_port,
     err,
 )
 
@@ -171,6 +170,7 @@ def gateway(
 
     from duetime.server.gateway import GatewayConfig, create_gateway_app
     from duetime.server.gateway_scrape import check_metrics
+    from duetime.server.ports import listening_socket
     from duetime.server.threaded import run_server
 
     with _user_errors():
@@ -198,11 +198,13 @@ def gateway(
             scrape_max_age_s=scrape_max_age_ms / 1000.0,
             profile_interval_s=profile_interval,
         )
+        # the port once the options are checked, before the backends are asked anything
+        sock = listening_socket(host, port)
+        port = sock.getsockname()[1]
         if scrape_interval_ms > 0:  # an unreadable /metrics stops here, naming its URL
             for warning in check_metrics(urls):
                 err.print(f"warning: {warning}", highlight=False)
         gw_app = create_gateway_app(urls, config, profiles)
-        port = bound_port(host, port)
     err.print(
         f"duetime gateway on http://{host}:{port}/v1 over {len(urls)} backend(s): "
         + ", ".join(urls)
@@ -211,8 +213,7 @@ def gateway(
     )
     run_server(
         gw_app,
-        host=host,
-        port=port,
+        sock=sock,
         log_level=log_level,
         shutdown_timeout_s=shutdown_timeout,
         header_timeout_s=header_timeout,

@@ -21,7 +21,6 @@ from duetime.cli.common import (
     _fail,
     _user_errors,
     app,
-    bound_port,
     err,
     parse_confidence,
     writable,
@@ -155,9 +154,11 @@ def serve(
     keep_large_blocks()
     import torch
 
+    from duetime.policies.registry import make_policy
     from duetime.server.app import create_app
     from duetime.server.autosize import size_options
     from duetime.server.build import ServeOptions, build_state, load_served_model
+    from duetime.server.ports import listening_socket
     from duetime.server.threaded import run_server
 
     with _user_errors():
@@ -166,6 +167,7 @@ def serve(
         if dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         kwargs = _policy_kwargs(policy_args)
+        make_policy(policy, **kwargs)  # an unknown policy or argument: before the model loads
         if profile is not None:  # its engine before the model loads
             from duetime.core.cost import LinearStepCost
             from duetime.predict.cost_report import check_profile_engine
@@ -197,6 +199,10 @@ def serve(
             stall_after_s=stall_after,
             request_timeout_s=request_timeout,
         )
+        # the port once the options are checked, before minutes of loading and timing:
+        # taken, it is an error at once
+        sock = listening_socket(host, port)
+        port = sock.getsockname()[1]
         try:
             loaded, codec, name = load_served_model(options)
         except ImportError as e:
@@ -216,13 +222,11 @@ def serve(
         )
         options.limits = sizing.as_dict()
         state = build_state(options, loaded, codec, name)
-        port = bound_port(host, port)
     _announce(name, policy, host, port, options, sizing)
     app = create_app(state)
     run_server(
         app,
-        host=host,
-        port=port,
+        sock=sock,
         log_level=log_level,
         shutdown_timeout_s=shutdown_timeout,
         header_timeout_s=header_timeout,

@@ -10,6 +10,8 @@ test workers never collide.
 
 from __future__ import annotations
 
+import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,14 +37,15 @@ def _http(app: Any, header_timeout_s: float) -> type:
 def run_server(
     app: Any,
     *,
-    host: str,
-    port: int,
+    sock: socket.socket,
     log_level: str,
     shutdown_timeout_s: int,
     header_timeout_s: float,
 ) -> None:
-    """Serve ``app`` in the foreground until SIGTERM / Ctrl-C (uvicorn.run)."""
-    uvicorn.run(
+    """Serve ``app`` in the foreground on the bound ``sock`` (:func:`listening_socket`)
+    until SIGTERM / Ctrl-C; exits 3, as ``uvicorn.run`` does, if it never started."""
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -50,6 +53,10 @@ def run_server(
         timeout_graceful_shutdown=shutdown_timeout_s,
         http=_http(app, header_timeout_s),
     )
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    if not server.started:
+        sys.exit(3)
 
 
 @contextmanager
