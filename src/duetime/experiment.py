@@ -10,6 +10,7 @@ reproducible.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -93,11 +94,14 @@ def build_jobs(spec: SimSpec) -> list[Job]:
                 "(prefix_group, prefix_len)"
             )
         if not Path(spec.workload).exists():
+            if _looks_like_path(spec.workload):
+                raise ValueError(f"--workload {spec.workload}: the trace file does not exist")
             raise ValueError(
                 f"unknown workload {spec.workload!r}: use {', '.join(GENERATED_WORKLOADS)} "
                 "or the path of a JSONL trace file"
             )
         return wl.read_trace(spec.workload)
+    check_shared_prefix(spec)
     arrivals = wl.arrival_process(spec.arrival, spec.rate, cv=spec.cv, burst_size=spec.burst_size)
     source: wl.LengthSource | None = None
     if spec.workload == "synthetic":
@@ -120,6 +124,38 @@ def build_jobs(spec: SimSpec) -> list[Job]:
             wl.SharedPrefix(spec.shared_prefix, spec.prefix_groups) if spec.shared_prefix else None
         ),
     )
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether a workload name is meant as a file (``.jsonl``, or a folder in it)."""
+    return name.endswith(".jsonl") or "/" in name or (os.altsep or os.sep) in name
+
+
+def check_shared_prefix(spec: SimSpec) -> None:
+    """Refuse a ``--shared-prefix`` that leaves no room in the context for a prompt's
+    own token and an answer's (``SharedPrefix`` adds ``tokens - 1`` to each prompt)."""
+    if spec.shared_prefix + 1 > spec.max_context:  # a prompt's own token and an answer's
+        raise ValueError(
+            f"--shared-prefix: the shared prefix ({spec.shared_prefix:,} tokens) leaves no "
+            f"room in the {spec.max_context:,}-token context for a prompt and an answer"
+        )
+
+
+#: The workloads whose requests carry their prompt's text (what ``learned`` reads).
+PROMPT_WORKLOADS = ("sharegpt", "sharegpt-heldout")
+
+
+def check_predictor_workload(pred_name: str | None, spec: SimSpec) -> None:
+    """Refuse a learned length predictor on a workload without prompts, up front."""
+    if pred_name is None or pred_name.partition(":")[0] != "learned":
+        return
+    if spec.workload not in PROMPT_WORKLOADS:
+        given = "--predictor" if spec.predictor != "policy" else f"{spec.policy}'s predictor"
+        raise ValueError(
+            f"{given} {pred_name} reads each request's prompt: only the sharegpt and "
+            f"sharegpt-heldout workloads carry prompts (synthetic and trace files do not), "
+            f"got --workload {spec.workload}"
+        )
 
 
 def assign_deadlines(jobs: list[Job], cost: LinearStepCost, scale: float) -> None:
@@ -203,7 +239,8 @@ def plan_spec(spec: SimSpec, jobs: list[Job] | None = None) -> PlannedRun:
     policy = make_policy(spec.policy)
     pred_name = policy.default_predictor if spec.predictor == "policy" else spec.predictor
     predictor = make_job_predictor(pred_name, seed=spec.seed)
-    if jobs is None:
+    if jobs is None:  # given jobs may carry prompts whatever the workload's name
+        check_predictor_workload(pred_name, spec)
         jobs = build_jobs(spec)
     if spec.deadline_scale is not None:
         assign_deadlines(jobs, cost, spec.deadline_scale)

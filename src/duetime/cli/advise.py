@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import typer
@@ -45,6 +46,8 @@ def advise_deferred_prefill(
         cost, _ = load_profile(profile)
         model = DeferredPrefillModel.from_cost(cost, capacity, mean_output, prompt_len)
         adv = advise(model)
+        if json_path is not None:  # before the lines: a closed stdout must not lose the file
+            write_json(json_path, adv)
     out.print(
         f"c_p = {model.c_p * 1e3:.2f} ms, t_p·d0/N = {model.prefill_per_prompt * 1e3:.2f} ms, "
         f"c_d = {model.c_d * 1e3:.2f} ms, t_d = {model.t_d * 1e6:.1f} us, "
@@ -53,22 +56,28 @@ def advise_deferred_prefill(
     out.print(
         f"exact (Theorem 1): K* = {adv['k_star']}, "
         f"ρ(K*) = {adv['throughput_k_star_req_s']:.3f} req/s, "
-        f"{adv['gain_vs_k1_pct']:+.2f} % vs K = 1 ({adv['throughput_k1_req_s']:.3f} req/s)"
+        + _gain(adv["gain_vs_k1_pct"], adv["throughput_k1_req_s"])
     )
     # Two gains for Prop. 1's K*: what the approximation predicts, and what Theorem 1
     # (the exact model) gives at that K; the first line's gain is Theorem 1's at its K*.
     out.print(
         f"approximation (Prop. 1): K* = {adv['k_star_approx']}, predicts "
         f"ρ(K*) = {adv['prop1_throughput_k_star_approx_req_s']:.3f} req/s, "
-        f"{adv['prop1_gain_pct']:+.2f} % vs K = 1 ({adv['prop1_throughput_k1_req_s']:.3f} req/s)"
+        + _gain(adv["prop1_gain_pct"], adv["prop1_throughput_k1_req_s"])
     )
     out.print(
         f"Theorem 1 at Prop. 1's K* = {adv['k_star_approx']}: "
         f"ρ = {adv['theorem1_throughput_at_k_star_approx_req_s']:.3f} req/s, "
-        f"{adv['theorem1_gain_at_k_star_approx_pct']:+.2f} % vs K = 1"
+        + _gain(adv["theorem1_gain_at_k_star_approx_pct"], adv["throughput_k1_req_s"], at=False)
     )
-    if json_path is not None:
-        write_json(json_path, adv)
+
+
+def _gain(pct: float, base_req_s: float, *, at: bool = True) -> str:
+    """``+x % vs K = 1 (ρ(1) req/s)``; where ρ(1) is 0 there is no gain to report (a
+    percentage of nothing), and the words say so instead of printing nan."""
+    if not (math.isfinite(pct) and base_req_s > 0):
+        return "no gain to report (ρ at K = 1 is 0)"
+    return f"{pct:+.2f} % vs K = 1" + (f" ({base_req_s:.3f} req/s)" if at else "")
 
 
 @advise_app.command("batch")
@@ -96,6 +105,12 @@ def advise_batch_size(
     with _user_errors():
         pred = AlaPredictor(config_data(config, data))
         adv = advise_batch(pred, input_len, output_len, deadline, max_batch)
+        if json_path is not None:  # before the table: a closed stdout must not lose the file
+            payload = {k: v for k, v in adv.items() if k not in ("safe", "expected", "options")}
+            payload["config"] = config
+            payload["options"] = [asdict(o) for o in adv["options"]]  # type: ignore[attr-defined]
+            payload["heldout_median_err_pct"] = pred.cv_median_err_pct
+            write_json(json_path, payload)
     table = Table(title=f"{config}: ii={input_len} oo={output_len}, deadline {deadline:g} s")
     for col in ("bb", "tok/s", "90 % interval", "wall s", "wall s (pessimistic)", "confidence"):
         table.add_column(col, justify="right")
@@ -120,9 +135,3 @@ def advise_batch_size(
             + (f"{safe} with the pessimistic bound" if safe else "none with the pessimistic bound")
             + f" (held-out median error of this model {pred.cv_median_err_pct:.1f} %)"
         )
-    if json_path is not None:
-        payload = {k: v for k, v in adv.items() if k not in ("safe", "expected", "options")}
-        payload["config"] = config
-        payload["options"] = [asdict(o) for o in adv["options"]]  # type: ignore[attr-defined]
-        payload["heldout_median_err_pct"] = pred.cv_median_err_pct
-        write_json(json_path, payload)

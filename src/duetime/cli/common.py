@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, cast
 
 import typer
 from rich.console import Console
@@ -132,7 +132,63 @@ ProfileOpt = Annotated[str, typer.Option(help="Shipped profile name or JSON path
 
 # How generated requests arrive (`sim`, `sweep`, `load`): workloads/arrivals.py.
 ArrivalOpt = Annotated[str, typer.Option(help="poisson, gamma or bursts.")]
-CvOpt = Annotated[float, typer.Option(min=0.0, help="Gamma coefficient of variation.")]
+
+
+def rate_text(option: str, value: float) -> str | None:
+    """Why ``value`` is no arrival rate for ``option`` (0, a negative, NaN), or None."""
+    if value > 0:  # inf too: every request at the start
+        return None
+    return f"{option} must be > 0 requests/s (inf: everything at the start), got {value:g}"
+
+
+class OptionError(typer.BadParameter):
+    """A bad option value, shown as the one line :func:`_fail` prints (no usage lines).
+    Still a ``BadParameter`` with exit code 2, so what checks parsing alone (the docs'
+    quoted commands) sees it as the error it is."""
+
+    def format_message(self) -> str:
+        return self.message
+
+    def show(self, file: Any = None) -> None:
+        err.print(f"[bold red]error:[/] {escape(self.message)}", highlight=False)
+
+
+def positive_rate(param: typer.CallbackParam, value: float | None) -> float | None:
+    """Option callback: an arrival rate, refused in one line naming the option."""
+    if value is not None and (why := rate_text(param.opts[0], value)) is not None:
+        raise OptionError(why, param=cast(Any, param))
+    return value
+
+
+def gamma_cv(param: typer.CallbackParam, value: float) -> float:
+    """Option callback: a gamma coefficient of variation within the arrivals' bounds."""
+    from duetime.workloads.arrivals import CV_MAX, CV_MIN
+
+    if not CV_MIN <= value <= CV_MAX:  # NaN too
+        raise OptionError(
+            f"{param.opts[0]} must be a gamma coefficient of variation in "
+            f"[{CV_MIN:g}, {CV_MAX:g}] (1: Poisson), got {value:g}",
+            param=cast(Any, param),
+        )
+    return value
+
+
+#: An arrival rate, requests/s (`sim`, `demo`, `validate`; each picks its default).
+RateOpt = Annotated[
+    float,
+    typer.Option(
+        help="Arrival rate, requests/s (> 0; inf: everything at the start).",
+        callback=positive_rate,
+    ),
+]
+CvOpt = Annotated[
+    float,
+    typer.Option(
+        help="--arrival gamma: coefficient of variation of the gaps, 0.001 to 1000 "
+        "(1: Poisson; above 1: burstier).",
+        callback=gamma_cv,
+    ),
+]
 BurstSizeOpt = Annotated[
     int, typer.Option(min=1, help="--arrival bursts: requests sent at once, a burst.")
 ]
@@ -190,13 +246,6 @@ HeaderTimeoutOpt = Annotated[
         "is closed with a 408.",
     ),
 ]
-
-
-def bound_port(host: str, port: int) -> int:
-    """``port``, or for 0 a free one picked now, so the URL printed is the one served."""
-    from duetime.server.ports import free_port
-
-    return port if port != 0 else free_port(host)
 
 
 def pct_text(v: object) -> str:

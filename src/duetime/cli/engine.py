@@ -12,6 +12,7 @@ from duetime.cli.common import (
     DtypeOpt,
     EvictionOpt,
     PlotOpt,
+    RateOpt,
     ThreadsOpt,
     _fail,
     _user_errors,
@@ -40,8 +41,15 @@ def profile(
     kv_capacity: Annotated[
         int, typer.Option(min=1, help="KV tokens recorded in the profile.")
     ] = 32_768,
-    max_num_seqs: Annotated[int, typer.Option(min=1)] = 64,
-    max_batch_tokens: Annotated[int, typer.Option(min=1)] = 2048,
+    max_num_seqs: Annotated[
+        int, typer.Option(min=1, help="Most requests in one batch, recorded in the profile.")
+    ] = 64,
+    max_batch_tokens: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Most tokens (prefill + decode) in one step, recorded in the profile."
+        ),
+    ] = 2048,
     serve_requests: Annotated[
         int,
         typer.Option(
@@ -108,7 +116,9 @@ def validate(
     profile: Annotated[str, typer.Option(help="Profile JSON from `duetime profile`.")] = (
         "out/gemma3-270m-cpu.json"
     ),
-    policy: Annotated[str, typer.Option()] = "fcfs",
+    policy: Annotated[
+        str, typer.Option(help="Policy name, the same on both sides (see `duetime policies`).")
+    ] = "fcfs",
     requests: Annotated[
         int,
         typer.Option(
@@ -118,14 +128,30 @@ def validate(
             "time already, and the simulator side keeps every record.",
         ),
     ] = 100,
-    rate: Annotated[float, typer.Option(min=0.0)] = 2.0,
-    seed: Annotated[int, typer.Option(min=0)] = 0,
+    rate: RateOpt = 2.0,
+    seed: Annotated[
+        int, typer.Option(min=0, help="Random seed of the ShareGPT sample and its arrivals.")
+    ] = 0,
     dtype: DtypeOpt = "q8",  # the engine `duetime serve` runs
     threads: ThreadsOpt = 2,
-    max_prompt: Annotated[int, typer.Option(min=1)] = 512,
-    max_output: Annotated[int, typer.Option(min=1)] = 128,
-    plot: Annotated[Path, typer.Option("--plot", callback=writable)] = Path("out/validate.png"),
-    json_path: Annotated[Path | None, typer.Option("--json", callback=writable)] = None,
+    max_prompt: Annotated[
+        int, typer.Option(min=1, help="Longest prompt, tokens (longer ShareGPT pairs left out).")
+    ] = 512,
+    max_output: Annotated[
+        int, typer.Option(min=1, help="Longest answer, tokens (longer ShareGPT pairs left out).")
+    ] = 128,
+    plot: Annotated[
+        Path,
+        typer.Option(
+            "--plot",
+            help="Write a PNG here: simulated against real e2e latency per request, and CDFs.",
+            callback=writable,
+        ),
+    ] = Path("out/validate.png"),
+    json_path: Annotated[
+        Path | None,
+        typer.Option("--json", help="Write the figures to this JSON file.", callback=writable),
+    ] = None,
     samples_path: Annotated[
         Path | None,
         typer.Option(
@@ -162,6 +188,10 @@ def validate(
     from duetime.predict.cost_report import check_profile_engine, speed_against_profile
 
     with _user_errors():
+        from duetime.engine.gemma3 import DTYPES
+
+        if dtype not in DTYPES:  # before the profile's engine is compared with it
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if not Path(profile).exists():
             raise ValueError(f"{profile}: no such profile; run `duetime profile --out {profile}`")
         if eviction not in ("snapkv", "streaming"):
@@ -189,9 +219,10 @@ def validate(
         fig["speed_at_end_x"] = speed_against_profile(meta, last)
     fig["noise_floor_pct"] = floor
     _judge(fig)
+    if json_path is not None:  # before the table: a closed stdout must not lose the file
+        with _user_errors():
+            write_json(json_path, fig)
     _print_validation(fig)
-    if json_path is not None:
-        write_json(json_path, fig)
 
 
 def _judge(fig: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -14,14 +14,18 @@ from duetime.cli.common import (
     JsonOpt,
     PlotOpt,
     ProfileOpt,
+    RateOpt,
     _fail,
     _progress,
     _user_errors,
     app,
     out,
+    rate_text,
     writable,
 )
 from duetime.cli.sim_fleet import FailOpt, FleetOpt, ReplicaProfileOpt, ReplicasOpt, RouterOpt
+
+T = TypeVar("T", int, float)
 
 # Options `sim` and `sweep` share (a sweep runs `sim` for every policy × rate × seed).
 WorkloadOpt = Annotated[
@@ -59,7 +63,7 @@ def sim(
     policy: Annotated[str, typer.Option(help="Policy name (see `duetime policies`).")] = "fcfs",
     workload: WorkloadOpt = "sharegpt",
     requests: Annotated[int, typer.Option(min=1, help="Number of requests.")] = 2000,
-    rate: Annotated[float, typer.Option(min=0.0, help="Arrival rate, requests/s.")] = 4.0,
+    rate: RateOpt = 4.0,
     arrival: ArrivalOpt = "poisson",
     cv: CvOpt = 1.0,
     burst_size: BurstSizeOpt = 1,
@@ -88,6 +92,7 @@ def sim(
     from duetime.experiment import SimSpec, plan_spec, run_planned
     from duetime.metrics import render_table, write_json
     from duetime.sim.fleet_run import is_fleet
+    from duetime.workloads import trace_lines
 
     with _user_errors():
         spec = SimSpec(
@@ -109,17 +114,24 @@ def sim(
             prefix_groups=prefix_groups,
             **fleet_fields(replicas, router, replica_profile, fleet, fail),
         )
-        plan = plan_spec(spec)  # every name checked before the trace is written
-        if save_trace is not None:  # with the deadlines the run uses
-            from duetime.workloads import write_trace
-
-            write_trace(save_trace, plan.jobs)
+        plan = plan_spec(spec)  # every name checked before the trace is taken
+        # The jobs as planned, with the deadlines the run uses; written only once the run
+        # succeeded, so a failed run leaves no trace file.
+        trace = None if save_trace is None else trace_lines(plan.jobs, save_trace)
         if is_fleet(spec):
-            run_and_report(spec, plan, json_path, plot)
+            run_and_report(spec, plan, json_path, plot, save=lambda: _save_trace(save_trace, trace))
             return
         prog, cb = _progress(len(plan.jobs), f"simulating {policy}")
         with prog:
             result, row = run_planned(plan, progress=cb)
+        # The files first: a closed stdout (`| head -1`) fails the table, not them.
+        _save_trace(save_trace, trace)
+        if json_path is not None:
+            write_json(json_path, {"spec": spec.to_dict(), "summary": row})
+        if plot is not None:
+            from duetime.metrics.run_plot import plot_latency_cdf
+
+            plot_latency_cdf({policy: result.records}, plot)
     out.print(render_table([(policy, row)]))
     out.print(
         f"simulated {result.sim_time:,.1f} s in {result.wall_s:.2f} s wall "
@@ -127,19 +139,24 @@ def sim(
     )
     if row["prompt_cached_pct"] is not None and prefix_cache:
         out.print(f"prefix cache: {row['prompt_cached_pct']:.1f} % of prompt tokens were cached")
-    if json_path is not None:
-        write_json(json_path, {"spec": spec.to_dict(), "summary": row})
-    if plot is not None:
-        from duetime.metrics.run_plot import plot_latency_cdf
 
-        plot_latency_cdf({policy: result.records}, plot)
+
+def _save_trace(path: Path | None, lines: list[str] | None) -> None:
+    """`sim --save-trace`: the planned jobs' lines, written after a run that succeeded."""
+    if path is not None and lines is not None:
+        from duetime.workloads import write_trace_lines
+
+        write_trace_lines(path, lines)
 
 
 @app.command()
 def sweep(
     policies: Annotated[str, typer.Option(help="Comma-separated policy names.")] = "fcfs,edf",
     rates: Annotated[
-        str, typer.Option(help="Comma-separated arrival rates, req/s (none with a trace).")
+        str,
+        typer.Option(
+            help="Comma-separated arrival rates, requests/s, each > 0 (none with a trace)."
+        ),
     ] = "2,4,8",
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0",
     workload: WorkloadOpt = "sharegpt",
@@ -182,11 +199,11 @@ def sweep(
     from duetime.sweep import run_sweep
 
     with _user_errors():
-        try:
-            rate_list = [float(r) for r in rates.split(",")]
-            seed_list = [int(s) for s in seeds.split(",")]
-        except ValueError:
-            _fail(f"--rates and --seeds must be comma-separated numbers, got {rates!r}, {seeds!r}")
+        rate_list = _numbers("--rates", rates, float, "numbers (requests/s)")
+        bad = [why for r in rate_list if (why := rate_text("--rates", r)) is not None]
+        if bad:
+            _fail(bad[0])
+        seed_list = _numbers("--seeds", seeds, int, "integers")
         if any(s < 0 for s in seed_list):
             _fail(f"--seeds must be non-negative integers, got {seeds!r}")
         plotted = [m.strip() for m in metrics.split(",")]
@@ -241,6 +258,14 @@ def sweep(
                 progress=cb,
                 ray_address=ray_address,
             )
+        # The files first: a closed stdout (`| head -1`) fails the tables, not them.
+        if json_path is not None:
+            write_json(json_path, {"specs": [s.to_dict() for s in specs], "rows": rows})
+        if plot is not None:
+            # One line per policy × fleet size × router, labelled with those that vary:
+            # a line per policy alone averaged the fleets of a policy into one point.
+            x = "seed" if trace else "rate_req_s"
+            plot_sweep(rows, x=x, y=plotted, hue=("policy", "replicas", "router"), path=plot)
     for r in rate_list:
         at = "" if trace else f"@{r:g}/s"
         out.print(
@@ -252,11 +277,17 @@ def sweep(
                 ]
             )
         )
-    if json_path is not None:
-        write_json(json_path, {"specs": [s.to_dict() for s in specs], "rows": rows})
-    if plot is not None:
-        x = "seed" if trace else "rate_req_s"
-        plot_sweep(rows, x=x, y=plotted, hue="policy", path=plot)
+
+
+def _numbers(option: str, text: str, kind: type[T], what: str) -> list[T]:
+    """The items of a comma-separated option of numbers; one that is not is named."""
+    items = text.split(",")
+    for item in items:
+        try:
+            kind(item)
+        except ValueError:
+            _fail(f"{option} must be comma-separated {what}: {item.strip()!r} in {text!r} is not")
+    return [kind(item) for item in items]
 
 
 def _fleet_label(row: dict) -> str:
@@ -273,8 +304,8 @@ def _demo_outputs(out_dir: Path) -> Path:
 
 @app.command()
 def demo(
-    requests: Annotated[int, typer.Option(min=1)] = 2000,
-    rate: Annotated[float, typer.Option()] = 16.0,
+    requests: Annotated[int, typer.Option(min=1, help="ShareGPT requests in each run.")] = 2000,
+    rate: RateOpt = 16.0,
     out_dir: Annotated[
         Path, typer.Option("--out", help="Where JSON and PNG go.", callback=_demo_outputs)
     ] = Path("out"),
@@ -292,14 +323,14 @@ def demo(
             result, row = run_spec(spec, build_jobs(spec))
             rows.append((policy, row))
             records[policy] = result.records
+        # The files first: a closed stdout (`| head -1`) fails the table, not them.
+        write_json(out_dir / "demo.json", dict(rows))
+        plot_latency_cdf(records, out_dir / "demo.png")
     out.print(
         f"[bold]duetime demo[/]: {requests} ShareGPT requests at {rate:g} req/s on the "
         "a100-llama2-7b profile; deadline = arrival + 8 × time alone"
     )
     out.print(render_table(rows))
-    with _user_errors():
-        write_json(out_dir / "demo.json", dict(rows))
-        plot_latency_cdf(records, out_dir / "demo.png")
     out.print(f"wrote {out_dir / 'demo.json'} and {out_dir / 'demo.png'}")
 
 

@@ -7,6 +7,7 @@ today's single-engine simulator, unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -63,8 +64,16 @@ def fleet_fields(
     }
 
 
-def run_and_report(spec: Any, plan: Any, json_path: Path | None, plot: Path | None) -> None:
-    """Run a fleet spec; print the fleet's and each replica's table, write JSON / PNG."""
+def run_and_report(
+    spec: Any,
+    plan: Any,
+    json_path: Path | None,
+    plot: Path | None,
+    save: Callable[[], None] | None = None,
+) -> None:
+    """Run a fleet spec; write JSON / PNG (and what ``save`` writes, once the run
+    succeeded), then print the fleet's and each replica's table: the files first, so
+    a closed stdout (`| head -1`) fails the table, not them."""
     from duetime.metrics import render_table, write_json
     from duetime.sim.fleet_run import run_fleet
 
@@ -72,13 +81,8 @@ def run_and_report(spec: Any, plan: Any, json_path: Path | None, plot: Path | No
     with prog:
         result, row, per = run_fleet(spec, progress=cb, plan=plan)
     label = "fleet"
-    out.print(render_table([(label, row), *((_short(r), r) for r in per)]))
-    out.print(
-        f"{row['replicas']} replicas, router {row['router']}: routed {row['routed']:,}, "
-        f"refused {row['refused']:,}, re-routed {row['rerouted']:,}, failed {row['failed']:,}; "
-        f"simulated {result.sim_time:,.1f} s in {result.wall_s:.2f} s wall "
-        f"({result.engine_steps:,} steps)"
-    )
+    if save is not None:
+        save()
     if json_path is not None:
         write_json(json_path, {"spec": spec.to_dict(), "summary": row, "replicas": per})
     if plot is not None:
@@ -92,6 +96,13 @@ def run_and_report(spec: Any, plan: Any, json_path: Path | None, plot: Path | No
             }
         )
         plot_latency_cdf(runs, plot)
+    out.print(render_table([(label, row), *((_short(r), r) for r in per)]))
+    out.print(
+        f"{row['replicas']} replicas, router {row['router']}: routed {row['routed']:,}, "
+        f"refused {row['refused']:,}, re-routed {row['rerouted']:,}, failed {row['failed']:,}; "
+        f"simulated {result.sim_time:,.1f} s in {result.wall_s:.2f} s wall "
+        f"({result.engine_steps:,} steps)"
+    )
 
 
 def _short(r: dict[str, Any]) -> str:

@@ -28,7 +28,10 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
     replaced ``/dev/null``), and atomicity means nothing for a stream.
     """
     if is_stream(target):
-        yield str(target)
+        try:
+            yield str(target)
+        except OSError as e:  # /dev/full: "No space left on device" named no file
+            raise _named(e, target, str(target)) from None
         return
     try:
         prepare_parent(target)
@@ -42,10 +45,23 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
             os.fsync(f.fileno())  # the bytes must be on disk before the name points at them
         os.chmod(tmp, mode)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError):  # a full disk while writing named no file, or the temporary
+            raise _named(e, target, tmp) from None
         raise
+
+
+def _named(e: OSError, target: Path, written: str) -> OSError:
+    """``e`` naming ``target`` where it named no file or ``written`` (what was being
+    written), so that the one-line error says which output failed; ``e`` itself otherwise."""
+    if e.filename is not None and e.filename != written:
+        return e
+    try:
+        return type(e)(e.errno, e.strerror or str(e), str(target))
+    except Exception:  # a subclass with a constructor of its own: as raised
+        return e
 
 
 def is_stream(target: Path) -> bool:

@@ -1,10 +1,13 @@
-"""Plot a parameter sweep: one subplot per metric, one line per policy, spread across seeds.
+"""Plot a parameter sweep: one subplot per metric, one line per policy (or per
+combination of fields that varies), spread across seeds.
 
 Rows are the plain dicts a sweep naturally produces, one per run, e.g.
 ``{"policy": "edf", "rate_req_s": 4.0, "seed": 0, "e2e_p90_s": 1.7}``. Runs that
 share a policy and an x value (different seeds) are drawn as their mean with
 a shaded min–max band, which shows the seed-to-seed spread without claiming
-a distribution that three seeds cannot support.
+a distribution that three seeds cannot support. A ``hue`` of several fields
+(``("policy", "replicas", "router")``) draws one line per combination of them,
+labelled with the fields whose values differ between rows.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def plot_sweep(
     *,
     y: str | Sequence[str],
     x: str = "rate_req_s",
-    hue: str = "policy",
+    hue: str | Sequence[str] = "policy",
     title: str | None = None,
     dpi: int = 120,
 ) -> Path:
@@ -35,6 +38,8 @@ def plot_sweep(
     spaced, in first-seen order). Rows whose ``y`` value is missing or None
     are skipped for that metric only. Uses matplotlib's object API with the
     Agg canvas, so it needs no display and leaves pyplot's global state alone.
+    ``hue`` is the field (or fields) whose values make the lines; of several fields,
+    the label and the legend's title name those that vary across ``rows``.
     """
     # Imported here: matplotlib costs ~0.5 s to import and most callers never plot.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -44,10 +49,11 @@ def plot_sweep(
     if not metrics:
         raise ValueError("plot_sweep needs at least one metric in y")
     data = list(rows)
+    key, legend_title, data = _hue_labels(data, [hue] if isinstance(hue, str) else list(hue))
     numeric = all(isinstance(r.get(x), int | float) for r in data)
     order = {v: i for i, v in enumerate(dict.fromkeys(r.get(x) for r in data))}
-    # One colour per policy across all subplots, even where a policy lacks a metric.
-    colour = {h: f"C{i % 10}" for i, h in enumerate(dict.fromkeys(str(r.get(hue)) for r in data))}
+    # One colour per line across all subplots, even where a line lacks a metric.
+    colour = {h: f"C{i % 10}" for i, h in enumerate(dict.fromkeys(str(r.get(key)) for r in data))}
 
     ncols = min(len(metrics), 3)
     nrows = math.ceil(len(metrics) / ncols)
@@ -55,7 +61,7 @@ def plot_sweep(
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, metric in zip(axes, metrics, strict=False):
-        for label, (xs, mean, lo, hi) in _series(data, x, metric, hue).items():
+        for label, (xs, mean, lo, hi) in _series(data, x, metric, key).items():
             pos = xs if numeric else [order[v] for v in xs]
             ax.plot(pos, mean, marker="o", label=label, color=colour[label])
             if any(a != b for a, b in zip(lo, hi, strict=True)):
@@ -66,7 +72,7 @@ def plot_sweep(
         if not numeric:
             ax.set_xticks(range(len(order)), [str(v) for v in order])
         if ax.lines:
-            ax.legend(title=hue, fontsize="small")
+            ax.legend(title=legend_title, fontsize="small")
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
     for ax in axes[len(metrics) :]:
@@ -99,3 +105,23 @@ def _series(
             [max(v) for v in vals],
         )
     return out
+
+
+_HUE = "_hue"  # the key a row's line label is kept under while plotting
+
+
+def _hue_labels(
+    rows: list[Mapping[str, Any]], fields: list[str]
+) -> tuple[str, str, list[Mapping[str, Any]]]:
+    """The key of a row's line label, the legend's title and the rows: of several
+    ``fields``, each row gets the values of those that vary across rows, joined, as
+    its label (the first field's when none varies)."""
+    if not fields:
+        raise ValueError("plot_sweep needs at least one field in hue")
+    if len(fields) == 1:
+        return fields[0], fields[0], rows
+    varies = [f for f in fields if len({str(r.get(f)) for r in rows}) > 1] or fields[:1]
+    labelled: list[Mapping[str, Any]] = [
+        {**r, _HUE: ", ".join(str(r.get(f)) for f in varies)} for r in rows
+    ]
+    return _HUE, ", ".join(varies), labelled

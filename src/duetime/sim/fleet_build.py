@@ -92,6 +92,8 @@ def read_fleet(path: str | Path, base: SimConfig | None = None) -> list[ReplicaS
         slowdown = g.get("slowdown", 1.0)
         if isinstance(slowdown, bool) or not isinstance(slowdown, int | float):
             raise ValueError(f"{where}: slowdown must be a number, got {slowdown!r}")
+        if not (math.isfinite(slowdown) and slowdown > 0):  # named here, not by slowed()
+            raise ValueError(f"{where}: slowdown must be finite and > 0, got {slowdown!r}")
         limits = {
             key: _positive_int(where, key, g[key])
             for key in ("kv_capacity", "max_num_seqs")

@@ -36,7 +36,13 @@ from duetime.workloads.sources import (
     SyntheticSource,
     load_sharegpt_prompts,
 )
-from duetime.workloads.trace import TraceError, read_trace, write_trace
+from duetime.workloads.trace import (
+    TraceError,
+    read_trace,
+    trace_lines,
+    write_trace,
+    write_trace_lines,
+)
 
 __all__ = [
     "ARRIVALS",
@@ -66,5 +72,7 @@ __all__ = [
     "lrtrace_jobs",
     "read_pairs",
     "read_trace",
+    "trace_lines",
     "write_trace",
+    "write_trace_lines",
 ]

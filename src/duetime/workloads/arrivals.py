@@ -31,7 +31,9 @@ CV_MIN, CV_MAX = 1e-3, 1e3
 
 def _check_rate(rate: float) -> None:
     if not rate > 0:  # also rejects NaN
-        raise ValueError(f"rate must be > 0 requests/s (math.inf: all at start), got {rate}")
+        raise ValueError(
+            f"rate must be > 0 requests/s (inf: everything at the start), got {rate:g}"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,12 @@ class SharedPrefix:
     def caps_for_rest(self, caps: LengthCaps) -> LengthCaps:
         """Caps on the sampled part, so that the prompt with its prefix fits ``caps``."""
         extra = self.tokens - 1
+        room = None if caps.max_total_len is None else caps.max_total_len - extra
+        if room is not None and room < caps.min_prompt_len + caps.min_output_len:
+            raise ValueError(
+                f"a shared prefix of {self.tokens:,} tokens leaves no room for a prompt and an "
+                f"answer under prompt + output <= {caps.max_total_len:,} tokens"
+            )
 
         def less(cap: int | None) -> int | None:
             return None if cap is None else cap - extra

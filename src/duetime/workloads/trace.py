@@ -361,17 +361,28 @@ def write_trace(path: str | Path, jobs: Iterable[Job]) -> int:
     Returns the number of lines written. Policy-side fields (``predicted``,
     ``prompt_token_ids``) are not part of the format and are not written.
     """
-    count = 0
+    return write_trace_lines(path, trace_lines(jobs, path))
+
+
+def trace_lines(jobs: Iterable[Job], path: str | Path) -> list[str]:
+    """The lines :func:`write_trace` would write to ``path``, checked as it checks them:
+    a caller takes them before a run and writes them (:func:`write_trace_lines`) only
+    once the run succeeded, so a failed run leaves no trace file."""
+    lines: list[str] = []
     first_seen: dict[int, int] = {}
+    for count, job in enumerate(jobs, start=1):
+        line = job_to_dict(job)
+        where = f"cannot write {path}: job {count} (rid {_shown(line['rid'])})"
+        checked = _validate(line, where)
+        if checked.rid in first_seen:
+            raise TraceError(f"{where}: field 'rid': also the rid of job {first_seen[checked.rid]}")
+        first_seen[checked.rid] = count
+        lines.append(json.dumps(line, allow_nan=False, separators=(",", ":")) + "\n")
+    return lines
+
+
+def write_trace_lines(path: str | Path, lines: list[str]) -> int:
+    """Write lines from :func:`trace_lines` to ``path``, all or nothing; returns how many."""
     with atomic_writer(Path(path)) as f:
-        for count, job in enumerate(jobs, start=1):
-            line = job_to_dict(job)
-            where = f"cannot write {path}: job {count} (rid {_shown(line['rid'])})"
-            checked = _validate(line, where)
-            if checked.rid in first_seen:
-                raise TraceError(
-                    f"{where}: field 'rid': also the rid of job {first_seen[checked.rid]}"
-                )
-            first_seen[checked.rid] = count
-            f.write(json.dumps(line, allow_nan=False, separators=(",", ":")) + "\n")
-    return count
+        f.writelines(lines)
+    return len(lines)

@@ -16,7 +16,12 @@ def bench_fleet(
     replicas: Annotated[int, typer.Option(min=1, help="Replicas in each fleet.")] = 4,
     requests: Annotated[int, typer.Option(min=1, help="Requests per run.")] = 1500,
     routers: Annotated[str, typer.Option(help="Comma-separated routers (default: all).")] = "",
-    loads: Annotated[str, typer.Option(help="Comma-separated % of capacity.")] = "50,70,85,95",
+    loads: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated loads, % of the fleet's capacity (85: 85 %), each in [1, 200)."
+        ),
+    ] = "50,70,85,95",
     predictor: Annotated[str, typer.Option(help="Length predictor the routers see.")] = (
         "noisy:0.3"
     ),
@@ -30,12 +35,7 @@ def bench_fleet(
     from duetime.metrics import render_table
 
     with _user_errors():
-        try:
-            load_list = [float(x) / 100 for x in loads.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"--loads must be comma-separated percentages, got {loads!r}"
-            ) from None
+        load_list = [pct / 100 for pct in _percentages(loads)]
         names = comma_list(routers) or None
         fig = fleet.run(
             replicas=replicas,
@@ -45,9 +45,31 @@ def bench_fleet(
             loads=load_list,
             predictor=predictor,
         )
+        # The files first: a closed stdout (`| head -1`) fails the tables, not them.
+        save_figures(fig, json_path=json_path, plot=plot, plot_fn=fleet.plot)
     for fleet_name, cap in fig["capacity_req_s"].items():
         for pct in sorted({r["load_pct"] for r in fig["rows"]}):
             rows = [r for r in fig["rows"] if r["fleet"] == fleet_name and r["load_pct"] == pct]
             out.print(f"[bold]{fleet_name}[/] fleet, {pct} % of {cap:.2f} req/s")
             out.print(render_table([(r["router"], r) for r in rows], keys=list(fleet.FIGURES)))
-    save_figures(fig, json_path=json_path, plot=plot, plot_fn=fleet.plot)
+
+
+def _percentages(text: str) -> list[float]:
+    """``--loads``: percentages of capacity, each in [1, 200) (a share such as 0.85
+    is refused, not run at 0.85 %)."""
+    values = []
+    for item in text.split(","):
+        try:
+            pct = float(item)
+        except ValueError:
+            raise ValueError(
+                f"--loads must be comma-separated percentages of capacity, got {item.strip()!r} "
+                f"in {text!r}"
+            ) from None
+        if not 1 <= pct < 200:  # NaN too
+            raise ValueError(
+                f"--loads are percentages of capacity, each in [1, 200) (85 for 85 %), "
+                f"got {item.strip()}"
+            )
+        values.append(pct)
+    return values
