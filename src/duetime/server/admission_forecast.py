@@ -122,7 +122,8 @@ class ByForecast:
         i = late[0]
         end = ends[i]
         if end is None:
-            when = f"not within {2 * budget_s * 1000:.0f} ms"
+            # the fork plays no further than twice the deadline (its horizon)
+            when = f"not within twice its deadline of {budget_s * 1000:g} ms"
             retry = math.ceil(budget_s)
         else:
             when = f"in {(end - now) * 1000:.0f} ms"
