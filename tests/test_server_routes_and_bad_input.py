@@ -194,6 +194,11 @@ def test_metrics_count_every_response_by_route_and_status(
         (b'{"model": "duetime-tiny", "prompt": "x", "tuf": {"ert_ms": NaN}}', 400, "finite"),
         (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "does not exist"),
         (json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode(), 413, "body"),
+        # pydantic's own words named nothing a client wrote: "body: Field required",
+        # "Input should be a valid dictionary", "at least 1 item after validation"
+        (b"", 400, "the body is empty"),
+        (b"[1, 2]", 400, "the body must be a JSON object"),
+        (json.dumps({"model": MODEL, "prompt": "x", "stop": [""]}).encode(), 400, "non-empty"),
     ],
 )
 def test_bad_input_is_a_4xx_with_an_error_object(
@@ -208,6 +213,16 @@ def test_bad_input_is_a_4xx_with_an_error_object(
     assert needle.lower() in err["message"].lower()
     assert err["type"]
     wait_idle(state)
+
+
+def test_a_body_sent_without_a_json_content_type_is_named(
+    served: tuple[str, ServerState],
+) -> None:
+    """curl's -d sends a form: "body: Input should be a valid dictionary or object"."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1})
+    r = httpx.post(served[0] + "/v1/completions", content=body)
+    assert r.status_code == 400, r.text
+    assert "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where or 'body'}: {message}{more}", where or None
 
 
+def _body_message(exc: RequestValidationError, content_type: str) -> str | None:
+    """What is wrong with a body that is no JSON object at all (None for any other
+    error): pydantic's "body: Field required" for an empty one, and "Input should be a
+    valid dictionary" for one sent without ``Content-Type: application/json`` (curl's
+    ``-d`` sends a form), say neither."""
+    errors = exc.errors()
+    if not errors or tuple(errors[0].get("loc", ())) != ("body",):
+        return None
+    if errors[0].get("type") not in ("missing", "model_attributes_type", "model_type"):
+        return None  # the body's own rule (a model validator): its own words
+    if "json" not in content_type.lower():
+        return (
+            "the body must be a JSON object sent with Content-Type: application/json, "
+            f"got {content_type or 'no Content-Type'}"
+        )
+    if errors[0].get("type") == "missing":
+        return "the body is empty: send the request as a JSON object"
+    return "the body must be a JSON object"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -117,8 +137,11 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message = _body_message(exc, request.headers.get("content-type", ""))
+        param = None
+        if message is None:
+            message, param = _validation_message(exc)
         return JSONResponse(error_json(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -21,6 +21,9 @@ from duetime.server.answer_constraints import (
 )
 from duetime.server.body_fields import MAX_CHOICES, StreamOptions, Text, TimeFields
 
+#: The longest stop string a request may give, in characters.
+MAX_STOP_CHARS = 256
+
 
 class _Common(TimeFields):
     model_config = ConfigDict(extra="ignore")
@@ -75,7 +78,7 @@ class _Common(TimeFields):
         description=f"Choices to generate (1 to {MAX_CHOICES}), each a sequence of its own: "
         "choice i samples with seed + i.",
     )
-    stop: Text | list[Annotated[Text, Field(min_length=1, max_length=256)]] | None = Field(
+    stop: Text | list[Text] | None = Field(
         None, description="Up to 4 stop strings; the answer ends before the first one."
     )
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
@@ -192,5 +195,7 @@ class _Common(TimeFields):
             return None
         stops = [v] if isinstance(v, str) else v
         if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+            raise ValueError(f"stop takes up to 4 non-empty strings, got {stops!r}"[:200])
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string is at most {MAX_STOP_CHARS} characters")
         return stops

@@ -308,7 +308,9 @@ class TokenizeRequest(_Body):
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
+        if self.prompt is None and self.messages is None:
+            raise ValueError("give a prompt or messages: neither is here")
+        if self.prompt is not None and self.messages is not None:
             raise ValueError("give a prompt or messages, not both")
         return self
 
