@@ -252,6 +252,18 @@ def test_each_rate_of_a_sweep_sends_prompts_of_its_own(server: tuple[FakeServer,
     assert {b["prompt"] for b in fake.bodies} == first
 
 
+def test_a_model_the_server_does_not_list_is_refused_before_any_request(
+    server: tuple[FakeServer, str],
+) -> None:
+    """`--model nosuch` ran in full, every request a 404, and exited 0."""
+    fake, url = server
+    code, output = invoke_load("--url", url, "--model", "nosuch", "--max-requests", "3")
+    assert code == 2, output
+    assert "--model 'nosuch'" in output
+    assert "fake-model" in output
+    assert not fake.bodies
+
+
 def test_cli_trace_replay_one_rate_plots_cdf(
     server: tuple[FakeServer, str], tmp_path: Path
 ) -> None:
@@ -264,7 +276,7 @@ def test_cli_trace_replay_one_rate_plots_cdf(
     ]  # fmt: skip
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
     code, output = invoke_load(
-        "--url", url, "--workload", str(trace), "--model", "m", "--plot", str(p)
+        "--url", url, "--workload", str(trace), "--model", "fake-model", "--plot", str(p)
     )
     assert code == 0, output
     assert len(fake.bodies) == 4

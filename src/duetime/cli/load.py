@@ -118,7 +118,7 @@ def load(
     """Open-loop load against an OpenAI-compatible endpoint: TTFT, TBT, e2e, goodput, deadlines."""
     from duetime.metrics import write_json
     from duetime.server import load_workload as lw
-    from duetime.server.load_target import check_target, discover_model
+    from duetime.server.load_target import check_model, check_target, discover_model
     from duetime.server.loadgen import Bounds, Target
 
     with _user_errors():
@@ -157,6 +157,8 @@ def load(
         ]
         if model is None:
             model = discover_model(base, api_key=api_key)
+        else:  # a model the server does not serve: every request a 404
+            check_model(base, model, api_key=api_key)
     target = Target(
         base=base,
         model=model,

@@ -75,16 +75,34 @@ def check_target(url: str, *, allow_remote: bool) -> str:
     return base
 
 
+def check_model(base: str, model: str, *, api_key: str | None = None) -> None:
+    """Refuse a ``--model`` that ``GET {base}/v1/models`` does not list (every request
+    would be a 404); a server whose list cannot be read is taken at its word."""
+    try:
+        listed = discover_models(base, api_key=api_key)
+    except ValueError:
+        return
+    if model not in listed:
+        raise ValueError(f"--model {model!r}: {base}/v1/models lists {', '.join(listed)}")
+
+
 def discover_model(base: str, *, api_key: str | None = None, timeout_s: float = 10.0) -> str:
     """The first model ``GET {base}/v1/models`` lists (what ``--model`` defaults to)."""
+    return discover_models(base, api_key=api_key, timeout_s=timeout_s)[0]
+
+
+def discover_models(base: str, *, api_key: str | None = None, timeout_s: float = 10.0) -> list[str]:
+    """The models ``GET {base}/v1/models`` lists, at least one; ValueError otherwise."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         resp = httpx.get(f"{base}/v1/models", headers=headers, timeout=timeout_s, trust_env=False)
         resp.raise_for_status()
-        models = resp.json().get("data") or []
-        return str(models[0]["id"])
+        ids = [str(m["id"]) for m in resp.json().get("data") or []]
     except httpx.HTTPError as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__  # httpx adds a docs link
         raise ValueError(f"cannot list models at {base}/v1/models ({why}); pass --model") from None
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        raise ValueError(f"{base}/v1/models lists no model; pass --model") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ids = []
+    if not ids:
+        raise ValueError(f"{base}/v1/models lists no model; pass --model")
+    return ids
