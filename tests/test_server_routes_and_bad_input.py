@@ -199,6 +199,14 @@ def test_metrics_count_every_response_by_route_and_status(
         (b"", 400, "the body is empty"),
         (b"[1, 2]", 400, "the body must be a JSON object"),
         (json.dumps({"model": MODEL, "prompt": "x", "stop": [""]}).encode(), 400, "non-empty"),
+        # the two names of one field with two values: one was ignored without a word
+        (
+            json.dumps(
+                {"model": MODEL, "prompt": "x", "deadline_ms": 5000, "time_budget_ms": 1}
+            ).encode(),
+            400,
+            "the same field under two names",
+        ),
     ],
 )
 def test_bad_input_is_a_4xx_with_an_error_object(

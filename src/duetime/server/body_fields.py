@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from duetime.core.request import MAX_TUF_MAGNITUDE
 
@@ -91,6 +91,18 @@ class TimeFields(_Body):
         "expected to want more (reading time at 300 words/min; at once for actions).",
     )
     klass: Text = Field("default", max_length=64, description="Request class (per-class stats).")
+
+    @model_validator(mode="after")
+    def _one_deadline(self) -> TimeFields:
+        """``time_budget_ms`` is another name for ``deadline_ms``: two different values
+        would leave one of them ignored without a word."""
+        both = (self.deadline_ms, self.time_budget_ms)
+        if None not in both and both[0] != both[1]:
+            raise ValueError(
+                f"deadline_ms {both[0]:g} and time_budget_ms {both[1]:g} are the same "
+                "field under two names: give one"
+            )
+        return self
 
     def allows_eviction(self) -> bool:
         """Whether the request lets the policy drop KV (a fixed ratio of 0 does not)."""
