@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 
@@ -107,3 +109,24 @@ def test_a_given_budget_is_kept_and_bounds_the_batch() -> None:
     # a budget below the batch the target allows: no more decoders than tokens a step
     tight = limits_from_cost(cost, tpot_target_s=0.1, context=512, source="profile", budget=8)
     assert (tight.max_num_seqs, tight.prefill_chunk_tokens) == (8, 0)
+
+
+def test_a_start_timed_on_a_busy_machine_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
+    """Beside two CPU-bound processes the start-up timing sized 80 sequences (212-221
+    quiet) and said nothing: the spread of its repeats (37.8 % against ~5 %) tells."""
+    from duetime.cli.serve import _announce
+    from duetime.server.autosize import BUSY_SPREAD_PCT
+
+    model, _, _ = load_served_model(ServeOptions(model="tiny", predictor=None))
+    cost = measure_step_cost(model, batches=(1, 4), prompts=(16, 32), reps=2)
+    spread = cost.meta["timing_spread_pct"]
+    assert spread is not None
+    assert spread >= 0
+    options = ServeOptions(model="tiny", predictor=None)
+    for pct, warned in ((5.0, False), (BUSY_SPREAD_PCT + 1, True)):
+        lim = limits_from_cost(cost, tpot_target_s=1.0, context=64, source="measured at start")
+        lim = dataclasses.replace(lim, timing_spread_pct=pct)
+        _announce("tiny", "edf", "127.0.0.1", 8000, options, lim)
+        said = capsys.readouterr().err
+        assert ("warning:" in said) == warned, said
+        assert ("restart when it is quiet" in said) == warned

@@ -25,7 +25,7 @@ from duetime.cli.common import (
     parse_confidence,
     writable,
 )
-from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS
+from duetime.server.autosize import BUSY_SPREAD_PCT, DEFAULT_TPOT_TARGET_MS
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S
 
 if TYPE_CHECKING:  # (the server's modules import torch: not before it serves)
@@ -266,6 +266,15 @@ def _announce(
         f"batch ({why})",
         highlight=False,
     )
+    spread = sizing.timing_spread_pct
+    if spread is not None and spread > BUSY_SPREAD_PCT:
+        err.print(
+            f"  [bold yellow]warning:[/] steps of one shape timed at start spread {spread:.0f} % "
+            f"between repeats (a quiet machine: ~5 %): the machine is busy, and these limits "
+            "are likely too small; restart when it is quiet, or pass --profile, or "
+            "--max-num-seqs and --max-batch-tokens",
+            highlight=False,
+        )
     err.print(
         f"  try: curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
         f'-d \'{{"model": "{name}", "prompt": "The capital of France is", "max_tokens": 16, '

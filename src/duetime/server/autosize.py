@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,6 +49,12 @@ DEFAULT_TPOT_TARGET_MS = 200.0
 #: The batch limit is never set above this (the executor's KV and the policies'
 #: per-step work grow with it) nor below 1.
 MAX_SEQS_CAP = 256
+#: Steps of one shape timed at start that spread more than this between their repeats
+#: (mean absolute deviation from their median, %) were timed on a busy machine, and the
+#: limits sized from them are too small: quiet starts of Gemma q8 on machine E spread
+#: 4.9 and 5.1 %, one beside two CPU-bound processes 37.8 % (and sized 80 sequences,
+#: against 212 and 221 quiet).
+BUSY_SPREAD_PCT = 15.0
 #: Prefill chunks are multiples of this, between one and 32 of them.
 CHUNK_UNIT = 64
 MAX_CHUNK = 2048
@@ -68,6 +74,9 @@ class ServeLimits:
     #: "measured at start", "profile", or "given" (both limits set by hand).
     source: str
     cost: dict[str, float] | None
+    #: How much the steps timed at start spread between repeats, % (None: not timed);
+    #: past :data:`BUSY_SPREAD_PCT` the machine was busy while they were timed.
+    timing_spread_pct: float | None = None
 
     @property
     def prefill_chunk_tokens(self) -> int:
@@ -166,6 +175,7 @@ def measure_step_cost(
     """
     from duetime.engine.batch import SeqChunk
     from duetime.engine.cost_regimes import regimes_of
+    from duetime.predict.cost_report import repeat_floor_pct
     from duetime.predict.ete import StepSample, fit_batch_cost
 
     regimes = regimes_of(model)
@@ -204,7 +214,9 @@ def measure_step_cost(
             seconds = time.perf_counter() - t0
             attn = chunk_attention(len(part), past + len(part), regimes.attention)
             samples.append(StepSample(len(part), attn, 0, 0, seconds, "prefill"))
-    return fit_batch_cost(samples, name="measured at start", regimes=regimes)
+    cost = fit_batch_cost(samples, name="measured at start", regimes=regimes)
+    cost.meta["timing_spread_pct"] = repeat_floor_pct(samples)[0]
+    return cost
 
 
 def size_options(
@@ -246,6 +258,8 @@ def size_options(
         seqs=None if auto_seqs else options.max_num_seqs,
         budget=None if auto_tokens else options.max_batch_tokens,
     )
+    if source.startswith("measured"):
+        limits = replace(limits, timing_spread_pct=cost.meta.get("timing_spread_pct"))
     options.max_num_seqs = limits.max_num_seqs
     options.max_batch_tokens = limits.max_batch_tokens
     return limits
