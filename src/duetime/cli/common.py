@@ -14,11 +14,13 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, cast
+from typing import Annotated, Any, NoReturn, TypeVar, cast
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+T = TypeVar("T", int, float)
 
 app = typer.Typer(
     name="duetime",
@@ -257,6 +259,21 @@ def comma_list(text: str) -> list[str]:
     """The items of a comma-separated option, stripped, empty ones dropped: ``"a, b,"``
     is ``["a", "b"]`` wherever a command takes a list of names."""
     return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def comma_numbers(option: str, text: str, kind: Callable[[str], T], what: str) -> list[T]:
+    """The items of a comma-separated option of numbers (``kind``: int or float); the
+    first that is not one is named: ``--rates must be comma-separated numbers
+    (requests/s): 'abc' in '4,abc' is not``."""
+    values = []
+    for item in text.split(","):
+        try:
+            values.append(kind(item))
+        except ValueError:
+            raise ValueError(
+                f"{option} must be comma-separated {what}: {item.strip()!r} in {text!r} is not"
+            ) from None
+    return values
 
 
 def parse_confidence(text: str, option: str) -> float | None:

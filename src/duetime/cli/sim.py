@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import typer
 
@@ -19,13 +19,12 @@ from duetime.cli.common import (
     _progress,
     _user_errors,
     app,
+    comma_numbers,
     out,
     rate_text,
     writable,
 )
 from duetime.cli.sim_fleet import FailOpt, FleetOpt, ReplicaProfileOpt, ReplicasOpt, RouterOpt
-
-T = TypeVar("T", int, float)
 
 # Options `sim` and `sweep` share (a sweep runs `sim` for every policy × rate × seed).
 WorkloadOpt = Annotated[
@@ -199,11 +198,11 @@ def sweep(
     from duetime.sweep import run_sweep
 
     with _user_errors():
-        rate_list = _numbers("--rates", rates, float, "numbers (requests/s)")
+        rate_list = comma_numbers("--rates", rates, float, "numbers (requests/s)")
         bad = [why for r in rate_list if (why := rate_text("--rates", r)) is not None]
         if bad:
             _fail(bad[0])
-        seed_list = _numbers("--seeds", seeds, int, "integers")
+        seed_list = comma_numbers("--seeds", seeds, int, "integers")
         if any(s < 0 for s in seed_list):
             _fail(f"--seeds must be non-negative integers, got {seeds!r}")
         plotted = [m.strip() for m in metrics.split(",")]
@@ -277,17 +276,6 @@ def sweep(
                 ]
             )
         )
-
-
-def _numbers(option: str, text: str, kind: type[T], what: str) -> list[T]:
-    """The items of a comma-separated option of numbers; one that is not is named."""
-    items = text.split(",")
-    for item in items:
-        try:
-            kind(item)
-        except ValueError:
-            _fail(f"{option} must be comma-separated {what}: {item.strip()!r} in {text!r} is not")
-    return [kind(item) for item in items]
 
 
 def _fleet_label(row: dict) -> str:

@@ -8,7 +8,15 @@ import typer
 
 from duetime.cli.bench.options import SeedOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, comma_list, out
+from duetime.cli.common import (
+    JsonOpt,
+    PlotOpt,
+    _user_errors,
+    bench_app,
+    comma_list,
+    comma_numbers,
+    out,
+)
 
 
 @bench_app.command("fleet")
@@ -57,19 +65,10 @@ def bench_fleet(
 def _percentages(text: str) -> list[float]:
     """``--loads``: percentages of capacity, each in [1, 200) (a share such as 0.85
     is refused, not run at 0.85 %)."""
-    values = []
-    for item in text.split(","):
-        try:
-            pct = float(item)
-        except ValueError:
-            raise ValueError(
-                f"--loads must be comma-separated percentages of capacity, got {item.strip()!r} "
-                f"in {text!r}"
-            ) from None
+    values = comma_numbers("--loads", text, float, "percentages of capacity")
+    for pct in values:
         if not 1 <= pct < 200:  # NaN too
             raise ValueError(
-                f"--loads are percentages of capacity, each in [1, 200) (85 for 85 %), "
-                f"got {item.strip()}"
+                f"--loads are percentages of capacity, each in [1, 200) (85 for 85 %), got {pct:g}"
             )
-        values.append(pct)
     return values
