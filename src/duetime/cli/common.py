@@ -152,7 +152,7 @@ class OptionError(typer.BadParameter):
         return self.message
 
     def show(self, file: Any = None) -> None:
-        err.print(f"[bold red]error:[/] {escape(self.message)}", highlight=False)
+        _error_line(self.message)
 
 
 def positive_rate(param: typer.CallbackParam, value: float | None) -> float | None:
@@ -288,9 +288,14 @@ def parse_confidence(text: str, option: str) -> float | None:
 
 
 def _fail(msg: str) -> NoReturn:
+    _error_line(msg)
+    raise typer.Exit(2)
+
+
+def _error_line(msg: str) -> None:
+    """The one ``error:`` line every refusal prints on stderr."""
     # escape: a message quotes user input ("run[abc].jsonl"), which rich would read as markup
     err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
-    raise typer.Exit(2)
 
 
 @contextmanager
