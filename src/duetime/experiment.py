@@ -101,7 +101,6 @@ def build_jobs(spec: SimSpec) -> list[Job]:
                 "or the path of a JSONL trace file"
             )
         return wl.read_trace(spec.workload)
-    check_shared_prefix(spec)
     arrivals = wl.arrival_process(spec.arrival, spec.rate, cv=spec.cv, burst_size=spec.burst_size)
     source: wl.LengthSource | None = None
     if spec.workload == "synthetic":
@@ -129,16 +128,6 @@ def build_jobs(spec: SimSpec) -> list[Job]:
 def _looks_like_path(name: str) -> bool:
     """Whether a workload name is meant as a file (``.jsonl``, or a folder in it)."""
     return name.endswith(".jsonl") or "/" in name or (os.altsep or os.sep) in name
-
-
-def check_shared_prefix(spec: SimSpec) -> None:
-    """Refuse a ``--shared-prefix`` that leaves no room in the context for a prompt's
-    own token and an answer's (``SharedPrefix`` adds ``tokens - 1`` to each prompt)."""
-    if spec.shared_prefix + 1 > spec.max_context:  # a prompt's own token and an answer's
-        raise ValueError(
-            f"--shared-prefix: the shared prefix ({spec.shared_prefix:,} tokens) leaves no "
-            f"room in the {spec.max_context:,}-token context for a prompt and an answer"
-        )
 
 
 #: The workloads whose requests carry their prompt's text (what ``learned`` reads).

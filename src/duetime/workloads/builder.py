@@ -77,8 +77,8 @@ class SharedPrefix:
         room = None if caps.max_total_len is None else caps.max_total_len - extra
         if room is not None and room < caps.min_prompt_len + caps.min_output_len:
             raise ValueError(
-                f"a shared prefix of {self.tokens:,} tokens leaves no room for a prompt and an "
-                f"answer under prompt + output <= {caps.max_total_len:,} tokens"
+                f"the shared prefix ({self.tokens:,} tokens) leaves no room in the "
+                f"{caps.max_total_len:,}-token context for a prompt and an answer"
             )
 
         def less(cap: int | None) -> int | None:
