@@ -141,8 +141,9 @@ def check_predictor_workload(pred_name: str | None, spec: SimSpec) -> None:
     if spec.workload not in PROMPT_WORKLOADS:
         given = "--predictor" if spec.predictor != "policy" else f"{spec.policy}'s predictor"
         raise ValueError(
-            f"{given} {pred_name} reads each request's prompt: only the sharegpt and "
-            f"sharegpt-heldout workloads carry prompts (synthetic and trace files do not), "
+            f"{given} {pred_name} reads each request's prompt: only the "
+            f"{' and '.join(PROMPT_WORKLOADS)} workloads carry prompts (synthetic and trace "
+            "files do not), "
             f"got --workload {spec.workload}"
         )
 
