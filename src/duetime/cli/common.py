@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar, cast
 
 import typer
-from rich.console import Console
 from rich.markup import escape
+
+from duetime.cli.console import err
+from duetime.cli.console import out as out  # the commands import both consoles from here
 
 T = TypeVar("T", int, float)
 
@@ -62,11 +64,6 @@ def _root(
     ] = False,
 ) -> None:
     """Options of `duetime` itself, before a command."""
-
-
-# emoji off: rich turned "trunc.csv:100:2" into "trunc.csv💯2" (file:line:field messages)
-out = Console(emoji=False)
-err = Console(stderr=True, soft_wrap=True, emoji=False)
 
 
 def writable(path: Path | None) -> Path | None:

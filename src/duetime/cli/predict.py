@@ -259,7 +259,8 @@ def predict_throughput(
             "heldout_median_err_pct": pred.cv_median_err_pct,
             "heldout_folds": pred.cv_folds,
         }
-        print(json.dumps(payload))
+        # one line, unwrapped and unstyled, through the console that outlives `| head`
+        out.print(json.dumps(payload), markup=False, highlight=False, soft_wrap=True)
         return
     how = "fitted curve (workload was run)" if p.from_database else "XGBoost-predicted curve"
     out.print(
