@@ -53,7 +53,11 @@ MAX_SEQS_CAP = 256
 #: (mean absolute deviation from their median, %) were timed on a busy machine, and the
 #: limits sized from them are too small: quiet starts of Gemma q8 on machine E spread
 #: 4.9 and 5.1 %, one beside two CPU-bound processes 37.8 % (and sized 80 sequences,
-#: against 212 and 221 quiet).
+#: against 212 and 221 quiet). The limits are still sized from all the repeats, not
+#: the fastest of each shape: beside two CPU-bound processes the fastest sized 76, 85
+#: and 95 sequences where all sized 33, 87 and 91 (the machine is that much slower
+#: while they run), and quiet, the fastest prices a typical step ~5 % short of the
+#: TPOT target it is sized for (209-220 sequences against 185-210 from all).
 BUSY_SPREAD_PCT = 15.0
 #: Prefill chunks are multiples of this, between one and 32 of them.
 CHUNK_UNIT = 64
