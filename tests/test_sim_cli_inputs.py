@@ -3,8 +3,9 @@
 Each case failed on the code before it: a saved trace without the run's
 deadlines, or saved for a run that then failed; `sweep --arrival gamma`
 silently Poisson; a sweep plot of a mistyped metric; a trace "swept" over
-rates; a rate so low the run hung; profiles and TUFs that read as something
-else; a `demo --out` that failed after the work.
+rates, or given options that draw a workload and ignoring them; a rate so low
+the run hung; profiles and TUFs that read as something else; a `demo --out`
+that failed after the work.
 """
 
 from __future__ import annotations
@@ -93,16 +94,51 @@ def test_a_trace_sweeps_once_per_policy_and_seed_not_per_rate(tmp_path: Path) ->
     trace, j, png = tmp_path / "t.jsonl", tmp_path / "s.json", tmp_path / "s.png"
     assert _invoke(*SIM, "--save-trace", str(trace))[0] == 0
     code, out = _invoke(
-        "sweep", "--workload", str(trace), "--policies", "fcfs,edf", "--rates", "2,4,8",
+        "sweep", "--workload", str(trace), "--policies", "fcfs,edf",
         "--seeds", "0,1", "--workers", "1", "--json", str(j), "--plot", str(png),
     )  # fmt: skip
     assert code == 0, out
-    rows = json.loads(j.read_text())["rows"]
+    payload = json.loads(j.read_text())
+    rows = payload["rows"]
     assert sorted((r["policy"], r["seed"]) for r in rows) == [
         ("edf", 0), ("edf", 1), ("fcfs", 0), ("fcfs", 1)
     ]  # fmt: skip
     assert {r["rate_req_s"] for r in rows} == {None}
+    assert {s["rate"] for s in payload["specs"]} == {None}  # no default recorded as chosen
     assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("command", "options", "named"),
+    [
+        ("sim", ("--rate", "100"), "--rate"),
+        ("sim", ("--requests", "5", "--cv", "2"), "--requests, --cv"),
+        ("sim", ("--arrival", "gamma"), "--arrival"),
+        ("sim", ("--burst-size", "4"), "--burst-size"),
+        ("sweep", ("--rates", "2,4,8"), "--rates"),
+        ("sweep", ("--requests", "5"), "--requests"),
+    ],
+)
+def test_an_option_that_draws_a_workload_is_refused_with_a_trace(
+    tmp_path: Path, command: str, options: tuple[str, ...], named: str
+) -> None:
+    """They were ignored in silence, and the JSON recorded them as the run's settings."""
+    trace, j = tmp_path / "t.jsonl", tmp_path / "r.json"
+    assert _invoke(*SIM, "--save-trace", str(trace))[0] == 0
+    cli_refused(
+        command, "--workload", str(trace), *options, "--json", str(j),
+        names=f"{named}: a trace file brings its own requests and arrival times",
+    )  # fmt: skip
+    assert not j.exists()
+
+
+def test_a_replayed_trace_records_no_drawing_options(tmp_path: Path) -> None:
+    trace, j = tmp_path / "t.jsonl", tmp_path / "r.json"
+    assert _invoke(*SIM, "--save-trace", str(trace))[0] == 0
+    assert _invoke("sim", "--workload", str(trace), "--json", str(j))[0] == 0
+    spec = json.loads(j.read_text())["spec"]
+    assert [spec[k] for k in ("requests", "rate", "arrival", "cv", "burst_size")] == [None] * 5
+    assert spec["workload"] == str(trace)
 
 
 @pytest.mark.parametrize("rate", ["1e-20", "1e-100"])

@@ -32,8 +32,8 @@ class SimSpec:
 
     ``workload``: ``sharegpt``, ``sharegpt-heldout`` (only the rows the shipped
     length predictors were tested on, never trained on: the fair workload for
-    ``learned`` predictors), ``synthetic`` or a path to a JSONL trace (then
-    ``requests``, ``rate`` and ``arrival`` are ignored). ``deadline_scale``:
+    ``learned`` predictors), ``synthetic`` or a path to a JSONL trace (then the
+    :data:`GENERATED_ONLY` fields play no part). ``deadline_scale``:
     when set, each request without a deadline gets
     ``arrival + deadline_scale × (its time alone on the profile)``, the usual
     "slack" definition of a deadline. ``predictor``: ``policy`` (the policy's
@@ -73,9 +73,20 @@ class SimSpec:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def recorded(self) -> dict[str, Any]:
+        """The spec as a result file keeps it: for a trace, the fields that played no
+        part (:data:`GENERATED_ONLY`) are null, not the defaults nobody chose."""
+        fields = asdict(self)
+        if is_trace(self):
+            fields.update(dict.fromkeys(GENERATED_ONLY))
+        return fields
+
 
 #: ``SimSpec.workload`` names other than these are trace files.
 GENERATED_WORKLOADS = ("sharegpt", "sharegpt-heldout", "synthetic")
+#: The fields that draw a generated workload; a trace brings its own requests and
+#: arrival times, so these play no part in it.
+GENERATED_ONLY = ("requests", "rate", "arrival", "cv", "burst_size")
 
 
 def is_trace(spec: SimSpec) -> bool:

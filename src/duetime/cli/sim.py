@@ -57,8 +57,30 @@ PrefixGroupsOpt = Annotated[
 ]
 
 
+def refuse_generated_options(ctx: typer.Context, workload: str, names: tuple[str, ...]) -> None:
+    """A trace brings its own requests and arrival times: an option that would draw them
+    (``names``), given on the command line, is refused rather than silently ignored."""
+    from duetime.experiment import SimSpec, is_trace
+
+    if not is_trace(SimSpec(workload=workload)):
+        return
+    # by name: typer carries its own copy of click, whose ParameterSource is not click's
+    chosen = ("COMMANDLINE", "ENVIRONMENT")
+    given = [
+        "--" + n.replace("_", "-")
+        for n in names
+        if getattr(ctx.get_parameter_source(n), "name", None) in chosen
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: a trace file brings its own requests and arrival times; "
+            "leave these out, or generate the workload (sharegpt, synthetic)"
+        )
+
+
 @app.command()
 def sim(
+    ctx: typer.Context,
     policy: Annotated[str, typer.Option(help="Policy name (see `duetime policies`).")] = "fcfs",
     workload: WorkloadOpt = "sharegpt",
     requests: Annotated[int, typer.Option(min=1, help="Number of requests.")] = 2000,
@@ -88,12 +110,13 @@ def sim(
 ) -> None:
     """Simulate one workload through one policy, on one engine or on a fleet of replicas."""
     from duetime.cli.sim_fleet import fleet_fields, run_and_report
-    from duetime.experiment import SimSpec, plan_spec, run_planned
+    from duetime.experiment import GENERATED_ONLY, SimSpec, plan_spec, run_planned
     from duetime.metrics import render_table, write_json
     from duetime.sim.fleet_run import is_fleet
     from duetime.workloads import trace_lines
 
     with _user_errors():
+        refuse_generated_options(ctx, workload, GENERATED_ONLY)
         spec = SimSpec(
             policy=policy,
             workload=workload,
@@ -126,7 +149,7 @@ def sim(
         # The files first: a closed stdout (`| head -1`) fails the table, not them.
         _save_trace(save_trace, trace)
         if json_path is not None:
-            write_json(json_path, {"spec": spec.to_dict(), "summary": row})
+            write_json(json_path, {"spec": spec.recorded(), "summary": row})
         if plot is not None:
             from duetime.metrics.run_plot import plot_latency_cdf
 
@@ -150,6 +173,7 @@ def _save_trace(path: Path | None, lines: list[str] | None) -> None:
 
 @app.command()
 def sweep(
+    ctx: typer.Context,
     policies: Annotated[str, typer.Option(help="Comma-separated policy names.")] = "fcfs,edf",
     rates: Annotated[
         str,
@@ -198,6 +222,9 @@ def sweep(
     from duetime.sweep import run_sweep
 
     with _user_errors():
+        refuse_generated_options(
+            ctx, workload, ("requests", "rates", "arrival", "cv", "burst_size")
+        )
         rate_list = comma_numbers("--rates", rates, float, "numbers (requests/s)")
         bad = [why for r in rate_list if (why := rate_text("--rates", r)) is not None]
         if bad:
@@ -210,10 +237,7 @@ def sweep(
         unknown = [m for m in plotted if m not in figures]
         if unknown:  # found before the sweep runs, not as an empty plot after it
             _fail(f"unknown --metrics {unknown}; a row has {', '.join(figures)}")
-        try:
-            sizes = [int(n) for n in replicas.split(",")]
-        except ValueError:
-            _fail(f"--replicas must be comma-separated integers, got {replicas!r}")
+        sizes = comma_numbers("--replicas", replicas, int, "integers")
         if any(n < 1 for n in sizes):
             _fail(f"--replicas must be >= 1 each, got {replicas!r}")
         router_list: list[str | None] = (
@@ -259,7 +283,7 @@ def sweep(
             )
         # The files first: a closed stdout (`| head -1`) fails the tables, not them.
         if json_path is not None:
-            write_json(json_path, {"specs": [s.to_dict() for s in specs], "rows": rows})
+            write_json(json_path, {"specs": [s.recorded() for s in specs], "rows": rows})
         if plot is not None:
             # One line per policy × fleet size × router, labelled with those that vary:
             # a line per policy alone averaged the fleets of a policy into one point.

@@ -84,7 +84,7 @@ def run_and_report(
     if save is not None:
         save()
     if json_path is not None:
-        write_json(json_path, {"spec": spec.to_dict(), "summary": row, "replicas": per})
+        write_json(json_path, {"spec": spec.recorded(), "summary": row, "replicas": per})
     if plot is not None:
         from duetime.metrics.run_plot import plot_latency_cdf
 
