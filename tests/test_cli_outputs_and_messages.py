@@ -48,6 +48,25 @@ def test_an_error_line_prints_a_line_number_not_an_emoji(tmp_path: Path) -> None
     assert "t.jsonl:100:" in out, out
 
 
+@pytest.mark.parametrize(
+    ("first", "second"), [("--json", "--plot"), ("--json", "--save-trace"), ("--plot", "--json")]
+)
+def test_one_file_for_two_outputs_is_refused_before_the_run(
+    tmp_path: Path, first: str, second: str
+) -> None:
+    """`--json r.json --plot r.json` wrote the plot over the figures."""
+    target = tmp_path / "r.json"
+    code, out = _invoke(*SIM, first, str(target), second, str(tmp_path / "." / "r.json"))
+    assert code == 2, out
+    assert f"is also the {first} file: give each output its own" in out
+    assert not target.exists()
+
+
+def test_a_device_may_take_several_outputs() -> None:
+    code, out = _invoke(*SIM, "--json", os.devnull, "--plot", os.devnull)
+    assert code == 0, out
+
+
 @pytest.mark.parametrize("option", ["--json", "--plot"])
 def test_an_unwritable_output_is_refused_before_the_run(tmp_path: Path, option: str) -> None:
     a_file = tmp_path / "plain"

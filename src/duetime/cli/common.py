@@ -90,12 +90,29 @@ def writable(path: Path | None) -> Path | None:
     return path
 
 
+def output_path(ctx: typer.Context, param: typer.CallbackParam, path: Path | None) -> Path | None:
+    """Option callback for an output file: :func:`writable`, and no file given to two of
+    the command's outputs (``--json r.json --plot r.json`` wrote the plot over the
+    figures); a device such as ``/dev/null`` may take several."""
+    from duetime.metrics.atomic import is_stream
+
+    checked = writable(path)
+    if checked is None or is_stream(checked):
+        return checked
+    claimed: dict[Path, str] = ctx.meta.setdefault("duetime.output_paths", {})
+    option = "/".join(param.opts) if param.opts else str(param.name)
+    other = claimed.setdefault(checked.resolve(), option)
+    if other != option:
+        raise typer.BadParameter(f"{path} is also the {other} file: give each output its own")
+    return checked
+
+
 JsonOpt = Annotated[
     Path | None,
-    typer.Option("--json", help="Write the figures to this JSON file.", callback=writable),
+    typer.Option("--json", help="Write the figures to this JSON file.", callback=output_path),
 ]
 PlotOpt = Annotated[
-    Path | None, typer.Option("--plot", help="Write a PNG plot here.", callback=writable)
+    Path | None, typer.Option("--plot", help="Write a PNG plot here.", callback=output_path)
 ]
 
 # The embedded engine's (`serve`, `profile`, `validate`, the engine benches); each

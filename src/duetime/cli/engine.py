@@ -17,8 +17,8 @@ from duetime.cli.common import (
     _fail,
     _user_errors,
     app,
+    output_path,
     pct_text,
-    writable,
 )
 from duetime.cli.common import out as console
 from duetime.cli.profile_engine import print_misses
@@ -36,7 +36,7 @@ def profile(
     threads: ThreadsOpt = 2,
     quick: Annotated[bool, typer.Option(help="A small grid (smoke test).")] = False,
     out: Annotated[
-        Path, typer.Option("--out", help="Profile JSON to write.", callback=writable)
+        Path, typer.Option("--out", help="Profile JSON to write.", callback=output_path)
     ] = Path("out/gemma3-270m-cpu.json"),
     kv_capacity: Annotated[
         int, typer.Option(min=1, help="KV tokens recorded in the profile.")
@@ -59,7 +59,7 @@ def profile(
         ),
     ] = 40,
     json_path: Annotated[
-        Path | None, typer.Option("--json", help="Write the report here.", callback=writable)
+        Path | None, typer.Option("--json", help="Write the report here.", callback=output_path)
     ] = None,
     samples_path: Annotated[
         Path | None,
@@ -67,7 +67,7 @@ def profile(
             "--samples",
             help="Write every timed step here as JSON lines (the executor's telemetry "
             "fields, and source: grid or serving), to refit or compare offline.",
-            callback=writable,
+            callback=output_path,
         ),
     ] = None,
     plot: PlotOpt = None,
@@ -145,12 +145,12 @@ def validate(
         typer.Option(
             "--plot",
             help="Write a PNG here: simulated against real e2e latency per request, and CDFs.",
-            callback=writable,
+            callback=output_path,
         ),
     ] = Path("out/validate.png"),
     json_path: Annotated[
         Path | None,
-        typer.Option("--json", help="Write the figures to this JSON file.", callback=writable),
+        typer.Option("--json", help="Write the figures to this JSON file.", callback=output_path),
     ] = None,
     samples_path: Annotated[
         Path | None,
@@ -158,7 +158,7 @@ def validate(
             "--samples",
             help="Write the real run's steps here as JSON lines (profile --samples' fields, "
             "source: validate), to price them offline against this or another profile.",
-            callback=writable,
+            callback=output_path,
         ),
     ] = None,
     eviction: EvictionOpt = "snapkv",

@@ -13,8 +13,8 @@ from duetime.cli.common import (
     JsonOpt,
     _user_errors,
     out,
+    output_path,
     predict_app,
-    writable,
 )
 from duetime.cli.predict_train import (
     check_option_combinations,
@@ -42,7 +42,7 @@ AllTurnsOpt = Annotated[
 @predict_app.command("train-length")
 def predict_train_length(
     out_path: Annotated[
-        Path, typer.Option("--out", help="Model file to write (.npz).", callback=writable)
+        Path, typer.Option("--out", help="Model file to write (.npz).", callback=output_path)
     ] = Path("out/rlp.npz"),
     encoder: Annotated[
         str,
@@ -186,7 +186,7 @@ def predict_train_length(
 @predict_app.command("export-length-data")
 def predict_export_length_data(
     out_path: Annotated[
-        Path, typer.Option("--out", help="Bundle to write (.npz).", callback=writable)
+        Path, typer.Option("--out", help="Bundle to write (.npz).", callback=output_path)
     ] = Path("out/rlp-tokens.npz"),
     max_len: MaxLenOpt = 4096,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the split.")] = 0,
@@ -278,7 +278,7 @@ def predict_collect_throughput(
         typer.Option(help="Configuration(s) to collect; default: the simulated ones."),
     ] = None,
     out_path: Annotated[
-        Path, typer.Option("--out", help="CSV to append to.", callback=writable)
+        Path, typer.Option("--out", help="CSV to append to.", callback=output_path)
     ] = Path("out/ala-throughput.csv"),
     quick: Annotated[bool, typer.Option(help="A tiny grid (smoke test).")] = False,
 ) -> None:

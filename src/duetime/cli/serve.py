@@ -22,8 +22,8 @@ from duetime.cli.common import (
     _user_errors,
     app,
     err,
+    output_path,
     parse_confidence,
-    writable,
 )
 from duetime.server.autosize import BUSY_SPREAD_PCT, DEFAULT_TPOT_TARGET_MS
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S
@@ -127,7 +127,7 @@ def serve(
         Path | None, typer.Option(help="Fitted profile (`duetime profile`); default: fit online.")
     ] = None,
     telemetry: Annotated[
-        Path | None, typer.Option(help="Per-step JSONL telemetry.", callback=writable)
+        Path | None, typer.Option(help="Per-step JSONL telemetry.", callback=output_path)
     ] = None,
     eviction: EvictionOpt = "snapkv",
     request_timeout: Annotated[

@@ -21,6 +21,7 @@ from duetime.cli.common import (
     app,
     comma_numbers,
     out,
+    output_path,
     rate_text,
     writable,
 )
@@ -103,7 +104,7 @@ def sim(
     fleet: FleetOpt = None,
     fail: FailOpt = None,
     save_trace: Annotated[
-        Path | None, typer.Option(help="Save the workload as JSONL.", callback=writable)
+        Path | None, typer.Option(help="Save the workload as JSONL.", callback=output_path)
     ] = None,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
