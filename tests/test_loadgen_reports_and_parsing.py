@@ -52,6 +52,24 @@ def test_deadline_hit_needs_success_within_the_deadline() -> None:
     assert to_record(outcomes[2]).cancelled_at == pytest.approx(1.05)
 
 
+def test_errors_that_differ_only_by_a_number_count_as_one_kind() -> None:
+    """Each too-long prompt's 400 named its own token count: five of them took all five
+    places of top_errors and hid every other cause."""
+    messages = [f"HTTP 400: prompt has {n} tokens, more than 2048" for n in range(3000, 3006)]
+    messages += ["HTTP 500: engine failed", "HTTP 503: busy for 2.5 s", "HTTP 503: busy for 4 s"]
+    outcomes = []
+    for rid, message in enumerate(messages):
+        o = _outcome(rid, "error", float(rid), None, deadline=9.0)
+        o.error = message
+        outcomes.append(o)
+    row = summarize_run(LoadRun(outcomes, launch_s=1.0, wall_s=2.0))
+    assert row["top_errors"] == {
+        "HTTP 400: prompt has # tokens, more than #": 6,
+        "HTTP 503: busy for # s": 2,
+        "HTTP 500: engine failed": 1,
+    }
+
+
 # --- parsing ---------------------------------------------------------------------------------
 
 
