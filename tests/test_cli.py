@@ -35,11 +35,11 @@ def test_sim_synthetic_writes_json_and_plot(tmp_path: Path) -> None:
 
 def test_save_trace_then_replay_gives_the_same_result(tmp_path: Path) -> None:
     trace, a, b = tmp_path / "t.jsonl", tmp_path / "a.json", tmp_path / "b.json"
-    common = ["--requests", "150", "--rate", "10", "--policy", "fcfs"]
-    code, out = _invoke("sim", "--workload", "synthetic", *common, "--save-trace", str(trace),
-                        "--json", str(a))  # fmt: skip
+    drawn = ["--requests", "150", "--rate", "10"]  # a trace brings its own
+    code, out = _invoke("sim", "--workload", "synthetic", *drawn, "--policy", "fcfs",
+                        "--save-trace", str(trace), "--json", str(a))  # fmt: skip
     assert code == 0, out
-    code, out = _invoke("sim", "--workload", str(trace), *common, "--json", str(b))
+    code, out = _invoke("sim", "--workload", str(trace), "--policy", "fcfs", "--json", str(b))
     assert code == 0, out
     sa, sb = json.loads(a.read_text())["summary"], json.loads(b.read_text())["summary"]
     assert sa["e2e_mean_s"] == pytest.approx(sb["e2e_mean_s"], rel=1e-9)

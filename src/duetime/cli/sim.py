@@ -63,8 +63,8 @@ def refuse_generated_options(ctx: typer.Context, workload: str, names: tuple[str
     (``names``), given on the command line, is refused rather than silently ignored."""
     from duetime.experiment import SimSpec, is_trace
 
-    if not is_trace(SimSpec(workload=workload)):
-        return
+    if not (is_trace(SimSpec(workload=workload)) and Path(workload).exists()):
+        return  # a generated workload, or a missing file: build_jobs names it
     # by name: typer carries its own copy of click, whose ParameterSource is not click's
     chosen = ("COMMANDLINE", "ENVIRONMENT")
     given = [
