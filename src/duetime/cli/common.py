@@ -14,15 +14,15 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar, cast
+from typing import Annotated, Any, NoReturn, cast
 
 import typer
 from rich.markup import escape
 
 from duetime.cli.console import err
 from duetime.cli.console import out as out  # the commands import both consoles from here
-
-T = TypeVar("T", int, float)
+from duetime.comma_lists import comma_list as comma_list  # commands import them from here
+from duetime.comma_lists import comma_numbers as comma_numbers
 
 app = typer.Typer(
     name="duetime",
@@ -267,27 +267,6 @@ HeaderTimeoutOpt = Annotated[
 def pct_text(v: object) -> str:
     """A percentage figure for a report line: two decimals, or "-" where there is none."""
     return "-" if v is None else f"{float(v):.2f} %"  # type: ignore[arg-type]
-
-
-def comma_list(text: str) -> list[str]:
-    """The items of a comma-separated option, stripped, empty ones dropped: ``"a, b,"``
-    is ``["a", "b"]`` wherever a command takes a list of names."""
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
-def comma_numbers(option: str, text: str, kind: Callable[[str], T], what: str) -> list[T]:
-    """The items of a comma-separated option of numbers (``kind``: int or float); the
-    first that is not one is named: ``--rates must be comma-separated numbers
-    (requests/s): 'abc' in '4,abc' is not``."""
-    values = []
-    for item in text.split(","):
-        try:
-            values.append(kind(item))
-        except ValueError:
-            raise ValueError(
-                f"{option} must be comma-separated {what}: {item.strip()!r} in {text!r} is not"
-            ) from None
-    return values
 
 
 def parse_confidence(text: str, option: str) -> float | None:

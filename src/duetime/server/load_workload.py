@@ -251,11 +251,10 @@ def filler_prompt(rid: int, prompt_len: int, rng: np.random.Generator) -> str:
 
 def parse_rates(text: str) -> list[float]:
     """``"1,2,4"`` → ``[1.0, 2.0, 4.0]``; ``inf`` sends everything at once."""
-    try:
-        rates = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--rate must be comma-separated numbers, got {text!r}") from None
-    if not rates or any(not r > 0 for r in rates):
+    from duetime.comma_lists import comma_numbers
+
+    rates = comma_numbers("--rate", text, float, "numbers (requests/s)")
+    if any(not r > 0 for r in rates):
         raise ValueError(f"--rate needs numbers > 0 (inf: all at once), got {text!r}")
     return rates
 

@@ -22,7 +22,7 @@ from duetime.cli.bench.options import (
     WorkersOpt,
 )
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
+from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, comma_numbers, out
 
 
 @bench_app.command("deferred-prefill")
@@ -107,16 +107,8 @@ def curve_line(curve: str, s: Mapping[str, Any], extra: str) -> str:
 
 
 def parse_ks(ks: str | None) -> tuple[int, ...] | None:
-    """``"1,2,4"`` → ``(1, 2, 4)``; a clear error for anything else."""
-    if ks is None:
-        return None
-    try:
-        vals = tuple(int(x) for x in ks.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--ks {ks!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
-    if not vals:
-        raise ValueError("--ks is empty")
-    return vals
+    """``"1,2,4"`` → ``(1, 2, 4)``; None: the default thresholds."""
+    return None if ks is None else tuple(comma_numbers("--ks", ks, int, "integers"))
 
 
 def run_engine(

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
+from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, comma_numbers, out
 
 
 @bench_app.command("engine")
@@ -40,17 +40,8 @@ def bench_engine(
     from duetime.bench import engine_speed as bench
 
     def ints(s: str | None, opt: str) -> tuple[int, ...] | None:
-        if s is None:
-            return None  # the default grid
-        try:
-            vals = tuple(int(x) for x in s.split(",") if x.strip())
-        except ValueError:
-            raise ValueError(
-                f"{opt} {s!r}: expected comma-separated integers, e.g. 1,4,16"
-            ) from None
-        if not vals:  # "" or ",": ran the default grid instead, silently
-            raise ValueError(f"{opt} {s!r} is empty: give at least one size, or leave it out")
-        return vals  # sizes >= 1 and within the context: checked by bench.run before loading
+        # None: the default grid; sizes >= 1 and within the context: checked by bench.run
+        return None if s is None else tuple(comma_numbers(opt, s, int, "integers"))
 
     with _user_errors():
         fig = bench.run(

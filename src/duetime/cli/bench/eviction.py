@@ -14,7 +14,15 @@ import typer
 from duetime.cli.bench.model import load_prompted_model
 from duetime.cli.bench.options import BenchModelOpt, PromptSeedOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
+from duetime.cli.common import (
+    DtypeOpt,
+    JsonOpt,
+    ThreadsOpt,
+    _user_errors,
+    bench_app,
+    comma_numbers,
+    out,
+)
 
 
 @bench_app.command("eviction")
@@ -85,9 +93,6 @@ def parse_alphas(alphas: str) -> list[float]:
     before the model loads, by the bench's own rule)."""
     from duetime.bench.eviction import check_alphas
 
-    try:
-        ratios = [float(a) for a in alphas.split(",") if a.strip()]
-    except ValueError:
-        raise ValueError(f"--alphas must be numbers separated by commas, got {alphas!r}") from None
+    ratios = comma_numbers("--alphas", alphas, float, "numbers")
     check_alphas(ratios, name="--alphas")  # an empty list ran every prompt, then failed
     return ratios

@@ -17,6 +17,7 @@ from duetime.cli.common import (
     _user_errors,
     bench_app,
     comma_list,
+    comma_numbers,
     out,
 )
 
@@ -49,10 +50,7 @@ def bench_sensitivity(
     from duetime.metrics import render_table
 
     with _user_errors():
-        try:
-            sigmas = [float(x) for x in errors.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--errors must be comma-separated numbers, got {errors!r}") from None
+        sigmas = comma_numbers("--errors", errors, float, "numbers", allow_empty=True)
         names = comma_list(policies)
         extra = None if learned == "none" else learned
         if not names:  # ran nothing and wrote an empty table, exit 0

@@ -9,7 +9,16 @@ import typer
 
 from duetime.cli.bench.options import ServedModelOpt, ServedPolicyOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, ThreadsOpt, _progress, _user_errors, bench_app, out
+from duetime.cli.common import (
+    JsonOpt,
+    PlotOpt,
+    ThreadsOpt,
+    _progress,
+    _user_errors,
+    bench_app,
+    comma_numbers,
+    out,
+)
 from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS
 
 
@@ -52,12 +61,7 @@ def bench_serve_load(
     from duetime.server.load_workload import parse_rates
 
     with _user_errors():
-        try:
-            counts = [int(x) for x in requests.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(
-                f"--requests must be comma-separated integers, got {requests!r}"
-            ) from None
+        counts = comma_numbers("--requests", requests, int, "integers")
         cfg = ServeLoadConfig(
             model=model,
             dtype=dtype,
