@@ -67,7 +67,8 @@ def _root(
 
 
 def writable(path: Path | None) -> Path | None:
-    """Option callback: refuse an output path that cannot be written, before any work.
+    """Refuse an output path that cannot be written, before any work (the check of
+    :func:`output_path`, the output options' callback).
 
     A benchmark that runs for minutes and then fails to save is the costliest
     typo; this tries a file in the nearest directory that exists (the final
