@@ -63,6 +63,7 @@ def test_bench_deferred_prefill_engine_tiny(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     assert p.read_bytes()[:8] == PNG
+    assert f"wrote {p}, {j}" in " ".join(r.output.split())  # what a bench saved is named
     fig = json.loads(j.read_text())
     assert fig["mode"] == "engine"
     assert fig["capacity"] == 4
