@@ -275,10 +275,14 @@ def test_cli_trace_replay_one_rate_plots_cdf(
         for i in range(4)
     ]  # fmt: skip
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    j = tmp_path / "t.json"
     code, output = invoke_load(
-        "--url", url, "--workload", str(trace), "--model", "fake-model", "--plot", str(p)
-    )
+        "--url", url, "--workload", str(trace), "--model", "fake-model", "--plot", str(p),
+        "--json", str(j),
+    )  # fmt: skip
     assert code == 0, output
+    config = json.loads(j.read_text())["config"]
+    assert [config[k] for k in ("arrival", "cv", "burst_size")] == [None] * 3  # the trace's own
     assert len(fake.bodies) == 4
     assert {b["deadline_ms"] for b in fake.bodies} == {5000.0}
     assert {b["priority"] for b in fake.bodies} == {2}

@@ -129,6 +129,25 @@ def test_cli_bad_trace_exits_2_naming_line_and_field(tmp_path: Path) -> None:
     assert "Traceback" not in output
 
 
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [(("--rate", "3"), "--rate"), (("--arrival", "gamma", "--cv", "2"), "--arrival, --cv"),
+     (("--burst-size", "4"), "--burst-size")],
+)  # fmt: skip
+def test_an_option_that_draws_arrivals_is_refused_with_a_trace(
+    tmp_path: Path, options: tuple[str, ...], named: str
+) -> None:
+    """A trace's arrival times are its own: --rate 3 was ignored in silence, and the JSON
+    recorded the arrival, cv and burst size that played no part."""
+    trace, j = tmp_path / "t.jsonl", tmp_path / "r.json"
+    trace.write_text('{"rid": 0, "arrival": 0.0, "prompt_len": 10, "output_len": 5}\n')
+    code, output = invoke_load("--workload", str(trace), "--model", "m", *options,
+                               "--json", str(j))  # fmt: skip
+    assert code == 2, output
+    assert f"{named}: a trace file brings its own requests and arrival times" in output
+    assert not j.exists()
+
+
 def test_a_trace_sends_each_requests_overrun_and_eviction(tmp_path: Path) -> None:
     """The server takes both per request; a trace that sets them must have them sent."""
     from duetime.core.request import Job, Request

@@ -270,6 +270,24 @@ def pct_text(v: object) -> str:
     return "-" if v is None else f"{float(v):.2f} %"  # type: ignore[arg-type]
 
 
+def refuse_drawing_options(ctx: typer.Context, names: tuple[str, ...]) -> None:
+    """For a trace, which brings its own requests and arrival times: an option that would
+    draw them (``names``), given on the command line, is refused, where it was ignored in
+    silence and recorded in the JSON as a setting of the run."""
+    # by name: typer carries its own copy of click, whose ParameterSource is not click's
+    chosen = ("COMMANDLINE", "ENVIRONMENT")
+    given = [
+        "--" + n.replace("_", "-")
+        for n in names
+        if getattr(ctx.get_parameter_source(n), "name", None) in chosen
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: a trace file brings its own requests and arrival times; "
+            "leave these out, or generate the workload (sharegpt, synthetic)"
+        )
+
+
 def parse_confidence(text: str, option: str) -> float | None:
     """A ``--deadline-confidence`` value as given: ``off`` (None) or a number (its range
     is checked where it is used)."""

@@ -22,6 +22,7 @@ from duetime.cli.common import (
     app,
     err,
     out,
+    refuse_drawing_options,
 )
 
 if TYPE_CHECKING:  # (imported when the command runs: the CLI starts without them)
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # (imported when the command runs: the CLI starts without the
 
 @app.command()
 def load(
+    ctx: typer.Context,
     url: Annotated[str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000.")] = (
         "http://127.0.0.1:8000"
     ),
@@ -141,6 +143,8 @@ def load(
             deadlines=lw.parse_deadlines(deadline or []),
             priorities=lw.parse_class_values(priority or [], "--priority", int),
         )
+        if spec.is_trace and Path(workload).exists():  # a missing file: build names it
+            refuse_drawing_options(ctx, ("rate", "arrival", "cv", "burst_size"))
         rates = _rates(spec, rate)
         bounds = Bounds(
             max_requests=requests,
@@ -184,15 +188,10 @@ def load(
 # --- before any request: the options as a workload and its rates --------------------------
 def _rates(spec: LoadWorkload, rate: str) -> list[float | None]:
     """The rates to run, one run each. A trace brings its own arrival times, so it runs
-    once, at no rate (``None``), and a sweep of rates over it is refused."""
+    once, at no rate (``None``)."""
     from duetime.server import load_workload as lw
 
-    rates: list[float | None] = list(lw.parse_rates(rate))
-    if spec.is_trace:
-        if len(rates) > 1:
-            raise ValueError("a trace has its own arrival times: give one --rate, or none")
-        rates = [None]
-    return rates
+    return [None] if spec.is_trace else list(lw.parse_rates(rate))
 
 
 # --- the runs ------------------------------------------------------------------------------
@@ -260,15 +259,20 @@ def _config(target: Target, spec: LoadWorkload, bounds: Bounds) -> dict[str, Any
         "system_prompt_chars": len(target.system_prompt or ""),
         "slo_ttft_ms": target.slo_ttft_ms,
         "workload": spec.workload,
-        "arrival": spec.arrival,
-        "cv": spec.cv,
-        "burst_size": spec.burst_size,
+        # a trace's arrivals are its own: the options that draw them played no part
+        **_drawn_by(spec),
         "seed": spec.seed,
         "class_mix": spec.class_mix,
         "deadlines_s": spec.deadlines,
         "priorities": spec.priorities,
         "bounds": bounds,
     }
+
+
+def _drawn_by(spec: LoadWorkload) -> dict[str, Any]:
+    """How a generated workload's arrivals were drawn; all null for a trace."""
+    drawn = {"arrival": spec.arrival, "cv": spec.cv, "burst_size": spec.burst_size}
+    return dict.fromkeys(drawn) if spec.is_trace else drawn
 
 
 def _plot(rows: list[dict[str, Any]], records: dict[str, list[RequestRecord]], plot: Path) -> None:

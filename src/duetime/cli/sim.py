@@ -23,6 +23,7 @@ from duetime.cli.common import (
     out,
     output_path,
     rate_text,
+    refuse_drawing_options,
     writable,
 )
 from duetime.cli.sim_fleet import FailOpt, FleetOpt, ReplicaProfileOpt, ReplicasOpt, RouterOpt
@@ -58,27 +59,6 @@ PrefixGroupsOpt = Annotated[
 ]
 
 
-def refuse_generated_options(ctx: typer.Context, workload: str, names: tuple[str, ...]) -> None:
-    """A trace brings its own requests and arrival times: an option that would draw them
-    (``names``), given on the command line, is refused rather than silently ignored."""
-    from duetime.experiment import SimSpec, is_trace
-
-    if not (is_trace(SimSpec(workload=workload)) and Path(workload).exists()):
-        return  # a generated workload, or a missing file: build_jobs names it
-    # by name: typer carries its own copy of click, whose ParameterSource is not click's
-    chosen = ("COMMANDLINE", "ENVIRONMENT")
-    given = [
-        "--" + n.replace("_", "-")
-        for n in names
-        if getattr(ctx.get_parameter_source(n), "name", None) in chosen
-    ]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)}: a trace file brings its own requests and arrival times; "
-            "leave these out, or generate the workload (sharegpt, synthetic)"
-        )
-
-
 @app.command()
 def sim(
     ctx: typer.Context,
@@ -111,13 +91,14 @@ def sim(
 ) -> None:
     """Simulate one workload through one policy, on one engine or on a fleet of replicas."""
     from duetime.cli.sim_fleet import fleet_fields, run_and_report
-    from duetime.experiment import GENERATED_ONLY, SimSpec, plan_spec, run_planned
+    from duetime.experiment import GENERATED_ONLY, SimSpec, is_trace, plan_spec, run_planned
     from duetime.metrics import render_table, write_json
     from duetime.sim.fleet_run import is_fleet
     from duetime.workloads import trace_lines
 
     with _user_errors():
-        refuse_generated_options(ctx, workload, GENERATED_ONLY)
+        if is_trace(SimSpec(workload=workload)) and Path(workload).exists():
+            refuse_drawing_options(ctx, GENERATED_ONLY)  # a missing file: build_jobs names it
         spec = SimSpec(
             policy=policy,
             workload=workload,
@@ -223,9 +204,8 @@ def sweep(
     from duetime.sweep import run_sweep
 
     with _user_errors():
-        refuse_generated_options(
-            ctx, workload, ("requests", "rates", "arrival", "cv", "burst_size")
-        )
+        if is_trace(SimSpec(workload=workload)) and Path(workload).exists():
+            refuse_drawing_options(ctx, ("requests", "rates", "arrival", "cv", "burst_size"))
         rate_list = comma_numbers("--rates", rates, float, "numbers (requests/s)")
         bad = [why for r in rate_list if (why := rate_text("--rates", r)) is not None]
         if bad:
