@@ -62,6 +62,35 @@ def test_one_file_for_two_outputs_is_refused_before_the_run(
     assert not target.exists()
 
 
+@pytest.mark.parametrize("output_first", [False, True])
+def test_an_output_over_an_input_is_refused_and_the_input_kept(
+    tmp_path: Path, output_first: bool
+) -> None:
+    """`advise batch --data a.csv --json a.csv` replaced the measurements with the advice."""
+    from duetime.predict.ala_data import shipped_dir
+
+    data = tmp_path / "a.csv"
+    data.write_bytes((shipped_dir() / "sim-gpu.csv").read_bytes())
+    given = [["--data", str(data)], ["--json", str(data)]]
+    args = [*given[output_first], *given[not output_first]]
+    code, out = _invoke("advise", "batch", "--input-len", "16", "--output-len", "4",
+                        "--deadline", "5", *args)  # fmt: skip
+    assert code == 2, out
+    first, second = ("--json", "--data") if output_first else ("--data", "--json")
+    assert f"is also the {first} file: it would be written over" in out, second
+    assert data.read_bytes() == (shipped_dir() / "sim-gpu.csv").read_bytes()
+
+
+def test_a_trace_is_not_saved_over_itself(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert _invoke(*SIM, "--save-trace", str(trace))[0] == 0
+    before = trace.read_text()
+    code, out = _invoke("sim", "--workload", str(trace), "--save-trace", str(trace))
+    assert code == 2, out
+    assert "is also the --workload file" in out
+    assert trace.read_text() == before
+
+
 def test_a_device_may_take_several_outputs() -> None:
     code, out = _invoke(*SIM, "--json", os.devnull, "--plot", os.devnull)
     assert code == 0, out

@@ -8,9 +8,7 @@ without a traceback.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +19,7 @@ from rich.markup import escape
 
 from duetime.cli.console import err
 from duetime.cli.console import out as out  # the commands import both consoles from here
+from duetime.cli.paths import input_path, output_path
 from duetime.comma_lists import comma_list as comma_list  # commands import them from here
 from duetime.comma_lists import comma_numbers as comma_numbers
 
@@ -66,48 +65,6 @@ def _root(
     """Options of `duetime` itself, before a command."""
 
 
-def writable(path: Path | None) -> Path | None:
-    """Refuse an output path that cannot be written, before any work (the check of
-    :func:`output_path`, the output options' callback).
-
-    A benchmark that runs for minutes and then fails to save is the costliest
-    typo; this tries a file in the nearest directory that exists (the final
-    atomic write creates the rest), creating nothing. A device or pipe
-    (``/dev/stdout``) is written in place, so it only needs to be writable.
-    """
-    from duetime.metrics.atomic import is_stream, prepare_parent
-
-    if path is None:
-        return None
-    if is_stream(path):
-        if not os.access(path, os.W_OK):
-            raise typer.BadParameter(f"cannot write {path}: permission denied")
-        return path
-    try:
-        with tempfile.TemporaryFile(dir=prepare_parent(path, create=False)):
-            pass
-    except OSError as e:
-        raise typer.BadParameter(f"cannot write {path}: {e.strerror or e}") from None
-    return path
-
-
-def output_path(ctx: typer.Context, param: typer.CallbackParam, path: Path | None) -> Path | None:
-    """Option callback for an output file: :func:`writable`, and no file given to two of
-    the command's outputs (``--json r.json --plot r.json`` wrote the plot over the
-    figures); a device such as ``/dev/null`` may take several."""
-    from duetime.metrics.atomic import is_stream
-
-    checked = writable(path)
-    if checked is None or is_stream(checked):
-        return checked
-    claimed: dict[Path, str] = ctx.meta.setdefault("duetime.output_paths", {})
-    option = "/".join(param.opts) if param.opts else str(param.name)
-    other = claimed.setdefault(checked.resolve(), option)
-    if other != option:
-        raise typer.BadParameter(f"{path} is also the {other} file: give each output its own")
-    return checked
-
-
 JsonOpt = Annotated[
     Path | None,
     typer.Option("--json", help="Write the figures to this JSON file.", callback=output_path),
@@ -140,12 +97,18 @@ ServedPredictorOpt = Annotated[
 ]
 #: The ALA throughput measurements (`advise batch`, `predict throughput`, `bench ala`).
 AlaDataOpt = Annotated[
-    list[Path] | None, typer.Option(help="Throughput CSV(s); default: the shipped ones.")
+    list[Path] | None,
+    typer.Option(
+        help="A throughput CSV; repeat for several (default: the shipped ones).",
+        callback=input_path,
+    ),
 ]
 
 #: A step-cost profile for the simulator (`sim`, `sweep`, `advise deferred-prefill`,
 #: `bench sensitivity`): one of the shipped profiles (`duetime profiles`) or a profile JSON.
-ProfileOpt = Annotated[str, typer.Option(help="Shipped profile name or JSON path.")]
+ProfileOpt = Annotated[
+    str, typer.Option(help="Shipped profile name or JSON path.", callback=input_path)
+]
 
 # How generated requests arrive (`sim`, `sweep`, `load`): workloads/arrivals.py.
 ArrivalOpt = Annotated[str, typer.Option(help="poisson, gamma or bursts.")]

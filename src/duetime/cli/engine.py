@@ -17,10 +17,10 @@ from duetime.cli.common import (
     _fail,
     _user_errors,
     app,
-    output_path,
     pct_text,
 )
 from duetime.cli.common import out as console
+from duetime.cli.paths import input_path, output_path
 from duetime.cli.profile_engine import print_misses
 
 
@@ -113,9 +113,9 @@ def profile(
 
 @app.command()
 def validate(
-    profile: Annotated[str, typer.Option(help="Profile JSON from `duetime profile`.")] = (
-        "out/gemma3-270m-cpu.json"
-    ),
+    profile: Annotated[
+        str, typer.Option(help="Profile JSON from `duetime profile`.", callback=input_path)
+    ] = ("out/gemma3-270m-cpu.json"),
     policy: Annotated[
         str, typer.Option(help="Policy name, the same on both sides (see `duetime policies`).")
     ] = "fcfs",

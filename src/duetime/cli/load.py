@@ -24,6 +24,7 @@ from duetime.cli.common import (
     out,
     refuse_drawing_options,
 )
+from duetime.cli.paths import input_path
 
 if TYPE_CHECKING:  # (imported when the command runs: the CLI starts without them)
     from duetime.core.record import RequestRecord
@@ -48,9 +49,9 @@ def load(
             "robots send: what a server's prefix cache serves. Not counted in --max-context."
         ),
     ] = None,
-    workload: Annotated[str, typer.Option(help="sharegpt, synthetic, or a JSONL trace path.")] = (
-        "sharegpt"
-    ),
+    workload: Annotated[
+        str, typer.Option(help="sharegpt, synthetic, or a JSONL trace path.", callback=input_path)
+    ] = ("sharegpt"),
     requests: Annotated[
         int, typer.Option("--max-requests", "--requests", min=1, help="Requests per rate, at most.")
     ] = 100,

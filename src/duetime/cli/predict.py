@@ -13,9 +13,9 @@ from duetime.cli.common import (
     JsonOpt,
     _user_errors,
     out,
-    output_path,
     predict_app,
 )
+from duetime.cli.paths import output_path
 from duetime.cli.predict_train import (
     check_option_combinations,
     check_precision_and_device,

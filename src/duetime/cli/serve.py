@@ -22,9 +22,9 @@ from duetime.cli.common import (
     _user_errors,
     app,
     err,
-    output_path,
     parse_confidence,
 )
+from duetime.cli.paths import input_path, output_path
 from duetime.server.autosize import BUSY_SPREAD_PCT, DEFAULT_TPOT_TARGET_MS
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S
 
@@ -124,7 +124,10 @@ def serve(
         ),
     ] = 1000,
     profile: Annotated[
-        Path | None, typer.Option(help="Fitted profile (`duetime profile`); default: fit online.")
+        Path | None,
+        typer.Option(
+            help="Fitted profile (`duetime profile`); default: fit online.", callback=input_path
+        ),
     ] = None,
     telemetry: Annotated[
         Path | None, typer.Option(help="Per-step JSONL telemetry.", callback=output_path)

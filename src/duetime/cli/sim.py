@@ -21,16 +21,18 @@ from duetime.cli.common import (
     app,
     comma_numbers,
     out,
-    output_path,
     rate_text,
     refuse_drawing_options,
-    writable,
 )
+from duetime.cli.paths import input_path, output_path, writable
 from duetime.cli.sim_fleet import FailOpt, FleetOpt, ReplicaProfileOpt, ReplicasOpt, RouterOpt
 
 # Options `sim` and `sweep` share (a sweep runs `sim` for every policy × rate × seed).
 WorkloadOpt = Annotated[
-    str, typer.Option(help="sharegpt, sharegpt-heldout, synthetic, or a JSONL trace path.")
+    str,
+    typer.Option(
+        help="sharegpt, sharegpt-heldout, synthetic, or a JSONL trace path.", callback=input_path
+    ),
 ]
 PredictorOpt = Annotated[
     str,

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from duetime.cli.common import _progress, out
+from duetime.cli.paths import input_path
 
 ReplicasOpt = Annotated[int, typer.Option(min=1, help="Replicas behind the router (a fleet).")]
 RouterOpt = Annotated[
@@ -25,6 +26,7 @@ ReplicaProfileOpt = Annotated[
     typer.Option(
         "--replica-profile",
         help="A replica's profile; repeat once per replica (replicas may differ).",
+        callback=input_path,
     ),
 ]
 FleetOpt = Annotated[
@@ -32,7 +34,8 @@ FleetOpt = Annotated[
     typer.Option(
         "--fleet",
         help='Fleet JSON: {"replicas": [{"profile", "count", "slowdown", "kv_capacity", '
-        '"max_num_seqs"}]} (docs/fleet.md).',
+        '"max_num_seqs", "name"}]} (docs/fleet.md).',
+        callback=input_path,
     ),
 ]
 FailOpt = Annotated[

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from duetime.cli.common import _fail
+from duetime.cli.paths import input_path
 
 SeedOpt = Annotated[int, typer.Option(min=0)]
 WorkersOpt = Annotated[int, typer.Option(min=1, help="Parallel workers.")]
@@ -59,7 +60,8 @@ EngineProfileOpt = Annotated[
     str | None,
     typer.Option(
         help="Step-cost profile, a shipped name or JSON path [a100-llama2-7b]; --engine: this "
-        "engine's (timed if not given)."
+        "engine's (timed if not given).",
+        callback=input_path,
     ),
 ]
 EngineClockOpt = Annotated[

@@ -1,0 +1,90 @@
+"""The command line's file options: each output checked writable before any work, and
+no file taken by two options of one command where one of them writes it.
+
+Click runs the options' callbacks in the order they were typed, so each side checks
+the other's claims: ``--json a.csv --data a.csv`` and ``--data a.csv --json a.csv``
+are refused alike. The claims live in the invocation's ``ctx.meta``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import typer
+
+__all__ = ["input_path", "output_path", "writable"]
+
+_OUTPUTS = "duetime.output_paths"
+_INPUTS = "duetime.input_paths"
+
+
+def _option(param: typer.CallbackParam) -> str:
+    return "/".join(param.opts) if param.opts else str(param.name)
+
+
+def writable(path: Path | None) -> Path | None:
+    """Refuse an output path that cannot be written, before any work (the check of
+    :func:`output_path`, the output options' callback).
+
+    A benchmark that runs for minutes and then fails to save is the costliest
+    typo; this tries a file in the nearest directory that exists (the final
+    atomic write creates the rest), creating nothing. A device or pipe
+    (``/dev/stdout``) is written in place, so it only needs to be writable.
+    """
+    from duetime.metrics.atomic import is_stream, prepare_parent
+
+    if path is None:
+        return None
+    if is_stream(path):
+        if not os.access(path, os.W_OK):
+            raise typer.BadParameter(f"cannot write {path}: permission denied")
+        return path
+    try:
+        with tempfile.TemporaryFile(dir=prepare_parent(path, create=False)):
+            pass
+    except OSError as e:
+        raise typer.BadParameter(f"cannot write {path}: {e.strerror or e}") from None
+    return path
+
+
+def output_path(ctx: typer.Context, param: typer.CallbackParam, path: Path | None) -> Path | None:
+    """Option callback for an output file: :func:`writable`, and no file given to two of
+    the command's outputs (``--json r.json --plot r.json`` wrote the plot over the
+    figures) nor to one of its inputs; a device such as ``/dev/null`` may take several."""
+    from duetime.metrics.atomic import is_stream
+
+    checked = writable(path)
+    if checked is None or is_stream(checked):
+        return checked
+    where, option = checked.resolve(), _option(param)
+    read = ctx.meta.setdefault(_INPUTS, {}).get(where)
+    if read is not None:
+        raise typer.BadParameter(f"{path} is also the {read} file: it would be written over")
+    other = ctx.meta.setdefault(_OUTPUTS, {}).setdefault(where, option)
+    if other != option:
+        raise typer.BadParameter(f"{path} is also the {other} file: give each output its own")
+    return checked
+
+
+def input_path(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
+    """Option callback for an input that may be a file (a CSV, a profile, a trace; a
+    list of them for a repeated option): a file that exists is claimed, so that no
+    output of the command is written over it (``advise batch --data a.csv --json
+    a.csv`` replaced the measurements with the advice). A name that is not a file (a
+    shipped profile, ``sharegpt``) claims nothing; the value is returned as given."""
+    values = value if isinstance(value, list | tuple) else [value]
+    outputs: dict[Path, str] = ctx.meta.setdefault(_OUTPUTS, {})
+    inputs: dict[Path, str] = ctx.meta.setdefault(_INPUTS, {})
+    for item in values:
+        if item is None or not Path(item).is_file():
+            continue
+        where = Path(item).resolve()
+        if where in outputs:
+            raise typer.BadParameter(
+                f"{item} is also the {outputs[where]} file: it would be written over"
+            )
+        inputs.setdefault(where, _option(param))
+    return value
