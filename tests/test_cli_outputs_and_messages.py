@@ -91,6 +91,24 @@ def test_a_trace_is_not_saved_over_itself(tmp_path: Path) -> None:
     assert trace.read_text() == before
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("predict", "collect-throughput", "--quick", "--out", "/dev/full"),  # appended rows
+        ("bench", "deferred-prefill", "--requests", "600", "--workers", "1",
+         "--json", "/dev/full"),  # a bench's figures
+    ],
+)  # fmt: skip
+def test_a_full_device_is_one_line_naming_it(args: tuple[str, ...]) -> None:
+    """Each was an OSError traceback: ENOSPC names no file, and the bench's write ran
+    outside the commands' error handling."""
+    code, out = _invoke(*args)
+    assert code == 2, out
+    assert "Traceback" not in out
+    assert "/dev/full: No space left on device" in out
+
+
 def test_a_device_may_take_several_outputs() -> None:
     code, out = _invoke(*SIM, "--json", os.devnull, "--plot", os.devnull)
     assert code == 0, out

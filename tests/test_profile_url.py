@@ -107,12 +107,21 @@ def test_a_refused_ignore_eos_is_dropped_and_probing_goes_on(tmp_path: Path, mon
         res = CliRunner().invoke(cli_app, args)
     assert res.exit_code == 0, res.output
     assert "refused ignore_eos" in res.output
+    assert f"wrote {out}, {report}" in " ".join(res.output.split())  # the report named too
     # one refusal each time the fields were negotiated (here, then by the CLI), no more
     assert sum("ignore_eos" in b for b in fake.state.seen) == 2
     profile = json.loads(out.read_text())
     assert profile["probe"]["ignore_eos"] is False
     assert json.loads(report.read_text())["ignore_eos"] is False
     LinearStepCost.from_profile(out)
+
+
+@pytest.mark.parametrize("args", [("--served-model", "x"), ("--timeout", "5")])
+def test_a_probe_option_without_url_is_refused(args: tuple[str, str]) -> None:
+    """They were ignored, and the embedded engine was timed in their place."""
+    res = CliRunner().invoke(cli_app, ["profile", "--quick", *args])
+    assert res.exit_code == 2, res.output
+    assert f"{args[0]}: only with --url (a server to probe)" in res.output
 
 
 def test_profile_url_fits_a_tiny_duetime_serve(tmp_path: Path, monkeypatch) -> None:

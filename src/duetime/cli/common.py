@@ -233,17 +233,24 @@ def pct_text(v: object) -> str:
     return "-" if v is None else f"{float(v):.2f} %"  # type: ignore[arg-type]
 
 
-def refuse_drawing_options(ctx: typer.Context, names: tuple[str, ...]) -> None:
-    """For a trace, which brings its own requests and arrival times: an option that would
-    draw them (``names``), given on the command line, is refused, where it was ignored in
-    silence and recorded in the JSON as a setting of the run."""
+def given_options(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among ``names`` (parameter names) that the command line set, as
+    ``--flags``: an option left at its default says nothing, even where the default is
+    a value."""
     # by name: typer carries its own copy of click, whose ParameterSource is not click's
     chosen = ("COMMANDLINE", "ENVIRONMENT")
-    given = [
+    return [
         "--" + n.replace("_", "-")
         for n in names
         if getattr(ctx.get_parameter_source(n), "name", None) in chosen
     ]
+
+
+def refuse_drawing_options(ctx: typer.Context, names: tuple[str, ...]) -> None:
+    """For a trace, which brings its own requests and arrival times: an option that would
+    draw them (``names``), given on the command line, is refused, where it was ignored in
+    silence and recorded in the JSON as a setting of the run."""
+    given = given_options(ctx, *names)
     if given:
         raise ValueError(
             f"{', '.join(given)}: a trace file brings its own requests and arrival times; "

@@ -17,6 +17,7 @@ from duetime.cli.common import (
     _fail,
     _user_errors,
     app,
+    given_options,
     pct_text,
 )
 from duetime.cli.common import out as console
@@ -32,6 +33,7 @@ def _set_threads(threads: int) -> None:
 
 @app.command()
 def profile(
+    ctx: typer.Context,
     dtype: DtypeOpt = "q8",  # the engine `duetime serve` runs
     threads: ThreadsOpt = 2,
     quick: Annotated[bool, typer.Option(help="A small grid (smoke test).")] = False,
@@ -88,6 +90,9 @@ def profile(
 ) -> None:
     """Time real engine steps and fit the step-cost models (TimeBill ETE + batch form);
     with --url, time any OpenAI-compatible server's streamed tokens instead."""
+    probe_only = given_options(ctx, "served_model", "timeout")
+    if url is None and probe_only:  # they were ignored, and the engine timed instead
+        _fail(f"{', '.join(probe_only)}: only with --url (a server to probe)")
     if url is not None:
         from duetime.cli.profile_url import profile_url
 

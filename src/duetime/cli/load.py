@@ -177,10 +177,11 @@ def load(
 
     rows, records = _run_plans(plans, target, bounds, requests, slo_s)
     _print_table(rows, target, slo_s)
-    if json_path is not None:
-        write_json(json_path, {"config": _config(target, spec, bounds), "rows": rows})
-    if plot is not None:
-        _plot(rows, records, plot)
+    with _user_errors():  # a full disk or a vanished folder: one line naming the file
+        if json_path is not None:
+            write_json(json_path, {"config": _config(target, spec, bounds), "rows": rows})
+        if plot is not None:
+            _plot(rows, records, plot)
     for path in (json_path, plot):
         if path is not None:
             out.print(f"wrote {Path(path)}")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
-from duetime.cli.common import out
+from duetime.cli.common import _user_errors, out
 
 if TYPE_CHECKING:  # (the predictor's modules import numpy and torch: not before a training)
     import numpy as np
@@ -188,4 +188,5 @@ def report_test_metrics(
         f"(mean width {m['interval_width_tokens']:.0f} tokens)"
     )
     if json_path is not None:
-        write_json(json_path, {"config": rlp.config, "meta": rlp.meta})
+        with _user_errors():  # the model is saved: a full disk here is one line, not a traceback
+            write_json(json_path, {"config": rlp.config, "meta": rlp.meta})

@@ -112,10 +112,10 @@ def profile_engine(
         )  # fmt: skip
     report = report_of(payload, run, out=out, load_s=load_s)
     _print(report, payload)
-    written = [str(p) for p in (out, samples_path, plot) if p is not None]
-    console.print(f"wrote {', '.join(written)}")
     if json_path is not None:
         write_json(json_path, report)
+    written = [str(p) for p in (out, samples_path, plot, json_path) if p is not None]
+    console.print(f"wrote {', '.join(written)}")
 
 
 def measure(model: Any, *, quick: bool, serve_requests: int) -> Measured:

@@ -103,6 +103,6 @@ def profile_url(
         f"\n{payload['verdict']}",
         highlight=False,
     )
-    console.print(f"wrote {out}")
     if json_path is not None:
         write_json(json_path, report)
+    console.print(f"wrote {out}" + ("" if json_path is None else f", {json_path}"))

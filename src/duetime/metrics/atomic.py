@@ -31,7 +31,7 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
         try:
             yield str(target)
         except OSError as e:  # /dev/full: "No space left on device" named no file
-            raise _named(e, target, str(target)) from None
+            raise named_error(e, target, str(target)) from None
         return
     try:
         prepare_parent(target)
@@ -49,11 +49,11 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(e, OSError):  # a full disk while writing named no file, or the temporary
-            raise _named(e, target, tmp) from None
+            raise named_error(e, target, tmp) from None
         raise
 
 
-def _named(e: OSError, target: Path, written: str) -> OSError:
+def named_error(e: OSError, target: Path, written: str) -> OSError:
     """``e`` naming ``target`` where it named no file or ``written`` (what was being
     written), so that the one-line error says which output failed; ``e`` itself otherwise."""
     if e.filename is not None and e.filename != written:

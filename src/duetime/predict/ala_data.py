@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from duetime.metrics.atomic import named_error
 from duetime.predict.ala_limits import MAX_BATCH, MAX_TOKENS
 
 MAX_REP = 2**31 - 1
@@ -206,6 +207,13 @@ def append_rows(path: str | Path, rows: Iterable[Measurement]) -> None:
     path = Path(path)
     new = not path.exists() or path.stat().st_size == 0
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _append(path, rows, new)
+    except OSError as e:  # ENOSPC names no file: the error line must name the CSV
+        raise named_error(e, path, str(path)) from None
+
+
+def _append(path: Path, rows: Iterable[Measurement], new: bool) -> None:
     with path.open("a", newline="", encoding="utf-8") as f:
         w = csv.writer(f, lineterminator="\n")
         if new:

@@ -26,17 +26,18 @@ def save_figures(
     """
     from rich.markup import escape
 
-    from duetime.cli.common import out
+    from duetime.cli.common import _user_errors, out
     from duetime.metrics import write_json
     from duetime.metrics.atomic import is_stream
 
     written = []
-    if plot is not None and plot_fn is not None:
-        plot_fn(fig, plot)
-        written.append(str(plot))
-    if json_path is not None:
-        write_json(json_path, fig if json_fig is None else json_fig)
-        written.append(str(json_path))
+    with _user_errors():  # a full disk or a vanished folder: one line naming the file
+        if plot is not None and plot_fn is not None:
+            plot_fn(fig, plot)
+            written.append(str(plot))
+        if json_path is not None:
+            write_json(json_path, fig if json_fig is None else json_fig)
+            written.append(str(json_path))
     written = [path for path in written if not is_stream(Path(path))]  # /dev/stdout: seen
     if written:
         out.print(f"wrote {escape(', '.join(written))}", highlight=False)
