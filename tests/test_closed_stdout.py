@@ -69,3 +69,15 @@ def test_a_stream_without_a_descriptor_is_quieted() -> None:
     console.print("first")
     console.print("second")
     assert console.quiet
+
+
+def test_figures_sent_to_stdout_leave_it_to_them() -> None:
+    """`--json /dev/stdout | jq` read the JSON and then the table: 'Extra data'."""
+    proc = subprocess.run(
+        [str(DUETIME), "advise", "batch", "--input-len", "64", "--output-len", "16",
+         "--deadline", "5", "--json", "/dev/stdout"],
+        capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout)["bb_safe"] >= 1  # the JSON alone
+    assert b"largest batch meeting 5 s" in proc.stderr  # the table, on standard error

@@ -63,6 +63,7 @@ def _root(
     ] = False,
 ) -> None:
     """Options of `duetime` itself, before a command."""
+    out.to_stderr = False  # set again by a command whose figures go to standard output
 
 
 JsonOpt = Annotated[

@@ -10,12 +10,29 @@ silent instead, and the command goes on to write its files and exits as it would
 from __future__ import annotations
 
 import os
+import sys
+from typing import IO
 
 from rich.console import Console
 
 
 class ReaderSafeConsole(Console):
-    """A rich console that stops printing, and nothing else, when its reader goes."""
+    """A rich console that stops printing, and nothing else, when its reader goes.
+
+    ``to_stderr``: print on standard error instead, while a command writes its figures
+    to standard output (``--json /dev/stdout | jq``), so that the table does not follow
+    the JSON into the pipe. The command line's root callback clears it for each command.
+    """
+
+    to_stderr = False
+
+    @property
+    def file(self) -> IO[str]:
+        return sys.stderr if self.to_stderr else super().file
+
+    @file.setter
+    def file(self, new_file: IO[str]) -> None:
+        self._file = new_file
 
     def on_broken_pipe(self) -> None:
         """Point the closed stream at ``/dev/null`` so that later prints (and the flush

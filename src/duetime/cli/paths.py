@@ -17,6 +17,8 @@ import typer
 
 __all__ = ["input_path", "output_path", "writable"]
 
+#: The names of standard output: figures written there move the tables to standard error.
+STDOUT_NAMES = ("/dev/stdout", "/proc/self/fd/1", "/dev/fd/1")
 _OUTPUTS = "duetime.output_paths"
 _INPUTS = "duetime.input_paths"
 
@@ -53,10 +55,15 @@ def writable(path: Path | None) -> Path | None:
 def output_path(ctx: typer.Context, param: typer.CallbackParam, path: Path | None) -> Path | None:
     """Option callback for an output file: :func:`writable`, and no file given to two of
     the command's outputs (``--json r.json --plot r.json`` wrote the plot over the
-    figures) nor to one of its inputs; a device such as ``/dev/null`` may take several."""
+    figures) nor to one of its inputs; a device such as ``/dev/null`` may take several.
+    Figures sent to standard output send the command's tables to standard error."""
     from duetime.metrics.atomic import is_stream
 
     checked = writable(path)
+    if checked is not None and str(checked) in STDOUT_NAMES:
+        from duetime.cli.console import out
+
+        out.to_stderr = True  # `--json /dev/stdout | jq` reads the JSON alone
     if checked is None or is_stream(checked):
         return checked
     where, option = checked.resolve(), _option(param)
