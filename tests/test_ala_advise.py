@@ -62,3 +62,22 @@ def test_cli_advise_batch_json(tmp_path: Path) -> None:
     unknown = CliRunner().invoke(app, [*args, "--config", "no-such-config"])
     assert unknown.exit_code == 2
     assert "no-such-config" in unknown.output
+
+
+def test_cli_advise_batch_says_what_bounds_its_answer(tmp_path: Path) -> None:
+    """A lower bound of 0 tok/s printed every pessimistic wall time as 'inf' (the JSON's
+    null), and an answer set by --max-batch read as the model's."""
+    out = tmp_path / "adv.json"
+    args = ["advise", "batch", "--input-len", "1000", "--output-len", "300", "--deadline", "600",
+            "--config", "engine-gemma3-270m-fp32-t1", "--max-batch", "8",
+            "--json", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "inf" not in text
+    assert "unbounded" in text
+    assert "every batch up to --max-batch 8 meets it" in text
+    fig = json.loads(out.read_text())
+    assert fig["coverage"] == 0.9
+    assert fig["bb_expected"] == 8
+    assert {o["wall_hi_s"] for o in fig["options"]} == {None}

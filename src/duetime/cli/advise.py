@@ -95,6 +95,7 @@ def advise_batch_size(
     """Largest batch whose ALA-predicted wall time meets a deadline (with its interval)."""
     from dataclasses import asdict
 
+    from rich.markup import escape
     from rich.table import Table
 
     from duetime.metrics import write_json
@@ -108,11 +109,14 @@ def advise_batch_size(
         if json_path is not None:  # before the table: a closed stdout must not lose the file
             payload = {k: v for k, v in adv.items() if k not in ("safe", "expected", "options")}
             payload["config"] = config
+            payload["coverage"] = pred.coverage
             payload["options"] = [asdict(o) for o in adv["options"]]  # type: ignore[attr-defined]
             payload["heldout_median_err_pct"] = pred.cv_median_err_pct
             write_json(json_path, payload)
-    table = Table(title=f"{config}: ii={input_len} oo={output_len}, deadline {deadline:g} s")
-    for col in ("bb", "tok/s", "90 % interval", "wall s", "wall s (pessimistic)", "confidence"):
+    title = f"{escape(config)}: ii={input_len} oo={output_len}, deadline {deadline:g} s"
+    table = Table(title=title)
+    interval = f"{pred.coverage:.0%} interval".replace("%", " %")
+    for col in ("bb", "tok/s", interval, "wall s", "wall s (pessimistic)", "confidence"):
         table.add_column(col, justify="right")
     shown = {1 << k for k in range(max_batch.bit_length())} | {adv["bb_safe"], adv["bb_expected"]}
     for o in adv["options"]:  # type: ignore[attr-defined]
@@ -120,9 +124,10 @@ def advise_batch_size(
             table.add_row(
                 f"[bold]{o.bb}[/]" if o.bb in (adv["bb_safe"], adv["bb_expected"]) else str(o.bb),
                 f"{o.thpt_tok_s:,.1f}",
-                f"[{o.thpt_lo_tok_s:,.1f}, {o.thpt_hi_tok_s:,.1f}]",
+                escape(f"[{o.thpt_lo_tok_s:,.1f}, {o.thpt_hi_tok_s:,.1f}]"),
                 f"{o.wall_s:.2f}",
-                f"{o.wall_hi_s:.2f}",
+                # a lower bound of 0 tok/s bounds no wall time: JSON's null, not "inf"
+                f"{o.wall_hi_s:.2f}" if math.isfinite(o.wall_hi_s) else "unbounded",
                 f"{o.confidence:.2f}",
             )
     out.print(table)
@@ -135,3 +140,5 @@ def advise_batch_size(
             + (f"{safe} with the pessimistic bound" if safe else "none with the pessimistic bound")
             + f" (held-out median error of this model {pred.cv_median_err_pct:.1f} %)"
         )
+        if adv["bb_expected"] == max_batch:  # the answer is the search's edge, not the model's
+            out.print(f"every batch up to --max-batch {max_batch} meets it; raise it to see more")
