@@ -150,6 +150,6 @@ def test_advise_accepts_a_profile_fitted_on_this_machine(model: Any, tmp_path: P
     adv = json.loads(out.read_text())
     c = payload["coefficients"]
     assert isinstance(c, dict)
-    assert adv["model_c_d"] == pytest.approx(c["c0"])
-    assert adv["model_c_p"] == pytest.approx(c["c0"] + c["c_prefill"])
+    assert adv["model_c_d_s"] == pytest.approx(c["c0"])
+    assert adv["model_c_p_s"] == pytest.approx(c["c0"] + c["c_prefill"])
     assert 1 <= adv["k_star"] <= 16

@@ -183,7 +183,9 @@ def test_advise_deferred_prefill_prints_no_nan() -> None:
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
     assert "nan" not in text.lower()
-    assert "no gain to report" in text
+    # Proposition 1 needs a K < C: it printed "predicts ρ(K*) = 0.000 req/s" here
+    assert "approximation (Prop. 1): undefined at C = 1 (it needs a K < C)" in text
+    assert "0.000 req/s" not in text
     res = runner.invoke(
         app, ["advise", "deferred-prefill", "--capacity", "64", "--mean-output", "250"]
     )

@@ -135,11 +135,12 @@ class DeferredPrefillModel:
         if not MIN_MEAN_OUTPUT <= mean_output <= MAX_MEAN_OUTPUT:  # 1e18: 1 - α == 1, ρ NaN
             raise ValueError(
                 f"mean output (--mean-output) must be >= {MIN_MEAN_OUTPUT:g} and "
-                f"<= {MAX_MEAN_OUTPUT:.0e} tokens, got {mean_output:g}"
+                f"<= {MAX_MEAN_OUTPUT:.0e} tokens, got {mean_output!r}"
             )
-        if not (math.isfinite(prompt_len) and prompt_len > 0):
+        if not 0 < prompt_len <= MAX_MEAN_OUTPUT:  # NaN too; 1e30 printed a 55-digit step
             raise ValueError(
-                f"prompt length (--prompt-len) must be finite and > 0, got {prompt_len}"
+                f"prompt length (--prompt-len) must be > 0 and <= {MAX_MEAN_OUTPUT:.0e} tokens, "
+                f"got {prompt_len:g}"
             )
         alpha = departure_alpha(mean_output)
         d0 = float(prompt_len)
@@ -220,18 +221,22 @@ def advise(model: DeferredPrefillModel) -> dict[str, Any]:
     mean output 320: +9.18 % predicted, +6.05 % by Theorem 1).
     """
     k_star = model.optimal_k()
-    k_approx = model.optimal_k_approx()
     rho1 = model.throughput(1)
     rho_star = model.throughput(k_star)
-    rho_at_approx = model.throughput(k_approx)
-    prop1_star = model.throughput_approx(k_approx)
-    prop1_k1 = model.throughput_approx(1)
-    return {
-        **{f"model_{k}": v for k, v in model.to_dict().items()},
+    adv: dict[str, Any] = {
+        **{MODEL_KEYS[k]: v for k, v in model.to_dict().items()},
         "k_star": k_star,
         "throughput_k_star_req_s": rho_star,
         "throughput_k1_req_s": rho1,
         "gain_vs_k1_pct": 100.0 * (rho_star / rho1 - 1.0),
+    }
+    if model.capacity < 2:  # Proposition 1 needs a K < C: with C = 1 there is none
+        return adv | dict.fromkeys(PROP1_KEYS)
+    k_approx = model.optimal_k_approx()
+    rho_at_approx = model.throughput(k_approx)
+    prop1_star = model.throughput_approx(k_approx)
+    prop1_k1 = model.throughput_approx(1)
+    return adv | {
         "k_star_approx": k_approx,
         "theorem1_throughput_at_k_star_approx_req_s": rho_at_approx,
         "theorem1_gain_at_k_star_approx_pct": 100.0 * (rho_at_approx / rho1 - 1.0),
@@ -239,3 +244,23 @@ def advise(model: DeferredPrefillModel) -> dict[str, Any]:
         "prop1_throughput_k1_req_s": prop1_k1,
         "prop1_gain_pct": 100.0 * (prop1_star / prop1_k1 - 1.0) if prop1_k1 else math.nan,
     }
+
+
+#: The model's parameters in :func:`advise`'s figures, named with their units.
+MODEL_KEYS = {
+    "capacity": "model_capacity",
+    "alpha": "model_alpha",
+    "c_p": "model_c_p_s",
+    "prefill_per_prompt": "model_prefill_per_prompt_s",
+    "c_d": "model_c_d_s",
+    "t_d": "model_t_d_s",
+}
+#: :func:`advise`'s figures of Proposition 1 (null where it is undefined, C = 1).
+PROP1_KEYS = (
+    "k_star_approx",
+    "theorem1_throughput_at_k_star_approx_req_s",
+    "theorem1_gain_at_k_star_approx_pct",
+    "prop1_throughput_k_star_approx_req_s",
+    "prop1_throughput_k1_req_s",
+    "prop1_gain_pct",
+)

@@ -29,10 +29,10 @@ def advise_deferred_prefill(
     ],
     mean_output: Annotated[
         float,
-        typer.Option(help="Mean output tokens per request (the prefill's included; >= 2)."),
+        typer.Option(help="Mean output tokens per request (the prefill's included; 2 to 1e7)."),
     ],
     prompt_len: Annotated[
-        float, typer.Option(help="Mean prompt tokens d0 (default: the paper's 285).")
+        float, typer.Option(help="Mean prompt tokens d0, up to 1e7 (default: the paper's 285).")
     ] = 285.0,
     profile: ProfileOpt = "a100-llama2-7b",
     json_path: JsonOpt = None,
@@ -47,7 +47,8 @@ def advise_deferred_prefill(
         model = DeferredPrefillModel.from_cost(cost, capacity, mean_output, prompt_len)
         adv = advise(model)
         if json_path is not None:  # before the lines: a closed stdout must not lose the file
-            write_json(json_path, adv)
+            inputs = {"mean_output_tokens": mean_output, "prompt_len_tokens": prompt_len}
+            write_json(json_path, {**inputs, "profile": profile, **adv})
     out.print(
         f"c_p = {model.c_p * 1e3:.2f} ms, t_p·d0/N = {model.prefill_per_prompt * 1e3:.2f} ms, "
         f"c_d = {model.c_d * 1e3:.2f} ms, t_d = {model.t_d * 1e6:.1f} us, "
@@ -58,6 +59,9 @@ def advise_deferred_prefill(
         f"ρ(K*) = {adv['throughput_k_star_req_s']:.3f} req/s, "
         + _gain(adv["gain_vs_k1_pct"], adv["throughput_k1_req_s"])
     )
+    if adv["k_star_approx"] is None:
+        out.print(f"approximation (Prop. 1): undefined at C = {capacity} (it needs a K < C)")
+        return
     # Two gains for Prop. 1's K*: what the approximation predicts, and what Theorem 1
     # (the exact model) gives at that K; the first line's gain is Theorem 1's at its K*.
     out.print(

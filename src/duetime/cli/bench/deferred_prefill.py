@@ -31,7 +31,8 @@ def bench_deferred_prefill(
         int | None, typer.Option(min=1, help="Requests per run [2000; --engine: 80].")
     ] = None,
     capacity: Annotated[
-        int | None, typer.Option(min=1, help="Batch capacity C [256; --engine: 16].")
+        int | None,
+        typer.Option(min=2, help="Batch capacity C, >= 2 for a curve over K [256; --engine: 16]."),
     ] = None,
     profile: EngineProfileOpt = None,
     seed: SeedOpt = 0,
@@ -137,9 +138,9 @@ def run_engine(
     out.print(bench.table(fig))
     adv = fig["advice"]
     out.print(
-        f"{step_cost_note(fig['cost_fit'])}; c_p = {adv['model_c_p'] * 1e3:.1f} ms, "
-        f"t_p·d0/N = {adv['model_prefill_per_prompt'] * 1e3:.1f} ms, "
-        f"c_d = {adv['model_c_d'] * 1e3:.1f} ms, t_d = {adv['model_t_d'] * 1e3:.2f} ms"
+        f"{step_cost_note(fig['cost_fit'])}; c_p = {adv['model_c_p_s'] * 1e3:.1f} ms, "
+        f"t_p·d0/N = {adv['model_prefill_per_prompt_s'] * 1e3:.1f} ms, "
+        f"c_d = {adv['model_c_d_s'] * 1e3:.1f} ms, t_d = {adv['model_t_d_s'] * 1e3:.2f} ms"
     )
     out.print(k_star_line(adv))
     for curve, s in fig["summary"].items():
