@@ -172,10 +172,33 @@ def test_collection_appends_and_resumes(tmp_path: Path) -> None:
     grid = Grid(ii=(16,), oo=(4, 8), bb=(1, 2))
     append_rows(path, [Measurement("sim-a100-llama2-7b", "sim", 16, 4, 1, 0, 4.0, 1.0)])
     counts = collect(["sim-a100-llama2-7b"], path, grid=grid, runner_factory=stub)
-    assert counts == {"run": 3, "skipped": 1}
+    assert counts == {"run": 3, "skipped": 1, "torn": 0}
     assert len(calls) == 3
     assert collect(["sim-a100-llama2-7b"], path, grid=grid, runner_factory=stub)["run"] == 0
     assert len(read_csv(path)) == 4
+
+
+def test_a_collection_killed_mid_row_resumes(tmp_path: Path) -> None:
+    """A row cut by an interrupted append made the file unreadable: the resumable
+    collection stopped on 'expected 8 fields, got 5' until the row was cut by hand."""
+    calls: list[tuple[int, int, int, int]] = []
+    path = tmp_path / "c.csv"
+    grid = Grid(ii=(16,), oo=(4, 8), bb=(1,))
+    collect(["sim-a100-llama2-7b"], path, grid=grid, runner_factory=recording_runner(calls))
+    whole = path.read_text()
+    path.write_text(whole[: whole.rindex(",1,0,") + 3])  # the last row, cut after its bb
+    counts = collect(["sim-a100-llama2-7b"], path, grid=grid, runner_factory=recording_runner([]))
+    assert counts == {"run": 1, "skipped": 1, "torn": 1}
+    assert path.read_text() == whole
+
+
+def test_a_last_row_without_its_newline_is_kept(tmp_path: Path) -> None:
+    """A hand-edited file whose whole last row lacks a newline is not cut."""
+    path = tmp_path / "c.csv"
+    append_rows(path, [Measurement("sim-a100-llama2-7b", "sim", 16, 4, 1, 0, 4.0, 1.0)])
+    path.write_text(path.read_text().rstrip("\n"))
+    assert ala_data.drop_torn_row(path) is None
+    assert len(read_csv(path)) == 1
 
 
 def test_collection_simulates_a_real_shape(tmp_path: Path) -> None:

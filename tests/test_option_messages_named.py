@@ -191,3 +191,14 @@ def test_advise_deferred_prefill_prints_no_nan() -> None:
     )
     assert "no gain to report" not in res.output
     assert "% vs K = 1" in res.output
+
+
+@pytest.mark.parametrize("coverage", ["1.5", "0", "nan"])
+def test_predict_throughput_names_its_coverage(coverage: str) -> None:
+    """'coverage must be in (0, 1)' named no option: the model's own check spoke."""
+    res = runner.invoke(
+        app, ["predict", "throughput", "--input-len", "8", "--output-len", "8", "--batch", "2",
+              "--coverage", coverage],
+    )  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert "Invalid value for '--coverage': must be in (0, 1)" in res.output

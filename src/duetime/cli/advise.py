@@ -15,6 +15,7 @@ from duetime.cli.common import (
     advise_app,
     out,
 )
+from duetime.predict.ala_limits import MAX_BATCH, MAX_TOKENS
 
 
 @advise_app.command("deferred-prefill")
@@ -37,7 +38,8 @@ def advise_deferred_prefill(
     profile: ProfileOpt = "a100-llama2-7b",
     json_path: JsonOpt = None,
 ) -> None:
-    """K* for deferred prefill (Mohanty et al. 2025): ρ(K*) and the gain over K = 1."""
+    """K* for deferred prefill, ρ(K*) and the gain over K = 1 (Theorem 1 of Mohanty and
+    co-authors, 2025: docs/deferred-prefill.md)."""
     from duetime.analysis.deferred_prefill import DeferredPrefillModel, advise
     from duetime.metrics import write_json
     from duetime.sim.profiles import load_profile
@@ -86,13 +88,24 @@ def _gain(pct: float, base_req_s: float, *, at: bool = True) -> str:
 
 @advise_app.command("batch")
 def advise_batch_size(
-    input_len: Annotated[int, typer.Option("--input-len", min=1, help="ii: prompt tokens.")],
-    output_len: Annotated[int, typer.Option("--output-len", min=1, help="oo: output tokens.")],
+    input_len: Annotated[
+        int, typer.Option("--input-len", min=1, max=MAX_TOKENS, help="ii: prompt tokens.")
+    ],
+    output_len: Annotated[
+        int, typer.Option("--output-len", min=1, max=MAX_TOKENS, help="oo: output tokens.")
+    ],
     deadline: Annotated[float, typer.Option(help="Seconds in which the whole batch must finish.")],
     config: Annotated[
         str, typer.Option(help="Hardware/software configuration in the ALA data.")
     ] = "sim-a100-llama2-7b",
-    max_batch: Annotated[int, typer.Option(min=1, help="Largest batch to consider.")] = 256,
+    max_batch: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=MAX_BATCH,
+            help="Largest batch to consider (each size is predicted: ~1 s a thousand).",
+        ),
+    ] = 256,
     data: AlaDataOpt = None,
     json_path: JsonOpt = None,
 ) -> None:

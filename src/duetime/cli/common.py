@@ -234,6 +234,14 @@ def pct_text(v: object) -> str:
     return "-" if v is None else f"{float(v):.2f} %"  # type: ignore[arg-type]
 
 
+def open_share(value: float) -> float:
+    """Option callback: a share strictly between 0 and 1, such as a coverage (NaN is
+    refused too); click names the option, where the model's own check did not."""
+    if not 0 < value < 1:
+        raise typer.BadParameter(f"must be in (0, 1), got {value:g}")
+    return value
+
+
 def given_options(ctx: typer.Context, *names: str) -> list[str]:
     """The options among ``names`` (parameter names) that the command line set, as
     ``--flags``: an option left at its default says nothing, even where the default is

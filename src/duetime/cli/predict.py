@@ -12,6 +12,7 @@ from duetime.cli.common import (
     AlaDataOpt,
     JsonOpt,
     _user_errors,
+    open_share,
     out,
     predict_app,
 )
@@ -236,7 +237,9 @@ def predict_throughput(
         str, typer.Option(help="Hardware/software configuration in the data.")
     ] = "sim-a100-llama2-7b",
     data: AlaDataOpt = None,
-    coverage: Annotated[float, typer.Option(help="Nominal interval coverage.")] = 0.9,
+    coverage: Annotated[
+        float, typer.Option(help="Nominal interval coverage, in (0, 1).", callback=open_share)
+    ] = 0.9,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")] = False,
 ) -> None:
     """ALA throughput (tok/s) for a batch of one workload shape, with interval and confidence."""
@@ -265,7 +268,7 @@ def predict_throughput(
     how = "fitted curve (workload was run)" if p.from_database else "XGBoost-predicted curve"
     out.print(
         f"{escape(config)}: ii={input_len} oo={output_len} bb={batch}: "
-        f"{p.point:,.1f} tok/s, {coverage:.0%} interval [{p.lo:,.1f}, {p.hi:,.1f}], "
+        f"{p.point:,.1f} tok/s, {coverage * 100:g} % interval [{p.lo:,.1f}, {p.hi:,.1f}], "
         f"confidence {p.confidence:.2f}\n{how}; held-out median error of this config's model "
         f"{pred.cv_median_err_pct:.1f} % ({pred.cv_folds} folds over (ii, oo) pairs)"
     )
@@ -275,7 +278,9 @@ def predict_throughput(
 def predict_collect_throughput(
     config: Annotated[
         list[str] | None,
-        typer.Option(help="Configuration(s) to collect; default: the simulated ones."),
+        typer.Option(
+            help="A configuration to collect; repeat for several (default: the simulated ones)."
+        ),
     ] = None,
     out_path: Annotated[
         Path, typer.Option("--out", help="CSV to append to.", callback=output_path)
@@ -295,4 +300,6 @@ def predict_collect_throughput(
     out.print(
         f"ran {counts['run']} shapes, skipped {counts['skipped']} already in "
         f"{escape(str(out_path))}"
-    )
+        + (" (an unfinished last row, from an interrupted run, was cut off and run again)"
+           if counts["torn"] else "")
+    )  # fmt: skip

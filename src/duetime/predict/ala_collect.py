@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from duetime.predict.ala_data import Measurement, append_rows, done_keys
+from duetime.predict.ala_data import Measurement, append_rows, done_keys, drop_torn_row
 
 
 @dataclass(slots=True, frozen=True)
@@ -260,9 +260,11 @@ def collect(
 ) -> dict[str, int]:
     """Run every missing shape of each configuration, appending rows to ``path``.
 
-    Returns counts ``{"run": n, "skipped": k}``. ``runner_factory`` replaces the
+    Returns counts ``{"run": n, "skipped": k, "torn": t}``, ``t`` 1 where an unfinished
+    last row (an interrupted append) was cut off first. ``runner_factory`` replaces the
     default runners (tests pass a stub to avoid the real model).
     """
+    torn = drop_torn_row(path)
     # A name given twice is collected once: its shapes would otherwise run twice and
     # append duplicate keys (the file's keys are read once, before the first run).
     specs = [spec(n) for n in dict.fromkeys(names)]
@@ -290,4 +292,4 @@ def collect(
         append_rows(path, [Measurement(s.name, s.source, ii, oo, bb, rep, thpt, wall)])
         if progress:
             progress(done, total)
-    return {"run": total, "skipped": skipped}
+    return {"run": total, "skipped": skipped, "torn": int(torn is not None)}

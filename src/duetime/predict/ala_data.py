@@ -234,6 +234,27 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) in (b"\n", b"\r")
 
 
+def drop_torn_row(path: str | Path) -> str | None:
+    """Cut an unfinished last row off ``path`` and return it (None if there is none).
+
+    A collection killed while appending leaves a last line with no newline and too
+    few fields; reading the file then fails on it, and the resumable collection
+    stopped until the row was cut by hand. A last line with every field but no
+    newline (a hand edit) is kept: the next append starts a line of its own.
+    """
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0 or _ends_with_newline(path):
+        return None
+    data = path.read_bytes()
+    start = data.rfind(b"\n") + 1
+    tail = data[start:].decode("utf-8", errors="replace")
+    if len(next(csv.reader([tail]), [])) >= len(COLUMNS):
+        return None
+    with path.open("r+b") as f:
+        f.truncate(start)
+    return tail
+
+
 def done_keys(path: str | Path) -> set[tuple[str, int, int, int, int]]:
     """Keys already in ``path`` (empty if it does not exist yet)."""
     path = Path(path)

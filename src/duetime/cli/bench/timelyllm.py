@@ -24,7 +24,9 @@ from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, err, o
 
 @bench_app.command("timelyllm")
 def bench_timelyllm(
-    wid: Annotated[list[int] | None, typer.Option(help="LRTrace workload(s), 1-3.")] = None,
+    wid: Annotated[
+        list[int] | None, typer.Option(help="An LRTrace workload, 1-3; repeat for several.")
+    ] = None,
     profile: Annotated[
         str | None,
         typer.Option(
