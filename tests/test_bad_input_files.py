@@ -210,3 +210,38 @@ def test_bad_device_is_refused_before_the_data_loads(
     assert not (tmp_path / "m.npz").exists()
     assert not (tmp_path / "m.json").exists()
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("--device", "cuda"), "--device cuda moves a fine-tuned encoder only"),
+        (("--max-len", "10"), "max_len (--max-len) must be >= bucket_size (--bucket-size) 16"),
+        (("--readout", "foo"), "readout (--readout) must be one of argmax, median, mean"),
+    ],
+)
+def test_a_frozen_encoders_training_names_what_it_refuses(
+    tmp_path: Path, args: tuple[str, str], named: str
+) -> None:
+    """--device was ignored in silence; --max-len 10 printed the whole RLPConfig."""
+    code, out = _invoke("predict", "train-length", *args, "--out", str(tmp_path / "m.npz"))
+    assert code == 2, out
+    assert named in out
+    assert "RLPConfig(" not in out
+    assert not (tmp_path / "m.npz").exists()
+
+
+def test_the_checkpoint_beside_out_is_spoken_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--resume with no checkpoint, and a checkpoint a new run writes over, went unsaid."""
+    from duetime.cli.predict_train import say_checkpoint
+
+    ckpt = tmp_path / "m.npz.ckpt"
+    say_checkpoint(ckpt, resume=True)
+    assert "no checkpoint at" in " ".join(capsys.readouterr().err.split())
+    ckpt.write_bytes(b"x")
+    say_checkpoint(ckpt, resume=False)
+    assert "holds an interrupted training" in " ".join(capsys.readouterr().err.split())
+    say_checkpoint(ckpt, resume=True)
+    assert capsys.readouterr().err == ""

@@ -102,7 +102,7 @@ def test_soft_targets_and_weight_must_go_together():
     with pytest.raises(ValueError, match=r"\(11, 32\)"):
         check_soft_targets(good, cfg, 11)
     for bad in (-0.1, 1.5, float("nan")):
-        with pytest.raises(ValueError, match="soft_weight must be in"):
+        with pytest.raises(ValueError, match=r"soft_weight \(--soft-weight\) must be in"):
             replace(FAST, soft_weight=bad)
 
 

@@ -23,6 +23,7 @@ from duetime.cli.predict_train import (
     check_train_numbers,
     report_test_metrics,
     save_model,
+    say_checkpoint,
     train_finetuned,
     train_head,
 )
@@ -142,6 +143,7 @@ def predict_train_length(
             all_turns=all_turns,
             teachers=teachers,
             soft_weight=soft_weight,
+            device=device,
         )
         check_precision_and_device(precision, device, finetune=finetune)
         # a fine-tuned encoder overfits sooner and its steps cost more than a head's: its
@@ -164,6 +166,7 @@ def predict_train_length(
             train_seed=train_seed,
         )
         ckpt = out_path.with_name(out_path.name + ".ckpt")
+        say_checkpoint(ckpt, resume=resume)
         if finetune:
             rlp = train_finetuned(
                 cfg,

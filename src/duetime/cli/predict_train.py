@@ -48,9 +48,15 @@ def check_option_combinations(
     all_turns: bool,
     teachers: list[Path] | None,
     soft_weight: float | None,
+    device: str = "cpu",
 ) -> None:
     """Options that only a fine-tuned encoder reads, or that contradict each other: a
     frozen encoder would ignore them silently, so they are refused instead."""
+    if device != "cpu" and not finetune:
+        raise ValueError(
+            f"--device {device} moves a fine-tuned encoder only (--encoder minilm-ft...); "
+            "a head on a frozen encoder trains on the CPU"
+        )
     if bundle is not None and not finetune:
         raise ValueError("--bundle feeds a fine-tuned encoder only (--encoder minilm-ft...)")
     if all_turns and not finetune:
@@ -66,6 +72,21 @@ def check_option_combinations(
         )
     if soft_weight is not None and not teachers:
         raise ValueError("--soft-weight weighs the teachers' distribution: give --teacher")
+
+
+def say_checkpoint(ckpt: Path, *, resume: bool) -> None:
+    """Say what becomes of the checkpoint beside ``--out``: ``--resume`` with none to
+    continue, and a run's checkpoint that a new training will write over, both went
+    unsaid."""
+    from duetime.cli.common import err
+
+    if resume and not ckpt.exists():
+        err.print(f"no checkpoint at {escape(str(ckpt))} to resume: training from the start")
+    elif not resume and ckpt.exists():
+        err.print(
+            f"{escape(str(ckpt))} holds an interrupted training; starting over writes over it "
+            "(--resume continues it)"
+        )
 
 
 def check_precision_and_device(precision: str, device: str, *, finetune: bool) -> None:

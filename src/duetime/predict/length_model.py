@@ -82,14 +82,28 @@ class RLPConfig:
         return self.seed if self.train_seed is None else self.train_seed
 
     def __post_init__(self) -> None:
-        if self.bucket_size < 1 or self.max_len < self.bucket_size:
-            raise ValueError(f"need 1 <= bucket_size <= max_len, got {self}")
+        # each names the field and the command line's option for it (train-length's)
+        if self.bucket_size < 1:
+            raise ValueError(f"bucket_size (--bucket-size) must be >= 1, got {self.bucket_size}")
+        if self.max_len < self.bucket_size:
+            raise ValueError(
+                f"max_len (--max-len) must be >= bucket_size (--bucket-size) "
+                f"{self.bucket_size}, got {self.max_len}"
+            )
         if self.readout not in READOUTS:
-            raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
-        if self.hidden < 0 or not 0 <= self.dropout < 1 or self.label_sigma < 0:
-            raise ValueError(f"bad head settings in {self}")
+            raise ValueError(
+                f"readout (--readout) must be one of {', '.join(READOUTS)}, got {self.readout!r}"
+            )
+        if self.hidden < 0:
+            raise ValueError(f"hidden (--hidden) must be >= 0, got {self.hidden}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout (--dropout) must be in [0, 1), got {self.dropout}")
+        if not self.label_sigma >= 0:
+            raise ValueError(f"label_sigma (--label-sigma) must be >= 0, got {self.label_sigma}")
         if not 0 <= self.soft_weight <= 1:
-            raise ValueError(f"soft_weight must be in [0, 1], got {self.soft_weight}")
+            raise ValueError(
+                f"soft_weight (--soft-weight) must be in [0, 1], got {self.soft_weight}"
+            )
 
     @property
     def n_classes(self) -> int:
