@@ -151,6 +151,9 @@ def test_engine_commands_refuse_bad_input_with_exit_2(tmp_path: Path) -> None:
     code, output = _invoke("validate", "--profile", str(tmp_path / "missing.json"))
     assert code == 2
     assert "duetime profile" in output
+    code, output = _invoke("validate", "--profile", "a100-llama2-7b")  # not this engine's
+    assert code == 2
+    assert "shipped profile of another machine" in " ".join(output.split())
     code, output = _invoke("profile", "--dtype", "fp64", "--out", str(tmp_path / "p.json"))
     assert code == 2
     assert "fp64" in output

@@ -198,7 +198,16 @@ def validate(
         if dtype not in DTYPES:  # before the profile's engine is compared with it
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if not Path(profile).exists():
-            raise ValueError(f"{profile}: no such profile; run `duetime profile --out {profile}`")
+            from duetime.sim.profiles import builtin_profiles
+
+            if profile in builtin_profiles():  # another machine's: nothing to judge here
+                raise ValueError(
+                    f"--profile {profile} is a shipped profile of another machine; validate "
+                    "judges a profile of this engine: `duetime profile --out PATH` makes one"
+                )
+            raise ValueError(
+                f"--profile {profile}: no such file; `duetime profile --out {profile}` makes it"
+            )
         if eviction not in ("snapkv", "streaming"):
             raise ValueError(f"--eviction must be snapkv or streaming, got {eviction!r}")
         v.check_policy(policy, predictor)  # before the load: hsf failed only once running
