@@ -204,7 +204,7 @@ def report_test_metrics(
     out.print(
         f"wrote {escape(str(out_path))} (best epoch {rlp.meta['best_epoch']}/{cfg.epochs}); "
         f"test, {cfg.readout}: "
-        f"MAE {m['mae_tokens']:.1f} tokens, RMSE {m['rmse_tokens']:.1f}, R² {m['r2']:.3f}, "
+        f"MAE {m['mae_tokens']:.1f} tokens, RMSE {m['rmse_tokens']:.1f} tokens, R² {m['r2']:.3f}, "
         f"bucket acc {m['bucket_acc']:.3f}, {coverage:.0%} interval covers {m['coverage']:.3f} "
         f"(mean width {m['interval_width_tokens']:.0f} tokens)"
     )

@@ -28,7 +28,7 @@ def length_metrics(
     err = p - y
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     out = {
-        "n": float(len(y)),
+        "n": len(y),  # a count: 1718, not 1718.0
         "mae_tokens": float(np.mean(np.abs(err))),
         "rmse_tokens": float(np.sqrt(np.mean(err**2))),
         "r2": 1.0 - float(np.sum(err**2)) / ss_tot if ss_tot > 0 else 0.0,
