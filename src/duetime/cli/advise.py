@@ -99,12 +99,7 @@ def advise_batch_size(
         str, typer.Option(help="Hardware/software configuration in the ALA data.")
     ] = "sim-a100-llama2-7b",
     max_batch: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            max=MAX_BATCH,
-            help="Largest batch to consider (each size is predicted: ~1 s a thousand).",
-        ),
+        int, typer.Option(min=1, max=MAX_BATCH, help="Largest batch to consider (~1 s a 1,000).")
     ] = 256,
     data: AlaDataOpt = None,
     json_path: JsonOpt = None,

@@ -20,8 +20,6 @@ from rich.markup import escape
 from duetime.cli.console import err
 from duetime.cli.console import out as out  # the commands import both consoles from here
 from duetime.cli.paths import input_path, output_path
-from duetime.comma_lists import comma_list as comma_list  # commands import them from here
-from duetime.comma_lists import comma_numbers as comma_numbers
 
 app = typer.Typer(
     name="duetime",

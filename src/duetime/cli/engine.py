@@ -120,7 +120,7 @@ def profile(
 def validate(
     profile: Annotated[
         str, typer.Option(help="Profile JSON from `duetime profile`.", callback=input_path)
-    ] = ("out/gemma3-270m-cpu.json"),
+    ] = "out/gemma3-270m-cpu.json",
     policy: Annotated[
         str, typer.Option(help="Policy name, the same on both sides (see `duetime policies`).")
     ] = "fcfs",

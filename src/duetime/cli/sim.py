@@ -19,13 +19,13 @@ from duetime.cli.common import (
     _progress,
     _user_errors,
     app,
-    comma_numbers,
     out,
     rate_text,
     refuse_drawing_options,
 )
 from duetime.cli.paths import input_path, output_path, writable
 from duetime.cli.sim_fleet import FailOpt, FleetOpt, ReplicaProfileOpt, ReplicasOpt, RouterOpt
+from duetime.comma_lists import comma_numbers
 
 # Options `sim` and `sweep` share (a sweep runs `sim` for every policy × rate × seed).
 WorkloadOpt = Annotated[

@@ -20,10 +20,10 @@ from duetime.cli.common import (
     _progress,
     _user_errors,
     bench_app,
-    comma_list,
     out,
     parse_confidence,
 )
+from duetime.comma_lists import comma_list
 from duetime.server.recent_load import DEFAULT_BURST_GAP_S
 
 

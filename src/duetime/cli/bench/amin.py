@@ -18,7 +18,8 @@ from duetime.cli.bench.options import (
     WorkersOpt,
 )
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, comma_list, out
+from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
+from duetime.comma_lists import comma_list
 
 
 @bench_app.command("amin")

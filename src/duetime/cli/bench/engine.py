@@ -7,7 +7,8 @@ from typing import Annotated
 import typer
 
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, comma_numbers, out
+from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
+from duetime.comma_lists import comma_numbers
 
 
 @bench_app.command("engine")

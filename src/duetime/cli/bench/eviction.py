@@ -14,15 +14,8 @@ import typer
 from duetime.cli.bench.model import load_prompted_model
 from duetime.cli.bench.options import BenchModelOpt, PromptSeedOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import (
-    DtypeOpt,
-    JsonOpt,
-    ThreadsOpt,
-    _user_errors,
-    bench_app,
-    comma_numbers,
-    out,
-)
+from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
+from duetime.comma_lists import comma_numbers
 
 
 @bench_app.command("eviction")

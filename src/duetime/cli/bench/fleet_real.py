@@ -18,10 +18,10 @@ from duetime.cli.common import (
     _fail,
     _user_errors,
     bench_app,
-    comma_list,
     out,
     progress_display,
 )
+from duetime.comma_lists import comma_list
 
 
 @bench_app.command("fleet-real")

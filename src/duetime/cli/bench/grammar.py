@@ -11,15 +11,8 @@ import typer
 from duetime.cli.bench.model import load_prompted_model
 from duetime.cli.bench.options import BenchModelOpt, PromptSeedOpt, RepeatsOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import (
-    DtypeOpt,
-    JsonOpt,
-    ThreadsOpt,
-    _user_errors,
-    bench_app,
-    comma_list,
-    out,
-)
+from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
+from duetime.comma_lists import comma_list
 
 if TYPE_CHECKING:  # (imported when the command runs: the CLI starts without them)
     from duetime.server.codec import Codec

@@ -9,17 +9,8 @@ import typer
 
 from duetime.cli.bench.options import PoliciesOpt, SeedOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import (
-    JsonOpt,
-    PlotOpt,
-    ProfileOpt,
-    _progress,
-    _user_errors,
-    bench_app,
-    comma_list,
-    comma_numbers,
-    out,
-)
+from duetime.cli.common import JsonOpt, PlotOpt, ProfileOpt, _progress, _user_errors, bench_app, out
+from duetime.comma_lists import comma_list, comma_numbers
 
 
 @bench_app.command("sensitivity")

@@ -8,7 +8,8 @@ import typer
 
 from duetime.cli.bench.options import PoliciesOpt, SeedOpt, ServedModelOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, _progress, _user_errors, bench_app, comma_list, out
+from duetime.cli.common import JsonOpt, _progress, _user_errors, bench_app, out
+from duetime.comma_lists import comma_list
 
 
 @bench_app.command("serve")

@@ -9,16 +9,8 @@ import typer
 
 from duetime.cli.bench.options import ServedModelOpt, ServedPolicyOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import (
-    JsonOpt,
-    PlotOpt,
-    ThreadsOpt,
-    _progress,
-    _user_errors,
-    bench_app,
-    comma_numbers,
-    out,
-)
+from duetime.cli.common import JsonOpt, PlotOpt, ThreadsOpt, _progress, _user_errors, bench_app, out
+from duetime.comma_lists import comma_numbers
 from duetime.server.autosize import DEFAULT_TPOT_TARGET_MS
 
 
