@@ -56,8 +56,9 @@ MAX_SEQS_CAP = 256
 #: against 212 and 221 quiet). The limits are still sized from all the repeats, not
 #: the fastest of each shape: beside two CPU-bound processes the fastest sized 76, 85
 #: and 95 sequences where all sized 33, 87 and 91 (the machine is that much slower
-#: while they run), and quiet, the fastest prices a typical step ~5 % short of the
-#: TPOT target it is sized for (209-220 sequences against 185-210 from all).
+#: while they run), and quiet, the fastest prices a step below its typical time by
+#: about the repeats' spread (3.8-7.2 %), sizing past the TPOT target (209-220
+#: sequences against 185-214 from all, in four starts).
 BUSY_SPREAD_PCT = 15.0
 #: Prefill chunks are multiples of this, between one and 32 of them.
 CHUNK_UNIT = 64
