@@ -249,7 +249,7 @@ def test_cli_fine_tunes_from_a_bundle_and_rejects_bad_options(data, tmp_path):
     assert not out.with_name(out.name + ".ckpt").exists()  # removed once the file is saved
 
     bad = {
-        "--precision": (["--precision", "fp16"], "precision must be one of"),
+        "--precision": (["--precision", "fp16"], "precision (--precision) must be one of"),
         "--bundle": (["--encoder", "minilm-static:512"], "--bundle feeds a fine-tuned encoder"),
         "--all-turns": (["--all-turns"], "a --bundle has its rows already"),
     }

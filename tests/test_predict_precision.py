@@ -23,7 +23,7 @@ def test_precision_auto_takes_bf16_only_where_it_is_native(native):
     assert resolve_precision("auto", "cpu") == "fp32"
     native(True)
     assert resolve_precision("auto", "cpu") == "bf16"
-    with pytest.raises(ValueError, match="precision must be one of"):
+    with pytest.raises(ValueError, match=r"precision \(--precision\) must be one of"):
         resolve_precision("fp16", "cpu")
 
 
