@@ -81,6 +81,30 @@ def test_an_output_over_an_input_is_refused_and_the_input_kept(
     assert data.read_bytes() == (shipped_dir() / "sim-gpu.csv").read_bytes()
 
 
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("bench", "predict-length", "--model", "{m}", "--json", "{m}"), "--model"),
+        (("bench", "sensitivity", "--learned", "learned:{m}", "--json", "{m}"), "--learned"),
+        (("bench", "amin", "--learned", "learned,learned:{m}", "--json", "{m}"), "--learned"),
+        (("bench", "timebill", "--predictor", "learned:{m}", "--plot", "{m}"), "--predictor"),
+        (("bench", "timebill", "--profile", "{m}", "--json", "{m}"), "--profile"),
+        (("bench", "timelyllm", "--engine", "--calibration", "{m}", "--json", "{m}"),
+         "--calibration"),
+    ],
+)  # fmt: skip
+def test_a_bench_writes_over_none_of_its_inputs(
+    tmp_path: Path, args: tuple[str, ...], named: str
+) -> None:
+    """predict-length --model M.npz --json M.npz turned the shipped model into JSON."""
+    model = tmp_path / "m.npz"
+    model.write_bytes(b"the input")
+    code, out = _invoke(*(a.replace("{m}", str(model)) for a in args))
+    assert code == 2, out
+    assert f"is also the {named} file: it would be written over" in out
+    assert model.read_bytes() == b"the input"
+
+
 def test_a_trace_is_not_saved_over_itself(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     assert _invoke(*SIM, "--save-trace", str(trace))[0] == 0

@@ -76,19 +76,31 @@ def output_path(ctx: typer.Context, param: typer.CallbackParam, path: Path | Non
     return checked
 
 
+def _files_named(value: Any) -> list[Path]:
+    """The existing files a value names: itself, each item of a list or of a comma-separated
+    spec, and the path of a ``kind:path`` spec (``learned:m.npz``)."""
+    items = value if isinstance(value, list | tuple) else [value]
+    found = []
+    for item in items:
+        if item is None:
+            continue
+        text = str(item)
+        for piece in [text, *text.split(","), *(p.split(":", 1)[-1] for p in text.split(","))]:
+            if piece and Path(piece).is_file() and Path(piece) not in found:
+                found.append(Path(piece))
+    return found
+
+
 def input_path(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
-    """Option callback for an input that may be a file (a CSV, a profile, a trace; a
-    list of them for a repeated option): a file that exists is claimed, so that no
+    """Option callback for an input that may be a file (a CSV, a profile, a trace, a model;
+    a list of them, or a ``learned:PATH`` spec): a file that exists is claimed, so that no
     output of the command is written over it (``advise batch --data a.csv --json
     a.csv`` replaced the measurements with the advice). A name that is not a file (a
     shipped profile, ``sharegpt``) claims nothing; the value is returned as given."""
-    values = value if isinstance(value, list | tuple) else [value]
     outputs: dict[Path, str] = ctx.meta.setdefault(_OUTPUTS, {})
     inputs: dict[Path, str] = ctx.meta.setdefault(_INPUTS, {})
-    for item in values:
-        if item is None or not Path(item).is_file():
-            continue
-        where = Path(item).resolve()
+    for item in _files_named(value):
+        where = item.resolve()
         if where in outputs:
             raise typer.BadParameter(
                 f"{item} is also the {outputs[where]} file: it would be written over"

@@ -9,12 +9,17 @@ import typer
 
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
+from duetime.cli.paths import input_path
 
 
 @bench_app.command("predict-length")
 def bench_predict_length(
     model: Annotated[
-        list[Path] | None, typer.Option(help="Model file(s); default: every shipped model.")
+        list[Path] | None,
+        typer.Option(
+            help="A model file; repeat for several (default: every shipped model).",
+            callback=input_path,
+        ),
     ] = None,
     coverage: Annotated[float, typer.Option(help="Nominal interval coverage.")] = 0.9,
     infer_prompts: Annotated[int, typer.Option(min=1, help="Prompts to time.")] = 200,

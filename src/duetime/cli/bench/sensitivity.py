@@ -10,6 +10,7 @@ import typer
 from duetime.cli.bench.options import PoliciesOpt, SeedOpt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, ProfileOpt, _progress, _user_errors, bench_app, out
+from duetime.cli.paths import input_path
 from duetime.comma_lists import comma_list, comma_numbers
 
 
@@ -26,7 +27,10 @@ def bench_sensitivity(
     profile: ProfileOpt = "a100-llama2-7b",
     learned: Annotated[
         str,
-        typer.Option(help="Also run the trained length predictor: learned[:path], or 'none'."),
+        typer.Option(
+            help="Also run the trained length predictor: learned[:path], or 'none'.",
+            callback=input_path,
+        ),
     ] = "learned",
     workload: Annotated[
         str,

@@ -15,6 +15,7 @@ from duetime.cli.bench.model import load_engine
 from duetime.cli.bench.options import FastEngineDtypeOpt, SeedOpt, no_engine_options
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _fail, _user_errors, bench_app, out
+from duetime.cli.paths import input_path
 
 MODELS = ("gemma", "tiny")
 
@@ -28,13 +29,15 @@ def bench_timebill(
         str | None,
         typer.Option(
             help="Shipped profile name or JSON path [a100-llama2-7b]; with --engine a "
-            "`duetime profile` JSON [default: time this workload's steps]."
+            "`duetime profile` JSON [default: time this workload's steps].",
+            callback=input_path,
         ),
     ] = None,
     predictor: Annotated[
         str | None,
         typer.Option(
-            help="Length predictor: noisy[:σ], oracle, learned[:path] [noisy; --engine: learned]."
+            help="Length predictor: noisy[:σ], oracle, learned[:path] [noisy; --engine: learned].",
+            callback=input_path,
         ),
     ] = None,
     tasks: Annotated[int, typer.Option(min=1, help="Concurrent periodic tasks.")] = 1,

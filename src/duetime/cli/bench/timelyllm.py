@@ -20,6 +20,7 @@ from duetime.cli.bench.options import (
 )
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, err, out
+from duetime.cli.paths import input_path
 
 
 @bench_app.command("timelyllm")
@@ -32,7 +33,8 @@ def bench_timelyllm(
         typer.Option(
             help="'paper-rtx4090' (modelled on the paper) or a shipped profile [paper-rtx4090]; "
             "--engine: this engine's step costs (a `duetime profile` JSON) instead of timing "
-            "them."
+            "them.",
+            callback=input_path,
         ),
     ] = None,
     kv_capacity: Annotated[int | None, typer.Option(min=1, help="KV tokens (contention).")] = None,
@@ -53,7 +55,10 @@ def bench_timelyllm(
     threads: EngineThreadsOpt = None,
     calibration: Annotated[
         Path | None,
-        typer.Option(help="--engine: reuse an earlier --engine JSON's cost and scale (same jobs)."),
+        typer.Option(
+            help="--engine: reuse an earlier --engine JSON's cost and scale (same jobs).",
+            callback=input_path,
+        ),
     ] = None,
     seed: SeedOpt = 0,
     json_path: JsonOpt = None,
