@@ -262,3 +262,9 @@ def test_bench_engine_bad_lists_fail_before_loading(args: tuple[str, str], names
 )
 def test_negative_seeds_name_the_option(args: tuple[str, ...], names: str) -> None:
     cli_refused(*args, names=names)
+
+
+def test_bench_amin_refuses_a_memory_no_request_fits() -> None:
+    """--kv-capacity 1 completed nothing and ended in a ZeroDivisionError traceback."""
+    cli_refused("bench", "amin", "--requests", "50", "--kv-capacity", "1", "--learned", "",
+                "--workers", "1", names="--kv-capacity 1: a request needs")  # fmt: skip

@@ -224,6 +224,11 @@ def run(
     t0 = time.perf_counter()
     learned = list(dict.fromkeys(learned))
     check_learned(learned)
+    # before any run: a memory no request fits completed none, and H-SF's TEL of 0 was a
+    # ZeroDivisionError in the ratios
+    need = max(j.request.prompt_len + j.output_len for j in sharegpt_jobs(requests, seed))
+    if need > kv_capacity:
+        raise ValueError(f"--kv-capacity {kv_capacity}: a request needs {need} tokens at its peak")
     constructions = {**CONSTRUCTIONS, **{spec: spec for spec in learned}}
     tasks = [(s, "hsf", "oracle", "oracle", requests, seed, kv_capacity, profile) for s in SETTINGS]
     if learned:  # H-SF again on the rows the learned intervals are judged on (named "learned")
@@ -256,7 +261,8 @@ def run(
         (r["setting"], jobs_of(r["construction"])): r["tel_s"] for r in rows if r["policy"] == "hsf"
     }
     for r in rows:
-        r["tel_ratio_vs_hsf"] = r["tel_s"] / hsf[(r["setting"], jobs_of(r["construction"]))]
+        base = hsf[(r["setting"], jobs_of(r["construction"]))]
+        r["tel_ratio_vs_hsf"] = r["tel_s"] / base if base else None  # H-SF finished none
     jobs = sharegpt_jobs(requests, seed)
     p = np.array([j.request.prompt_len for j in jobs])
     o = np.array([j.output_len for j in jobs])
