@@ -268,3 +268,10 @@ def test_bench_amin_refuses_a_memory_no_request_fits() -> None:
     """--kv-capacity 1 completed nothing and ended in a ZeroDivisionError traceback."""
     cli_refused("bench", "amin", "--requests", "50", "--kv-capacity", "1", "--learned", "",
                 "--workers", "1", names="--kv-capacity 1: a request needs")  # fmt: skip
+
+
+@pytest.mark.parametrize("bench", ["serve-load", "admission"])
+def test_a_served_bench_checks_its_dtype_first(bench: str) -> None:
+    """--dtype bogus ran in full, exit 0, and the JSON recorded "bogus"."""
+    cli_refused("bench", bench, "--model", "tiny", "--dtype", "bogus",
+                names="--dtype must be one of")  # fmt: skip

@@ -96,9 +96,11 @@ def bench_admission(
         check_config,
         run_admission_bench,
     )
+    from duetime.bench.engine_fit import check_dtype
     from duetime.metrics import render_table
 
     with _user_errors():
+        check_dtype(dtype)  # before the model loads: bogus ran, and the JSON recorded it
         torch.set_num_threads(threads)
         cfg = AdmissionBenchConfig(
             model=model,

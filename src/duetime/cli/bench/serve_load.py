@@ -47,12 +47,14 @@ def bench_serve_load(
     plot: PlotOpt = None,
 ) -> None:
     """A loaded server's steps beside the offline engine's at the same batch, part by part."""
+    from duetime.bench.engine_fit import check_dtype
     from duetime.bench.serve_load import ServeLoadConfig, run_serve_load
     from duetime.bench.serve_load_report import band_rows, rate_rows
     from duetime.metrics import render_table
     from duetime.server.load_workload import parse_rates
 
     with _user_errors():
+        check_dtype(dtype)  # before the server starts: bogus ran, and the JSON recorded it
         counts = comma_numbers("--requests", requests, int, "integers")
         cfg = ServeLoadConfig(
             model=model,
