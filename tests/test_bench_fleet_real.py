@@ -250,3 +250,20 @@ def test_an_external_backend_joins_the_fleet_priced_by_its_given_profile(tmp_pat
     assert run["real"]["errors"] == 0, run["real"]["first_error"]
     assert sorted(Counter(run["routes"]["real"].values()).values()) == [3, 3], run["routes"]
     assert run["profiles_after"][1]["name"] == "given-probe"
+
+
+@pytest.mark.parametrize(
+    ("deadlines", "classes"),
+    [({"interactive": 1.0}, {"interactive", "standard", "batch"}), ({"default": 5.0}, {"default"})],
+)
+def test_a_deadline_alone_takes_the_default_classes(
+    deadlines: dict[str, float], classes: set[str]
+) -> None:
+    """--deadline interactive=1 without --class-mix was refused: 'no request can have'
+    the class the default mix has; a deadline for the one default class still works."""
+    from duetime.bench.fleet_real import _mix
+    from duetime.bench.fleet_real_live import FleetRealConfig
+
+    cfg = FleetRealConfig(deadlines=deadlines, requests=60)
+    plan = cfg.trace(class_mix=_mix(cfg), deadlines=cfg.deadlines).build(1.0)
+    assert {r.klass for r in plan} == classes

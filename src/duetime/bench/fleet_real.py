@@ -109,6 +109,17 @@ def _jobs(plan: Sequence[LoadRequest], tokens: Mapping[str, int], max_len: int) 
     return jobs
 
 
+def _mix(cfg: FleetRealConfig) -> dict[str, float]:
+    """``--class-mix``, or `bench fleet`'s three classes: also where only ``--deadline``
+    is given (``--deadline interactive=1`` alone was refused: no request had a class),
+    unless those deadlines name only the one class a mix-less trace has."""
+    from duetime.server.load_workload import DEFAULT_CLASS
+
+    if cfg.class_mix or (cfg.deadlines and set(cfg.deadlines) <= {DEFAULT_CLASS}):
+        return cfg.class_mix
+    return {name: share for name, share, _ in CLASSES}
+
+
 def _default_deadlines(
     cfg: FleetRealConfig, specs: Sequence[ReplicaSpec], jobs: Sequence[Job]
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -118,7 +129,7 @@ def _default_deadlines(
     prompt = statistics.fmean(j.request.prompt_len for j in jobs)
     output = statistics.fmean(j.output_len for j in jobs)
     alone = max(s.cost.alone_time(max(1, round(prompt)), round(output)) for s in specs)
-    mix = cfg.class_mix or {name: share for name, share, _ in CLASSES}
+    mix = _mix(cfg)
     factor = {name: x for name, _, x in CLASSES}
     # to the ms, and at least 1 ms: a deadline sent as 0 ms is a 400, not a miss
     return mix, {name: max(0.001, round(factor[name] * alone, 3)) for name in mix}
@@ -142,7 +153,7 @@ def run_fleet_real(cfg: FleetRealConfig, progress: Progress | None = None) -> di
     step = _stepper(progress)
     # the trace's shapes before any process starts (a class --deadline names that no
     # request has is refused here); lengths and classes do not depend on the rate
-    shapes = cfg.trace(class_mix=cfg.class_mix, deadlines=cfg.deadlines).build(1.0)
+    shapes = cfg.trace(class_mix=_mix(cfg), deadlines=cfg.deadlines).build(1.0)
     with (
         tempfile.TemporaryDirectory(prefix="duetime-fleet-real-") as d,
         LocalProcesses(Path(d)) as procs,
@@ -245,7 +256,7 @@ def _trace(
     the trace's shapes, and every prompt is counted by the backend at ``url``."""
     capacity = sum(capacity_req_s(s, shape_jobs) for s in warm_specs)
     rate = cfg.rate if cfg.rate is not None else cfg.load * capacity
-    mix, deadlines = cfg.class_mix, cfg.deadlines
+    mix, deadlines = _mix(cfg), cfg.deadlines
     if not deadlines:
         mix, deadlines = _default_deadlines(cfg, warm_specs, shape_jobs)
     plan = cfg.trace(class_mix=mix, deadlines=deadlines).build(rate)
