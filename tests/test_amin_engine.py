@@ -145,8 +145,8 @@ def test_reps_give_medians(model: Any) -> None:
         (["--engine", "--model", "tiny", "--kv-capacity", "40"], "--kv-capacity 40"),
         (["--engine", "--model", "/nonexistent.gguf"], "not 'gemma', 'tiny'"),
         (["--engine", "--model", "tiny", "--dtype", "fp8"], "--dtype must be"),
-        (["--max-output", "24"], "only apply with --engine"),
-        (["--reps", "2"], "only apply with --engine"),
+        (["--max-output", "24"], "only with --engine"),
+        (["--reps", "2"], "only with --engine"),
     ],
 )
 def test_bench_amin_engine_bad_options(args: list[str], message: str) -> None:

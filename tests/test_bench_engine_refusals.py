@@ -146,7 +146,7 @@ def test_engine_speed_run_refuses_an_empty_grid() -> None:
     [("--calibration", "x.json"), ("--requests", "4"), ("--dtype", "fast"), ("--threads", "1")],
 )
 def test_timelyllm_engine_only_options_need_engine(args: tuple[str, str]) -> None:
-    cli_refused("bench", "timelyllm", *args, names=args[0], value="only apply with --engine")
+    cli_refused("bench", "timelyllm", *args, names=args[0], value="only with --engine")
 
 
 def test_timelyllm_engine_profile_is_used_not_ignored(no_load: None) -> None:

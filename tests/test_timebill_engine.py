@@ -248,7 +248,7 @@ def test_cli_tiny_engine_end_to_end(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--prompts", "3"], "--prompts only apply with --engine"),
+        (["--prompts", "3"], "--prompts: only with --engine"),
         (["--engine", "--tasks", "2"], "one periodic task"),
         (["--engine", "--jobs", "5"], "--jobs is for the simulator"),
         (["--engine", "--model", "tiny", "--method", "bogus"], "unknown --method"),

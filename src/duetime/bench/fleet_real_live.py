@@ -86,7 +86,9 @@ class FleetRealConfig:
                 body = json.loads(Path(path).read_text())
                 cost_of(body)
             except (OSError, ValueError, CostModelError) as e:
-                raise ValueError(f"--external {url}={path}: not a usable profile ({e})") from None
+                # the cost model's own message may already say "not a usable profile"
+                why = str(e).removeprefix(f"{path}: ")
+                raise ValueError(f"--external {url}={path}: not a usable profile: {why}") from None
             out[url] = body
         return out
 

@@ -120,10 +120,7 @@ def bench_fleet_real(
         except FleetStartError as e:
             _fail(str(e))
     _report(fig)
-    save_figures(fig, json_path=json_path, plot=plot, plot_fn=_plot)
-    for path in (json_path, plot):
-        if path is not None:
-            out.print(f"wrote {path}")
+    save_figures(fig, json_path=json_path, plot=plot, plot_fn=_plot)  # it says what it wrote
 
 
 def _external(items: list[str]) -> dict[str, str]:

@@ -76,4 +76,4 @@ def no_engine_options(given: Mapping[str, object]) -> None:
     """Engine-only options without ``--engine`` are a mistake, not something to ignore."""
     bad = [name for name, v in given.items() if v is not None]
     if bad:
-        _fail(f"{', '.join(bad)} only apply with --engine")
+        _fail(f"{', '.join(bad)}: only with --engine")
