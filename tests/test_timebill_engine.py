@@ -252,6 +252,11 @@ def test_cli_tiny_engine_end_to_end(tmp_path: Path) -> None:
         (["--engine", "--tasks", "2"], "one periodic task"),
         (["--engine", "--jobs", "5"], "--jobs is for the simulator"),
         (["--engine", "--model", "tiny", "--method", "bogus"], "unknown --method"),
+        # a comma list is read as the other list options read theirs: one item is named
+        (
+            ["--engine", "--model", "tiny", "--method", "vanilla,bogus"],
+            "unknown --method ['bogus']",
+        ),
         (["--engine", "--model", "tiny", "--budget-scale", "wall"], "--budget-scale"),
         (["--engine", "--model", "nano"], "--model must be one of"),
         (["--engine", "--min-prompt", "600", "--max-prompt", "500"], "--min-prompt"),

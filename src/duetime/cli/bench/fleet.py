@@ -37,7 +37,7 @@ def bench_fleet(
 
     with _user_errors():
         load_list = [pct / 100 for pct in _percentages(loads)]
-        names = comma_list(routers) or None
+        names = list(dict.fromkeys(comma_list(routers))) or None  # lor,lor: one column
         fig = fleet.run(
             replicas=replicas,
             requests=requests,

@@ -46,7 +46,7 @@ def bench_serve(
     with _user_errors():
         cfg = ServeBenchConfig(
             model=model,
-            policies=comma_list(policies),
+            policies=list(dict.fromkeys(comma_list(policies))),  # fcfs,fcfs: served once
             requests=requests,
             rate=rate,
             max_tokens=max_tokens,

@@ -16,6 +16,7 @@ from duetime.cli.bench.options import FastEngineDtypeOpt, SeedOpt, no_engine_opt
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _fail, _user_errors, bench_app, out
 from duetime.cli.paths import input_path
+from duetime.comma_lists import comma_list
 
 MODELS = ("gemma", "tiny")
 
@@ -77,7 +78,8 @@ def bench_timebill(
         int | None, typer.Option(min=1, help="--engine: longest prompt, tokens [512].")
     ] = None,
     method: Annotated[
-        list[str] | None, typer.Option(help="--engine: method(s) to run [all seven].")
+        list[str] | None,
+        typer.Option(help="--engine: methods to run, comma-separated or repeated [all seven]."),
     ] = None,
     budget_scale: Annotated[
         str | None,
@@ -181,6 +183,8 @@ def run_engine(
 
     if min_prompt > max_prompt:
         raise ValueError(f"--min-prompt {min_prompt} > --max-prompt {max_prompt}")
+    if methods:  # --method a,b as every other list option reads it, or repeated
+        methods = list(dict.fromkeys(m for item in methods for m in comma_list(item)))
     bad = [m for m in methods or () if m not in sim_bench.METHODS]
     if bad:
         raise ValueError(f"unknown --method {bad}; choose from {', '.join(sim_bench.METHODS)}")
