@@ -275,3 +275,10 @@ def test_a_served_bench_checks_its_dtype_first(bench: str) -> None:
     """--dtype bogus ran in full, exit 0, and the JSON recorded "bogus"."""
     cli_refused("bench", bench, "--model", "tiny", "--dtype", "bogus",
                 names="--dtype must be one of")  # fmt: skip
+
+
+def test_bench_fleet_refuses_a_learned_predictor_in_its_own_words() -> None:
+    """It ended in 'set Request.prompt_text or prompt_token_ids (build_jobs(...))'."""
+    out = cli_refused("bench", "fleet", "--predictor", "learned", "--requests", "50",
+                      names="--predictor learned reads each request's prompt")  # fmt: skip
+    assert "Request.prompt_text" not in out

@@ -89,6 +89,11 @@ def run(
     """Every router × load × fleet; figures named with their units."""
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    if predictor.partition(":")[0] == "learned":  # found before the runs, in CLI words
+        raise ValueError(
+            f"--predictor {predictor} reads each request's prompt, and bench fleet plays "
+            "ShareGPT lengths without their texts: use noisy[:σ], oracle or interval:<spec>"
+        )
     if any(not 0 < x < 2 for x in loads):
         raise ValueError(f"--loads are shares of capacity in (0, 2), got {list(loads)}")
     routers = list(routers or available_routers())
