@@ -226,7 +226,8 @@ def run(
     check_learned(learned)
     # before any run: a memory no request fits completed none, and H-SF's TEL of 0 was a
     # ZeroDivisionError in the ratios
-    need = max(j.request.prompt_len + j.output_len for j in sharegpt_jobs(requests, seed))
+    jobs = sharegpt_jobs(requests, seed)  # also the workload the figures describe
+    need = max(j.request.prompt_len + j.output_len for j in jobs)
     if need > kv_capacity:
         raise ValueError(f"--kv-capacity {kv_capacity}: a request needs {need} tokens at its peak")
     constructions = {**CONSTRUCTIONS, **{spec: spec for spec in learned}}
@@ -263,7 +264,6 @@ def run(
     for r in rows:
         base = hsf[(r["setting"], jobs_of(r["construction"]))]
         r["tel_ratio_vs_hsf"] = r["tel_s"] / base if base else None  # H-SF finished none
-    jobs = sharegpt_jobs(requests, seed)
     p = np.array([j.request.prompt_len for j in jobs])
     o = np.array([j.output_len for j in jobs])
     return {
