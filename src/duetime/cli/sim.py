@@ -93,14 +93,13 @@ def sim(
 ) -> None:
     """Simulate one workload through one policy, on one engine or on a fleet of replicas."""
     from duetime.cli.sim_fleet import fleet_fields, run_and_report
-    from duetime.experiment import GENERATED_ONLY, SimSpec, is_trace, plan_spec, run_planned
+    from duetime.experiment import GENERATED_ONLY, SimSpec, plan_spec, run_planned
     from duetime.metrics import render_table, write_json
     from duetime.sim.fleet_run import is_fleet
     from duetime.workloads import trace_lines
 
     with _user_errors():
-        if is_trace(SimSpec(workload=workload)) and Path(workload).exists():
-            refuse_drawing_options(ctx, GENERATED_ONLY)  # a missing file: build_jobs names it
+        _trace_draws_nothing(ctx, workload, GENERATED_ONLY)
         spec = SimSpec(
             policy=policy,
             workload=workload,
@@ -145,6 +144,15 @@ def sim(
     )
     if row["prompt_cached_pct"] is not None and prefix_cache:
         out.print(f"prefix cache: {row['prompt_cached_pct']:.1f} % of prompt tokens were cached")
+
+
+def _trace_draws_nothing(ctx: typer.Context, workload: str, names: tuple[str, ...]) -> None:
+    """`sim` and `sweep` on a trace file refuse the options that draw a workload; a path
+    that does not exist is left to ``build_jobs``, which names it as missing."""
+    from duetime.experiment import SimSpec, is_trace
+
+    if is_trace(SimSpec(workload=workload)) and Path(workload).exists():
+        refuse_drawing_options(ctx, names)
 
 
 def _save_trace(path: Path | None, lines: list[str] | None) -> None:
@@ -206,8 +214,7 @@ def sweep(
     from duetime.sweep import run_sweep
 
     with _user_errors():
-        if is_trace(SimSpec(workload=workload)) and Path(workload).exists():
-            refuse_drawing_options(ctx, ("requests", "rates", "arrival", "cv", "burst_size"))
+        _trace_draws_nothing(ctx, workload, ("requests", "rates", "arrival", "cv", "burst_size"))
         rate_list = comma_numbers("--rates", rates, float, "numbers (requests/s)")
         bad = [why for r in rate_list if (why := rate_text("--rates", r)) is not None]
         if bad:
