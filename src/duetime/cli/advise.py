@@ -127,7 +127,7 @@ def advise_batch_size(
             write_json(json_path, payload)
     title = f"{escape(config)}: ii={input_len} oo={output_len}, deadline {deadline:g} s"
     table = Table(title=title)
-    interval = f"{pred.coverage:.0%} interval".replace("%", " %")
+    interval = f"{pred.coverage * 100:g} % interval"  # as predict throughput writes it
     for col in ("bb", "tok/s", interval, "wall s", "wall s (pessimistic)", "confidence"):
         table.add_column(col, justify="right")
     shown = {1 << k for k in range(max_batch.bit_length())} | {adv["bb_safe"], adv["bb_expected"]}

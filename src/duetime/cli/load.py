@@ -51,7 +51,7 @@ def load(
     ] = None,
     workload: Annotated[
         str, typer.Option(help="sharegpt, synthetic, or a JSONL trace path.", callback=input_path)
-    ] = ("sharegpt"),
+    ] = "sharegpt",
     requests: Annotated[
         int, typer.Option("--max-requests", "--requests", min=1, help="Requests per rate, at most.")
     ] = 100,
