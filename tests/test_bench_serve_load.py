@@ -104,3 +104,20 @@ def test_the_command_refuses_a_mismatched_request_list() -> None:
     )
     assert result.exit_code != 0
     assert "--requests gives 2 numbers for 3 rates" in result.output
+
+
+def test_the_command_refuses_requests_the_server_would_refuse() -> None:
+    result = CliRunner().invoke(
+        app, ["bench", "serve-load", "--model", "tiny", "--prompt-len", "100000"]
+    )
+    assert result.exit_code == 2
+    assert "--prompt-len 100000 + --output-len 128 exceeds the served context" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_failed_load_client_is_one_line_naming_it(tmp_path) -> None:
+    from duetime.bench.serve_load import _client
+
+    cfg = ServeLoadConfig(model="tiny", client_timeout_s=5.0)
+    with pytest.raises(ValueError, match=r"load client \(duetime load\) failed, exit \d+: \S"):
+        _client(cfg, "http://127.0.0.1:9", 1.0, 1, tmp_path / "load.json")

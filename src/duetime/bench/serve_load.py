@@ -95,6 +95,12 @@ class ServeLoadConfig:
             raise ValueError(f"--requests must be >= 1, got {list(self.requests)}")
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError("--prompt-len and --output-len must be >= 1")
+        context = self.kv_capacity - 1  # the served context, as `duetime serve` sets it
+        if self.prompt_len + self.output_len > context:
+            raise ValueError(
+                f"--prompt-len {self.prompt_len} + --output-len {self.output_len} exceeds "
+                f"the served context of {context} tokens: every request would be refused"
+            )
 
 
 def _options(cfg: ServeLoadConfig) -> ServeOptions:
@@ -144,12 +150,16 @@ def _client(
         *("--request-timeout", str(cfg.client_timeout_s), "--json", str(out)),
     ]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-c", "from duetime.cli import app; app()", *args],
-        check=True,
         stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         timeout=cfg.client_timeout_s * 2 + 600,
     )
+    if done.returncode != 0:  # its own one-line error, not a traceback of this process
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ValueError(f"the load client (duetime load) failed, exit {done.returncode}: {last}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return json.loads(out.read_text())["rows"][0], cpu
