@@ -115,12 +115,26 @@ def test_bench_admission_refuses_an_unknown_mode_before_loading() -> None:
     cli_refused(*bench, "--burst-gaps", "-5", names="--burst-gaps")
     cli_refused(*bench, "--arrival", "weibull", names="--arrival")
     cli_refused(*bench, "--burst-size", "6", names="for --arrival bursts, not poisson")
+    cli_refused(*bench, "--rate", "inf", names="--rate must be > 0 and finite")
+    cli_refused(*bench, "--duration", "inf", names="--duration must be > 0 and finite")
     cli_refused("serve", "--model", "tiny", "--burst-gap-ms", "-1", names="--burst-gap-ms")
     for args in (
         ["--deadline-confidence", "most"],
         ["--admission", "estimate", "--deadline-confidence", "0.9"],
     ):
         cli_refused("serve", "--model", "tiny", *args, names="--deadline-confidence")
+
+
+def test_bench_admission_names_a_duration_no_request_arrives_in() -> None:
+    """At 0.01/s the first Poisson arrival is far past one second: the run says so,
+    where it failed on an empty load with the load generator's own words."""
+    from tests.factories import cli_refused
+
+    cli_refused(
+        *("bench", "admission", "--model", "tiny", "--rate", "0.01", "--duration", "1"),
+        *("--predictor", "none", "--threads", "1"),
+        names="no request arrives within --duration 1 s at --rate 0.01/s",
+    )
 
 
 def test_bench_admission_names_its_arms_by_what_varies() -> None:

@@ -22,6 +22,7 @@ from the real one, and what a forecast cost the admission.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -123,9 +124,11 @@ def check_config(cfg: AdmissionBenchConfig) -> None:
         make_policy(cfg.policy)
     except ValueError as e:
         raise ValueError(f"--policy: {e}") from None
-    for name in ("rate", "duration_s", "deadline_s"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    for option, value in (("--rate", cfg.rate), ("--duration", cfg.duration_s)):
+        if not 0 < value < math.inf:  # inf: 100,000 requests at once, or arrivals for hours
+            raise ValueError(f"{option} must be > 0 and finite, got {value:g}")
+    if not cfg.deadline_s > 0:
+        raise ValueError(f"--deadline must be > 0, got {cfg.deadline_s:g}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -226,7 +229,14 @@ def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], arm: Arm) 
         fixed_max_tokens=cfg.fixed_max_tokens,
         deadlines={"*": cfg.deadline_s},
     )
-    reqs = [r for r in workload.build(cfg.rate) if r.arrival < cfg.duration_s]
+    drawn = workload.build(cfg.rate)
+    reqs = [r for r in drawn if r.arrival < cfg.duration_s]
+    if not reqs:
+        raise ValueError(
+            f"no request arrives within --duration {cfg.duration_s:g} s at --rate "
+            f"{cfg.rate:g}/s (the first arrives at {drawn[0].arrival:.2f} s): "
+            "give a longer --duration"
+        )
     bounds = Bounds(
         max_requests=len(reqs),
         duration_s=cfg.duration_s,
