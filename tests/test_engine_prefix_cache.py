@@ -261,20 +261,35 @@ def test_a_next_turn_reuses_the_answer_s_blocks_unless_its_kv_was_evicted(
 
 
 # --- `duetime bench prefix-cache` ------------------------------------------------------
-def test_bench_prefix_cache_reports_both_runs_side_by_side(tmp_path: Any) -> None:
+def test_bench_prefix_cache_reports_both_runs_side_by_side(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cache off and on, interleaved ``--repeats`` times (the machine's drift falls on
+    both), and the medians."""
     import json
 
     from typer.testing import CliRunner
 
+    from duetime.bench import prefix_cache
     from duetime.cli import app
 
+    budgets: list[int] = []
+    serve = prefix_cache._serve
+
+    def counted(model: Any, jobs: Any, cache_tokens: int) -> Any:
+        budgets.append(cache_tokens)
+        return serve(model, jobs, cache_tokens)
+
+    monkeypatch.setattr(prefix_cache, "_serve", counted)
     path = tmp_path / "prefix.json"
     args = ["bench", "prefix-cache", "--model", "tiny", "--requests", "3", "--system-len", "80"]
     res = CliRunner().invoke(
-        app, [*args, "--new-tokens", "4", "--threads", "1", "--json", str(path)]
+        app, [*args, "--new-tokens", "4", "--threads", "1", "--repeats", "2", "--json", str(path)]
     )
     assert res.exit_code == 0, res.output
+    assert budgets == [0, 4096, 0, 4096]
     fig = json.loads(path.read_text())
+    assert fig["repeats"] == 2
     assert fig["plain"]["cached_tokens"] == 0
     assert fig["cached"]["cached_tokens"] >= 2 * 32  # requests 2 and 3: the shared 80's blocks
     total = fig["plain"]["prefill_tokens"]

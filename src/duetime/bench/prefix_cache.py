@@ -5,8 +5,10 @@
 instructions, an agent's tool list, a document asked about) and differ in a
 short question. They are served one at a time (each arrives after the previous
 one is done), once with the cache off and once with it on, on the same model
-in the same process, so the TTFT ratio is side by side. The first request of
-the cached run fills the cache; the figures are over the others.
+in the same process, so the TTFT ratio is side by side; the runs are interleaved
+(off, on, off, on, ...) so the machine's drift falls on both, and the figures are
+medians over the repeats. The first request of the cached run fills the cache;
+the figures are over the others.
 
 Both runs are greedy, and the cached run must produce the same answers:
 ``answers_identical`` counts those that do (a copied key differs from a
@@ -28,6 +30,7 @@ from duetime.policies import make_policy
 __all__ = ["TABLE_KEYS", "run", "table_columns"]
 
 _GAP_S = 1e6  # arrivals so far apart that each request runs alone (skip_idle jumps the wait)
+_BUDGETS = {"plain": False, "cached": True}  # the two runs, by whether the cache is on
 
 
 def _jobs(system: Sequence[int], questions: Sequence[Sequence[int]], new_tokens: int) -> list[Job]:
@@ -66,28 +69,39 @@ def run(
     *,
     new_tokens: int = 16,
     cache_tokens: int = 4096,
+    repeats: int = 3,
 ) -> dict[str, Any]:
-    """Serve the same requests without and with the prefix cache; figures JSON-ready."""
+    """Serve the same requests without and with the prefix cache, ``repeats`` times
+    interleaved; the medians, JSON-ready."""
     if len(questions) < 2:
         raise ValueError("need at least 2 questions: the first one fills the cache")
     if cache_tokens < len(system):
         raise ValueError(
             f"a cache of {cache_tokens} tokens cannot hold the {len(system)}-token shared prompt"
         )
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     warm_up(model)  # first-call costs (allocator, kernels) land in neither run
-    figs: dict[str, Any] = {}
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in _BUDGETS}
     outputs = {}
-    for label, budget in (("plain", 0), ("cached", cache_tokens)):
-        ex, res, wall = _serve(model, _jobs(system, questions, new_tokens), budget)
-        figs[label] = {
-            **latency_figures(res.records[1:]),
-            "prefill_tokens": ex.prefill_tokens,
-            "cached_tokens": ex.prefill_cached_tokens,
-            "cache_nbytes": ex.prefix_cache.nbytes if ex.prefix_cache else 0,
-            "wall_s": wall,
-        }
-        outputs[label] = res.outputs
-    plain, cached = figs["plain"], figs["cached"]
+    for _ in range(repeats):
+        for label, cached_run in _BUDGETS.items():
+            budget = cache_tokens if cached_run else 0
+            ex, res, wall = _serve(model, _jobs(system, questions, new_tokens), budget)
+            runs[label].append(
+                {
+                    **latency_figures(res.records[1:]),
+                    "prefill_tokens": ex.prefill_tokens,
+                    "cached_tokens": ex.prefill_cached_tokens,
+                    "cache_nbytes": ex.prefix_cache.nbytes if ex.prefix_cache else 0,
+                    "wall_s": wall,
+                }
+            )
+            outputs[label] = res.outputs
+    plain, cached = (
+        {k: statistics.median(r[k] for r in runs[label]) for k in runs[label][0]}
+        for label in _BUDGETS
+    )
     prompt_tokens = sum(len(system) + len(q) for q in questions[1:])
     same = sum(outputs["plain"][i] == outputs["cached"][i] for i in range(len(questions)))
     return {
@@ -96,6 +110,7 @@ def run(
         "question_tokens_mean": statistics.fmean(len(q) for q in questions),
         "new_tokens": new_tokens,
         "cache_tokens": cache_tokens,
+        "repeats": repeats,
         "plain": plain,
         "cached": cached,
         "ttft_speedup": plain["ttft_p50_s"] / cached["ttft_p50_s"],

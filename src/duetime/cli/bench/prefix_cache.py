@@ -12,6 +12,7 @@ from duetime.cli.bench.options import (
     NewTokensOpt,
     PromptSeedOpt,
     QuestionLenOpt,
+    RepeatsOpt,
     SystemLenOpt,
 )
 from duetime.cli.bench.save import save_figures
@@ -28,13 +29,15 @@ def bench_prefix_cache(
     question_len: QuestionLenOpt = 64,
     new_tokens: NewTokensOpt = 16,
     cache_tokens: Annotated[int, typer.Option(min=16, help="Prefix cache budget, tokens.")] = 4096,
+    repeats: RepeatsOpt = 3,
     dtype: DtypeOpt = "q8",
     threads: ThreadsOpt = 2,
     seed: PromptSeedOpt = 0,
     json_path: JsonOpt = None,
 ) -> None:
     """Serve requests that share a long prompt one at a time, without and with the
-    prefix cache, and compare their time to first token and their answers."""
+    prefix cache (runs interleaved, medians over the repeats), and compare their time
+    to first token and their answers."""
     from duetime.bench import prefix_cache as bench
     from duetime.bench.engine_fit import check_dtype, engine_context
     from duetime.metrics import render_table
@@ -49,7 +52,9 @@ def bench_prefix_cache(
         m, (system,), questions = load_with_shared_prompts(
             model, dtype, threads, seed, (system_len,), 4 * system_len, requests, question_len
         )
-        fig = bench.run(m, system, questions, new_tokens=new_tokens, cache_tokens=cache_tokens)
+        fig = bench.run(
+            m, system, questions, new_tokens=new_tokens, cache_tokens=cache_tokens, repeats=repeats
+        )
         fig.update(model=model, dtype=dtype, threads=threads, seed=seed)
     out.print(render_table(bench.table_columns(fig), keys=bench.TABLE_KEYS))
     out.print(
