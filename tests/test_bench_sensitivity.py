@@ -79,3 +79,18 @@ def test_heldout_workload_draws_only_rows_no_shipped_predictor_trained_on() -> N
         500, np.random.default_rng(0), LengthCaps(max_total_len=4096)
     )
     assert not np.isin(anywhere.rows, rows).all()  # without the pool, training rows come too
+
+
+def test_runs_that_completed_unalike_are_named_beside_their_tel(tmp_path: Path) -> None:
+    """TimeBill kills what it cannot finish in time: under tight deadlines it completes a
+    fifth of the requests and so sums a far smaller TEL than FCFS, which completes them
+    all. The command says so; runs that completed alike get no note."""
+    args = ["bench", "sensitivity", "--policies", "fcfs,timebill", "--errors", "0"]
+    args += ["--requests", "200", "--deadline-scale", "2", "--learned", "none"]
+    res = CliRunner().invoke(app, [*args, "--plot", str(tmp_path / "s.png")])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "note: completion_rate runs from 0.2" in text
+    assert "(timebill, σ=0) to 1.000 (fcfs, σ=0)" in text
+    fig = sensitivity.run(["fcfs"], [0.0, 1.0], requests=100)
+    assert sensitivity.completion_note(fig) is None

@@ -31,7 +31,7 @@ import numpy as np
 from duetime.core.request import Job
 from duetime.experiment import SimSpec, build_jobs, run_spec
 
-__all__ = ["DEFAULT_ERRORS", "DEFAULT_POLICIES", "plot", "run"]
+__all__ = ["DEFAULT_ERRORS", "DEFAULT_POLICIES", "completion_note", "plot", "run"]
 
 DEFAULT_POLICIES = ("fcfs", "sjf", "amax", "amin", "timebill")
 DEFAULT_ERRORS = (0.0, 0.1, 0.25, 0.5, 1.0)
@@ -118,6 +118,29 @@ def run(
         "rows": rows,
         "wall_s": time.perf_counter() - t0,
     }
+
+
+def completion_note(fig: dict[str, Any], spread: float = 0.01) -> str | None:
+    """A warning when the runs finished different shares of their requests: TEL sums
+    the completed requests only, so a policy that kills or leaves more of them shows a
+    smaller TEL without serving better. ``None`` when the shares are within ``spread``."""
+    rows = fig["rows"]
+    if not rows:
+        return None
+    low = min(rows, key=lambda r: r["completion_rate"])
+    high = max(rows, key=lambda r: r["completion_rate"])
+    if high["completion_rate"] - low["completion_rate"] <= spread:
+        return None
+
+    def cell(r: dict[str, Any]) -> str:
+        where = "learned" if r["predictor"] == "learned" else f"σ={r['prediction_error_sigma']:g}"
+        return f"{r['completion_rate']:.3f} ({r['policy']}, {where})"
+
+    return (
+        f"completion_rate runs from {cell(low)} to {cell(high)}: tel_s sums completed "
+        "requests only, so compare it between runs that completed alike (the hit rate "
+        "counts every request)"
+    )
 
 
 def plot(fig: dict[str, Any], path: str | Path) -> Path:

@@ -88,5 +88,8 @@ def bench_sensitivity(
                 (f"learned σ≈{learned_sigma:.2f}", {r["policy"]: r[key] for r in learned_rows})
             )
         out.print(render_table(cols, keys=names, title=key))
+    note = bench.completion_note(fig)
+    if note is not None:
+        out.print(f"note: {note}", markup=False, highlight=False)
     out.print(f"wall {fig['wall_s']:.1f} s")
     save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)
