@@ -64,8 +64,8 @@ def test_compare_pairs_requests_by_id_and_measures_relative_error() -> None:
     figures, pairs = compare(real, sim)
     assert figures["matched"] == 2
     assert [p["rid"] for p in pairs] == [1, 2]
-    assert figures["e2e_err_p50"] == pytest.approx(0.5)
-    assert figures["e2e_bias_p50"] == pytest.approx(0.0)  # +0.5 and -0.5
+    assert figures["e2e_rel_err_p50_pct"] == pytest.approx(50.0)
+    assert figures["e2e_rel_bias_p50_pct"] == pytest.approx(0.0)  # +50 % and -50 %
     assert figures["hit_rate_real"] == pytest.approx(2 / 3)  # request 2 finished late
     assert figures["hit_rate_sim"] == pytest.approx(2 / 3)  # request 3 refused
     assert figures["hit_rate_gap_points"] == pytest.approx(0.0)
@@ -164,9 +164,9 @@ def test_fleet_real_on_tiny_backends(tmp_path: Path) -> None:
         assert run["real"]["errors"] == 0, run["real"]["first_error"]
         c = run["compare"]
         assert c["matched"] >= 1
-        for key in ("e2e_err_p50", "e2e_err_p90", "e2e_bias_p50"):
+        for key in ("e2e_rel_err_p50_pct", "e2e_rel_err_p90_pct", "e2e_rel_bias_p50_pct"):
             assert math.isfinite(c[key]), (key, c)
-        assert 0.0 <= c["e2e_err_p50"] <= c["e2e_err_p90"]
+        assert 0.0 <= c["e2e_rel_err_p50_pct"] <= c["e2e_rel_err_p90_pct"]
         assert 0.0 <= c["hit_rate_real"] <= 1.0
         assert 0.0 <= c["hit_rate_sim"] <= 1.0
         gap = 100.0 * (c["hit_rate_sim"] - c["hit_rate_real"])

@@ -78,13 +78,14 @@ def compare(
         {"rid": rid, "klass": klass[rid], "real_e2e_s": real_e2e[rid], "sim_e2e_s": sim_e2e[rid]}
         for rid in rids
     ]
-    rel = np.array([(sim_e2e[rid] - real_e2e[rid]) / real_e2e[rid] for rid in rids])
+    # signed, in % of the real e2e
+    rel = np.array([100.0 * (sim_e2e[rid] - real_e2e[rid]) / real_e2e[rid] for rid in rids])
     hit_real, hit_sim = summarize(real)["deadline_hit_rate"], summarize(sim)["deadline_hit_rate"]
     figures: dict[str, Any] = {
         "matched": len(pairs),
-        "e2e_err_p50": float(np.median(np.abs(rel))) if len(rel) else None,
-        "e2e_err_p90": float(np.percentile(np.abs(rel), 90)) if len(rel) else None,
-        "e2e_bias_p50": float(np.median(rel)) if len(rel) else None,
+        "e2e_rel_err_p50_pct": float(np.median(np.abs(rel))) if len(rel) else None,
+        "e2e_rel_err_p90_pct": float(np.percentile(np.abs(rel), 90)) if len(rel) else None,
+        "e2e_rel_bias_p50_pct": float(np.median(rel)) if len(rel) else None,
         "hit_rate_real": hit_real,
         "hit_rate_sim": hit_sim,
         "hit_rate_gap_points": (
@@ -122,9 +123,9 @@ def comparison_columns(
 COMPARISON = (
     "matched",
     "routed_alike",
-    "e2e_err_p50",
-    "e2e_err_p90",
-    "e2e_bias_p50",
+    "e2e_rel_err_p50_pct",
+    "e2e_rel_err_p90_pct",
+    "e2e_rel_bias_p50_pct",
     "hit_rate_real",
     "hit_rate_sim",
     "hit_rate_gap_points",
