@@ -31,8 +31,8 @@ def test_structure_and_units(fig) -> None:
         "transformers-bf16",
     }
     assert fig["memory_bandwidth_gb_s"] > 0
-    assert fig["peak_rss_mb"] is None or fig["peak_rss_mb"] > 0
-    assert fig["shared_weights_rss_mb"] < 50  # the tiny model's weights: in memory already
+    assert fig["peak_rss_mib"] is None or fig["peak_rss_mib"] > 0
+    assert fig["shared_weights_rss_mib"] < 50  # the tiny model's weights: in memory already
     for name, v in fig["variants"].items():
         assert [c["tokens"] for c in v["prefill"]] == fig["settings"]["prefill_tokens"], name
         assert [c["batch"] for c in v["decode"]] == fig["settings"]["batch_sizes"], name

@@ -25,8 +25,8 @@ __all__ = [
     "kv_bytes_read",
     "memory_bandwidth_gb_s",
     "page_in",
-    "peak_rss_mb",
-    "rss_mb",
+    "peak_rss_mib",
+    "rss_mib",
     "rss_reset",
     "weight_bytes",
 ]
@@ -49,7 +49,8 @@ def rss_reset() -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
-def peak_rss_mb() -> float | None:
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory since :func:`rss_reset`, MiB (VmHWM, KiB)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -60,20 +61,21 @@ def peak_rss_mb() -> float | None:
 
 
 def page_in(weights: dict[str, torch.Tensor]) -> float:
-    """Read one value of every page of the shared weights; the RSS that added, MB.
+    """Read one value of every page of the shared weights; the RSS that added, MiB.
 
     The weight cache is memory-mapped: its pages come in when first read, by
     whichever variant is built first, which would be charged ~1 GB of own RSS for
     them. Read here, they count for none.
     """
-    rss0 = rss_mb()
+    rss0 = rss_mib()
     for t in weights.values():
         if t.numel():
             t.reshape(-1)[:: max(1, 4096 // t.element_size())].sum()  # a value a 4 KiB page
-    return rss_mb() - rss0
+    return rss_mib() - rss0
 
 
-def rss_mb() -> float:
+def rss_mib() -> float:
+    """This process's resident memory now, MiB (NaN where /proc cannot say)."""
     try:
         return (
             int(Path("/proc/self/statm").read_text().split()[1])

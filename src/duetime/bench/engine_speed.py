@@ -18,10 +18,10 @@ step must read — weights plus the KV it attends over — ÷ the bandwidth of a
 large ``torch`` copy measured at start). Peak RSS per variant is the process's
 high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) while that
 variant is built and warmed up; it includes the shared fp32 weight dict and
-every variant built before it, so ``own_rss_mb`` (RSS growth while building
+every variant built before it, so ``own_rss_mib`` (RSS growth while building
 and warming up that variant alone) is the figure to compare between variants.
 The shared weights are paged in before any variant is built
-(``shared_weights_rss_mb``), so the first one built is not charged for them.
+(``shared_weights_rss_mib``), so the first one built is not charged for them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from duetime.bench.engine_machine import (
     kv_bytes_read,
     memory_bandwidth_gb_s,
     page_in,
-    peak_rss_mb,
+    peak_rss_mib,
 )
 from duetime.bench.engine_peers import HFRunner, LlamaCppRunner
 from duetime.bench.engine_speed_report import plot, ratios, table
@@ -160,7 +160,7 @@ def run(
         torch.set_num_threads(threads)
     cfg, weights = _load(source, gguf, progress)
     bandwidth = memory_bandwidth_gb_s(64 if quick else 512)
-    shared_mb = page_in(weights)
+    shared_mib = page_in(weights)
     g = torch.Generator().manual_seed(0)
     runners, figs, notes = build_runners(
         cfg,
@@ -197,8 +197,8 @@ def run(
             "quick": quick,
         },
         "memory_bandwidth_gb_s": bandwidth,
-        "peak_rss_mb": peak_rss_mb(),
-        "shared_weights_rss_mb": shared_mb,
+        "peak_rss_mib": peak_rss_mib(),
+        "shared_weights_rss_mib": shared_mib,
         "variants": figs,
         "ratios": ratios(figs),
         "agreement": agree,

@@ -56,7 +56,7 @@ def table(fig: dict[str, Any]) -> Any:
         t.add_column(f"prefill {n}", justify="right")
     for b in s["batch_sizes"]:
         t.add_column(f"decode b{b}", justify="right")
-    t.add_column("own RSS MB", justify="right")
+    t.add_column("own RSS MiB", justify="right")
     for name, f in fig["variants"].items():
         pre = {c["tokens"]: c for c in f["prefill"]}
         dec = {c["batch"]: c for c in f["decode"]}
@@ -66,7 +66,7 @@ def table(fig: dict[str, Any]) -> Any:
             f"{dec[b]['decode_tok_s']:.1f} ({dec[b]['roofline_tok_s']:.0f})" if b in dec else "-"
             for b in s["batch_sizes"]
         ]
-        row.append(f"{f['own_rss_mb']:.0f}")
+        row.append(f"{f['own_rss_mib']:.0f}")
         t.add_row(*row)
     return t
 

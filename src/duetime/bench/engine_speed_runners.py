@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from duetime.bench.engine_machine import peak_rss_mb, rss_mb, rss_reset, weight_bytes
+from duetime.bench.engine_machine import peak_rss_mib, rss_mib, rss_reset, weight_bytes
 from duetime.bench.engine_peers import HFRunner, LlamaCppRunner, llama_cpp_available
 from duetime.bench.engine_variants import ENGINE_VARIANTS, MODEL_SWITCHES
 from duetime.engine.batch import SeqChunk
@@ -47,8 +47,8 @@ def _start_up(kind: str, load_s: float, rss0: float) -> Column:
     return {
         "kind": kind,
         "load_s": load_s,
-        "peak_rss_mb": peak_rss_mb(),
-        "own_rss_mb": rss_mb() - rss0,
+        "peak_rss_mib": peak_rss_mib(),
+        "own_rss_mib": rss_mib() - rss0,
     }
 
 
@@ -60,7 +60,7 @@ def _build_engine(
     switches = {k: spec.pop(k) for k in MODEL_SWITCHES if k in spec}
     gc.collect()
     rss_reset()
-    rss0 = rss_mb()
+    rss0 = rss_mib()
     t = time.perf_counter()
     model = Gemma3(cfg, weights, **spec)
     for switch, on in switches.items():
@@ -81,7 +81,7 @@ def _build_transformers(
     """transformers on the same weights in ``dtype``, warmed up; ImportError if it is missing."""
     gc.collect()
     rss_reset()
-    rss0 = rss_mb()
+    rss0 = rss_mib()
     t = time.perf_counter()
     hf = HFRunner(cfg, weights, torch.bfloat16 if dtype == "bf16" else torch.float32)
     load_s = time.perf_counter() - t
@@ -96,7 +96,7 @@ def _build_transformers(
 def _build_llama_cpp(gguf: Path, n_ctx: int, max_batch: int) -> tuple[LlamaCppRunner, Column]:
     """llama.cpp on the GGUF itself, sized for the longest cell and the largest batch."""
     rss_reset()
-    rss0 = rss_mb()
+    rss0 = rss_mib()
     t = time.perf_counter()
     lc = LlamaCppRunner(gguf, torch.get_num_threads(), n_ctx=n_ctx, max_batch=max_batch)
     return lc, {

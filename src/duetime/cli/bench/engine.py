@@ -63,5 +63,5 @@ def bench_engine(
         out.print(f"{name}: top-1 = fp32 at {a['top1_agreement_vs_fp32']:.1%} of {a['positions']}")
     for note in fig["notes"]:
         out.print(note)
-    out.print(f"peak RSS {fig['peak_rss_mb']:.0f} MB, wall {fig['wall_s']:.1f} s")
+    out.print(f"peak RSS {fig['peak_rss_mib']:.0f} MiB, wall {fig['wall_s']:.1f} s")
     save_figures(fig, json_path=json_path, plot=plot, plot_fn=bench.plot)
