@@ -252,14 +252,18 @@ def test_prediction_interval_is_ordered() -> None:
 runner = CliRunner()
 
 
-def test_cli_predict_throughput_json() -> None:
+def test_cli_predict_throughput_json(tmp_path: Path) -> None:
+    """``--json PATH`` as every other command takes it; the line is printed as well."""
+    path = tmp_path / "point.json"
     res = runner.invoke(
         app,
         ["predict", "throughput", "--input-len", "500", "--output-len", "100",
-         "--batch", "16", "--json"],
+         "--batch", "16", "--json", str(path)],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
-    p = json.loads(res.output)
+    assert "tok/s" in res.output
+    p = json.loads(path.read_text())
+    assert (p["ii"], p["bb"]) == (500, 16)
     assert p["lo_tok_s"] <= p["point_tok_s"] <= p["hi_tok_s"]
     assert 0.5 <= p["confidence"] <= 1
 

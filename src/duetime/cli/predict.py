@@ -243,31 +243,32 @@ def predict_throughput(
     coverage: Annotated[
         float, typer.Option(help="Nominal interval coverage, in (0, 1).", callback=open_share)
     ] = 0.9,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")] = False,
+    json_path: JsonOpt = None,
 ) -> None:
     """ALA throughput (tok/s) for a batch of one workload shape, with interval and confidence."""
-    import json
     from dataclasses import asdict
 
+    from duetime.metrics import write_json
     from duetime.predict.ala_data import config_data
     from duetime.predict.ala_model import AlaPredictor
 
     with _user_errors():
         pred = AlaPredictor(config_data(config, data), coverage=coverage)
         p = pred.predict_throughput(input_len, output_len, batch)
-    if as_json:
-        payload = {
-            "config": config,
-            "ii": input_len,
-            "oo": output_len,
-            "bb": batch,
-            **{f"{k}_tok_s" if k in ("point", "lo", "hi") else k: v for k, v in asdict(p).items()},
-            "heldout_median_err_pct": pred.cv_median_err_pct,
-            "heldout_folds": pred.cv_folds,
-        }
-        # one line, unwrapped and unstyled, through the console that outlives `| head`
-        out.print(json.dumps(payload), markup=False, highlight=False, soft_wrap=True)
-        return
+        if json_path is not None:  # before the lines: a closed stdout must not lose the file
+            point = {
+                f"{k}_tok_s" if k in ("point", "lo", "hi") else k: v for k, v in asdict(p).items()
+            }
+            payload = {
+                "config": config,
+                "ii": input_len,
+                "oo": output_len,
+                "bb": batch,
+                **point,
+                "heldout_median_err_pct": pred.cv_median_err_pct,
+                "heldout_folds": pred.cv_folds,
+            }
+            write_json(json_path, payload)
     how = "fitted curve (workload was run)" if p.from_database else "XGBoost-predicted curve"
     out.print(
         f"{escape(config)}: ii={input_len} oo={output_len} bb={batch}: "

@@ -25,11 +25,15 @@ def atomic_path(target: Path, mode: int = 0o644) -> Iterator[str]:
     A ``target`` that exists and is not a regular file (``/dev/stdout``, a
     FIFO, ``/dev/null``) is yielded itself and written in place: renaming over
     it would put a regular file where the device or pipe was (as root, that
-    replaced ``/dev/null``), and atomicity means nothing for a stream.
+    replaced ``/dev/null``), and atomicity means nothing for a stream. A pipe whose
+    reader has gone ends the write quietly, as the consoles fall silent
+    (:mod:`duetime.cli.console`): what the reader left unread was its choice.
     """
     if is_stream(target):
         try:
             yield str(target)
+        except BrokenPipeError:  # `--json /dev/stdout | head -1`: the reader took its part
+            return
         except OSError as e:  # /dev/full: "No space left on device" named no file
             raise named_error(e, target, str(target)) from None
         return
