@@ -80,7 +80,10 @@ def predict_train_length(
             "split --seed makes: other models on one split, e.g. teachers.  [default: --seed]",
         ),
     ] = None,
-    coverage: Annotated[float, typer.Option(help="Interval coverage for the report.")] = 0.9,
+    coverage: Annotated[
+        float,
+        typer.Option(help="Interval coverage for the report, in (0, 1).", callback=open_share),
+    ] = 0.9,
     lora_rank: Annotated[int, typer.Option(min=1, help="minilm-ft: LoRA rank.")] = 16,
     encoder_lr: Annotated[float, typer.Option(help="minilm-ft: adapters' learning rate.")] = 5e-4,
     device: Annotated[str, typer.Option(help="minilm-ft: torch device (cpu, cuda).")] = "cpu",
@@ -131,7 +134,6 @@ def predict_train_length(
     finetune = encoder.partition(":")[0] == "minilm-ft"
     with _user_errors():
         check_train_numbers(
-            coverage=coverage,
             lr=lr,
             encoder_lr=encoder_lr,
             label_sigma=label_sigma,

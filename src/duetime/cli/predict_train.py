@@ -24,14 +24,12 @@ if TYPE_CHECKING:  # (the predictor's modules import numpy and torch: not before
 
 
 def check_train_numbers(
-    *, coverage: float, lr: float, encoder_lr: float, label_sigma: float, dropout: float | None
+    *, lr: float, encoder_lr: float, label_sigma: float, dropout: float | None
 ) -> None:
     """Numbers typer's own range checks let through (NaN passes ``min``/``max``; the rates
     have no range): refused before any data loads, not after the training."""
     import math
 
-    if not (math.isfinite(coverage) and 0 < coverage < 1):
-        raise ValueError(f"--coverage must be in (0, 1), got {coverage}")
     for opt, v in (("--lr", lr), ("--encoder-lr", encoder_lr)):
         if not (math.isfinite(v) and v > 0):
             raise ValueError(f"{opt} must be finite and > 0, got {v}")
