@@ -115,6 +115,30 @@ def test_a_trace_is_not_saved_over_itself(tmp_path: Path) -> None:
     assert trace.read_text() == before
 
 
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (("sim", "--profile", ""), "--profile"),  # was "error: .: Is a directory"
+        (("sim", "--workload", " "), "--workload"),  # was read as a trace path
+        (("load", "--workload", ""), "--workload"),
+        (("sim", "--replica-profile", "a100-llama2-7b", "--replica-profile", ""), "--replica"),
+    ],
+)  # fmt: skip
+def test_a_blank_input_is_refused_by_name(args: tuple[str, ...], option: str) -> None:
+    code, out = _invoke(*args)
+    assert code == 2, out
+    assert f"Invalid value for '{option}" in out
+    assert "is empty: give a name or a file" in out
+
+
+def test_a_blank_path_is_named_as_the_directory_click_reads() -> None:
+    """A path option turns '' into '.' before any check sees it."""
+    args = ("advise", "batch", "--input-len", "8", "--output-len", "8", "--deadline", "1")
+    code, out = _invoke(*args, "--data", "")
+    assert code == 2, out
+    assert "Invalid value for '--data': '.' is a directory: give a file" in out
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 @pytest.mark.parametrize(
     "args",

@@ -96,7 +96,16 @@ def input_path(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> An
     a list of them, or a ``learned:PATH`` spec): a file that exists is claimed, so that no
     output of the command is written over it (``advise batch --data a.csv --json
     a.csv`` replaced the measurements with the advice). A name that is not a file (a
-    shipped profile, ``sharegpt``) claims nothing; the value is returned as given."""
+    shipped profile, ``sharegpt``) claims nothing; the value is returned as given.
+
+    A blank value is refused by name: ``--profile ''`` was read as the current
+    directory ("Is a directory") and ``--workload ''`` as a trace path."""
+    items = value if isinstance(value, list | tuple) else [value]
+    if any(isinstance(item, str) and not item.strip() for item in items):
+        raise typer.BadParameter("is empty: give a name or a file")
+    for item in items:  # click turns a blank path into "."
+        if isinstance(item, Path) and item.is_dir():
+            raise typer.BadParameter(f"{str(item)!r} is a directory: give a file")
     outputs: dict[Path, str] = ctx.meta.setdefault(_OUTPUTS, {})
     inputs: dict[Path, str] = ctx.meta.setdefault(_INPUTS, {})
     for item in _files_named(value):
