@@ -194,11 +194,15 @@ def test_advise_deferred_prefill_prints_no_nan() -> None:
 
 
 @pytest.mark.parametrize("coverage", ["1.5", "0", "nan"])
-def test_predict_throughput_names_its_coverage(coverage: str) -> None:
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("predict", "throughput", "--input-len", "8", "--output-len", "8", "--batch", "2"),
+        ("bench", "predict-length"),
+    ],
+)
+def test_coverage_is_named_where_it_is_checked(coverage: str, command: tuple[str, ...]) -> None:
     """'coverage must be in (0, 1)' named no option: the model's own check spoke."""
-    res = runner.invoke(
-        app, ["predict", "throughput", "--input-len", "8", "--output-len", "8", "--batch", "2",
-              "--coverage", coverage],
-    )  # fmt: skip
+    res = runner.invoke(app, [*command, "--coverage", coverage])
     assert res.exit_code == 2, res.output
     assert "Invalid value for '--coverage': must be in (0, 1)" in res.output

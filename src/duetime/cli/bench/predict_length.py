@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
+from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, open_share, out
 from duetime.cli.paths import input_path
 
 
@@ -21,7 +21,9 @@ def bench_predict_length(
             callback=input_path,
         ),
     ] = None,
-    coverage: Annotated[float, typer.Option(help="Nominal interval coverage.")] = 0.9,
+    coverage: Annotated[
+        float, typer.Option(help="Nominal interval coverage, in (0, 1).", callback=open_share)
+    ] = 0.9,
     infer_prompts: Annotated[int, typer.Option(min=1, help="Prompts to time.")] = 200,
     json_path: JsonOpt = None,
     plot: PlotOpt = None,
