@@ -291,7 +291,8 @@ async def call(
     leave_after_s: float | None = None,
     headers: dict[str, str] | None = None,
 ) -> Seen:
-    """One HTTP request to an ASGI app, as uvicorn would pass it; the client may leave."""
+    """One HTTP request to an ASGI app, as uvicorn would pass it; the client may leave.
+    ``headers`` add to, or replace, a JSON request's host and content type."""
     seen = Seen()
     wake = asyncio.Event()  # the answer is complete or the client is gone
     gone = False
@@ -306,8 +307,14 @@ async def call(
         "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"host", b"gateway"), (b"content-type", b"application/json")]
-        + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+        "headers": [
+            (k.lower().encode(), v.encode())
+            for k, v in {
+                "host": "gateway",
+                "content-type": "application/json",
+                **(headers or {}),
+            }.items()
+        ],
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 8000),
     }

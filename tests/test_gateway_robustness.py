@@ -253,6 +253,31 @@ def test_a_refused_body_is_counted_in_metrics() -> None:
     asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(), scenario))
 
 
+@pytest.mark.parametrize(
+    ("body", "headers", "words"),
+    [
+        # nested past Python's recursion limit: json.loads raised RecursionError, a 500
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested not too deeply"),
+        (b"", None, "the body is empty"),
+        (b"[1, 2]", None, "the body must be a JSON object"),
+        # curl's plain -d: the server refuses it, and the gateway relayed it (a 200)
+        (_body(), {"content-type": "application/x-www-form-urlencoded"}, "Content-Type"),
+    ],
+)
+def test_a_body_no_backend_could_read_is_the_servers_400(
+    body: bytes, headers: dict[str, str] | None, words: str
+) -> None:
+    async def scenario(app: Any, gw: Gateway) -> None:
+        seen = await call(app, "POST", "/v1/completions", body, headers=headers)
+        assert seen.status == 400, seen.body
+        error = json.loads(seen.body)["error"]
+        assert words in error["message"]
+        assert error["type"] == "invalid_request_error"
+        assert _outcome(gw, "http_400") == 1
+
+    asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(), scenario))
+
+
 def test_a_body_over_the_limit_is_counted_in_metrics() -> None:
     """The 413 of the body-size middleware never reached requests_total."""
 

@@ -107,6 +107,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where or 'body'}: {message}{more}", where or None
 
 
+#: What the server and the gateway say of a body that is no JSON they can read.
+BODY_UNPARSABLE = "the body could not be parsed: it must be UTF-8 JSON, nested not too deeply"
+BODY_EMPTY = "the body is empty: send the request as a JSON object"
+BODY_NOT_OBJECT = "the body must be a JSON object"
+
+
+def body_type_message(content_type: str) -> str | None:
+    """The 400's words for a body sent as something other than JSON (curl's ``-d`` sends
+    a form); None for a JSON content type."""
+    if "json" in content_type.lower():
+        return None
+    return (
+        "the body must be a JSON object sent with Content-Type: application/json, "
+        f"got {content_type or 'no Content-Type'}"
+    )
+
+
 def _body_message(exc: RequestValidationError, content_type: str) -> str | None:
     """What is wrong with a body that is no JSON object at all (None for any other
     error): pydantic's "body: Field required" for an empty one, and "Input should be a
@@ -117,14 +134,9 @@ def _body_message(exc: RequestValidationError, content_type: str) -> str | None:
         return None
     if errors[0].get("type") not in ("missing", "model_attributes_type", "model_type"):
         return None  # the body's own rule (a model validator): its own words
-    if "json" not in content_type.lower():
-        return (
-            "the body must be a JSON object sent with Content-Type: application/json, "
-            f"got {content_type or 'no Content-Type'}"
-        )
-    if errors[0].get("type") == "missing":
-        return "the body is empty: send the request as a JSON object"
-    return "the body must be a JSON object"
+    if (wrong_type := body_type_message(content_type)) is not None:
+        return wrong_type
+    return BODY_EMPTY if errors[0].get("type") == "missing" else BODY_NOT_OBJECT
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -149,7 +161,7 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
         if message == "There was an error parsing the body":  # FastAPI's words for the rest
-            message = "the body could not be parsed: it must be UTF-8 JSON, nested not too deeply"
+            message = BODY_UNPARSABLE
         return JSONResponse(
             error_json(message, kind), status_code=exc.status_code, headers=exc.headers
         )

@@ -51,7 +51,6 @@ backends in :mod:`.gateway_wire`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -74,6 +73,7 @@ from duetime.server.gateway_request import (
     _unless_client_leaves,
     earliest,
     header_deadlines,
+    parse_body,
 )
 from duetime.server.gateway_routing import Backend, GatewayConfig, routable
 from duetime.server.gateway_scrape import Scraper
@@ -211,10 +211,7 @@ def create_gateway_app(
 async def _forward(gw: Gateway, request: Request, path: str, *, chat: bool) -> Response:
     raw = await request.body()
     try:
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        body = parse_body(raw, request.headers.get("content-type", ""))
         max_tokens, deadline, prio, model, stream = _request_fields(body, chat)
         by_header, ttft = header_deadlines(request.headers, max_tokens)
     except ApiError as e:  # a refused body is an outcome too: /metrics counts every request

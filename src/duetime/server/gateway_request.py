@@ -13,6 +13,7 @@ bound is judged on its own. A pace without a TTFT bound sets no deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -20,14 +21,37 @@ from typing import Any
 from fastapi import Request
 
 from duetime.server.body_fields import MAX_MS, MAX_TOKENS_LIMIT
-from duetime.server.errors import ApiError
+from duetime.server.errors import (
+    BODY_EMPTY,
+    BODY_NOT_OBJECT,
+    BODY_UNPARSABLE,
+    ApiError,
+    body_type_message,
+)
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
-def _request_fields(body: Any, chat: bool) -> tuple[int, float | None, int, str | None, bool]:
+def parse_body(raw: bytes, content_type: str) -> dict[str, Any]:
+    """The request's JSON object, or the 400 the server would give for it: the gateway
+    answers a body no backend could read in the backends' words, not with a 500 (JSON
+    nested past Python's recursion limit) or a 200 (a JSON form sent as a form)."""
+    if (wrong_type := body_type_message(content_type)) is not None:
+        raise ApiError(400, wrong_type)
+    if not raw.strip():
+        raise ApiError(400, BODY_EMPTY)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ApiError(400, BODY_UNPARSABLE) from None
     if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
+        raise ApiError(400, BODY_NOT_OBJECT)
+    return body
+
+
+def _request_fields(
+    body: dict[str, Any], chat: bool
+) -> tuple[int, float | None, int, str | None, bool]:
     mt = body.get("max_completion_tokens") if chat else None
     if mt is None:
         mt = body.get("max_tokens")
