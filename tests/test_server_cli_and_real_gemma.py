@@ -30,6 +30,33 @@ def test_serve_cli_rejects_bad_options() -> None:
     assert result.exit_code == 2
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--admission", "bogus"], "admission must be one of forecast, estimate"),
+        (["--eviction", "bogus"], "eviction must be one of"),
+        (["--predictor", "bogus"], "unknown predictor 'bogus'; use auto, none, learned"),
+        (["--predictor", "learned:/no/such.npz"], "is neither a file nor a shipped model"),
+        (["--deadline-confidence", "1.5"], "deadline confidence must be in (0, 1)"),
+        (["--predictor", "oracle"], "needs the true answer length"),
+        (["--policy", "hsf", "--predictor", "none"], "cannot run without a predictor"),
+    ],
+)
+def test_serve_refuses_its_options_before_the_model_loads(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], words: str
+) -> None:
+    """Each was refused only after the model loaded and its steps were timed (26 s on
+    Gemma for --admission bogus)."""
+    import duetime.server.build as build
+    from tests.factories import cli_refused
+
+    def no_model(*_: object) -> None:
+        raise AssertionError("the model loaded before the options were checked")
+
+    monkeypatch.setattr(build, "load_served_model", no_model)
+    cli_refused("serve", "--model", "tiny", "--port", "0", *args, names=words)
+
+
 def test_serve_cli_passes_its_timeouts_to_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 

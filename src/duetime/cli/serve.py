@@ -157,10 +157,9 @@ def serve(
     keep_large_blocks()
     import torch
 
-    from duetime.policies.registry import make_policy
     from duetime.server.app import create_app
     from duetime.server.autosize import size_options
-    from duetime.server.build import ServeOptions, build_state, load_served_model
+    from duetime.server.build import ServeOptions, build_state, check_options, load_served_model
     from duetime.server.ports import listening_socket
     from duetime.server.threaded import run_server
 
@@ -170,7 +169,6 @@ def serve(
         if dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         kwargs = _policy_kwargs(policy_args)
-        make_policy(policy, **kwargs)  # an unknown policy or argument: before the model loads
         if profile is not None:  # its engine before the model loads
             from duetime.core.cost import LinearStepCost
             from duetime.predict.cost_report import check_profile_engine
@@ -202,6 +200,7 @@ def serve(
             stall_after_s=stall_after,
             request_timeout_s=request_timeout,
         )
+        check_options(options)  # all of them before the model loads, not after
         # the port once the options are checked, before minutes of loading and timing:
         # taken, it is an error at once
         sock = listening_socket(host, port)

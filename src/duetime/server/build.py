@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_CONFIDENCE",
     "ServeOptions",
     "build_state",
+    "check_options",
     "load_served_model",
     "served_executor",
 ]
@@ -115,27 +116,14 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         min_interval_s=ONLINE_FIT_INTERVAL_S,
         background=True,
     )
+    policy = _checked_settings(options)
     kwargs = dict(options.policy_kwargs or {})
-    policy = make_policy(options.policy, **kwargs)  # fail now, not on the engine thread
-    if options.admission not in ADMISSION_MODES:
-        raise ValueError(
-            f"admission must be one of {', '.join(ADMISSION_MODES)}, not {options.admission!r}"
-        )
-    if options.eviction not in EVICTION_METHODS:
-        raise ValueError(
-            f"eviction must be one of {', '.join(EVICTION_METHODS)}, not {options.eviction!r}"
-        )
-    if not options.burst_gap_s >= 0:
-        raise ValueError(f"burst_gap_s must be >= 0, got {options.burst_gap_s}")
-    if options.length_window < 0:
-        raise ValueError(f"length_window must be >= 0, got {options.length_window}")
     confidence = options.deadline_confidence
-    if confidence is not None:  # checked in every mode, used by forecasts only
-        check_confidence(confidence)
     forecasts = options.admission == "forecast"
     errors = ForecastErrors(confidence) if forecasts and confidence is not None else None
 
     predictor = _predictor(options)
+    _check_predicted(policy, options, predictor)
     served = None
     if predictor is not None and options.length_window:
         served = ServedLengths(window=options.length_window)
@@ -146,11 +134,6 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         return served_executor(options, model, codec, cost=cost)
 
     engine = EngineLoop(make_executor, timer=timer, fixed_cost=cost is not None, images=images)
-    if predictor is None and getattr(policy, "needs_prediction", False):
-        raise ValueError(
-            f"policy {options.policy!r} orders requests by their predicted length and "
-            "cannot run without a predictor; serve it with --predictor learned[:<path>]"
-        )
     warm_up = getattr(predictor, "warm_up", None)
     if warm_up is not None:
         warm_up()  # load the encoder before the server reports healthy, not on request one
@@ -207,13 +190,71 @@ def served_executor(
     return ex
 
 
-def _predictor(options: ServeOptions) -> JobPredictor | None:
+def check_options(options: ServeOptions) -> None:
+    """Refuse what :func:`build_state` would refuse, without the model: `duetime serve`
+    calls it before the minutes of loading and timing the model, where a bad
+    ``--admission`` or ``--predictor`` was refused only after them."""
+    policy = _checked_settings(options)
+    if _predictor_spec(options) is None:
+        _check_predicted(policy, options, None)
+
+
+def _check_predicted(policy: Any, options: ServeOptions, predictor: JobPredictor | None) -> None:
+    if predictor is None and getattr(policy, "needs_prediction", False):
+        raise ValueError(
+            f"policy {options.policy!r} orders requests by their predicted length and "
+            "cannot run without a predictor; serve it with --predictor learned[:<path>]"
+        )
+
+
+def _checked_settings(options: ServeOptions) -> Any:
+    """The options' policy, once every setting but the predictor is checked."""
+    policy = make_policy(options.policy, **dict(options.policy_kwargs or {}))
+    if options.admission not in ADMISSION_MODES:
+        raise ValueError(
+            f"admission must be one of {', '.join(ADMISSION_MODES)}, not {options.admission!r}"
+        )
+    if options.eviction not in EVICTION_METHODS:
+        raise ValueError(
+            f"eviction must be one of {', '.join(EVICTION_METHODS)}, not {options.eviction!r}"
+        )
+    if not options.burst_gap_s >= 0:
+        raise ValueError(f"burst_gap_s must be >= 0, got {options.burst_gap_s}")
+    if options.length_window < 0:
+        raise ValueError(f"length_window must be >= 0, got {options.length_window}")
+    if options.deadline_confidence is not None:  # checked in every mode, used by forecasts
+        check_confidence(options.deadline_confidence)
+    return policy
+
+
+def _predictor_spec(options: ServeOptions) -> str | None:
+    """The length predictor the server builds (None: none), checked by name alone: a
+    learned model is read only when the server is built."""
+    from duetime.predict.length_fit import SHIPPED_MODELS
+
     spec = options.predictor
     if spec == "auto":
         spec = None if options.model == "tiny" else "learned"
-    if spec in ("oracle",) or (spec or "").startswith(("noisy", "interval")):
+    if spec is None or spec == "none":
+        return None
+    if spec in ("oracle",) or spec.startswith(("noisy", "interval")):
         raise ValueError(
             f"predictor {spec!r} needs the true answer length, which a server never has; "
             "use 'learned', 'learned:<path>' or 'none'"
         )
-    return make_job_predictor(spec)
+    kind, _, arg = spec.partition(":")
+    if kind != "learned":
+        raise ValueError(
+            f"unknown predictor {spec!r}; use auto, none, learned, learned:<shipped model> "
+            f"({', '.join(SHIPPED_MODELS)}) or learned:<path>"
+        )
+    if arg and arg not in SHIPPED_MODELS and not Path(arg).is_file():
+        raise ValueError(
+            f"predictor {spec!r}: {arg} is neither a file nor a shipped model "
+            f"({', '.join(SHIPPED_MODELS)})"
+        )
+    return spec
+
+
+def _predictor(options: ServeOptions) -> JobPredictor | None:
+    return make_job_predictor(_predictor_spec(options))
