@@ -64,6 +64,26 @@ def test_a_model_measured_at_start_is_published_as_such() -> None:
     assert p["name"] == f"{MODEL}-served"
 
 
+def test_a_saved_published_profile_is_refused_by_another_engine(tmp_path: Path) -> None:
+    """/v1/profile records the engine it was timed on, as `duetime profile` does: a copy
+    saved from an fp32 server is refused by `serve --dtype q8` (it was taken as given)."""
+    import torch
+
+    state = tiny_state(measured_cost=COST)
+    with serve_in_thread(create_app(state)) as url:
+        p = httpx.get(url + "/v1/profile", trust_env=False).json()
+    assert p["engine"] == {"dtype": "fp32", "threads": torch.get_num_threads()}
+    saved = tmp_path / "served.json"
+    saved.write_text(json.dumps(p))
+    from tests.factories import cli_refused
+
+    cli_refused(
+        *("serve", "--model", "tiny", "--dtype", "q8", "--profile", str(saved)),
+        *("--threads", str(torch.get_num_threads())),
+        names="was timed on the fp32 engine",
+    )
+
+
 def test_a_given_profile_is_named(tmp_path: Path) -> None:
     path = tmp_path / "given.json"
     path.write_text(json.dumps(COST.to_profile()))

@@ -11,12 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from duetime.core.cost import LinearStepCost
 from duetime.engine.cost_regimes import regimes_of_any
 from duetime.engine.eviction import EVICTION_METHODS
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.gemma3 import Gemma3
 from duetime.policies.registry import make_policy
+from duetime.predict.cost_report import engine_of
 from duetime.predict.oracle import JobPredictor, make_job_predictor
 from duetime.predict.served_lengths import ServedLengths
 from duetime.server.admission import ADMISSION_MODES, Admission
@@ -145,6 +148,10 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         request_timeout_s=options.request_timeout_s,
         limits=options.limits
         or {"max_num_seqs": options.max_num_seqs, "max_batch_tokens": options.max_batch_tokens},
+        # the tiny model is built in float32 whatever the dtype asked
+        engine=engine_of(
+            "fp32" if options.model == "tiny" else options.dtype, torch.get_num_threads()
+        ),
     )
     return ServerState(
         config=cfg,

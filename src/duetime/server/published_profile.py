@@ -48,6 +48,7 @@ def published_profile(state: ServerState) -> dict[str, Any] | None:
             "source": f"published by `duetime serve` ({name}): {what}",
             "origin": {"kind": kind, "steps": steps},
             "served_model": name,
+            **({"engine": state.config.engine} if state.config.engine else {}),
             "units": "seconds per unit; t = c0 + c_prefill*[P>0] + a1*P + a2*A + b*D + d*KV "
             "+ per band on its axis (rows = P + D, head_rows = D + [P>0]): "
             "intercept + slope*rows",

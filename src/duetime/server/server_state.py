@@ -41,6 +41,9 @@ class ServerConfig:
     stall_after_s: float = 30.0
     #: The engine's batch limits and how they were chosen (shown in /health, /v1/models).
     limits: dict[str, Any] | None = None
+    #: The engine the steps run on, as a profile records it (``{"dtype", "threads"}``):
+    #: /v1/profile carries it, so that a saved copy is refused by another engine.
+    engine: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
