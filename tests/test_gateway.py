@@ -122,6 +122,33 @@ def test_cli_refuses_bad_backends() -> None:
         assert f"--backend must be http://HOST:PORT or https://HOST:PORT, got '{bad}'" in r.output
 
 
+@pytest.mark.parametrize(
+    ("host", "backend"),
+    [
+        ("127.0.0.1", "http://127.0.0.1:18731"),
+        ("0.0.0.0", "http://localhost:18731"),  # a wildcard address listens on loopback too
+        ("localhost", "http://127.0.0.1:18731"),
+    ],
+)
+def test_cli_refuses_its_own_address_as_a_backend(host: str, backend: str) -> None:
+    """It routed requests to itself (4 requests counted ok 7 times)."""
+    from tests.factories import cli_refused
+
+    other = "http://127.0.0.1:18732"
+    cli_refused(
+        *("gateway", "--host", host, "--port", "18731", "--backend", other, "--backend", backend),
+        names="is this gateway's own address",
+    )
+
+
+def test_cli_takes_a_backend_on_its_port_at_another_host() -> None:
+    from duetime.cli.gateway import _check_not_itself
+
+    _check_not_itself(["http://127.0.0.1:8000"], "10.0.0.5", 8000)  # not itself
+    _check_not_itself(["http://127.0.0.1:8001"], "127.0.0.1", 8000)
+    _check_not_itself(["http://127.0.0.1:8000"], "127.0.0.1", 0)  # any free port
+
+
 # --- end to end --------------------------------------------------------------------------
 
 

@@ -45,6 +45,25 @@ def _check_backends(backends: list[str], allow_remote: bool) -> list[str]:
     return urls
 
 
+def _check_not_itself(urls: list[str], host: str, port: int) -> None:
+    """Refuse a backend at the gateway's own address: it routed requests to itself, each
+    relayed once more until the client's timeout (counted ``ok`` twice)."""
+    import httpx
+
+    if port == 0:  # any free port: no backend can name it yet
+        return
+    wildcard = host in ("0.0.0.0", "::", "")
+    for url in urls:
+        u = httpx.URL(url)
+        same_port = (u.port or (443 if u.scheme == "https" else 80)) == port
+        on_loopback = u.host in _LOOPBACK or u.host.startswith("127.")
+        if same_port and (u.host == host or (on_loopback and (wildcard or host in _LOOPBACK))):
+            raise ValueError(
+                f"--backend {url} is this gateway's own address (--host {host} --port {port}): "
+                "it would send requests to itself"
+            )
+
+
 def _seconds(v: object) -> bool:
     """A JSON number of seconds: not a string, not a bool, not NaN / Infinity, > 0."""
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
@@ -175,6 +194,7 @@ def gateway(
 
     with _user_errors():
         urls = _check_backends(backend, allow_remote)
+        _check_not_itself(urls, host, port)
         if 0 < scrape_max_age_ms < scrape_interval_ms:
             raise ValueError(
                 f"--scrape-max-age-ms {scrape_max_age_ms:g} is below --scrape-interval-ms "
