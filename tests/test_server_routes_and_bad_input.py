@@ -310,6 +310,24 @@ def test_fields_that_change_nothing_here_are_accepted(served: tuple[str, ServerS
     wait_idle(state)
 
 
+def test_null_is_the_default_of_an_optional_field(served: tuple[str, ServerState]) -> None:
+    """OpenAI's API takes null for its optional fields and clients send it; each of these
+    was a 400 ("Input should be a valid integer"). A required field's null is refused."""
+    url, state = served
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty"))
+    text = {"model": MODEL, "prompt": "ab", "max_tokens": None, "echo": None, **nulls}
+    r = httpx.post(url + "/v1/completions", json=text, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 16  # the default max_tokens
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **nulls}
+    r = httpx.post(url + "/v1/chat/completions", json={**chat, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": None}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "prompt"
+    wait_idle(state)
+
+
 def test_fuzzed_bodies_never_crash_or_leak(served: tuple[str, ServerState]) -> None:
     """Bounded schemathesis run against the served OpenAPI schema; then no KV is held."""
     schemathesis = pytest.importorskip("schemathesis")

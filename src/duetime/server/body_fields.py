@@ -8,7 +8,7 @@ extensions (:class:`TimeFields`) arrive through the client's ``extra_body``.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -39,10 +39,26 @@ Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Body(BaseModel):
-    """What every part of a request body shares: strict types, and no NaN or Infinity
-    (JSON parsers read them; a bound check would then report a misleading reason)."""
+    """What every part of a request body shares: strict types, no NaN or Infinity
+    (JSON parsers read them; a bound check would then report a misleading reason),
+    and ``null`` for a field with a default meaning that default."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's API takes ``null`` for its optional fields, and clients send it
+        (``"temperature": null``, ``"max_tokens": null``): it was a 400 ("Input should
+        be a valid number"). A required field's ``null`` stays, and is refused."""
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        defaulted = {
+            field.alias or name
+            for name, field in cls.model_fields.items()
+            if not field.is_required() and field.default is not None
+        }
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
 
 
 class TUFSpec(_Body):
