@@ -27,9 +27,9 @@ def check_metrics(
     it; a client that left may or may not have reached the engine. ``issued``: requests
     the server gave an id (past validation), each counted once: finished or refused."""
     bad = []
-    for gauge in ("queue_length", "running", "suspended", "kv_used_tokens", "engine_errors"):
-        if m[f"duetime_{gauge}"] != 0:
-            bad.append(f"duetime_{gauge} = {m[f'duetime_{gauge}']}")
+    for name in ("queue_length", "running", "suspended", "kv_used_tokens", "engine_errors_total"):
+        if m[f"duetime_{name}"] != 0:
+            bad.append(f"duetime_{name} = {m[f'duetime_{name}']}")
     reasons: Counter[str] = Counter()
     rejected: Counter[str] = Counter()
     tokens = 0

@@ -117,7 +117,9 @@ def test_a_burst_of_mixed_requests_is_served_correctly(
             "duetime_kv_used_tokens",
         ):
             assert metric_value(metrics, gauge) == 0, gauge
-        assert metric_value(metrics, "duetime_engine_errors") == 0
+        assert metric_value(metrics, "duetime_engine_errors_total") == 0
+        assert "# TYPE duetime_engine_errors_total counter" in metrics
+        assert metric_value(metrics, "duetime_engine_steps_total") > 0
         assert 'reason="error"' not in metrics
         # The server still answers: one more request, after the burst.
         after = httpx.post(

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, in their own registry (so tests can run several).
 
-Gauges are read from the engine's latest :class:`EngineStats` when scraped;
-counters and histograms are fed by every request's outcome, and
+Gauges, and the engine's step and error counters, are read from the engine's latest
+:class:`EngineStats` when scraped; the other counters and histograms are fed by every
+request's outcome, and
 :class:`ResponseCounter` counts every HTTP response by route and status, so the
 4xx a client caused (refused before it became a request) show up too.
 """
@@ -12,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,7 +40,7 @@ class _EngineCollector(Collector):
         self._hits = hits
         self._lengths = lengths
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats()
         for name, doc, value in (
             ("duetime_queue_length", "Requests waiting for the engine.", s.waiting),
@@ -52,10 +53,13 @@ class _EngineCollector(Collector):
                 "Prompt KV the prefix cache holds, in tokens (off the KV budget).",
                 s.prefix_cache_tokens,
             ),
-            ("duetime_engine_steps", "Engine steps run so far.", s.engine_steps),
-            ("duetime_engine_errors", "Steps that raised (the engine restarted).", s.engine_errors),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        # counters (they only grow: a scraper's rate() reads them), exposed as *_total
+        yield CounterMetricFamily("duetime_engine_steps", "Engine steps run.", s.engine_steps)
+        yield CounterMetricFamily(
+            "duetime_engine_errors", "Steps that raised (the engine restarted).", s.engine_errors
+        )
         rate = self._hits()
         if rate is not None:
             yield GaugeMetricFamily(
