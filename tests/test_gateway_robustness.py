@@ -278,6 +278,22 @@ def test_a_body_no_backend_could_read_is_the_servers_400(
     asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(), scenario))
 
 
+def test_the_gateway_answers_models_retrieve_and_head_probes() -> None:
+    async def scenario(app: Any, gw: Gateway) -> None:
+        seen = await call(app, "GET", f"/v1/models/{MODEL}")
+        assert seen.status == 200, seen.body
+        assert json.loads(seen.body)["id"] == MODEL
+        seen = await call(app, "GET", "/v1/models/gpt-4")
+        assert seen.status == 404
+        assert json.loads(seen.body)["error"]["code"] == "model_not_found"
+        assert (await call(app, "HEAD", "/health")).status == 200
+        seen = await call(app, "GET", "/v1/completions")
+        assert seen.status == 405
+        assert "use POST" in json.loads(seen.body)["error"]["message"]
+
+    asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(), scenario))
+
+
 def test_a_body_over_the_limit_is_counted_in_metrics() -> None:
     """The 413 of the body-size middleware never reached requests_total."""
 

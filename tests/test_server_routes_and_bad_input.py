@@ -48,6 +48,25 @@ def test_a_trailing_slash_reaches_the_route(served: tuple[str, ServerState]) -> 
     wait_idle(state)
 
 
+def test_routes_answer_as_clients_ask(served: tuple[str, ServerState]) -> None:
+    """OpenAI's ``models.retrieve`` (GET /v1/models/ID) was a 404; HEAD /health a 405;
+    an unknown route or method said only "Not Found" / "Method Not Allowed"."""
+    url = served[0]
+    r = httpx.get(f"{url}/v1/models/{MODEL}")
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == MODEL
+    r = httpx.get(url + "/v1/models/gpt-4")
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert httpx.head(url + "/health").status_code == 200
+    r = httpx.get(url + "/v1/nothing")
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == "no route GET /v1/nothing"
+    r = httpx.get(url + "/v1/completions")
+    assert r.status_code == 405
+    assert r.json()["error"]["message"] == "GET /v1/completions: method not allowed; use POST"
+
+
 def test_metrics_count_every_response_by_route_and_status(
     served: tuple[str, ServerState],
 ) -> None:

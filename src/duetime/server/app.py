@@ -97,7 +97,7 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
     # a connection closed for late headers (header_timeout) never reached a route: "other"
     app.state.on_header_timeout = lambda: state.metrics.responses.labels("other", "408").inc()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health() -> JSONResponse:
         stalled = state.engine.stalled_s()
         if not state.engine.alive:
@@ -129,21 +129,25 @@ def create_app(state: ServerState, *, manage_engine: bool = True) -> FastAPI:
             )
         return JSONResponse(body)
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": state.config.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "duetime",
+            "max_model_len": state.config.max_context,
+            **({"duetime_limits": state.config.limits} if state.config.limits else {}),
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.config.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "duetime",
-                    "max_model_len": state.config.max_context,
-                    **({"duetime_limits": state.config.limits} if state.config.limits else {}),
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", responses={404: {"model": ErrorResponse}})
+    async def model(model: str) -> dict[str, Any]:
+        """One model, as OpenAI's ``models.retrieve`` asks for it."""
+        check_model(state.config, model)
+        return model_card()
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:

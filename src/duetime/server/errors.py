@@ -157,11 +157,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_json(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
         if message == "There was an error parsing the body":  # FastAPI's words for the rest
             message = BODY_UNPARSABLE
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404 and message == "Not Found":  # Starlette's bare words
+            message = f"no route {where}"
+        elif exc.status_code == 405 and message == "Method Not Allowed":
+            allowed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "")
+            message = f"{where}: method not allowed" + (f"; use {allowed}" if allowed else "")
         return JSONResponse(
             error_json(message, kind), status_code=exc.status_code, headers=exc.headers
         )

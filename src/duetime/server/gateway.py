@@ -148,7 +148,7 @@ def create_gateway_app(
     # a connection closed for late headers (header_timeout) never reached a route
     app.state.on_header_timeout = lambda: gw.m_requests.labels("http_408").inc()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health() -> JSONResponse:
         ok = any(b.up for b in gw.backends)
         return JSONResponse(
@@ -179,8 +179,7 @@ def create_gateway_app(
     async def metrics() -> Response:
         return Response(generate_latest(gw.registry), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def served_models() -> dict[str, dict[str, Any]]:
         seen: dict[str, dict[str, Any]] = {}
         assert gw.client is not None
         for b in gw.backends:
@@ -192,7 +191,26 @@ def create_gateway_app(
                     seen.setdefault(d["id"], d)
             except (httpx.HTTPError, ValueError):
                 continue
-        return {"object": "list", "data": list(seen.values())}
+        return seen
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": list((await served_models()).values())}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        """One model, as OpenAI's ``models.retrieve`` asks for it: a backend up serves it."""
+        seen = await served_models()
+        if model not in seen:
+            raise ApiError(
+                404,
+                f"model {model!r} is served by no backend that is up; they serve "
+                f"{', '.join(map(repr, seen)) or 'nothing now'}",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        return seen[model]
 
     # Plain Starlette routes: the request is relayed as bytes, so FastAPI's dependency
     # solving and exit stack per request (~10 % of the gateway thread) buy nothing here.
