@@ -40,6 +40,11 @@ def test_serve_cli_rejects_bad_options() -> None:
         (["--deadline-confidence", "1.5"], "deadline confidence must be in (0, 1)"),
         (["--predictor", "oracle"], "needs the true answer length"),
         (["--policy", "hsf", "--predictor", "none"], "cannot run without a predictor"),
+        # it spoke of "QueuePolicy.__init__() got an unexpected keyword argument"
+        (
+            ["--policy", "edf", "--policy-args", '{"bogus": 1, "admit_headroom": 2}'],
+            "policy 'edf' takes no argument 'bogus'; its arguments: chunked_prefill,",
+        ),
     ],
 )
 def test_serve_refuses_its_options_before_the_model_loads(

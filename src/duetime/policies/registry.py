@@ -29,7 +29,31 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
     except TypeError as e:  # policies pass **kwargs up to their base: only the call can tell
         if "keyword argument" not in str(e):
             raise
-        raise ValueError(f"policy {name!r}: {e}") from None
+        unknown = sorted(set(kwargs) - set(policy_arguments(factory)))
+        if not unknown:
+            raise ValueError(f"policy {name!r}: {e}") from None
+        raise ValueError(
+            f"policy {name!r} takes no argument {', '.join(map(repr, unknown))}; its "
+            f"arguments: {', '.join(policy_arguments(factory))}"
+        ) from None
+
+
+def policy_arguments(factory: Callable[..., Policy]) -> list[str]:
+    """The keyword arguments a policy class takes, its own and those its ``**kwargs``
+    pass up to its bases (``__init__`` by ``__init__`` along the class's MRO)."""
+    import inspect
+
+    names: list[str] = []
+    for klass in getattr(factory, "__mro__", (factory,)):
+        init = klass.__dict__.get("__init__") if isinstance(klass, type) else klass
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names += [p.name for p in params if p.kind in named and p.name not in (*names, "self")]
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            break  # passes nothing further up
+    return names
 
 
 def available_policies() -> list[str]:
