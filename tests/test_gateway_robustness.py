@@ -329,6 +329,9 @@ def test_an_error_answer_that_stalls_is_a_504_and_is_not_retried() -> None:
     async def scenario(app: Any, gw: Gateway) -> None:
         seen = await call(app, "POST", "/v1/completions", _body(stream=True))
         assert seen.status == 504
+        error = json.loads(seen.body)["error"]
+        assert error["code"] == "timeout"  # was null
+        assert "Timeout" not in error["message"]  # was "(ReadTimeout)"
         assert not other.attempts  # not retried
         assert gw.backends[0].up  # slow is not dead
 
@@ -336,6 +339,27 @@ def test_an_error_answer_that_stalls_is_a_504_and_is_not_retried() -> None:
     other = FakeBackend("b1")
     config = GatewayConfig(request_timeout_s=0.2, health_interval_s=60.0)
     asyncio.run(_with_fakes([stalls, other], config, scenario))
+
+
+def test_a_transport_error_is_told_in_words_not_class_names() -> None:
+    """A client read "failed: _UnansweredError: ..." and "(RemoteProtocolError)"."""
+    from duetime.server.gateway_upstream import transport_words
+    from duetime.server.gateway_wire import _head_error
+
+    reset = _head_error(ConnectionResetError(104, "Connection reset by peer"))
+    assert transport_words(reset) == "Connection reset by peer"
+    assert transport_words(httpx.RemoteProtocolError("")) == "the answer broke HTTP"
+    assert transport_words(httpx.ConnectTimeout("")) == "no connection in time"
+
+    async def scenario(app: Any, gw: Gateway) -> None:
+        seen = await call(app, "POST", "/v1/completions", _body())
+        assert seen.status == 502, seen.body
+        message = json.loads(seen.body)["error"]["message"]
+        assert "closed before the headers" in message
+        assert "Error" not in message
+
+    broken = [FakeBackend(f"b{i}", fates=[Fate("break_before")]) for i in range(2)]
+    asyncio.run(_with_fakes(broken, GatewayConfig(health_interval_s=60.0), scenario))
 
 
 @pytest.mark.parametrize("stream", [False, True])

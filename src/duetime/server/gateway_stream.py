@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from duetime.server.gateway_fleet import Grant
 from duetime.server.gateway_pool import Gateway
-from duetime.server.gateway_upstream import _failed, _headers, _passed_through
+from duetime.server.gateway_upstream import _failed, _headers, _passed_through, transport_words
 
 _TAIL_BYTES = 8192  # the end of a stream, where its usage / duetime summary event sits
 
@@ -124,7 +124,7 @@ async def _open_stream(gw: Gateway, g: Grant, path: str, raw: bytes, max_tokens:
                     gw.mark(b, False)
                 outcome = "timeout_midstream" if timeout else "failed_midstream"
                 how = "timed out" if timeout else "failed"
-                msg = f"backend {b.url} {how} mid-stream ({type(e).__name__}): answer incomplete"
+                msg = f"backend {b.url} {how} mid-stream ({transport_words(e)}): answer incomplete"
                 pad = b"" if not sent or sent.endswith(b"\n\n") else b"\n\n"
                 yield pad + _sse_error(msg, b.url) + b"data: [DONE]\n\n"
         finally:  # count first: under a cancelled client, the await in close() may raise

@@ -16,9 +16,26 @@ from duetime.server.gateway_pool import Gateway
 from duetime.server.gateway_routing import Backend
 
 
+def transport_words(e: BaseException) -> str:
+    """What went wrong on the wire, as a client reads it in an error: the transport's own
+    words, else what the kind of error means (its class name told a client nothing)."""
+    said = str(e)
+    if said:
+        return said
+    for kind, words in (
+        (httpx.ConnectTimeout, "no connection in time"),
+        (httpx.TimeoutException, "no answer in time"),
+        (httpx.ConnectError, "the connection was refused"),
+        (httpx.RemoteProtocolError, "the answer broke HTTP"),
+    ):
+        if isinstance(e, kind):
+            return words
+    return "the connection failed"
+
+
 class _BackendFailedError(Exception):
     def __init__(self, backend: Backend, cause: BaseException) -> None:
-        super().__init__(f"backend {backend.url} failed: {type(cause).__name__}: {cause}")
+        super().__init__(f"backend {backend.url} failed: {transport_words(cause)}")
         self.backend = backend
 
 
@@ -37,7 +54,12 @@ def _timed_out(gw: Gateway, b: Backend, elapsed_s: float, e: Exception) -> ApiEr
     gw.m_requests.labels("http_504").inc()
     b.observe(None, elapsed_s, 1, gw.config.ewma_alpha)
     gw.timed_out(b)
-    return ApiError(504, f"backend {b.url} timed out ({type(e).__name__})", type="server_error")
+    return ApiError(
+        504,
+        f"backend {b.url} timed out: {transport_words(e)}",
+        type="server_error",
+        code="timeout",
+    )
 
 
 def _failed(gw: Gateway, b: Backend, t0: float, e: httpx.TransportError) -> Exception:

@@ -33,6 +33,12 @@ _READ = 64 * 1024
 _NO_BODY = frozenset({204, 304})
 
 
+def _said(e: BaseException) -> str:
+    """An OS or parse error in words for a client: its reason ("Connection reset by peer"),
+    not the Python class it came as."""
+    return getattr(e, "strerror", None) or str(e) or "the connection failed"
+
+
 class _UnansweredError(httpx.RemoteProtocolError):
     """The connection closed or reset before any byte of the answer: on a kept one, the
     backend's keep-alive timeout (the request is sent again on a new connection)."""
@@ -47,9 +53,9 @@ def _head_error(e: BaseException) -> BaseException:
             return httpx.RemoteProtocolError("the backend closed the connection mid-answer")
         return _UnansweredError("the backend closed the connection without answering")
     if isinstance(e, ConnectionResetError | BrokenPipeError):
-        return _UnansweredError(f"{type(e).__name__}: {e}")
+        return _UnansweredError(_said(e))
     if isinstance(e, OSError):
-        return httpx.ReadError(f"{type(e).__name__}: {e}")
+        return httpx.ReadError(_said(e))
     if isinstance(e, asyncio.LimitOverrunError | ValueError):
         return httpx.RemoteProtocolError("the answer's head is too long")
     return e
@@ -105,7 +111,7 @@ class _Body(httpx.AsyncByteStream):
         except asyncio.IncompleteReadError:
             raise httpx.RemoteProtocolError("the connection closed mid-answer") from None
         except (OSError, asyncio.LimitOverrunError, ValueError) as e:
-            raise httpx.ReadError(f"{type(e).__name__}: {e}") from e
+            raise httpx.ReadError(_said(e)) from e
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         r = self._conn.reader
@@ -176,7 +182,7 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         except TimeoutError:
             raise httpx.ConnectTimeout(f"no connection to {key[0]}:{key[1]} in time") from None
         except OSError as e:
-            raise httpx.ConnectError(f"{type(e).__name__}: {e}") from e
+            raise httpx.ConnectError(_said(e)) from e
         return _Conn(reader, writer)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
