@@ -120,6 +120,9 @@ def test_cli_refuses_bad_backends() -> None:
         r = runner.invoke(cli_app, ["gateway", "--backend", bad])
         assert r.exit_code == 2, r.output
         assert f"--backend must be http://HOST:PORT or https://HOST:PORT, got '{bad}'" in r.output
+    r = runner.invoke(cli_app, ["gateway", "--backend", "http://127.0.0.1:1", "--seed", "-1"])
+    assert r.exit_code == 2  # "expected non-negative integer" named no option
+    assert "'--seed'" in r.output
 
 
 @pytest.mark.parametrize(

@@ -343,8 +343,7 @@ def test_an_error_answer_that_stalls_is_a_504_and_is_not_retried() -> None:
 
 def test_a_transport_error_is_told_in_words_not_class_names() -> None:
     """A client read "failed: _UnansweredError: ..." and "(RemoteProtocolError)"."""
-    from duetime.server.gateway_upstream import transport_words
-    from duetime.server.gateway_wire import _head_error
+    from duetime.server.gateway_wire import _head_error, transport_words
 
     reset = _head_error(ConnectionResetError(104, "Connection reset by peer"))
     assert transport_words(reset) == "Connection reset by peer"

@@ -139,7 +139,9 @@ def gateway(
             "for a deadline no backend's forecast meets."
         ),
     ] = "forecast",
-    seed: Annotated[int, typer.Option(help="Seed of the router (random, power-of-two).")] = 0,
+    seed: Annotated[
+        int, typer.Option(min=0, help="Seed of the router (random, power-of-two).")
+    ] = 0,
     scrape_interval_ms: Annotated[
         float,
         typer.Option(

@@ -24,6 +24,7 @@ from typing import Any
 from duetime.core.cost import CostModelError, LinearStepCost
 from duetime.server.gateway_poll import BackendPoller
 from duetime.server.gateway_routing import Backend, PublishedCost
+from duetime.server.gateway_wire import transport_words
 
 __all__ = ["ProfileReader", "cost_of", "give_profile"]
 
@@ -70,7 +71,7 @@ class ProfileReader(BackendPoller):
                 log.warning("backend %s: /v1/profile: %s", b.url, e)
             p.status = f"/v1/profile: {e}"
         except Exception as e:  # unreachable now: keep the last good model
-            p.status = f"/v1/profile not reachable ({type(e).__name__})"
+            p.status = f"/v1/profile not reachable ({transport_words(e)})"
 
     def health(self, b: Backend) -> dict[str, Any]:
         """``b``'s entry under ``profile`` in the gateway's ``/health``."""

@@ -34,6 +34,7 @@ from duetime.server.backend_metrics import MetricsFormatError, parse_metrics
 from duetime.server.gateway_poll import BackendPoller
 from duetime.server.gateway_pool import Gateway
 from duetime.server.gateway_routing import Backend
+from duetime.server.gateway_wire import transport_words
 
 __all__ = ["Scraper", "check_metrics"]
 
@@ -58,7 +59,7 @@ def check_metrics(urls: list[str], timeout_s: float = 2.0) -> list[str]:
                 r = client.get(url + "/metrics")
             except httpx.HTTPError as e:
                 warnings.append(
-                    f"backend {url}: /metrics not reachable now ({type(e).__name__}); "
+                    f"backend {url}: /metrics not reachable now ({transport_words(e)}); "
                     "its load is read once it answers"
                 )
                 continue
@@ -120,7 +121,7 @@ class Scraper(BackendPoller, Collector):
                 log.error("backend %s: %s", b.url, e)
             s.error, s.load = str(e), None  # a format not understood is never trusted
         except Exception as e:  # unreachable: the last good scrape ages out on its own
-            s.error = f"/metrics not reachable ({type(e).__name__})"
+            s.error = f"/metrics not reachable ({transport_words(e)})"
 
     def health(self, b: Backend) -> dict[str, Any]:
         """``b``'s entry under ``metrics`` in the gateway's ``/health``."""

@@ -13,7 +13,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from duetime.server.gateway_fleet import Grant
 from duetime.server.gateway_pool import Gateway
-from duetime.server.gateway_upstream import _failed, _headers, _passed_through, transport_words
+from duetime.server.gateway_upstream import _failed, _headers, _passed_through
+from duetime.server.gateway_wire import transport_words
 
 _TAIL_BYTES = 8192  # the end of a stream, where its usage / duetime summary event sits
 

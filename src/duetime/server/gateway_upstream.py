@@ -14,23 +14,7 @@ from duetime.server.errors import ApiError
 from duetime.server.gateway_fleet import Grant
 from duetime.server.gateway_pool import Gateway
 from duetime.server.gateway_routing import Backend
-
-
-def transport_words(e: BaseException) -> str:
-    """What went wrong on the wire, as a client reads it in an error: the transport's own
-    words, else what the kind of error means (its class name told a client nothing)."""
-    said = str(e)
-    if said:
-        return said
-    for kind, words in (
-        (httpx.ConnectTimeout, "no connection in time"),
-        (httpx.TimeoutException, "no answer in time"),
-        (httpx.ConnectError, "the connection was refused"),
-        (httpx.RemoteProtocolError, "the answer broke HTTP"),
-    ):
-        if isinstance(e, kind):
-            return words
-    return "the connection failed"
+from duetime.server.gateway_wire import transport_words
 
 
 class _BackendFailedError(Exception):

@@ -39,6 +39,23 @@ def _said(e: BaseException) -> str:
     return getattr(e, "strerror", None) or str(e) or "the connection failed"
 
 
+def transport_words(e: BaseException) -> str:
+    """What went wrong on the wire, as a client reads it in an error: the transport's own
+    words, else what the kind of error means (its class name told a client nothing)."""
+    said = str(e)
+    if said:
+        return said
+    for kind, words in (
+        (httpx.ConnectTimeout, "no connection in time"),
+        (httpx.TimeoutException, "no answer in time"),
+        (httpx.ConnectError, "the connection was refused"),
+        (httpx.RemoteProtocolError, "the answer broke HTTP"),
+    ):
+        if isinstance(e, kind):
+            return words
+    return "the connection failed"
+
+
 class _UnansweredError(httpx.RemoteProtocolError):
     """The connection closed or reset before any byte of the answer: on a kept one, the
     backend's keep-alive timeout (the request is sent again on a new connection)."""
