@@ -132,6 +132,9 @@ def test_forecast_router_takes_the_largest_slack_and_refuses_when_none_meets() -
     assert isinstance(late, Refuse)
     assert late.retry_after_s == pytest.approx(1.0)
     assert "1.00 s late" in late.reason
+    slightly = r.route(snap([1, 1], [0, 0], ends=[15.004, 16.0], deadline=15.0))
+    assert isinstance(slightly, Refuse)
+    assert "the best forecast is 4 ms late" in slightly.reason  # was "0.00 s late"
     gone = r.route(snap([1, 1], [0, 0], ends=[None, None], deadline=15.0))
     assert isinstance(gone, Refuse)
     assert "horizon" in gone.reason

@@ -41,7 +41,7 @@ class ForecastDeadline:
                 best, best_end = int(i), end
         due = snap.request.deadline
         if due is not None and (best < 0 or best_end > due + 1e-12):
-            late = "not within its horizon" if best < 0 else f"{best_end - due:.2f} s late"
+            late = "not within its horizon" if best < 0 else f"{_seconds(best_end - due)} late"
             return Refuse(
                 f"no replica can meet the deadline: the best forecast is {late}",
                 retry_after_s=max(1.0, 0.0 if best < 0 else best_end - due),
@@ -51,3 +51,9 @@ class ForecastDeadline:
             ups = snap.up_indices()
             best = int(ups[load[ups].argmin()])
         return Route(best)
+
+
+def _seconds(s: float) -> str:
+    """A lateness as a person reads it: "1.25 s", or "3.2 ms" under a second ("0.00 s"
+    said a request was refused for being on time)."""
+    return f"{s:.2f} s" if s >= 1.0 else f"{s * 1000:.3g} ms"

@@ -243,7 +243,8 @@ class Admission(ByForecast):
         drain = self.timer.prefill_time(stats.waiting_prefill_tokens)
         return Verdict(
             False,
-            f"the queue is full ({queued} requests waiting, limit {self.max_waiting})",
+            f"the queue is full ({queued} request{'' if queued == 1 else 's'} waiting, "
+            f"limit {self.max_waiting})",
             why="queue",
             retry_after_s=max(1, math.ceil(drain)),
         )

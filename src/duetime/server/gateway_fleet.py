@@ -189,8 +189,8 @@ def make_offer(
         if not any(meets):
             late = min(f for o, f in zip(offered, first, strict=True) if o) - due
             raise refusal(
-                f"no backend can send the first token within {ask.ttft_s * 1000:.0f} ms "
-                f"(x-slo-ttft-ms): the earliest forecast is {late * 1000:.0f} ms late",
+                f"no backend can send the first token within {ask.ttft_s * 1000:g} ms "
+                f"(x-slo-ttft-ms): the earliest forecast is {late * 1000:.3g} ms late",
                 late,
                 "ttft_unreachable",
             )
