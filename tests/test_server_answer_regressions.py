@@ -135,13 +135,16 @@ def test_an_answer_past_the_server_timeout_is_a_504_streamed_or_not() -> None:
         r = httpx.post(url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 504, r.text
         assert r.json()["error"]["type"] == "server_error"
+        assert r.json()["error"]["code"] == "timeout"
         assert "timed out" in r.json()["error"]["message"]
         r = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=30)
         assert r.status_code == 200
         events = [e for e in r.text.split("\n\n") if e]
         assert events[-1] == "data: [DONE]"
-        assert "timed out" in events[-2]
-        assert '"error"' in events[-2]
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert "timed out in the server (--request-timeout 0.05 s)" in error["message"]
+        # every error object has its four keys, as the docs say (the event had two)
+        assert (error["type"], error["param"], error["code"]) == ("server_error", None, "timeout")
         _wait_idle(state)
         assert state.metrics.requests.labels("abort")._value.get() == 2
 

@@ -88,7 +88,10 @@ class Relay:
             except TimeoutError:
                 self.abort()
                 raise ApiError(
-                    504, "the request timed out in the server", type="server_error"
+                    504,
+                    f"the request timed out in the server (--request-timeout {timeout:g} s)",
+                    type="server_error",
+                    code="timeout",
                 ) from None
             if isinstance(item, Outcome):
                 self.detok.flush()
