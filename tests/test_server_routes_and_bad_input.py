@@ -266,6 +266,11 @@ def test_a_body_sent_without_a_json_content_type_is_named(
             "top_logprobs",
         ),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+        # pydantic said "messages.0.content.0.text: Field required"
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content.0: 'image_url' content parts are not supported",
+        ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
             "tools.0.function",

@@ -15,6 +15,16 @@ class ContentPart(_Body):
     type: Literal["text"]
     text: Text
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """A part that is no text (an image, audio, a file) named for what it is: the
+        model reads text only, and pydantic said "text: Field required"."""
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"{kind!r} content parts are not supported: this model reads text")
+        return data
+
 
 class FunctionCall(_Body):
     """A call an earlier assistant turn made (sent back in the conversation)."""
