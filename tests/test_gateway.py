@@ -122,7 +122,7 @@ def test_cli_refuses_bad_backends() -> None:
         assert f"--backend must be http://HOST:PORT or https://HOST:PORT, got '{bad}'" in r.output
     r = runner.invoke(cli_app, ["gateway", "--backend", "http://127.0.0.1:1", "--seed", "-1"])
     assert r.exit_code == 2  # "expected non-negative integer" named no option
-    assert "'--seed'" in r.output
+    assert "--seed must be >= 0, got -1" in r.output
 
 
 @pytest.mark.parametrize(

@@ -139,9 +139,7 @@ def gateway(
             "for a deadline no backend's forecast meets."
         ),
     ] = "forecast",
-    seed: Annotated[
-        int, typer.Option(min=0, help="Seed of the router (random, power-of-two).")
-    ] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the router (random, power-of-two).")] = 0,
     scrape_interval_ms: Annotated[
         float,
         typer.Option(
@@ -196,6 +194,8 @@ def gateway(
 
     with _user_errors():
         urls = _check_backends(backend, allow_remote)
+        if seed < 0:  # numpy's "expected non-negative integer" named no option
+            raise ValueError(f"--seed must be >= 0, got {seed}")
         _check_not_itself(urls, host, port)
         if 0 < scrape_max_age_ms < scrape_interval_ms:
             raise ValueError(
