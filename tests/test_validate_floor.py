@@ -56,6 +56,9 @@ def test_the_verdict_says_whether_a_real_run_is_any_closer() -> None:
     assert "speed moved" in validate.e2e_verdict(21.2, 11.9, 9.3)
     assert "misses" in validate.e2e_verdict(21.2, 11.9, 14.0)
     assert "--floor-runs 0" in validate.e2e_verdict(8.0, None)
+    few = validate.e2e_verdict(8.0, 9.7, compared=6)  # a 6-request run judged as a 100
+    assert few.endswith("(over 6 requests only: rough; --requests 30 or more)")
+    assert "requests only" not in validate.e2e_verdict(8.0, 9.7, compared=100)
 
 
 def test_validate_runs_the_real_engine_again_for_the_floor(model: Any, tmp_path: Path) -> None:

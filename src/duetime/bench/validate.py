@@ -83,12 +83,28 @@ def e2e_floor(first: list[Any], again: list[list[Any]]) -> dict[str, float | int
     }
 
 
+#: Requests compared below which a verdict's medians are rough: the median of n errors
+#: moves by about 1.25 σ / √n, over 20 % of the spread itself below 30.
+MIN_COMPARED = 30
+
+
 def e2e_verdict(
-    error_pct: float, floor_pct: float | None, at_speed_pct: float | None = None
+    error_pct: float,
+    floor_pct: float | None,
+    at_speed_pct: float | None = None,
+    compared: int | None = None,
 ) -> str:
     """One line: the simulator's median e2e error beside the real runs' own, and where
     the error is above it, whether the profile at the run's own speed (``at_speed_pct``)
-    is within it: then the machine's speed moved between the profile and the run."""
+    is within it: then the machine's speed moved between the profile and the run.
+    ``compared``: the requests the medians are over, named where they are few."""
+    few = ""
+    if compared is not None and compared < MIN_COMPARED:
+        few = f" (over {compared} requests only: rough; --requests {MIN_COMPARED} or more)"
+    return _e2e_verdict(error_pct, floor_pct, at_speed_pct) + few
+
+
+def _e2e_verdict(error_pct: float, floor_pct: float | None, at_speed_pct: float | None) -> str:
     if floor_pct is None:
         return f"median e2e error {error_pct:.1f} % (no repeated real run: --floor-runs 0)"
     if error_pct <= floor_pct:

@@ -249,7 +249,9 @@ def _judge(fig: dict[str, Any]) -> None:
     fig["verdict"] = (
         None
         if median is None
-        else v.e2e_verdict(median, e2e_floor, fig["e2e_at_run_speed_median_pct"])
+        else v.e2e_verdict(
+            median, e2e_floor, fig["e2e_at_run_speed_median_pct"], fig["requests_compared"]
+        )
     )
     fig["e2e_at_machine_limit"] = (
         None if median is None or e2e_floor is None else median <= e2e_floor
