@@ -5,7 +5,7 @@ models, requests for a down model waiting out the timeout, a health loop killed
 by a malformed /v1/models, streamed answers read as ~30x slower than they were,
 a timed-out stream retried and its backend marked down, huge integers as 500s.
 The later ones (fake backends from ``tests/gateway_fakes.py``) pin what the
-property-based run and a read of the code found: 400s missing from /metrics, a
+property-based run and a read of the code found: a 413 missing from /metrics, a
 streaming client that left before the first byte holding its backend, a stalled
 error answer retried as if its backend were dead, connect timeouts not retried,
 and slots lost when a client left at the wrong moment.
@@ -32,13 +32,12 @@ from duetime.server.gateway import (
     _open_stream,
     _request_fields,
     _unless_client_leaves,
-    create_gateway_app,
     model_ids,
     stream_tokens,
 )
 from duetime.server.load_workload import LoadWorkload
-from tests.factories import prometheus_samples
-from tests.gateway_fakes import MODEL, FakeBackend, FakeFleet, Fate, call
+from tests.gateway_fakes import FakeBackend, Fate, call
+from tests.gateway_runs import metrics, outcome, request_body, with_fakes
 
 
 def _gateway(max_inflight: int = 1) -> Gateway:
@@ -219,90 +218,15 @@ def test_a_load_trace_request_the_server_cannot_take_is_refused(
 
 
 # --- found by tests/test_gateway_properties.py and by reading along -------------------
-def _metrics(gw: Gateway) -> dict[str, float]:
-    from prometheus_client import generate_latest
-
-    return prometheus_samples(generate_latest(gw.registry).decode())
-
-
-def _outcome(gw: Gateway, outcome: str) -> float:
-    return _metrics(gw).get(f'duetime_gateway_requests_total{{outcome="{outcome}"}}', 0.0)
-
-
-async def _with_fakes(backends: list[FakeBackend], config: GatewayConfig, scenario: Any) -> Any:
-    """Run ``scenario(app, gateway)`` with the gateway in front of fake backends."""
-    app = create_gateway_app([b.url for b in backends], config, transport=FakeFleet(backends))
-    async with app.router.lifespan_context(app):
-        return await scenario(app, app.state.gateway)
-
-
-def _body(stream: bool = False, **extra: Any) -> bytes:
-    return json.dumps({"model": MODEL, "prompt": "hi", "stream": stream, **extra}).encode()
-
-
-def test_a_refused_body_is_counted_in_metrics() -> None:
-    """/metrics counted every outcome but a 400 for a bad body (the sum fell short)."""
-
-    async def scenario(app: Any, gw: Gateway) -> None:
-        seen = await call(app, "POST", "/v1/completions", _body(max_tokens=10**12))
-        assert seen.status == 400
-        seen = await call(app, "POST", "/v1/completions", b"{not json")
-        assert seen.status == 400
-        assert _outcome(gw, "http_400") == 2
-
-    asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(), scenario))
-
-
-@pytest.mark.parametrize(
-    ("body", "headers", "words"),
-    [
-        # nested past Python's recursion limit: json.loads raised RecursionError, a 500
-        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested not too deeply"),
-        (b"", None, "the body is empty"),
-        (b"[1, 2]", None, "the body must be a JSON object"),
-        # curl's plain -d: the server refuses it, and the gateway relayed it (a 200)
-        (_body(), {"content-type": "application/x-www-form-urlencoded"}, "Content-Type"),
-    ],
-)
-def test_a_body_no_backend_could_read_is_the_servers_400(
-    body: bytes, headers: dict[str, str] | None, words: str
-) -> None:
-    async def scenario(app: Any, gw: Gateway) -> None:
-        seen = await call(app, "POST", "/v1/completions", body, headers=headers)
-        assert seen.status == 400, seen.body
-        error = json.loads(seen.body)["error"]
-        assert words in error["message"]
-        assert error["type"] == "invalid_request_error"
-        assert _outcome(gw, "http_400") == 1
-
-    asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(), scenario))
-
-
-def test_the_gateway_answers_models_retrieve_and_head_probes() -> None:
-    async def scenario(app: Any, gw: Gateway) -> None:
-        seen = await call(app, "GET", f"/v1/models/{MODEL}")
-        assert seen.status == 200, seen.body
-        assert json.loads(seen.body)["id"] == MODEL
-        seen = await call(app, "GET", "/v1/models/gpt-4")
-        assert seen.status == 404
-        assert json.loads(seen.body)["error"]["code"] == "model_not_found"
-        assert (await call(app, "HEAD", "/health")).status == 200
-        seen = await call(app, "GET", "/v1/completions")
-        assert seen.status == 405
-        assert "use POST" in json.loads(seen.body)["error"]["message"]
-
-    asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(), scenario))
-
-
-def test_a_body_over_the_limit_is_counted_in_metrics() -> None:
+def test_a_body_over_the_limit_is_counted_inmetrics() -> None:
     """The 413 of the body-size middleware never reached requests_total."""
 
     async def scenario(app: Any, gw: Gateway) -> None:
         seen = await call(app, "POST", "/v1/completions", b"x" * 2048)
         assert seen.status == 413
-        assert _outcome(gw, "http_413") == 1
+        assert outcome(gw, "http_413") == 1
 
-    asyncio.run(_with_fakes([FakeBackend("b0")], GatewayConfig(max_body_bytes=1024), scenario))
+    asyncio.run(with_fakes([FakeBackend("b0")], GatewayConfig(max_body_bytes=1024), scenario))
 
 
 def test_a_stream_whose_client_leaves_before_the_first_byte_is_closed_upstream() -> None:
@@ -311,15 +235,15 @@ def test_a_stream_whose_client_leaves_before_the_first_byte_is_closed_upstream()
 
     async def scenario(app: Any, gw: Gateway) -> None:
         silent.gate = asyncio.Event()  # never set: the backend sends nothing
-        leaves = call(app, "POST", "/v1/completions", _body(stream=True), leave_after_s=0.05)
+        leaves = call(app, "POST", "/v1/completions", request_body(stream=True), leave_after_s=0.05)
         seen = await asyncio.wait_for(leaves, 20.0)  # the request timeout is 600 s
         assert seen.left
         assert silent.current == 0  # the upstream request was closed
         assert gw.backends[0].in_flight == 0
-        assert _outcome(gw, "client_gone") == 1
+        assert outcome(gw, "client_gone") == 1
 
     silent = FakeBackend("b0")
-    asyncio.run(_with_fakes([silent], GatewayConfig(request_timeout_s=600.0), scenario))
+    asyncio.run(with_fakes([silent], GatewayConfig(request_timeout_s=600.0), scenario))
 
 
 def test_an_error_answer_that_stalls_is_a_504_and_is_not_retried() -> None:
@@ -327,7 +251,7 @@ def test_an_error_answer_that_stalls_is_a_504_and_is_not_retried() -> None:
     backend: marked down and retried elsewhere, though it may still be working."""
 
     async def scenario(app: Any, gw: Gateway) -> None:
-        seen = await call(app, "POST", "/v1/completions", _body(stream=True))
+        seen = await call(app, "POST", "/v1/completions", request_body(stream=True))
         assert seen.status == 504
         error = json.loads(seen.body)["error"]
         assert error["code"] == "timeout"  # was null
@@ -338,27 +262,7 @@ def test_an_error_answer_that_stalls_is_a_504_and_is_not_retried() -> None:
     stalls = FakeBackend("b0", fates=[Fate("status_stalled", status=500)])
     other = FakeBackend("b1")
     config = GatewayConfig(request_timeout_s=0.2, health_interval_s=60.0)
-    asyncio.run(_with_fakes([stalls, other], config, scenario))
-
-
-def test_a_transport_error_is_told_in_words_not_class_names() -> None:
-    """A client read "failed: _UnansweredError: ..." and "(RemoteProtocolError)"."""
-    from duetime.server.gateway_wire import _head_error, transport_words
-
-    reset = _head_error(ConnectionResetError(104, "Connection reset by peer"))
-    assert transport_words(reset) == "Connection reset by peer"
-    assert transport_words(httpx.RemoteProtocolError("")) == "the answer broke HTTP"
-    assert transport_words(httpx.ConnectTimeout("")) == "no connection in time"
-
-    async def scenario(app: Any, gw: Gateway) -> None:
-        seen = await call(app, "POST", "/v1/completions", _body())
-        assert seen.status == 502, seen.body
-        message = json.loads(seen.body)["error"]["message"]
-        assert "closed before the headers" in message
-        assert "Error" not in message
-
-    broken = [FakeBackend(f"b{i}", fates=[Fate("break_before")]) for i in range(2)]
-    asyncio.run(_with_fakes(broken, GatewayConfig(health_interval_s=60.0), scenario))
+    asyncio.run(with_fakes([stalls, other], config, scenario))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -367,15 +271,15 @@ def test_a_connect_timeout_is_retried_on_another_backend(stream: bool) -> None:
     backend: as with a refused connection, retrying elsewhere is safe."""
 
     async def scenario(app: Any, gw: Gateway) -> None:
-        seen = await call(app, "POST", "/v1/completions", _body(stream=stream))
+        seen = await call(app, "POST", "/v1/completions", request_body(stream=stream))
         assert seen.status == 200
         assert seen.headers["x-duetime-backend"] == other.url
         assert not gw.backends[0].up
-        assert _metrics(gw)["duetime_gateway_retries_total"] == 1
+        assert metrics(gw)["duetime_gateway_retries_total"] == 1
 
     unreachable = FakeBackend("b0", fates=[Fate("connect_timeout")])
     other = FakeBackend("b1")
-    asyncio.run(_with_fakes([unreachable, other], GatewayConfig(health_interval_s=60.0), scenario))
+    asyncio.run(with_fakes([unreachable, other], GatewayConfig(health_interval_s=60.0), scenario))
 
 
 class _LeavesAsTheSlotFrees:
@@ -417,13 +321,15 @@ def test_a_slot_comes_back_even_when_closing_the_upstream_is_cancelled() -> None
     close yields (httpcore's does not) let the client's cancellation skip it."""
 
     async def scenario(app: Any, gw: Gateway) -> None:
-        seen = await call(app, "POST", "/v1/completions", _body(stream=True), leave_after_s=0.03)
+        seen = await call(
+            app, "POST", "/v1/completions", request_body(stream=True), leave_after_s=0.03
+        )
         assert seen.left
         assert gw.backends[0].in_flight == 0
-        assert _outcome(gw, "client_gone") == 1
+        assert outcome(gw, "client_gone") == 1
 
     slow = FakeBackend("b0", tokens=40, pieces=40, gap_s=0.01, shield_close=False)
-    asyncio.run(_with_fakes([slow], GatewayConfig(), scenario))
+    asyncio.run(with_fakes([slow], GatewayConfig(), scenario))
 
 
 def test_a_probe_that_times_out_takes_a_backend_down_only_after_a_few_in_a_row() -> None:

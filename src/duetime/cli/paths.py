@@ -15,7 +15,7 @@ from typing import Any
 
 import typer
 
-__all__ = ["input_path", "output_path", "writable"]
+__all__ = ["input_list", "input_path", "output_path", "writable"]
 
 #: The names of standard output: figures written there move the tables to standard error.
 STDOUT_NAMES = ("/dev/stdout", "/proc/self/fd/1", "/dev/fd/1")
@@ -89,6 +89,13 @@ def _files_named(value: Any) -> list[Path]:
             if piece and Path(piece).is_file() and Path(piece) not in found:
                 found.append(Path(piece))
     return found
+
+
+def input_list(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
+    """:func:`input_path` for a comma-separated list of specs where ``''`` names none."""
+    if isinstance(value, str) and not value.strip():
+        return value
+    return input_path(ctx, param, value)
 
 
 def input_path(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:

@@ -19,7 +19,7 @@ from duetime.cli.bench.options import (
 )
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
-from duetime.cli.paths import input_path
+from duetime.cli.paths import input_list
 from duetime.comma_lists import comma_list
 
 
@@ -43,7 +43,7 @@ def bench_amin(
             help="Also run Amax / Amin on trained length predictors' intervals (held-out rows, "
             "beside H-SF on them), comma-separated: learned (the default model), "
             "learned:minilm-ft (a shipped one), learned:<model file>; '' for none.",
-            callback=input_path,
+            callback=input_list,
         ),
     ] = "learned",
     engine: Annotated[
