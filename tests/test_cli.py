@@ -65,6 +65,13 @@ def test_bad_trace_line_exits_2_naming_line_and_field(tmp_path: Path) -> None:
         (["--profile", "nope"], "unknown profile"),
         (["--arrival", "weibull"], "unknown arrival"),
         (["--burst-size", "3"], "for --arrival bursts, not poisson"),
+        # recorded as the run's, and changed nothing
+        (["--cv", "2"], "is for --arrival gamma, not poisson"),
+        # np.repeat sized memory by the burst: an OverflowError traceback past int64
+        (
+            ["--arrival", "bursts", "--burst-size", "99999999999999999999"],
+            "holds more than the 10 requested",
+        ),
         (["--workload", "/does/not/exist.jsonl"], "exist.jsonl"),
         (["--predictor", "psychic"], "unknown predictor"),
     ],

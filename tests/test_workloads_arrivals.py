@@ -108,6 +108,8 @@ def test_bursts_cut_the_last_one_short_and_size_one_is_poisson() -> None:
     assert np.allclose(a, b)
     with pytest.raises(ValueError, match="burst size must be >= 1"):
         Bursts(rate=1.0, size=0)
+    with pytest.raises(ValueError, match="a burst of 11 requests holds more than the 10"):
+        Bursts(rate=1.0, size=11).times(10, np.random.default_rng(0))
 
 
 def test_arrival_process_by_name() -> None:

@@ -98,6 +98,11 @@ class Bursts:
             raise ValueError(f"burst size must be >= 1, got {self.size}")
 
     def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        if self.size > n:  # one burst holds them all; np.repeat sized memory by the burst
+            raise ValueError(
+                f"a burst of {self.size} requests holds more than the {n} requested: "
+                "give a --burst-size no larger than --requests"
+            )
         bursts = -(-n // self.size)
         at = self.start + np.cumsum(rng.exponential(self.size / self.rate, size=bursts))
         return np.repeat(at, self.size)[:n]
@@ -114,6 +119,8 @@ def arrival_process(
     is gamma's coefficient of variation, ``burst_size`` the requests of a burst."""
     if burst_size != 1 and name != "bursts":
         raise ValueError(f"a burst size ({burst_size}) is for --arrival bursts, not {name}")
+    if cv != 1.0 and name != "gamma":  # it was recorded as the run's, and changed nothing
+        raise ValueError(f"a coefficient of variation ({cv:g}) is for --arrival gamma, not {name}")
     if name == "poisson":
         return Poisson(rate=rate)
     if name == "gamma":
