@@ -80,6 +80,41 @@ def test_fleet_json_mixes_profiles_and_names_unknown_keys(tmp_path: Path) -> Non
     assert parse_failure("3@12.5") == (3, 12.5)
 
 
+def test_the_runs_limits_reach_every_replica_that_sets_none(tmp_path: Path) -> None:
+    """--kv-capacity and --max-num-seqs were dropped for each replica profile's under
+    --fleet and --replica-profile, while the JSON recorded them; a replica's own stand."""
+    fleet = tmp_path / "fleet.json"
+    groups = [{"profile": "a100-llama2-7b"}, {"profile": "a100-llama2-7b", "max_num_seqs": 3}]
+    fleet.write_text(json.dumps({"replicas": groups}))
+    specs = read_fleet(fleet, limits={"kv_capacity": 700, "max_num_seqs": 1})
+    assert [s.config.kv_capacity for s in specs] == [700, 700]
+    assert [s.config.max_num_seqs for s in specs] == [1, 3]
+    by_file = tmp_path / "by-file.json"
+    by_replicas = tmp_path / "by-replicas.json"
+    for how, out in ((["--fleet", str(fleet)], by_file), (["--replicas", "2"], by_replicas)):
+        args = ["sim", "--requests", "50", "--max-num-seqs", "1", *how, "--json", str(out)]
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0, res.output
+    one = json.loads(by_file.read_text())["replicas"][0]
+    assert one["sim_time_s"] == pytest.approx(
+        json.loads(by_replicas.read_text())["replicas"][0]["sim_time_s"]
+    )
+
+
+@pytest.mark.parametrize("fleet_option", ["--fleet", "--replica-profile"])
+def test_a_profile_beside_replicas_that_name_theirs_is_refused(
+    tmp_path: Path, fleet_option: str
+) -> None:
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps({"replicas": [{"profile": "a100-llama2-7b", "count": 2}]}))
+    value = str(fleet) if fleet_option == "--fleet" else "a100-llama2-7b"
+    for command in (["sim"], ["sweep", "--policies", "fcfs", "--rates", "2"]):
+        args = [*command, "--requests", "20", fleet_option, value, "--profile", "a100-llama2-7b"]
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.output
+        assert f"--profile: each replica names its own profile in {fleet_option}" in res.output
+
+
 def test_bench_fleet_compares_routers_on_both_fleets(tmp_path: Path) -> None:
     fig = bench_fleet.run(replicas=2, requests=200, routers=["lor", "forecast"], loads=[0.85])
     rows = fig["rows"]

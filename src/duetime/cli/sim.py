@@ -92,7 +92,7 @@ def sim(
     plot: PlotOpt = None,
 ) -> None:
     """Simulate one workload through one policy, on one engine or on a fleet of replicas."""
-    from duetime.cli.sim_fleet import fleet_fields, run_and_report
+    from duetime.cli.sim_fleet import fleet_fields, profile_unused, run_and_report
     from duetime.experiment import GENERATED_ONLY, SimSpec, plan_spec, run_planned
     from duetime.metrics import render_table, write_json
     from duetime.sim.fleet_run import is_fleet
@@ -100,6 +100,7 @@ def sim(
 
     with _user_errors():
         _trace_draws_nothing(ctx, workload, GENERATED_ONLY)
+        profile_unused(ctx, replica_profile, fleet)
         spec = SimSpec(
             policy=policy,
             workload=workload,
@@ -208,13 +209,14 @@ def sweep(
 ) -> None:
     """Policies × rates × seeds (× replicas × routers), in parallel: a process pool, or
     Ray with --ray / --ray-address."""
-    from duetime.cli.sim_fleet import fleet_fields
+    from duetime.cli.sim_fleet import fleet_fields, profile_unused
     from duetime.experiment import SimSpec, is_trace, row_figures
     from duetime.metrics import plot_sweep, render_table, write_json
     from duetime.sweep import run_sweep
 
     with _user_errors():
         _trace_draws_nothing(ctx, workload, ("requests", "rates", "arrival", "cv", "burst_size"))
+        profile_unused(ctx, replica_profile, fleet)
         rate_list = comma_numbers("--rates", rates, float, "numbers (requests/s)")
         bad = [why for r in rate_list if (why := rate_text("--rates", r)) is not None]
         if bad:

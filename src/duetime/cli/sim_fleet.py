@@ -44,6 +44,18 @@ FailOpt = Annotated[
 ]
 
 
+def profile_unused(
+    ctx: typer.Context, replica_profile: list[str] | None, fleet: str | None
+) -> None:
+    """Refuse ``--profile`` beside a fleet whose replicas name their own profiles: it was
+    checked, then priced nothing."""
+    from duetime.cli.common import given_options
+
+    if (replica_profile or fleet) and given_options(ctx, "profile"):
+        which = "--fleet" if fleet else "--replica-profile"
+        raise ValueError(f"--profile: each replica names its own profile in {which}")
+
+
 def fleet_fields(
     replicas: int,
     router: str | None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +55,18 @@ def replica(
     max_num_seqs: int | None = None,
     base: SimConfig | None = None,
     name: str | None = None,
+    limits: Mapping[str, int] | None = None,
 ) -> ReplicaSpec:
     """One replica's spec: a profile, slowed and with its limits overridden. ``base``
-    carries the run's other settings (prefix cache, max_time) onto every replica."""
+    carries the run's other settings (prefix cache, max_time) onto every replica, and
+    ``limits`` the run's own ``--kv-capacity`` / ``--max-num-seqs``, which stand where
+    the replica sets none (they were dropped for the profile's, while the run's JSON
+    recorded them)."""
     cost, cfg = load_profile(profile)
     if base is not None:
         cfg = dataclasses.replace(base, kv_capacity=cfg.kv_capacity, max_num_seqs=cfg.max_num_seqs)
+    for key, value in (limits or {}).items():
+        setattr(cfg, key, value)
     if kv_capacity is not None:
         cfg.kv_capacity = kv_capacity
     if max_num_seqs is not None:
@@ -70,8 +76,11 @@ def replica(
     return ReplicaSpec(slowed(cost, slowdown), cfg, label)
 
 
-def read_fleet(path: str | Path, base: SimConfig | None = None) -> list[ReplicaSpec]:
-    """The replicas a fleet JSON lists (module docstring), in order."""
+def read_fleet(
+    path: str | Path, base: SimConfig | None = None, limits: Mapping[str, int] | None = None
+) -> list[ReplicaSpec]:
+    """The replicas a fleet JSON lists (module docstring), in order; ``limits`` as for
+    :func:`replica`."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -94,7 +103,7 @@ def read_fleet(path: str | Path, base: SimConfig | None = None) -> list[ReplicaS
             raise ValueError(f"{where}: slowdown must be a number, got {slowdown!r}")
         if not (math.isfinite(slowdown) and slowdown > 0):  # named here, not by slowed()
             raise ValueError(f"{where}: slowdown must be finite and > 0, got {slowdown!r}")
-        limits = {
+        own = {
             key: _positive_int(where, key, g[key])
             for key in ("kv_capacity", "max_num_seqs")
             if key in g
@@ -106,7 +115,8 @@ def read_fleet(path: str | Path, base: SimConfig | None = None) -> list[ReplicaS
                     slowdown=float(slowdown),
                     base=base,
                     name=g.get("name"),
-                    **limits,
+                    limits=limits,
+                    **own,
                 )
             )
     return out
@@ -118,20 +128,22 @@ def build_fleet(
     fleet_json: str | None,
     base_profile: str,
     base: SimConfig,
+    limits: Mapping[str, int] | None = None,
 ) -> list[ReplicaSpec]:
     """The replicas of a run: a fleet JSON, else the ``--replica-profile`` list (its
     length is the fleet's size; ``n`` must agree unless it is 1), else ``n`` copies
-    of the run's profile with its limits (``base``)."""
+    of the run's profile with its limits (``base``). ``limits``: the run's
+    ``--kv-capacity`` / ``--max-num-seqs``, for every replica that sets none."""
     if fleet_json is not None:
         if profiles:
             raise ValueError("give either --fleet or --replica-profile, not both")
-        specs = read_fleet(fleet_json, base)
+        specs = read_fleet(fleet_json, base, limits)
     elif profiles:
         if n not in (1, len(profiles)):
             raise ValueError(
                 f"--replicas {n} but {len(profiles)} --replica-profile given: they must agree"
             )
-        specs = [replica(p, base=base) for p in profiles]
+        specs = [replica(p, base=base, limits=limits) for p in profiles]
     else:
         cost, _ = load_profile(base_profile)
         specs = [ReplicaSpec(cost, dataclasses.replace(base), base_profile) for _ in range(n)]

@@ -47,7 +47,11 @@ def make_fleet(plan: PlannedRun) -> Fleet:
     spec = plan.spec
     if spec.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {spec.replicas}")
-    specs = build_fleet(spec.replicas, spec.replica_profiles, spec.fleet, spec.profile, plan.config)
+    given = {"kv_capacity": spec.kv_capacity, "max_num_seqs": spec.max_num_seqs}
+    limits = {k: v for k, v in given.items() if v is not None}
+    specs = build_fleet(
+        spec.replicas, spec.replica_profiles, spec.fleet, spec.profile, plan.config, limits
+    )
     router = make_router(spec.router or "round-robin", seed=spec.seed)
     fail_at: dict[int, float] = {}
     for i, t in spec.failures:
