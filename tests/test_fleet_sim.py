@@ -95,6 +95,18 @@ def test_a_failed_replicas_requests_are_rerouted_or_failed_once(router: str) -> 
     assert all(res.routes.get(rid, [0])[0] != 1 for rid in arrived_after)
 
 
+def test_a_failure_after_the_last_event_changes_nothing() -> None:
+    """A failure past the run's end moved the clock there (sim time 1000 s, a replica's
+    mean running batch 50 times lower) and listed a replica that served all its requests
+    as down."""
+    jobs = poisson_jobs(100, rate=40.0, seed=5)
+    plain = _fleet(2, "lor").run(jobs)
+    late = _fleet(2, "lor", fail_at={1: 1000.0}).run(fresh_jobs(jobs))
+    assert late.sim_time == plain.sim_time < 1000.0
+    assert late.records == plain.records
+    assert late.failed_replicas == []
+
+
 def test_every_replica_down_refuses_the_rest() -> None:
     jobs = poisson_jobs(100, rate=40.0, seed=5)
     res = _fleet(2, "lor", fail_at={0: 0.5, 1: 0.5}).run(jobs)

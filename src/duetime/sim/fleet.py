@@ -301,7 +301,9 @@ class Fleet:
             while heap and heap[0][2] != reps[heap[0][1]].epoch:
                 heappop(heap)  # a plan an arrival or failure cut short
             t_rep = heap[0][0] if heap else inf
-            if t_fail <= t_arr and t_fail <= t_rep and t_fail < inf:
+            if t_arr == inf and t_rep == inf:
+                break  # a failure after the last event: it moved the clock, nothing else
+            if t_fail <= t_arr and t_fail <= t_rep:
                 self.now = t_fail
                 self._fail(fails[f][1], t_fail)
                 f += 1
@@ -313,7 +315,7 @@ class Fleet:
                 if predictor is not None and job.request.predicted is None:
                     job.request.predicted = predictor.predict_job(job)
                 self._route(job, t_arr)
-            elif t_rep < inf:
+            else:
                 _, r, _ = heappop(heap)
                 rep = reps[r]
                 rep.epoch += 1
@@ -334,8 +336,6 @@ class Fleet:
                     heappush(heap, (t, r, rep.epoch))
                 if self._queue and sim.n_done != done:
                     self._retry_queue(sim.now)
-            else:
-                break
             if progress is not None and i - shown >= 1000:
                 shown = i
                 progress(i, n_jobs)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from duetime.core.cost import LinearStepCost
+from duetime.core.request import MAX_TIME_S
 from duetime.sim.fleet import ReplicaSpec
 from duetime.sim.profiles import load_profile
 from duetime.sim.simulator import SimConfig
@@ -161,6 +162,8 @@ def parse_failure(text: str) -> tuple[int, float]:
         i, t = int(idx), float(at)
     except ValueError:
         raise ValueError(f"--fail takes REPLICA@SECONDS (e.g. 2@30), got {text!r}") from None
-    if i < 0 or not (math.isfinite(t) and t >= 0):
-        raise ValueError(f"--fail {text!r}: the replica must be >= 0 and the time finite, >= 0")
+    if i < 0 or not 0 <= t <= MAX_TIME_S:  # NaN and inf too
+        raise ValueError(
+            f"--fail {text!r}: the replica must be >= 0 and the time in [0, {MAX_TIME_S:.0e}] s"
+        )
     return i, t
