@@ -78,6 +78,12 @@ def test_fleet_json_mixes_profiles_and_names_unknown_keys(tmp_path: Path) -> Non
     bad.write_text(json.dumps({"replicas": [{"profile": "a100-llama2-7b", "slowdwn": 2}]}))
     with pytest.raises(ValueError, match="unknown keys \\['slowdwn'\\]"):
         read_fleet(bad)
+    for slowdown in (1e308, float("nan"), 0):  # 1e308 ran, its sums overflowing to inf
+        bad.write_text(
+            json.dumps({"replicas": [{"profile": "a100-llama2-7b", "slowdown": slowdown}]})
+        )
+        with pytest.raises(ValueError, match="slowdown must be > 0 and <= 1000"):
+            read_fleet(bad)
     assert parse_failure("3@12.5") == (3, 12.5)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,10 +31,15 @@ _COEFFS = ("c0", "c_prefill", "a1", "a2", "b", "d", "s", "e")
 _KEYS = {"profile", "count", "slowdown", "kv_capacity", "max_num_seqs", "name"}
 
 
+#: The largest slowdown a replica may have: one a thousand times slower serves nothing in
+#: any run's span (1e308 overflowed the run's sums to inf, and the run went on).
+MAX_SLOWDOWN = 1e3
+
+
 def slowed(cost: LinearStepCost, factor: float) -> LinearStepCost:
     """``cost`` with every coefficient × ``factor`` (each step ``factor`` times as long)."""
-    if not (math.isfinite(factor) and factor > 0):
-        raise ValueError(f"slowdown must be finite and > 0, got {factor}")
+    if not 0 < factor <= MAX_SLOWDOWN:  # NaN too
+        raise ValueError(f"slowdown must be > 0 and <= {MAX_SLOWDOWN:g}, got {factor}")
     if factor == 1.0:
         return cost
     scaled = {k: getattr(cost, k) * factor for k in _COEFFS}
@@ -102,8 +106,10 @@ def read_fleet(
         slowdown = g.get("slowdown", 1.0)
         if isinstance(slowdown, bool) or not isinstance(slowdown, int | float):
             raise ValueError(f"{where}: slowdown must be a number, got {slowdown!r}")
-        if not (math.isfinite(slowdown) and slowdown > 0):  # named here, not by slowed()
-            raise ValueError(f"{where}: slowdown must be finite and > 0, got {slowdown!r}")
+        if not 0 < slowdown <= MAX_SLOWDOWN:  # named here, not by slowed(); NaN too
+            raise ValueError(
+                f"{where}: slowdown must be > 0 and <= {MAX_SLOWDOWN:g}, got {slowdown!r}"
+            )
         own = {
             key: _positive_int(where, key, g[key])
             for key in ("kv_capacity", "max_num_seqs")
