@@ -30,7 +30,7 @@ from typer._click.exceptions import (
 
 from duetime.cli import app
 from duetime.cli.common import _log_level, _print_version, gamma_cv, open_share, positive_rate
-from duetime.cli.paths import input_path, output_path
+from duetime.cli.paths import input_list, input_path, output_path
 from duetime.cli.sim import _demo_outputs
 from duetime.policies.registry import available_policies
 
@@ -41,7 +41,10 @@ SHELL_FENCES = {"", "bash", "sh", "shell", "console"}  # ```python / ```json quo
 
 # Parsing runs option callbacks. These only check a value, so they run: a bad
 # --log-level in the docs is caught like a bad --port.
-_PURE_CALLBACKS: set[Any] = {_log_level, positive_rate, gamma_cv, open_share, input_path}
+_PURE_CALLBACKS: set[Any] = {
+    *(_log_level, positive_rate, gamma_cv, open_share),
+    *(input_path, input_list),
+}
 # These touch the machine (``output_path`` tries a file beside a --json path) or end
 # the run (``--version``), so they are dropped: whether out/ is writable here says
 # nothing about the docs.
