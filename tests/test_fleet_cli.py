@@ -48,6 +48,8 @@ def test_sim_one_engine_row_is_unchanged_without_fleet_options(tmp_path: Path) -
         (["--router", "nope"], "unknown router 'nope'"),
         (["--fail", "2-30"], "REPLICA@SECONDS"),
         (["--replicas", "2", "--fail", "1@1e20"], "the time in [0, 1e+09] s"),
+        # it said "(--profile)", an option not given
+        (["--replica-profile", "nope"], "unknown profile (--replica-profile) 'nope'"),
         (["--replicas", "2", "--fail", "5@1"], "replica 5"),
         (["--replicas", "3", "--replica-profile", "a100-llama2-7b"], "must agree"),
     ],

@@ -61,13 +61,14 @@ def replica(
     base: SimConfig | None = None,
     name: str | None = None,
     limits: Mapping[str, int] | None = None,
+    option: str = "--replica-profile",
 ) -> ReplicaSpec:
     """One replica's spec: a profile, slowed and with its limits overridden. ``base``
     carries the run's other settings (prefix cache, max_time) onto every replica, and
     ``limits`` the run's own ``--kv-capacity`` / ``--max-num-seqs``, which stand where
     the replica sets none (they were dropped for the profile's, while the run's JSON
     recorded them)."""
-    cost, cfg = load_profile(profile)
+    cost, cfg = load_profile(profile, option)
     if base is not None:
         cfg = dataclasses.replace(base, kv_capacity=cfg.kv_capacity, max_num_seqs=cfg.max_num_seqs)
     for key, value in (limits or {}).items():
@@ -123,6 +124,7 @@ def read_fleet(
                     base=base,
                     name=g.get("name"),
                     limits=limits,
+                    option=f"{where}.profile",
                     **own,
                 )
             )

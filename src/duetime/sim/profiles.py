@@ -17,8 +17,9 @@ def builtin_profiles() -> list[str]:
     return sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
 
 
-def profile_path(name_or_path: str) -> Path:
-    """A shipped profile's path by name, or the given file path."""
+def profile_path(name_or_path: str, option: str = "--profile") -> Path:
+    """A shipped profile's path by name, or the given file path (``option``: where it
+    was given, named when the name is unknown)."""
     p = Path(name_or_path)
     if p.suffix == ".json" or p.exists():
         return p
@@ -26,15 +27,18 @@ def profile_path(name_or_path: str) -> Path:
     cand = Path(str(root / f"{name_or_path}.json"))
     if not cand.exists():
         raise CostModelError(
-            f"unknown profile (--profile) {name_or_path!r}; shipped: "
+            f"unknown profile ({option}) {name_or_path!r}; shipped: "
             f"{', '.join(builtin_profiles())} (or give a path to a profile JSON)"
         )
     return cand
 
 
-def load_profile(name_or_path: str = DEFAULT_PROFILE) -> tuple[LinearStepCost, SimConfig]:
-    """The cost model of a profile and the engine limits it records (defaults otherwise)."""
-    path = profile_path(name_or_path)
+def load_profile(
+    name_or_path: str = DEFAULT_PROFILE, option: str = "--profile"
+) -> tuple[LinearStepCost, SimConfig]:
+    """The cost model of a profile and the engine limits it records (defaults otherwise);
+    ``option`` as for :func:`profile_path`."""
+    path = profile_path(name_or_path, option)
     cost = LinearStepCost.from_profile(path)
     cfg = SimConfig()
     for key, attr in (
