@@ -74,6 +74,8 @@ def test_bad_trace_line_exits_2_naming_line_and_field(tmp_path: Path) -> None:
         ),
         (["--workload", "/does/not/exist.jsonl"], "exist.jsonl"),
         (["--predictor", "psychic"], "unknown predictor"),
+        # the caps it spoke of were what the prefix left, and it did not say so
+        (["--shared-prefix", "4000"], "the context less the 4,000-token --shared-prefix"),
     ],
 )
 def test_bad_options_exit_2(args: list[str], needle: str) -> None:

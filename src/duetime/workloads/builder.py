@@ -120,7 +120,14 @@ def build_jobs(
     caps = (caps or LengthCaps()).limit_output(max_tokens)
     if shared_prefix is not None:
         caps = shared_prefix.caps_for_rest(caps)
-    sample = source.sample(n, sampling_rng(seed), caps)
+    try:
+        sample = source.sample(n, sampling_rng(seed), caps)
+    except ValueError as e:  # the caps it names are what the prefix left: say so
+        if shared_prefix is None:
+            raise
+        raise ValueError(
+            f"{e} (the context less the {shared_prefix.tokens:,}-token --shared-prefix)"
+        ) from None
     times = np.sort(np.asarray(arrivals.times(n, np.random.default_rng([seed, 1])), dtype=float))
     if times.shape != (n,):
         raise ValueError(f"arrival process gave {times.shape} times, expected ({n},)")
