@@ -239,3 +239,12 @@ def test_a_deadline_option_that_would_be_sent_as_0_ms_is_refused() -> None:
         parse_deadlines(["1e-7"])
     with pytest.raises(ValueError, match="<= 1e\\+06"):
         parse_deadlines(["2e6"])
+
+
+def test_a_workload_that_is_no_name_nor_file_is_named() -> None:
+    """It said "nope: cannot read: No such file or directory", naming neither the option
+    nor the workloads load takes."""
+    with pytest.raises(ValueError, match="unknown workload 'nope': load takes sharegpt, synth"):
+        LoadWorkload(workload="nope").build(1.0)
+    with pytest.raises(ValueError, match=r"--workload x/t\.jsonl: the trace file does not exist"):
+        LoadWorkload(workload="x/t.jsonl").build(1.0)

@@ -23,8 +23,10 @@ is text and classes:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -118,6 +120,7 @@ class LoadWorkload:
                 f"--fixed-max-tokens must be in [1, --max-context {self.max_context}), got {fixed}"
             )
         if self.is_trace:
+            self._check_trace_name()
             if self.class_mix:
                 raise ValueError("--class-mix cannot be used with a trace: it names its classes")
             lines = read_trace_lines(self.workload)[: self.requests]
@@ -171,6 +174,19 @@ class LoadWorkload:
                 )
             )
         return out
+
+    def _check_trace_name(self) -> None:
+        """A workload that is neither a generated one nor a file: named as the unknown
+        name it likely is ("nope: cannot read" named neither the option nor the choices)."""
+        name = self.workload
+        if Path(name).exists():
+            return
+        if name.endswith(".jsonl") or os.sep in name or (os.altsep or os.sep) in name:
+            raise ValueError(f"--workload {name}: the trace file does not exist")
+        raise ValueError(
+            f"unknown workload {name!r}: load takes sharegpt, synthetic or the path of a "
+            "JSONL trace file"
+        )
 
     def _jobs(self, rate: float) -> list[Job]:
         from duetime import workloads as wl
