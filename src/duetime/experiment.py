@@ -9,7 +9,6 @@ reproducible.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -159,10 +158,16 @@ def check_predictor_workload(pred_name: str | None, spec: SimSpec) -> None:
         )
 
 
+#: A deadline a million times a request's time alone is none: past it, a deadline of a
+#: long request passes the 1e9 s a run can time (and a saved trace refuses it).
+MAX_DEADLINE_SCALE = 1e6
+
+
 def assign_deadlines(jobs: list[Job], cost: LinearStepCost, scale: float) -> None:
     """deadline = arrival + scale × (prefill + decode of the request alone)."""
-    if not (math.isfinite(scale) and scale > 0):  # NaN would silently drop every deadline
-        raise ValueError(f"--deadline-scale must be finite and > 0, got {scale}")
+    # NaN would silently drop every deadline; 1e300 ran, then its trace could not be saved
+    if not 0 < scale <= MAX_DEADLINE_SCALE:
+        raise ValueError(f"--deadline-scale must be > 0 and <= {MAX_DEADLINE_SCALE:g}, got {scale}")
     for job in jobs:
         req = job.request
         if req.deadline is None:
