@@ -235,8 +235,11 @@ def test_a_trace_request_that_cannot_be_sent_names_file_line_and_field(
 
 
 def test_a_deadline_option_that_would_be_sent_as_0_ms_is_refused() -> None:
-    with pytest.raises(ValueError, match="--deadline for '\\*' must be a number of seconds > 0"):
+    # "--deadline for '*'" spoke of the catch-all class a plain number sets
+    with pytest.raises(ValueError, match="--deadline must be a number of seconds > 0"):
         parse_deadlines(["1e-7"])
+    with pytest.raises(ValueError, match="--deadline for class 'batch' must be a number"):
+        parse_deadlines(["batch=-1"])
     with pytest.raises(ValueError, match="<= 1e\\+06"):
         parse_deadlines(["2e6"])
 

@@ -314,8 +314,9 @@ def parse_deadlines(items: Iterable[str]) -> dict[str, float]:
     values = parse_class_values(items, "--deadline", float)
     for name, v in values.items():
         if not (math.isfinite(v) and 0 < wire_ms(v) <= MAX_MS):
+            which = "" if name == ANY_CLASS else f" for class {name!r}"
             raise ValueError(
-                f"--deadline for {name!r} must be a number of seconds > 0 and "
+                f"--deadline{which} must be a number of seconds > 0 and "
                 f"<= {MAX_MS / 1000:g} (sent in ms, to the microsecond), got {v}"
             )
     return values
