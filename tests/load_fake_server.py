@@ -35,6 +35,7 @@ class FakeServer:
         self.bodies: list[dict[str, Any]] = []
         self.slo_headers: list[str | None] = []  # each request's x-slo-ttft-ms
         self.lock = threading.Lock()
+        self.max_model_len: int | None = None
         self.app = FastAPI()
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/completions")(self.completions)
@@ -44,9 +45,13 @@ class FakeServer:
         with self.lock:
             self.bodies.clear()
             self.slo_headers.clear()
+        self.max_model_len: int | None = None  # listed in /v1/models where set
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+        card: dict[str, Any] = {"id": "fake-model", "object": "model"}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return {"object": "list", "data": [card]}
 
     async def completions(self, request: Request) -> Any:
         body = await request.json()

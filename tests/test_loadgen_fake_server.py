@@ -252,6 +252,24 @@ def test_each_rate_of_a_sweep_sends_prompts_of_its_own(server: tuple[FakeServer,
     assert {b["prompt"] for b in fake.bodies} == first
 
 
+def test_the_servers_context_bounds_the_requests_unless_one_is_given(
+    server: tuple[FakeServer, str], tmp_path: Path
+) -> None:
+    """--max-context defaulted to 2,048 tokens beside a server of 1,024: most of a
+    ShareGPT load was refused with HTTP 400. The server's max_model_len now bounds it."""
+    fake, url = server
+    fake.max_model_len = 300
+    path = tmp_path / "load.json"
+    args = ["--url", url, "--max-requests", "3", "--rate", "400", "--json", str(path)]
+    code, output = invoke_load(*args)
+    assert code == 0, output
+    assert "--max-context 300: fake-model's max_model_len" in output
+    assert json.loads(path.read_text())["config"]["max_context_tokens"] == 300
+    code, output = invoke_load(*args, "--max-context", "1000")  # given: kept
+    assert code == 0, output
+    assert json.loads(path.read_text())["config"]["max_context_tokens"] == 1000
+
+
 def test_a_model_the_server_does_not_list_is_refused_before_any_request(
     server: tuple[FakeServer, str],
 ) -> None:

@@ -21,6 +21,7 @@ from duetime.cli.common import (
     _user_errors,
     app,
     err,
+    given_options,
     out,
     refuse_drawing_options,
 )
@@ -121,7 +122,12 @@ def load(
     """Open-loop load against an OpenAI-compatible endpoint: TTFT, TBT, e2e, goodput, deadlines."""
     from duetime.metrics import write_json
     from duetime.server import load_workload as lw
-    from duetime.server.load_target import check_model, check_target, discover_model
+    from duetime.server.load_target import (
+        check_model,
+        check_target,
+        discover_model,
+        served_context,
+    )
     from duetime.server.loadgen import Bounds, Target
 
     with _user_errors():
@@ -154,16 +160,20 @@ def load(
             request_timeout_s=request_timeout,
             concurrency=concurrency,
         )
-        # each rate of a sweep draws its own requests (seed + its place in the sweep): the
-        # same prompts again would find the last run's in the server's prefix cache
-        plans = [
-            (r, dataclasses.replace(spec, seed=spec.seed + k).build(r if r is not None else 1.0))
-            for k, r in enumerate(rates)
-        ]
+        plans = _plans(spec, rates)  # before any request: a bad trace line is named first
         if model is None:
             model = discover_model(base, api_key=api_key)
         else:  # a model the server does not serve: every request a 404
             check_model(base, model, api_key=api_key)
+        context = served_context(base, model, api_key=api_key)
+        if (
+            context is not None
+            and context < spec.max_context
+            and not given_options(ctx, "max_context")
+        ):  # the default sent requests the server could only refuse (HTTP 400)
+            err.print(f"--max-context {context}: {model}'s max_model_len at {base}")
+            spec = dataclasses.replace(spec, max_context=context)
+            plans = _plans(spec, rates)
     target = Target(
         base=base,
         model=model,
@@ -194,6 +204,15 @@ def _rates(spec: LoadWorkload, rate: str) -> list[float | None]:
     from duetime.server import load_workload as lw
 
     return [None] if spec.is_trace else list(lw.parse_rates(rate))
+
+
+def _plans(spec: LoadWorkload, rates: list[float | None]) -> list[tuple[float | None, Any]]:
+    """Each rate's requests. Each rate of a sweep draws its own (seed + its place in the
+    sweep): the same prompts again would find the last run's in the server's prefix cache."""
+    return [
+        (r, dataclasses.replace(spec, seed=spec.seed + k).build(r if r is not None else 1.0))
+        for k, r in enumerate(rates)
+    ]
 
 
 # --- the runs ------------------------------------------------------------------------------
@@ -264,10 +283,24 @@ def _config(target: Target, spec: LoadWorkload, bounds: Bounds) -> dict[str, Any
         # a trace's arrivals are its own: the options that draw them played no part
         **_drawn_by(spec),
         "seed": spec.seed,
+        # the requests' shape: a synthetic workload's lengths, every workload's caps
+        **_lengths(spec),
+        "max_tokens": spec.max_tokens,
+        "fixed_max_tokens": spec.fixed_max_tokens,
+        "max_context_tokens": spec.max_context,
         "class_mix": spec.class_mix,
         "deadlines_s": spec.deadlines,
         "priorities": spec.priorities,
         "bounds": bounds,
+    }
+
+
+def _lengths(spec: LoadWorkload) -> dict[str, Any]:
+    """A synthetic workload's prompt and answer lengths ([low, high] tokens); null else."""
+    synthetic = spec.workload == "synthetic"
+    return {
+        "prompt_len_tokens": list(spec.prompt_len) if synthetic else None,
+        "output_len_tokens": list(spec.output_len) if synthetic else None,
     }
 
 

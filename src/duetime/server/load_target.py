@@ -86,6 +86,21 @@ def check_model(base: str, model: str, *, api_key: str | None = None) -> None:
         raise ValueError(f"--model {model!r}: {base}/v1/models lists {', '.join(listed)}")
 
 
+def served_context(base: str, model: str, *, api_key: str | None = None) -> int | None:
+    """The ``max_model_len`` that ``GET {base}/v1/models`` gives ``model`` (vLLM's and
+    duetime serve's field), or None where the list gives none or cannot be read."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(f"{base}/v1/models", headers=headers, timeout=10.0, trust_env=False)
+        for m in resp.json().get("data") or []:
+            if m.get("id") == model:
+                n = m.get("max_model_len")
+                return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+    except (httpx.HTTPError, ValueError, AttributeError, TypeError):
+        return None
+    return None
+
+
 def discover_model(base: str, *, api_key: str | None = None, timeout_s: float = 10.0) -> str:
     """The first model ``GET {base}/v1/models`` lists (what ``--model`` defaults to)."""
     return discover_models(base, api_key=api_key, timeout_s=timeout_s)[0]
