@@ -177,3 +177,20 @@ def test_version_prints_the_package_version_and_runs_nothing() -> None:
     assert output.strip() == f"duetime {version('duetime')}"
     code, output = _invoke("--version", "sim", "--rate", "-1")  # eager: the command never runs
     assert (code, output.strip()) == (0, f"duetime {version('duetime')}")
+
+
+@pytest.mark.parametrize("command", ["policies", "routers", "profiles"])
+def test_a_listing_names_each_entry_with_what_it_is(command: str) -> None:
+    """The listings were bare names: a reader had to open the docs to choose one."""
+    from duetime.policies import available_policies
+    from duetime.routers import available_routers
+    from duetime.sim.profiles import builtin_profiles
+
+    names = {"policies": available_policies, "routers": available_routers}.get(
+        command, builtin_profiles
+    )()
+    code, output = _invoke(command)
+    assert code == 0, output
+    lines = output.splitlines()
+    assert [line.split()[0] for line in lines] == names  # the name first, for scripts
+    assert all(len(line.split(maxsplit=1)) == 2 for line in lines)  # each described

@@ -340,26 +340,37 @@ def demo(
 
 @app.command()
 def policies() -> None:
-    """List the registered policies."""
-    from duetime.policies import available_policies
+    """List the registered policies, each with what it does."""
+    from duetime.policies.registry import policy_summaries
 
-    for name in available_policies():
-        out.print(name)
+    _listing(policy_summaries())
 
 
 @app.command()
 def routers() -> None:
-    """List the registered fleet routers."""
-    from duetime.routers import available_routers
+    """List the registered fleet routers, each with what it does."""
+    from duetime.routers.registry import router_summaries
 
-    for name in available_routers():
-        out.print(name)
+    _listing(router_summaries())
 
 
 @app.command()
 def profiles() -> None:
-    """List the shipped step-cost profiles."""
-    from duetime.sim.profiles import builtin_profiles
+    """List the shipped step-cost profiles, each with the hardware and model it prices."""
+    import json
 
+    from duetime.sim.profiles import builtin_profiles, profile_path
+
+    about = {}
     for name in builtin_profiles():
-        out.print(name)
+        data = json.loads(profile_path(name).read_text())
+        about[name] = ", ".join(str(data[k]) for k in ("hardware", "model") if k in data)
+    _listing(about)
+
+
+def _listing(about: dict[str, str]) -> None:
+    """One line a name, its description beside it (the name first, for scripts)."""
+    width = max(map(len, about), default=0)
+    for name, text in about.items():
+        line = f"{name:<{width}}  {text}".rstrip()
+        out.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -56,3 +56,8 @@ class Registry(Generic[P]):
         """Every registered name, sorted."""
         self._load()
         return sorted(self._factories)
+
+    def summary(self, name: str) -> str:
+        """The first line of ``name``'s docstring: what the listing commands print."""
+        doc = (self.factory(name).__doc__ or "").strip().replace("``", "")
+        return doc.splitlines()[0] if doc else ""

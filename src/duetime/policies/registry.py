@@ -58,3 +58,8 @@ def policy_arguments(factory: Callable[..., Policy]) -> list[str]:
 
 def available_policies() -> list[str]:
     return _POLICIES.names()
+
+
+def policy_summaries() -> dict[str, str]:
+    """Each policy's name and what it does (its docstring's first line)."""
+    return {name: _POLICIES.summary(name) for name in _POLICIES.names()}

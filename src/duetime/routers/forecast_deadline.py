@@ -28,6 +28,8 @@ from duetime.routers.registry import register
 
 @register("forecast")
 class ForecastDeadline:
+    """Forecast every up replica; refuse when none meets the deadline, else the earliest finish."""
+
     name = "forecast"
 
     def __init__(self, seed: int = 0) -> None:

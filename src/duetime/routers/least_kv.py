@@ -17,6 +17,8 @@ from duetime.routers.registry import register
 
 @register("least-kv")
 class LeastKV:
+    """Smallest share of KV in use; then fewest outstanding (llm-d's kv-cache scorer)."""
+
     name = "least-kv"
 
     def __init__(self, seed: int = 0) -> None:

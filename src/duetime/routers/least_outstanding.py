@@ -28,6 +28,8 @@ def least(values: np.ndarray, up: np.ndarray) -> int:
 
 @register("lor")
 class LeastOutstanding:
+    """Fewest running + waiting; lowest index on ties (Vidur's LOR)."""
+
     name = "lor"
 
     def __init__(self, seed: int = 0) -> None:

@@ -17,6 +17,8 @@ from duetime.routers.registry import register
 
 @register("power-of-two")
 class PowerOfTwo:
+    """Two distinct up replicas at random, the one with fewer outstanding."""
+
     name = "power-of-two"
 
     def __init__(self, seed: int = 0) -> None:

@@ -22,6 +22,8 @@ DEFAULT_CAP = 8
 
 @register("prefix-affinity")
 class PrefixAffinity:
+    """Most prompt tokens cached, among replicas not far above the least loaded."""
+
     name = "prefix-affinity"
 
     def __init__(self, seed: int = 0, cap: int = DEFAULT_CAP) -> None:

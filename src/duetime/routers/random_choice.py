@@ -16,6 +16,8 @@ from duetime.routers.registry import register
 
 @register("random")
 class RandomChoice:
+    """Uniform over the up replicas, seeded (Vidur's random)."""
+
     name = "random"
 
     def __init__(self, seed: int = 0) -> None:

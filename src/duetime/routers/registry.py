@@ -29,3 +29,8 @@ def make_router(name: str, *, seed: int = 0, **kwargs: Any) -> Router:
 def available_routers() -> list[str]:
     """Names of the built-in routers, sorted."""
     return _ROUTERS.names()
+
+
+def router_summaries() -> dict[str, str]:
+    """Each router's name and what it does (its docstring's first line)."""
+    return {name: _ROUTERS.summary(name) for name in _ROUTERS.names()}

@@ -16,6 +16,8 @@ from duetime.routers.registry import register
 
 @register("round-robin")
 class RoundRobin:
+    """Replica k mod n for the k-th request, skipping replicas that are down."""
+
     name = "round-robin"
 
     def __init__(self, seed: int = 0) -> None:

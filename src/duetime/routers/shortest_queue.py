@@ -17,6 +17,8 @@ from duetime.routers.registry import register
 
 @register("shortest-queue")
 class ShortestQueue:
+    """Fewest waiting; then fewest running (llm-d's queue scorer)."""
+
     name = "shortest-queue"
 
     def __init__(self, seed: int = 0) -> None:
