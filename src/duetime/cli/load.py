@@ -57,7 +57,8 @@ def load(
         int, typer.Option("--max-requests", "--requests", min=1, help="Requests per rate, at most.")
     ] = 100,
     rate: Annotated[
-        str, typer.Option(help="Arrival rate(s), requests/s; '1,2,4' sweeps, one run each.")
+        str,
+        typer.Option(help="Arrival rate(s), requests/s ('inf': all at once); '1,2,4' sweeps."),
     ] = "1",
     arrival: ArrivalOpt = "poisson",
     cv: CvOpt = 1.0,
@@ -89,7 +90,8 @@ def load(
         typer.Option(help="CLASS=SECONDS after arrival (repeatable); SECONDS alone: every class."),
     ] = None,
     priority: Annotated[
-        list[str] | None, typer.Option(help="CLASS=INT priority sent with the requests.")
+        list[str] | None,
+        typer.Option(help="Priority sent with the requests: INT for all, or CLASS=INT."),
     ] = None,
     duration: Annotated[
         float, typer.Option(min=0.0, help="Stop launching after this many seconds.")

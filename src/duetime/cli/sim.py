@@ -42,7 +42,11 @@ PredictorOpt = Annotated[
     ),
 ]
 DeadlineScaleOpt = Annotated[
-    float | None, typer.Option(help="Deadline = arrival + scale × time alone.")
+    float | None,
+    typer.Option(
+        help="Deadline = arrival + scale × time alone, for each request without one "
+        "(default: none; a trace's own deadlines stay)."
+    ),
 ]
 PrefixCacheOpt = Annotated[
     int,
@@ -75,8 +79,12 @@ def sim(
     profile: ProfileOpt = "a100-llama2-7b",
     predictor: PredictorOpt = "policy",
     deadline_scale: DeadlineScaleOpt = None,
-    kv_capacity: Annotated[int | None, typer.Option(min=1, help="Override KV tokens.")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(min=1, help="Override batch cap.")] = None,
+    kv_capacity: Annotated[
+        int | None, typer.Option(min=1, help="KV budget, tokens (default: the profile's).")
+    ] = None,
+    max_num_seqs: Annotated[
+        int | None, typer.Option(min=1, help="Batch cap (default: the profile's).")
+    ] = None,
     prefix_cache: PrefixCacheOpt = 0,
     shared_prefix: SharedPrefixOpt = 0,
     prefix_groups: PrefixGroupsOpt = 1,
