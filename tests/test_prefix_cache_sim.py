@@ -109,6 +109,18 @@ def test_the_prefix_cache_is_off_by_default_and_refuses_a_negative_budget() -> N
         Simulator(make_policy("fcfs"), SIMPLE_COST, SimConfig(prefix_compute_tail=0))
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--prefix-cache", "15"), "--prefix-cache 15 holds no 16-token block"),
+        (("--prefix-groups", "3"), "--prefix-groups draws among --shared-prefix system prompts"),
+    ],
+)
+def test_prefix_options_that_change_nothing_are_refused(args: tuple[str, ...], words: str) -> None:
+    """Each ran as if not given, and the JSON recorded it as the run's setting."""
+    cli_refused("sim", "--requests", "20", *args, names=words)
+
+
 def test_a_recomputed_request_reuses_its_own_prompt_and_answer() -> None:
     """Memory for one request at a time, two requests decoding: FCFS preempts the newer
     by recompute; back in, its prompt and the answer it had are in the cache (under

@@ -241,6 +241,7 @@ class PlannedRun:
 
 def plan_spec(spec: SimSpec, jobs: list[Job] | None = None) -> PlannedRun:
     """Resolve a spec (profile, policy, predictor) and give its jobs their deadlines."""
+    _check_prefix_options(spec)
     cost, cfg = sim_config(spec)
     policy = make_policy(spec.policy)
     pred_name = policy.default_predictor if spec.predictor == "policy" else spec.predictor
@@ -251,6 +252,20 @@ def plan_spec(spec: SimSpec, jobs: list[Job] | None = None) -> PlannedRun:
     if spec.deadline_scale is not None:
         assign_deadlines(jobs, cost, spec.deadline_scale)
     return PlannedRun(spec, jobs, cost, cfg, policy, pred_name, predictor)
+
+
+def _check_prefix_options(spec: SimSpec) -> None:
+    """Refuse prefix options that would change nothing: each was run, and recorded as
+    the run's setting."""
+    from duetime.core.prefix_cache import DEFAULT_BLOCK_SIZE
+
+    if 0 < spec.prefix_cache < DEFAULT_BLOCK_SIZE:
+        raise ValueError(
+            f"--prefix-cache {spec.prefix_cache} holds no {DEFAULT_BLOCK_SIZE}-token block: "
+            f"give 0 (none) or >= {DEFAULT_BLOCK_SIZE}"
+        )
+    if spec.prefix_groups != 1 and not spec.shared_prefix:
+        raise ValueError("--prefix-groups draws among --shared-prefix system prompts: give both")
 
 
 def run_planned(plan: PlannedRun, progress: Any = None) -> tuple[SimResult, dict[str, Any]]:
