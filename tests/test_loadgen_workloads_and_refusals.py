@@ -251,3 +251,11 @@ def test_a_workload_that_is_no_name_nor_file_is_named() -> None:
         LoadWorkload(workload="nope").build(1.0)
     with pytest.raises(ValueError, match=r"--workload x/t\.jsonl: the trace file does not exist"):
         LoadWorkload(workload="x/t.jsonl").build(1.0)
+
+
+def test_a_duration_of_nothing_is_refused() -> None:
+    from tests.factories import cli_refused
+
+    cli_refused(
+        "load", "--url", "http://127.0.0.1:9", "--duration", "0", names="--duration must be > 0 s"
+    )

@@ -155,6 +155,8 @@ def load(
         if spec.is_trace and Path(workload).exists():  # a missing file: build names it
             refuse_drawing_options(ctx, ("rate", "arrival", "cv", "burst_size"))
         rates = _rates(spec, rate)
+        if not duration > 0:  # it sent nothing and exited 0
+            raise ValueError(f"--duration must be > 0 s (no request is sent in {duration:g} s)")
         bounds = Bounds(
             max_requests=requests,
             duration_s=duration,
