@@ -93,11 +93,11 @@ def test_a_first_token_bound_is_sent_and_how_it_was_kept_is_reported(
     run = run_load(plan_requests(20), Target(base=url, model="m", slo_ttft_ms=500), Bounds())
     assert fake.slo_headers == ["500"] * 20
     kept = summarize_run(run, 0.5)
-    assert kept["ttft_slo_met"] == 1.0
+    assert kept["ttft_slo_met_rate"] == 1.0
     assert kept["ttft_slo_refused"] == 4
     assert 0 < kept["ttft_slo_refusal_p50_s"] <= kept["ttft_slo_refusal_max_s"] < 0.5
-    assert summarize_run(run, 0.001)["ttft_slo_met"] == 0.0
-    assert "ttft_slo_met" not in summarize_run(run)
+    assert summarize_run(run, 0.001)["ttft_slo_met_rate"] == 0.0
+    assert "ttft_slo_met_rate" not in summarize_run(run)
 
 
 def test_wire_format_completions_and_chat(server: tuple[FakeServer, str]) -> None:
@@ -214,7 +214,7 @@ def test_cli_sweep_writes_json_rows_and_png(server: tuple[FakeServer, str], tmp_
     assert code == 0, output
     payload = json.loads(j.read_text())
     assert payload["config"]["slo_ttft_ms"] == 500
-    assert all(r["ttft_slo_s"] == 0.5 and 0 <= r["ttft_slo_met"] <= 1 for r in payload["rows"])
+    assert all(r["ttft_slo_s"] == 0.5 and 0 <= r["ttft_slo_met_rate"] <= 1 for r in payload["rows"])
     assert payload["config"]["model"] == "fake-model"  # discovered from /v1/models
     rows = payload["rows"]
     assert [r["rate_req_s"] for r in rows] == [200.0, 400.0]
@@ -230,7 +230,7 @@ def test_cli_sweep_writes_json_rows_and_png(server: tuple[FakeServer, str], tmp_
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "e2e_p90_s" in output
     assert "deadline_hit_rate" in output
-    assert "ttft_slo_met" in output
+    assert "ttft_slo_met_rate" in output
 
 
 def test_each_rate_of_a_sweep_sends_prompts_of_its_own(server: tuple[FakeServer, str]) -> None:

@@ -268,7 +268,7 @@ def _print_table(rows: list[dict[str, Any]], target: Target, slo_s: float | None
     keys = list(TABLE_KEYS)
     keys += sorted({k for row in rows for k in row if k.startswith("deadline_hit_rate[")})
     if slo_s is not None:
-        keys += ["ttft_slo_met", "ttft_slo_refused", "ttft_slo_refusal_p50_s"]
+        keys += ["ttft_slo_met_rate", "ttft_slo_refused", "ttft_slo_refusal_p50_s"]
     shown = [(run_label(row["rate_req_s"]), row) for row in rows]  # render_table escapes labels
     title = escape(f"{target.model} at {target.base}{target.path}")
     out.print(render_table(shown, keys=keys, title=title))

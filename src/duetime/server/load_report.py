@@ -129,7 +129,7 @@ def summarize_run(run: LoadRun, slo_ttft_s: float | None = None) -> Row:
 
 
 def ttft_slo_report(sent: Sequence[Outcome], bound_s: float) -> Row:
-    """How a first-token bound was kept: ``ttft_slo_met``, the share of the answered
+    """How a first-token bound was kept: ``ttft_slo_met_rate``, the share of the answered
     requests whose first token came within it; ``ttft_slo_refused``, the 429s; and
     ``ttft_slo_refusal_p50_s`` / ``_max_s``, how long a refusal took to arrive (a bound
     no server can meet should be refused at once, not after a wait)."""
@@ -146,7 +146,7 @@ def ttft_slo_report(sent: Sequence[Outcome], bound_s: float) -> Row:
     ]
     return {
         "ttft_slo_s": bound_s,
-        "ttft_slo_met": len(met) / len(answered) if answered else None,
+        "ttft_slo_met_rate": len(met) / len(answered) if answered else None,
         "ttft_slo_refused": len(refusals),
         "ttft_slo_refusal_p50_s": float(np.percentile(refusals, 50)) if refusals else None,
         "ttft_slo_refusal_max_s": max(refusals) if refusals else None,
