@@ -225,6 +225,9 @@ def validate(
                 eviction=eviction, predictor=predictor, floor_runs=floor_runs,
                 samples=samples_path,
             )  # fmt: skip
+        # what a rerun needs beside the run's own figures
+        fig.update(dtype=dtype, threads=threads, seed=seed)
+        fig.update(max_prompt_tokens=max_prompt, max_output_tokens=max_output)
         with console.status("repeating identical steps for the noise floor (end)"):
             last = measure_noise(model)
         floor = noise_floor_pct(pool_noise(first, last))
