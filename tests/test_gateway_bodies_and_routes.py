@@ -89,3 +89,37 @@ def test_a_transport_error_is_told_in_words_not_class_names() -> None:
 
     broken = [FakeBackend(f"b{i}", fates=[Fate("break_before")]) for i in range(2)]
     asyncio.run(with_fakes(broken, GatewayConfig(health_interval_s=60.0), scenario))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "x"),
+        ("max_tokens", 0),
+        ("deadline_ms", -5),
+        ("priority", 1.5),
+        ("stream", "yes"),
+        ("model", 3),
+    ],
+)
+def test_a_field_the_gateway_reads_is_typed_as_a_backend_would(field: str, value: object) -> None:
+    """Read leniently, a wrong type was relayed for the backend to refuse, or answered
+    503 when none was up: now the 400 a backend gives, naming the field."""
+
+    async def scenario(app: Any, gw: Gateway) -> None:
+        body = json.dumps({"model": MODEL, "prompt": "hi", field: value}).encode()
+        seen = await call(app, "POST", "/v1/completions", body)
+        assert seen.status == 400, seen.body
+        assert json.loads(seen.body)["error"]["param"] == field
+
+    down = FakeBackend("b0", down=(0.0, 1e9))  # no backend up: it was a 503
+    asyncio.run(with_fakes([down], GatewayConfig(health_interval_s=60.0), scenario))
+
+
+def test_null_fields_are_the_defaults_at_the_gateway() -> None:
+    async def scenario(app: Any, gw: Gateway) -> None:
+        nulls = dict.fromkeys(("max_tokens", "deadline_ms", "priority", "stream"))
+        body = json.dumps({"model": MODEL, "prompt": "hi", **nulls}).encode()
+        assert (await call(app, "POST", "/v1/completions", body)).status == 200
+
+    asyncio.run(with_fakes([FakeBackend("b0")], GatewayConfig(), scenario))

@@ -49,24 +49,46 @@ def parse_body(raw: bytes, content_type: str) -> dict[str, Any]:
     return body
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _checked(body: dict[str, Any], key: str, ok: Any, what: str) -> Any:
+    """``body[key]`` where it is absent, null or ``ok(value)``; else the 400 a backend
+    would give. The gateway reads these fields itself: read leniently, a wrong type was
+    relayed and refused by the backend, or answered 503 when none was up."""
+    v = body.get(key)
+    if v is not None and not ok(v):
+        raise ApiError(400, f"{key} must be {what}, got {v!r}"[:200], param=key)
+    return v
+
+
 def _request_fields(
     body: dict[str, Any], chat: bool
 ) -> tuple[int, float | None, int, str | None, bool]:
-    mt = body.get("max_completion_tokens") if chat else None
+    def counts(v: Any) -> bool:
+        return _is_int(v) and v >= 1
+
+    def ms_number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= MAX_MS
+
+    mt = _checked(body, "max_completion_tokens", counts, "an integer >= 1") if chat else None
     if mt is None:
-        mt = body.get("max_tokens")
-    if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+        mt = _checked(body, "max_tokens", counts, "an integer >= 1")
+    if mt is None:
         mt = 256 if chat else _DEFAULT_MAX_TOKENS
     if mt > MAX_TOKENS_LIMIT:  # the backend refuses it too; here it would overflow the estimate
         raise ApiError(400, f"max_tokens must be <= {MAX_TOKENS_LIMIT}", param="max_tokens")
-    ms = body.get("deadline_ms", body.get("time_budget_ms"))
-    if isinstance(ms, int | float) and not isinstance(ms, bool) and ms > MAX_MS:
-        raise ApiError(400, f"deadline_ms must be <= {MAX_MS:.0f}", param="deadline_ms")
-    deadline = float(ms) / 1000.0 if isinstance(ms, int | float) and ms > 0 else None
-    prio = body.get("priority", 0)
-    prio = prio if isinstance(prio, int) and not isinstance(prio, bool) else 0
-    model = body.get("model") if isinstance(body.get("model"), str) else None
-    return mt, deadline, prio, model, bool(body.get("stream", False))
+    for key in ("deadline_ms", "time_budget_ms"):
+        _checked(body, key, ms_number, f"a number of milliseconds > 0 and <= {MAX_MS:.0f}")
+    ms = body.get("deadline_ms")
+    if ms is None:
+        ms = body.get("time_budget_ms")
+    prio = _checked(body, "priority", _is_int, "an integer")
+    stream = _checked(body, "stream", lambda v: isinstance(v, bool), "true or false")
+    model = _checked(body, "model", lambda v: isinstance(v, str), "a string")
+    deadline = None if ms is None else float(ms) / 1000.0
+    return mt, deadline, prio or 0, model, bool(stream)
 
 
 #: The deadline headers the gateway reads (lower case, as HTTP/2 and Starlette give them).
