@@ -198,3 +198,17 @@ def test_bench_fleet_writes_its_json_before_the_tables(
     j = tmp_path / "f.json"
     runner.invoke(app, ["bench", "fleet", "--json", str(j)])
     assert json.loads(j.read_text())["rows"][0]["router"] == "lor"
+
+
+def test_a_plot_is_written_in_the_format_its_name_asks_for(tmp_path: Path) -> None:
+    """`--plot x.pdf` held PNG bytes; a name matplotlib has no writer for stays PNG."""
+    from matplotlib.figure import Figure
+
+    from duetime.metrics.atomic import save_png
+
+    heads = {"pdf": b"%PDF", "svg": b"<?xml", "png": b"\x89PNG", "plot": b"\x89PNG"}
+    for suffix, head in heads.items():
+        fig = Figure()
+        fig.add_subplot().plot([1, 2])
+        path = save_png(fig, tmp_path / f"p.{suffix}")
+        assert path.read_bytes().startswith(head), suffix

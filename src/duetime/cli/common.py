@@ -69,7 +69,10 @@ JsonOpt = Annotated[
     typer.Option("--json", help="Write the figures to this JSON file.", callback=output_path),
 ]
 PlotOpt = Annotated[
-    Path | None, typer.Option("--plot", help="Write a PNG plot here.", callback=output_path)
+    Path | None,
+    typer.Option(
+        "--plot", help="Write the plot here (PNG; .pdf or .svg by name).", callback=output_path
+    ),
 ]
 
 # The embedded engine's (`serve`, `profile`, `validate`, the engine benches); each

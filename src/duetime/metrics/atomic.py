@@ -97,14 +97,19 @@ def prepare_parent(target: Path, *, create: bool = True) -> Path:
 
 
 def save_png(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:
-    """Write a matplotlib figure as PNG atomically (a reader never sees half a file).
+    """Write a matplotlib figure atomically (a reader never sees half a file): PNG, or
+    the format the name asks for where matplotlib writes it (``.pdf``, ``.svg``: a
+    ``--plot x.pdf`` held PNG bytes).
 
     Works for pyplot figures and bare ``matplotlib.figure.Figure`` objects, and
     closes pyplot figures afterwards so long sweeps do not accumulate them.
     """
     target = Path(path)
+    fmt = target.suffix.lower().lstrip(".")
+    if fmt not in fig.canvas.get_supported_filetypes():
+        fmt = "png"
     with atomic_path(target) as tmp:
-        fig.savefig(tmp, format="png", dpi=dpi)
+        fig.savefig(tmp, format=fmt, dpi=dpi)
     import matplotlib.pyplot as plt
 
     if plt.fignum_exists(getattr(fig, "number", -1)):
