@@ -138,3 +138,19 @@ def test_bench_fleet_compares_routers_on_both_fleets(tmp_path: Path) -> None:
     png = tmp_path / "bench.png"
     bench_fleet.plot(fig, png)
     assert png.stat().st_size > 0
+
+
+def test_a_fleet_row_counts_the_replicas_refusals_and_policy_calls(tmp_path: Path) -> None:
+    """A prompt no replica's KV holds was counted `rejected` on one engine, and nowhere
+    in a fleet's row (the eight it cancelled showed no cause)."""
+    rows = {}
+    for n in ("1", "2"):
+        out = tmp_path / f"r{n}.json"
+        args = ["sim", "--requests", "100", "--kv-capacity", "1000", "--replicas", n]
+        res = runner.invoke(app, [*args, "--json", str(out)])
+        assert res.exit_code == 0, res.output
+        rows[n] = json.loads(out.read_text())
+    fleet = rows["2"]
+    assert fleet["summary"]["rejected"] == rows["1"]["summary"]["rejected"] > 0
+    assert fleet["summary"]["rejected"] == sum(r["rejected"] for r in fleet["replicas"])
+    assert fleet["summary"]["policy_calls"] == sum(r["policy_calls"] for r in fleet["replicas"])

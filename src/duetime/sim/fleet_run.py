@@ -28,6 +28,8 @@ FLEET_FIGURES = (
     "preemptions",
     "kv_peak_tokens",
     "prompt_cached_pct",
+    "policy_calls",
+    "rejected",
 )
 
 
@@ -104,6 +106,10 @@ def run_fleet(
                 sum(r.preemptions for r in result.replicas),
                 max(r.kv_peak for r in result.replicas),
                 prompt_cached_pct(result.records),
+                sum(r.policy_calls for r in result.replicas),
+                # the replicas' own refusals (a one-engine run's `rejected`); the router's
+                # are `refused`
+                sum(r.counters.get("rejected", 0) for r in result.replicas),
             ),
             strict=True,
         )
@@ -118,6 +124,8 @@ def run_fleet(
             kv_peak_tokens=rep.kv_peak,
             mean_running=rep.mean_running,
             sim_time_s=rep.sim_time,
+            policy_calls=rep.policy_calls,
+            rejected=rep.counters.get("rejected", 0),
         )
         per.append(r)
     return result, row, per
