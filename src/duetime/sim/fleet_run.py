@@ -124,8 +124,7 @@ def run_fleet(
             kv_peak_tokens=rep.kv_peak,
             mean_running=rep.mean_running,
             sim_time_s=rep.sim_time,
-            policy_calls=rep.policy_calls,
-            rejected=rep.counters.get("rejected", 0),
         )
+        r["policy_calls"], r["rejected"] = rep.policy_calls, rep.counters.get("rejected", 0)
         per.append(r)
     return result, row, per
