@@ -90,6 +90,18 @@ def test_sweep_refuses_an_unknown_metric_before_running(tmp_path: Path) -> None:
     assert not png.exists()
 
 
+def test_a_sweep_runs_a_repeated_name_or_number_once(tmp_path: Path) -> None:
+    """`--rates 2,2 --seeds 0,0 --policies fcfs,fcfs` ran every run twice, under one label."""
+    j = tmp_path / "s.json"
+    code, out = _invoke(
+        "sweep", "--requests", "50", "--policies", "fcfs,fcfs,edf", "--rates", "2,2",
+        "--seeds", "0,0", "--replicas", "2,2", "--workers", "1", "--json", str(j),
+    )  # fmt: skip
+    assert code == 0, out
+    assert sorted(r["policy"] for r in json.loads(j.read_text())["rows"]) == ["edf", "fcfs"]
+    cli_refused("sweep", "--policies", "", names="--policies names no policy")
+
+
 def test_a_trace_sweeps_once_per_policy_and_seed_not_per_rate(tmp_path: Path) -> None:
     trace, j, png = tmp_path / "t.jsonl", tmp_path / "s.json", tmp_path / "s.png"
     assert _invoke(*SIM, "--save-trace", str(trace))[0] == 0

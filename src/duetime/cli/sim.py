@@ -25,7 +25,7 @@ from duetime.cli.common import (
 )
 from duetime.cli.paths import input_path, output_path, writable
 from duetime.cli.sim_fleet import FailOpt, FleetOpt, ReplicaProfileOpt, ReplicasOpt, RouterOpt
-from duetime.comma_lists import comma_numbers
+from duetime.comma_lists import comma_list, comma_numbers
 
 # Options `sim` and `sweep` share (a sweep runs `sim` for every policy × rate × seed).
 WorkloadOpt = Annotated[
@@ -246,12 +246,18 @@ def sweep(
         fleets = [
             fleet_fields(n, r, replica_profile, fleet, fail) for n in sizes for r in router_list
         ]
+        # a name or number given twice ran twice, under one label
+        rate_list, seed_list = list(dict.fromkeys(rate_list)), list(dict.fromkeys(seed_list))
+        policy_list = list(dict.fromkeys(comma_list(policies)))
+        if not policy_list:
+            _fail("--policies names no policy: give one or more, comma-separated")
+        fleets = [f for i, f in enumerate(fleets) if f not in fleets[:i]]
         trace = is_trace(SimSpec(workload=workload))
         if trace:
             rate_list = rate_list[:1]  # a trace has its own arrival times: one run, not one a rate
         specs = [
             SimSpec(
-                policy=p.strip(),
+                policy=p,
                 workload=workload,
                 requests=requests,
                 rate=r,
@@ -267,7 +273,7 @@ def sweep(
                 prefix_groups=prefix_groups,
                 **f,
             )
-            for p in policies.split(",")
+            for p in policy_list
             for r in rate_list
             for s in seed_list
             for f in fleets
