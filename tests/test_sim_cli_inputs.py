@@ -102,6 +102,14 @@ def test_a_sweep_runs_a_repeated_name_or_number_once(tmp_path: Path) -> None:
     cli_refused("sweep", "--policies", "", names="--policies names no policy")
 
 
+def test_an_infinite_rate_is_recorded_as_the_option_takes_it(tmp_path: Path) -> None:
+    """JSON has no number for inf: it was written null, a trace's mark for "no rate"."""
+    j = tmp_path / "s.json"
+    code, out = _invoke("sim", "--requests", "20", "--rate", "inf", "--json", str(j))
+    assert code == 0, out
+    assert json.loads(j.read_text())["spec"]["rate"] == "inf"
+
+
 def test_a_trace_sweeps_once_per_policy_and_seed_not_per_rate(tmp_path: Path) -> None:
     trace, j, png = tmp_path / "t.jsonl", tmp_path / "s.json", tmp_path / "s.png"
     assert _invoke(*SIM, "--save-trace", str(trace))[0] == 0

@@ -9,6 +9,7 @@ reproducible.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,10 +75,14 @@ class SimSpec:
 
     def recorded(self) -> dict[str, Any]:
         """The spec as a result file keeps it: for a trace, the fields that played no
-        part (:data:`GENERATED_ONLY`) are null, not the defaults nobody chose."""
+        part (:data:`GENERATED_ONLY`) are null, not the defaults nobody chose; an
+        infinite rate (all at once) as ``"inf"``, what ``--rate`` takes (strict JSON has
+        no number for it, and null is a trace's)."""
         fields = asdict(self)
         if is_trace(self):
             fields.update(dict.fromkeys(GENERATED_ONLY))
+        elif math.isinf(self.rate):
+            fields["rate"] = "inf"
         return fields
 
 
