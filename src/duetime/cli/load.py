@@ -124,12 +124,7 @@ def load(
     """Open-loop load against an OpenAI-compatible endpoint: TTFT, TBT, e2e, goodput, deadlines."""
     from duetime.metrics import write_json
     from duetime.server import load_workload as lw
-    from duetime.server.load_target import (
-        check_model,
-        check_target,
-        discover_model,
-        served_context,
-    )
+    from duetime.server.load_target import check_target, resolve_model
     from duetime.server.loadgen import Bounds, Target
 
     with _user_errors():
@@ -165,11 +160,7 @@ def load(
             concurrency=concurrency,
         )
         plans = _plans(spec, rates)  # before any request: a bad trace line is named first
-        if model is None:
-            model = discover_model(base, api_key=api_key)
-        else:  # a model the server does not serve: every request a 404
-            check_model(base, model, api_key=api_key)
-        context = served_context(base, model, api_key=api_key)
+        model, context = resolve_model(base, model, api_key=api_key)
         if (
             context is not None
             and context < spec.max_context

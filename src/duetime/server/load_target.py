@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import Any
 
 import httpx
 
@@ -75,30 +76,27 @@ def check_target(url: str, *, allow_remote: bool) -> str:
     return base
 
 
-def check_model(base: str, model: str, *, api_key: str | None = None) -> None:
-    """Refuse a ``--model`` that ``GET {base}/v1/models`` does not list (every request
-    would be a 404); a server whose list cannot be read is taken at its word."""
+def resolve_model(
+    base: str, model: str | None, *, api_key: str | None = None
+) -> tuple[str, int | None]:
+    """The model to send (``model``, else the first ``GET {base}/v1/models`` lists) and the
+    ``max_model_len`` the list gives it (vLLM's and duetime serve's field; None where it
+    gives none), from one read of the list. A ``model`` the list does not name is
+    refused (every request would be a 404); a server whose list cannot be read is taken
+    at its word about a ``model`` given."""
     try:
-        listed = discover_models(base, api_key=api_key)
+        cards = _model_cards(base, api_key=api_key)
     except ValueError:
-        return
-    if model not in listed:
-        raise ValueError(f"--model {model!r}: {base}/v1/models lists {', '.join(listed)}")
-
-
-def served_context(base: str, model: str, *, api_key: str | None = None) -> int | None:
-    """The ``max_model_len`` that ``GET {base}/v1/models`` gives ``model`` (vLLM's and
-    duetime serve's field), or None where the list gives none or cannot be read."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = httpx.get(f"{base}/v1/models", headers=headers, timeout=10.0, trust_env=False)
-        for m in resp.json().get("data") or []:
-            if m.get("id") == model:
-                n = m.get("max_model_len")
-                return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
-    except (httpx.HTTPError, ValueError, AttributeError, TypeError):
-        return None
-    return None
+        if model is None:
+            raise
+        return model, None
+    ids = [card["id"] for card in cards]
+    if model is None:
+        model = ids[0]
+    elif model not in ids:
+        raise ValueError(f"--model {model!r}: {base}/v1/models lists {', '.join(ids)}")
+    n = cards[ids.index(model)].get("max_model_len")
+    return model, n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def discover_model(base: str, *, api_key: str | None = None, timeout_s: float = 10.0) -> str:
@@ -108,16 +106,24 @@ def discover_model(base: str, *, api_key: str | None = None, timeout_s: float = 
 
 def discover_models(base: str, *, api_key: str | None = None, timeout_s: float = 10.0) -> list[str]:
     """The models ``GET {base}/v1/models`` lists, at least one; ValueError otherwise."""
+    return [card["id"] for card in _model_cards(base, api_key=api_key, timeout_s=timeout_s)]
+
+
+def _model_cards(
+    base: str, *, api_key: str | None = None, timeout_s: float = 10.0
+) -> list[dict[str, Any]]:
+    """The entries of ``GET {base}/v1/models`` (each with its ``id`` as a string), at least
+    one; ValueError otherwise."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         resp = httpx.get(f"{base}/v1/models", headers=headers, timeout=timeout_s, trust_env=False)
         resp.raise_for_status()
-        ids = [str(m["id"]) for m in resp.json().get("data") or []]
+        cards = [{**m, "id": str(m["id"])} for m in resp.json().get("data") or []]
     except httpx.HTTPError as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__  # httpx adds a docs link
         raise ValueError(f"cannot list models at {base}/v1/models ({why}); pass --model") from None
     except (ValueError, KeyError, TypeError, AttributeError):
-        ids = []
-    if not ids:
+        cards = []
+    if not cards:
         raise ValueError(f"{base}/v1/models lists no model; pass --model")
-    return ids
+    return cards
