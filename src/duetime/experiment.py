@@ -10,7 +10,6 @@ reproducible.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +100,7 @@ def is_trace(spec: SimSpec) -> bool:
 def build_jobs(spec: SimSpec) -> list[Job]:
     """The workload of a spec (deadlines are added by :func:`plan_spec`)."""
     from duetime import workloads as wl
+    from duetime.workloads.trace_name import check_trace_exists
 
     if is_trace(spec):
         if spec.shared_prefix:
@@ -108,13 +108,7 @@ def build_jobs(spec: SimSpec) -> list[Job]:
                 "--shared-prefix applies to generated workloads; a trace names its prefixes "
                 "(prefix_group, prefix_len)"
             )
-        if not Path(spec.workload).exists():
-            if _looks_like_path(spec.workload):
-                raise ValueError(f"--workload {spec.workload}: the trace file does not exist")
-            raise ValueError(
-                f"unknown workload {spec.workload!r}: use {', '.join(GENERATED_WORKLOADS)} "
-                "or the path of a JSONL trace file"
-            )
+        check_trace_exists(spec.workload, f"use {', '.join(GENERATED_WORKLOADS)}")
         return wl.read_trace(spec.workload)
     arrivals = wl.arrival_process(spec.arrival, spec.rate, cv=spec.cv, burst_size=spec.burst_size)
     source: wl.LengthSource | None = None
@@ -138,11 +132,6 @@ def build_jobs(spec: SimSpec) -> list[Job]:
             wl.SharedPrefix(spec.shared_prefix, spec.prefix_groups) if spec.shared_prefix else None
         ),
     )
-
-
-def _looks_like_path(name: str) -> bool:
-    """Whether a workload name is meant as a file (``.jsonl``, or a folder in it)."""
-    return name.endswith(".jsonl") or "/" in name or (os.altsep or os.sep) in name
 
 
 #: The workloads whose requests carry their prompt's text (what ``learned`` reads).

@@ -23,10 +23,8 @@ is text and classes:
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -110,6 +108,7 @@ class LoadWorkload:
     def build(self, rate: float) -> list[LoadRequest]:
         """The requests of one run at ``rate`` requests/s, sorted by arrival."""
         from duetime.workloads.trace import read_trace_lines
+        from duetime.workloads.trace_name import check_trace_exists
 
         lines: list[TraceLine] = []
         fixed = self.fixed_max_tokens
@@ -120,7 +119,7 @@ class LoadWorkload:
                 f"--fixed-max-tokens must be in [1, --max-context {self.max_context}), got {fixed}"
             )
         if self.is_trace:
-            self._check_trace_name()
+            check_trace_exists(self.workload, "load takes sharegpt, synthetic")
             if self.class_mix:
                 raise ValueError("--class-mix cannot be used with a trace: it names its classes")
             lines = read_trace_lines(self.workload)[: self.requests]
@@ -174,19 +173,6 @@ class LoadWorkload:
                 )
             )
         return out
-
-    def _check_trace_name(self) -> None:
-        """A workload that is neither a generated one nor a file: named as the unknown
-        name it likely is ("nope: cannot read" named neither the option nor the choices)."""
-        name = self.workload
-        if Path(name).exists():
-            return
-        if name.endswith(".jsonl") or os.sep in name or (os.altsep or os.sep) in name:
-            raise ValueError(f"--workload {name}: the trace file does not exist")
-        raise ValueError(
-            f"unknown workload {name!r}: load takes sharegpt, synthetic or the path of a "
-            "JSONL trace file"
-        )
 
     def _jobs(self, rate: float) -> list[Job]:
         from duetime import workloads as wl
