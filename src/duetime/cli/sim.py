@@ -243,15 +243,15 @@ def sweep(
         router_list: list[str | None] = (
             [r.strip() for r in routers.split(",")] if routers else [None]
         )
-        fleets = [
-            fleet_fields(n, r, replica_profile, fleet, fail) for n in sizes for r in router_list
-        ]
         # a name or number given twice ran twice, under one label
+        sizes, router_list = list(dict.fromkeys(sizes)), list(dict.fromkeys(router_list))
         rate_list, seed_list = list(dict.fromkeys(rate_list)), list(dict.fromkeys(seed_list))
         policy_list = list(dict.fromkeys(comma_list(policies)))
         if not policy_list:
             _fail("--policies names no policy: give one or more, comma-separated")
-        fleets = [f for i, f in enumerate(fleets) if f not in fleets[:i]]
+        fleets = [
+            fleet_fields(n, r, replica_profile, fleet, fail) for n in sizes for r in router_list
+        ]
         trace = is_trace(SimSpec(workload=workload))
         if trace:
             rate_list = rate_list[:1]  # a trace has its own arrival times: one run, not one a rate
