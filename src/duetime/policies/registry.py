@@ -29,12 +29,13 @@ def make_policy(name: str, **kwargs: Any) -> Policy:
     except TypeError as e:  # policies pass **kwargs up to their base: only the call can tell
         if "keyword argument" not in str(e):
             raise
-        unknown = sorted(set(kwargs) - set(policy_arguments(factory)))
+        known = policy_arguments(factory)
+        unknown = sorted(set(kwargs) - set(known))
         if not unknown:
             raise ValueError(f"policy {name!r}: {e}") from None
         raise ValueError(
             f"policy {name!r} takes no argument {', '.join(map(repr, unknown))}; its "
-            f"arguments: {', '.join(policy_arguments(factory))}"
+            f"arguments: {', '.join(known)}"
         ) from None
 
 
