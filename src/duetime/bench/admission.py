@@ -60,10 +60,19 @@ LENGTHS = ("served", "predictor")
 
 @dataclass(slots=True)
 class AdmissionBenchConfig:
+    """One `bench admission` run: the server its arms start, then the load they are sent."""
+
     model: str = "gemma"
     dtype: str = "q8"
     policy: str = "edf"
+    predictor: str | None = "auto"
     modes: Sequence[str] = ADMISSION_MODES
+    lengths: Sequence[str] = ("served",)  # served: corrected by the model's answers; predictor
+    # the server's --deadline-confidence for the forecast arms (None: the plain forecast)
+    confidences: Sequence[float | None] = (DEFAULT_CONFIDENCE,)
+    # the server's --burst-gap-ms for the forecast arms, in seconds (0: no bursts expected)
+    burst_gaps: Sequence[float] = (DEFAULT_BURST_GAP_S,)
+    extra: dict[str, Any] = field(default_factory=dict)  # more ServeOptions (tests)
     rate: float = 3.0
     duration_s: float = 120.0
     deadline_s: float = 20.0
@@ -73,17 +82,10 @@ class AdmissionBenchConfig:
     #: Every answer runs to its max_tokens: the forecast then knows each length, and its
     #: error is the step-cost model's and the arrivals' it cannot see, not the lengths'.
     ignore_eos: bool = False
-    lengths: Sequence[str] = ("served",)  # served: corrected by the model's answers; predictor
-    # the server's --deadline-confidence for the forecast arms (None: the plain forecast)
-    confidences: Sequence[float | None] = (DEFAULT_CONFIDENCE,)
-    # the server's --burst-gap-ms for the forecast arms, in seconds (0: no bursts expected)
-    burst_gaps: Sequence[float] = (DEFAULT_BURST_GAP_S,)
     arrival: str = "poisson"  # how requests arrive: workloads/arrivals.py
     burst_size: int = 1  # with arrival "bursts": requests a burst
-    repeats: int = 1
     seed: int = 0
-    predictor: str | None = "auto"
-    extra: dict[str, Any] = field(default_factory=dict)  # more ServeOptions (tests)
+    repeats: int = 1
 
 
 def check_config(cfg: AdmissionBenchConfig) -> None:

@@ -38,7 +38,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, TypeAlias
 
 from duetime.core.attention_shape import AttentionShape, AttentionShapeError
 from duetime.core.cost_bands import BandCost, CostBandError, bands_time, step_rows
@@ -52,38 +52,6 @@ def chunk_attention(rows: float, end: float, shape: AttentionShape | None = None
     kernels compute. Every executor, the profile and the forecasts price a chunk with
     this one definition, so the fitted ``a2`` means the same wherever it is used."""
     return rows * end if shape is None else shape.work(rows, end)
-
-
-class CostModel(Protocol):
-    """What an executor and a policy need to know about step time."""
-
-    def step_time(
-        self,
-        prefill_tokens: float,
-        prefill_attn: float,
-        decode_seqs: int,
-        kv_tokens: int,
-        swap_tokens: int = 0,
-    ) -> float:
-        """Seconds for one step of the given shape (``prefill_tokens`` may be a mean:
-        the simulator spreads a structured answer's riding rows over its steps)."""
-        ...
-
-    def prefill_time(self, n: int) -> float:
-        """Seconds to prefill one prompt of n tokens alone."""
-        ...
-
-    def chunk_attention(self, rows: float, end: float) -> float:
-        """A prompt chunk's ``prefill_attn`` as this model prices it (:func:`chunk_attention`)."""
-        ...
-
-    def decode_span(self, k: int, decode_seqs: int, kv_tokens: int) -> float:
-        """Seconds for k pure-decode steps of a fixed batch starting at ``kv_tokens``."""
-        ...
-
-    def decode_steps_within(self, horizon: float, decode_seqs: int, kv_tokens: int) -> int:
-        """Largest k with ``decode_span(k) <= horizon``."""
-        ...
 
 
 class CostModelError(ValueError):
@@ -300,3 +268,9 @@ class LinearStepCost:
         while self.decode_span(k + 1, decode_seqs, kv_tokens) <= horizon * (1 + 1e-12):
             k += 1
         return k
+
+
+#: What an executor, a policy and a forecast price steps with. One linear family
+#: (with its bands) describes every profile we fit and both papers' forms, so the
+#: name is that class, not a protocol restating its signatures.
+CostModel: TypeAlias = LinearStepCost

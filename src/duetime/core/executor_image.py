@@ -27,25 +27,8 @@ class Images(Admission):
         waiting = self.waiting
         for group in (self.running.values(), self.suspended.values(), waiting):
             for s in group:
-                rows.append(
-                    LiveSeq(
-                        request=s.req,
-                        status=s.status,
-                        order=s.order,
-                        prefill_target=s.prefill_target,
-                        prefilled=s.prefilled,
-                        generated=s.generated,
-                        kv_evicted=s.kv_evicted,
-                        kv_offloaded=s.kv_offloaded,
-                        parked=s.rid in self._parked,
-                        ready_at=s.ready_at,
-                        segment_index=s.segment_index,
-                        segment_end=s.segment_end,
-                        first_token_time=s.first_token_time,
-                        num_preemptions=s.num_preemptions,
-                        queue_key=waiting.key_of(s) if s in waiting else None,
-                    )
-                )
+                queue_key = waiting.key_of(s) if s in waiting else None
+                rows.append(LiveSeq.of(s, parked=s.rid in self._parked, queue_key=queue_key))
         rows.sort(key=lambda r: r.order)
         return EngineImage(
             now=self.now if now is None else now,

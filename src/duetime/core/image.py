@@ -18,7 +18,7 @@ would) and what a sequence's tokens are (the simulator needs only their number).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from duetime.core.request import Request
@@ -26,6 +26,7 @@ from duetime.core.sequence import SeqStatus
 
 if TYPE_CHECKING:
     from duetime.core.policy import Policy
+    from duetime.core.sequence import Seq
 
 __all__ = ["EngineImage", "LiveSeq"]
 
@@ -53,6 +54,31 @@ class LiveSeq:
     # None: not recorded; the fork's policy computes it.
     queue_key: Any = None
 
+    @classmethod
+    def of(cls, seq: Seq, *, parked: bool, queue_key: Any) -> LiveSeq:
+        """``seq`` as it stands now. Every field but ``request`` and the two given is the
+        sequence's attribute of the same name, so a count the executor adds to both
+        cannot be left out of the image."""
+        copied = {name: getattr(seq, name) for name in _SEQ_FIELDS}
+        return cls(request=seq.req, parked=parked, queue_key=queue_key, **copied)
+
+
+_SEQ_FIELDS = tuple(
+    f.name for f in fields(LiveSeq) if f.name not in ("request", "parked", "queue_key")
+)
+
+#: The executor limits an image records, named as :class:`~duetime.sim.simulator.SimConfig`
+#: names them: a fork enforces the same ones.
+LIMITS = (
+    "kv_capacity",
+    "max_num_seqs",
+    "max_batch_tokens",
+    "prefix_cache_tokens",
+    "prefix_compute_tail",
+    "offload_suspended",
+    "share_prefills",
+)
+
 
 @dataclass(slots=True, frozen=True)
 class EngineImage:
@@ -71,6 +97,10 @@ class EngineImage:
     # The policy as it stood, forked (None: it has no ``fork``). Never run itself:
     # each forecast runs a fork of it (:meth:`fork_policy`), so all start alike.
     policy: Policy | None = None
+
+    def limits(self) -> dict[str, Any]:
+        """The executor's limits (:data:`LIMITS`) by name, to configure a fork with."""
+        return {name: getattr(self, name) for name in LIMITS}
 
     def fork_policy(self) -> Policy | None:
         """A policy to play the image forward under, in the state the image records

@@ -30,7 +30,8 @@ log = logging.getLogger("duetime.server")
 
 @dataclass(slots=True, frozen=True)
 class EngineStats:
-    """A consistent copy of the engine's state, refreshed after every round."""
+    """A consistent copy of the engine's state, replaced whole after every round: the
+    server's admission, /health and /metrics read it without a lock on the engine."""
 
     now: float = 0.0
     waiting: int = 0

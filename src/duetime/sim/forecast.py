@@ -83,16 +83,7 @@ def forecast(
     requests have ended.
     """
     t0 = time.perf_counter()
-    config = SimConfig(
-        kv_capacity=image.kv_capacity,
-        max_num_seqs=image.max_num_seqs,
-        max_batch_tokens=image.max_batch_tokens,
-        max_time=horizon,
-        offload_suspended=image.offload_suspended,
-        prefix_cache_tokens=image.prefix_cache_tokens,
-        prefix_compute_tail=image.prefix_compute_tail,
-        share_prefills=image.share_prefills,
-    )
+    config = SimConfig(max_time=horizon, **image.limits())
     sim = Simulator(policy, cost, config)
     sim.restore(image, job_of)
     jobs = list(arrivals)
