@@ -61,7 +61,6 @@ class ExecutorState:
         if prefix_compute_tail < 1:
             raise ValueError(f"prefix_compute_tail must be >= 1, got {prefix_compute_tail}")
         self.policy = policy
-        self.offload_suspended = offload_suspended
         self.kv_capacity = kv_capacity
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -82,6 +81,7 @@ class ExecutorState:
         self._ride = 0.0  # rows the decoders' forced runs add to each step (Job.ride_rows)
         self._dec_mark = 0
         self._static_kv = 0
+        self.offload_suspended = offload_suspended  # suspended KV may leave the device
         self._parked: dict[int, Seq] = {}  # suspended, offloaded to policies, KV still on device
         self._parked_kv = 0
         self._order = 0

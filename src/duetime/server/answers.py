@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from duetime.server.errors import ApiError, error_json
+from duetime.server.errors import ApiError
 from duetime.server.logprob_format import (
     chat_logprobs,
     completion_logprobs,
@@ -278,7 +278,7 @@ async def sse_answer(
         yield b"data: [DONE]\n\n"
         finished = not failed
     except ApiError as e:
-        yield _sse_line(error_json(e.message, e.type, e.param, e.code))  # all four keys
+        yield _sse_line(e.body())
         yield b"data: [DONE]\n\n"
     finally:
         if not finished:

@@ -10,7 +10,6 @@ from duetime.core.request import Job
 from duetime.engine.grammar import TokenGrammar
 from duetime.engine.logprobs import LogprobLog
 from duetime.server.chat_template import chat_stops
-from duetime.server.codec import Detokenizer
 from duetime.server.relay import Relay
 from duetime.server.schemas import ChatCompletionRequest, CompletionRequest
 from duetime.server.server_state import ServerState
@@ -57,13 +56,12 @@ def choice(
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     if isinstance(body, ChatCompletionRequest):
         stops = chat_stops(stops, ignore_eos=body.ignore_eos, grammar=grammar is not None)
-    detok = Detokenizer(state.codec)
     relay = Relay(
         engine,
         job.request.rid,
         stream,
         stops,
-        detok,
+        state.codec,
         body.min_tokens,
         logprobs,
         prompt_index=prompt_index,

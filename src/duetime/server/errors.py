@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,26 +26,24 @@ __all__ = ["ApiError", "BodyLimit", "error_json", "install_error_handlers"]
 log = logging.getLogger("duetime.server")
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as exceptions are
 class ApiError(Exception):
     """An error with its HTTP status and OpenAI error fields."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",  # OpenAI's field name
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
+    status: int
+    message: str
+    _: KW_ONLY
+    type: str = "invalid_request_error"  # OpenAI's field name
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict:
+        """The JSON OpenAI's clients read: an ``error`` object with all four keys."""
+        return error_json(self.message, self.type, self.param, self.code)
 
 
 def error_json(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -143,7 +142,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(
-            error_json(exc.message, exc.type, exc.param, exc.code),
+            exc.body(),
             status_code=exc.status,
             headers=exc.headers,
         )

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 from duetime.engine.logprobs import LogprobLog
-from duetime.server.codec import Detokenizer
+from duetime.server.codec import Codec, Detokenizer
 from duetime.server.engine_loop import EngineLoop
 from duetime.server.errors import ApiError
 from duetime.server.logprob_format import LoggedToken
@@ -44,7 +44,7 @@ class Relay:
         rid: int,
         stream: Stream,
         stops: list[str],
-        detok: Detokenizer,
+        codec: Codec,
         min_tokens: int = 0,
         logprobs: LogprobLog | None = None,
         *,
@@ -56,7 +56,7 @@ class Relay:
         self.rid = rid
         self.stream = stream
         self.stops = stops
-        self.detok = detok
+        self.detok = Detokenizer(codec)  # this answer's own: it holds back partial characters
         self.min_tokens = min_tokens
         self.sent = ""  # text handed to the client
         self.completion_tokens = 0
