@@ -226,20 +226,22 @@ def run(
     model: Any,
     *,
     model_name: str,
+    clock: str = "wall",
+    profile: str | None = None,
+    reps: int = 1,
     requests: int = 12,
+    seed: int = 0,
     kv_capacity: int = 224,
     max_prompt: int = 256,
     max_output: int = 48,
     constructions: tuple[str, ...] = ("overlap-0.95",),
-    profile: str | None = None,
-    seed: int = 0,
-    clock: str = "wall",
-    reps: int = 1,
 ) -> dict[str, Any]:
     """H-SF, then Amax and Amin per construction: real TEL vs the simulator's.
 
-    ``clock``: ``wall`` or ``cpu`` (see :data:`duetime.bench.engine_fit.CLOCKS`).
-    ``reps`` > 1 repeats the real runs, interleaved; rows hold the medians.
+    First the engine and how it is timed, then the workload. ``clock``: ``wall`` or
+    ``cpu`` (see :data:`duetime.bench.engine_fit.CLOCKS`); ``profile``: its step costs
+    (timed when None); ``reps`` > 1 repeats the real runs, interleaved, and rows hold
+    the medians.
     """
     if reps < 1:
         raise ValueError(f"--reps must be >= 1, got {reps}")

@@ -90,10 +90,9 @@ def _int(text: str, where: str, name: str, lo: int, hi: int | None = None) -> in
         v = int(text)
     except ValueError:
         raise AlaDataError(f"{where}: {name} must be an integer, got {text!r}") from None
-    if v < lo:
-        raise AlaDataError(f"{where}: {name} must be >= {lo}, got {v}")
-    if hi is not None and v > hi:
-        raise AlaDataError(f"{where}: {name} must be <= {hi:,}, got {v}")
+    broken = f">= {lo}" if v < lo else f"<= {hi:,}" if hi is not None and v > hi else None
+    if broken is not None:
+        raise AlaDataError(f"{where}: {name} must be {broken}, got {v}")
     return v
 
 

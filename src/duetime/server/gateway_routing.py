@@ -24,6 +24,14 @@ _DEFAULT_TPOT_S = 0.02
 
 @dataclass(slots=True)
 class GatewayConfig:
+    """How the gateway routes, probes and times out; `duetime gateway`'s options set it."""
+
+    #: The :mod:`duetime.routers` router that chooses each request's backend
+    #: (``duetime routers`` lists them); ``forecast`` goes to the earliest forecast
+    #: finish and refuses a deadline no backend's forecast meets.
+    router: str = "forecast"
+    #: Seed of the router (the random ones draw from it).
+    router_seed: int = 0
     max_inflight: int = 8  # per backend
     health_interval_s: float = 0.5
     #: Health probes in a row that time out (1 s each) before a backend is marked down.
@@ -45,12 +53,6 @@ class GatewayConfig:
     #: Seconds a suspect backend gets no request that another backend could take;
     #: after that it is on probation (one request at a time) until one is answered.
     suspect_cooldown_s: float = 30.0
-    #: The :mod:`duetime.routers` router that chooses each request's backend
-    #: (``duetime routers`` lists them); ``forecast`` goes to the earliest forecast
-    #: finish and refuses a deadline no backend's forecast meets.
-    router: str = "forecast"
-    #: Seed of the router (the random ones draw from it).
-    router_seed: int = 0
     #: Seconds between scrapes of each backend's Prometheus /metrics (its own running,
     #: waiting, KV and prefix-cache figures: :mod:`.backend_metrics`); 0 turns it off.
     scrape_interval_s: float = 0.25
