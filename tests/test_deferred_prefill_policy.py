@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from duetime.core.cost import LinearStepCost
 from duetime.core.record import RequestRecord
@@ -93,3 +94,10 @@ def test_without_memory_pressure_departures_and_free_slots_agree() -> None:
     # what left since the previous one.
     assert sizes[1:-1] == departures[:-1]
     assert all(d >= k for d in departures)
+
+
+@pytest.mark.parametrize("capacity", [0, -3])
+def test_a_batch_capacity_below_one_is_refused(capacity: int) -> None:
+    # 0 read as "unset" and a negative one capped every phase below zero
+    with pytest.raises(ValueError, match=f"batch capacity must be >= 1.*got {capacity}"):
+        make_policy("deferred-prefill", capacity=capacity)

@@ -71,6 +71,10 @@ class DeferredPrefill(QueuePolicy):
     ) -> None:
         if k < 1:
             raise ValueError(f"departure threshold k must be >= 1, got {k}")
+        if capacity is not None and capacity < 1:
+            raise ValueError(
+                f"batch capacity must be >= 1 (or unset: max_num_seqs), got {capacity}"
+            )
         kwargs.setdefault("chunked_prefill", False)
         super().__init__(**kwargs)
         self.k = k

@@ -67,7 +67,8 @@ MAX_CHUNK = 2048
 
 @dataclass(slots=True, frozen=True)
 class ServeLimits:
-    """What the server runs with, and why."""
+    """The batch limits the server runs with, and why: sized for ``tpot_target_ms`` from
+    the model's steps timed at start or a profile, or given by hand."""
 
     max_num_seqs: int
     max_batch_tokens: int

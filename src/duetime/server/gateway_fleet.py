@@ -157,10 +157,11 @@ def make_offer(
     pool = {id(b) for b in routable([b for b, u in zip(backends, usable, strict=True) if u], mono)}
     offered = [id(b) in pool for b in backends]
     in_flight = [b.in_flight for b in backends]
-    running = list(in_flight)
-    waiting = list(queued)
-    kv_used = [0] * n
-    kv_capacity = [1] * n
+    # the snapshot's arrays, filled in place from fresh scrapes
+    running = np.array(in_flight, dtype=np.int64)
+    waiting = np.array(queued, dtype=np.int64)
+    kv_used = np.zeros(n, dtype=np.int64)
+    kv_capacity = np.ones(n, dtype=np.int64)
     hit_rate = [0.0] * n
     if max_age_s is not None:
         for i, b in enumerate(backends):
@@ -174,7 +175,7 @@ def make_offer(
     finish: list[float] = []
     first: list[float] = []
     context = ask.context
-    for b, run, wait, lim in zip(backends, running, waiting, slots, strict=True):
+    for b, run, wait, lim in zip(backends, running.tolist(), waiting.tolist(), slots, strict=True):
         ttft, alone = b.estimates(ask.prompt_len, ask.max_tokens)
         ahead = run + wait
         # the decode steps slow with the batch; the first token's wait is its own
@@ -212,10 +213,10 @@ def make_offer(
         now=now,
         request=req,
         up=np.array(offered, dtype=bool),
-        running=np.array(running, dtype=np.int64),
-        waiting=np.array(waiting, dtype=np.int64),
-        kv_used=np.array(kv_used, dtype=np.int64),
-        kv_capacity=np.array(kv_capacity, dtype=np.int64),
+        running=running,
+        waiting=waiting,
+        kv_used=kv_used,
+        kv_capacity=kv_capacity,
         prefix_lookup=lambda i: round(req.prompt_len * hit_rate[i]),
         forecast_of=lambda i: finish[i],
     )
