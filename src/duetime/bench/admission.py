@@ -226,10 +226,10 @@ def _one_run(cfg: AdmissionBenchConfig, loaded: tuple[Any, Any, str], arm: Arm) 
         arrival=cfg.arrival,
         burst_size=cfg.burst_size,
         seed=cfg.seed,
+        deadlines={"*": cfg.deadline_s},  # one for every request, as the server is sent it
         max_tokens=cfg.max_tokens,
         max_context=cfg.max_context,
         fixed_max_tokens=cfg.fixed_max_tokens,
-        deadlines={"*": cfg.deadline_s},
     )
     drawn = workload.build(cfg.rate)
     reqs = [r for r in drawn if r.arrival < cfg.duration_s]

@@ -57,7 +57,8 @@ __all__ = ["ServeLoadConfig", "run_serve_load"]
 
 @dataclass(slots=True)
 class ServeLoadConfig:
-    """The server as `duetime serve` would run it, and `duetime load`'s synthetic load."""
+    """One `bench serve-load` run: the server as `duetime serve` would run it, then
+    `duetime load`'s synthetic load at each of ``rates``."""
 
     model: str = "gemma"
     dtype: str = "q8"
