@@ -247,6 +247,28 @@ def test_logit_bias_steers_the_answer(served: tuple[str, ServerState]) -> None:
     wait_idle(state)
 
 
+def test_a_chat_answer_starts_at_its_first_non_space_character(
+    served: tuple[str, ServerState],
+) -> None:
+    """The transcript's ``Assistant:`` is continued with a space: a chat answer leaves
+    it out (streamed or not), a completion keeps every character it generated."""
+    url, state = served
+    space = str(ord(" ") + ByteCodec.OFFSET)
+    bias = {"logit_bias": {space: 100}, "max_tokens": 3, "ignore_eos": True, "model": MODEL}
+    chat = {**bias, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(url + "/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == ""
+    assert r.json()["usage"]["completion_tokens"] == 3
+    r = httpx.post(url + "/v1/completions", json={**bias, "prompt": "hi"})
+    assert r.json()["choices"][0]["text"] == "   "
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True}) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any(c["choices"][0]["delta"].get("content") for c in events)
+    wait_idle(state)
+
+
 def test_chat_without_max_tokens_fits_what_the_context_leaves(
     served: tuple[str, ServerState],
 ) -> None:

@@ -67,6 +67,7 @@ def choice(
         prompt_index=prompt_index,
         echo=echo,
         scored_ids=scored_ids,
+        lstrip=isinstance(body, ChatCompletionRequest),
     )
     return relay, submission
 

@@ -51,6 +51,7 @@ class Relay:
         prompt_index: int = 0,
         echo: str | None = None,
         scored_ids: list[int] | None = None,
+        lstrip: bool = False,
     ) -> None:
         self.engine = engine
         self.rid = rid
@@ -74,6 +75,9 @@ class Relay:
         self.echo = echo
         #: The prompt's ids where its tokens are scored (``echo`` with ``logprobs``).
         self.scored_ids = scored_ids
+        #: The answer is shown from its first non-space character on: a chat answer, whose
+        #: transcript's ``Assistant:`` the model continues with a space or a line break.
+        self.lstrip = lstrip
 
     async def deltas(self, timeout: float) -> AsyncIterator[str]:
         """Text deltas until the answer ends; sets ``outcome``."""
@@ -137,6 +141,9 @@ class Relay:
             end = max(min(end, safe_end(text, self.stops)), floor)
         out = text[start:end] if end > start else ""
         self.sent += out
+        if self.lstrip and out:
+            out = out.lstrip()
+            self.lstrip = not out  # only space so far: the next text may start with more
         return out
 
     def take_logprobs(self) -> list[LoggedToken]:
