@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from math import inf
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,19 @@ def test_save_titled_png_titles_lays_out_and_writes(tmp_path: Path) -> None:
     assert save_titled_png(f, path, "a title") == path
     assert path.read_bytes().startswith(PNG_MAGIC)
     assert f.get_suptitle() == "a title"
+
+
+def test_an_infinite_rate_is_drawn_last_not_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a scaled axis drops x = inf (`sweep --rates 2,4,inf`): the rates become labels
+    import duetime.metrics.plot as plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "save_png", lambda fig, path, dpi: drawn.append(fig) or path)
+    rows = [{"policy": "fcfs", "rate_req_s": r, "e2e_p90_s": i} for i, r in enumerate((4, inf, 2))]
+    plot_sweep(rows, tmp_path / "inf.png", y="e2e_p90_s")
+    ax = drawn[0].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["2", "4", "inf"]
+    assert list(ax.lines[0].get_xdata()) == [0, 1, 2]
+    assert list(ax.lines[0].get_ydata()) == [2, 0, 1]

@@ -34,10 +34,11 @@ def plot_sweep(
 ) -> Path:
     """Write a PNG to ``path`` (atomically, parents created) and return the path.
 
-    ``x`` values may be numbers (plotted to scale) or labels (plotted evenly
-    spaced, in first-seen order). Rows whose ``y`` value is missing or None
-    are skipped for that metric only. Uses matplotlib's object API with the
-    Agg canvas, so it needs no display and leaves pyplot's global state alone.
+    ``x`` values may be numbers (plotted to scale; evenly spaced and in order where
+    one is infinite) or labels (plotted evenly spaced, in first-seen order). Rows
+    whose ``y`` value is missing or None are skipped for that metric only. Uses
+    matplotlib's object API with the Agg canvas, so it needs no display and leaves
+    pyplot's global state alone.
     ``hue`` is the field (or fields) whose values make the lines; of several fields,
     the label and the legend's title name those that vary across ``rows``.
     """
@@ -50,8 +51,12 @@ def plot_sweep(
         raise ValueError("plot_sweep needs at least one metric in y")
     data = list(rows)
     key, legend_title, data = _hue_labels(data, [hue] if isinstance(hue, str) else list(hue))
-    numeric = all(isinstance(r.get(x), int | float) for r in data)
-    order = {v: i for i, v in enumerate(dict.fromkeys(r.get(x) for r in data))}
+    xs = list(dict.fromkeys(r.get(x) for r in data))
+    numbers = all(isinstance(v, int | float) for v in xs)
+    # To scale where every x is a finite number; an infinite one (``--rates 2,inf``: all
+    # at once) would be dropped from a scaled axis, so then every x is a label, in order.
+    numeric = numbers and all(math.isfinite(v) for v in xs)
+    order = {v: i for i, v in enumerate(sorted(xs) if numbers else xs)}
     # One colour per line across all subplots, even where a line lacks a metric.
     colour = {h: f"C{i % 10}" for i, h in enumerate(dict.fromkeys(str(r.get(key)) for r in data))}
 
@@ -70,7 +75,7 @@ def plot_sweep(
         ax.set_xlabel(x)
         ax.grid(True, alpha=0.3)
         if not numeric:
-            ax.set_xticks(range(len(order)), [str(v) for v in order])
+            ax.set_xticks(range(len(order)), [f"{v:g}" if numbers else str(v) for v in order])
         if ax.lines:
             ax.legend(title=legend_title, fontsize="small")
         else:
