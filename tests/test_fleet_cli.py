@@ -154,3 +154,17 @@ def test_a_fleet_row_counts_the_replicas_refusals_and_policy_calls(tmp_path: Pat
     assert fleet["summary"]["rejected"] == rows["1"]["summary"]["rejected"] > 0
     assert fleet["summary"]["rejected"] == sum(r["rejected"] for r in fleet["replicas"])
     assert fleet["summary"]["policy_calls"] == sum(r["policy_calls"] for r in fleet["replicas"])
+
+
+def test_a_fleet_row_has_the_running_sequences_of_all_its_replicas(tmp_path: Path) -> None:
+    """Each replica's mean is over its own span; the fleet's counts every replica's
+    sequences over the fleet's span, as one engine's `mean_running` does."""
+    out = tmp_path / "f.json"
+    args = ["sim", "--requests", "300", "--rate", "8", "--replicas", "3", "--json", str(out)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    fleet = json.loads(out.read_text())
+    row, reps = fleet["summary"], fleet["replicas"]
+    area = sum(r["mean_running"] * r["sim_time_s"] for r in reps)
+    assert row["mean_running"] == pytest.approx(area / row["sim_time_s"])
+    assert max(r["mean_running"] for r in reps) < row["mean_running"]

@@ -27,10 +27,19 @@ FLEET_FIGURES = (
     "engine_steps",
     "preemptions",
     "kv_peak_tokens",
+    "mean_running",
     "prompt_cached_pct",
     "policy_calls",
     "rejected",
 )
+
+
+def fleet_mean_running(result: FleetResult) -> float:
+    """Sequences running across the fleet, averaged over the fleet's ``sim_time``: each
+    replica's mean is over its own span (it stops at its last event), so its area is
+    weighted back by that span."""
+    area = sum(r.mean_running * r.sim_time for r in result.replicas)
+    return area / result.sim_time if result.sim_time > 0 else 0.0
 
 
 def is_fleet(spec: SimSpec) -> bool:
@@ -105,6 +114,7 @@ def run_fleet(
                 result.engine_steps,
                 sum(r.preemptions for r in result.replicas),
                 max(r.kv_peak for r in result.replicas),
+                fleet_mean_running(result),
                 prompt_cached_pct(result.records),
                 sum(r.policy_calls for r in result.replicas),
                 # the replicas' own refusals (a one-engine run's `rejected`); the router's
