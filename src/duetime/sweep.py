@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from concurrent.futures import as_completed
 from typing import Any
@@ -66,6 +67,8 @@ def _ray_sweep(
             "--ray needs Ray: .venv/bin/pip install -c constraints.txt -e '.[dev]'"
         ) from None
     if not ray.is_initialized():
+        if address is not None:
+            check_reachable(address)
         if address is None:  # a local cluster (RAY_ADDRESS in the environment joins one)
             ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
         else:  # the cluster's own resources: num_cpus belongs to the one that starts it
@@ -81,3 +84,31 @@ def _ray_sweep(
         if progress:
             progress(len(specs) - len(pending), len(specs))
     return rows
+
+
+#: Seconds a Ray address has to accept a connection: Ray itself retries an address no
+#: cluster answers at for about two minutes before it gives up.
+CONNECT_TIMEOUT_S = 5.0
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse a Ray address nothing listens at, in seconds rather than Ray's minutes:
+    ``ray://HOST[:PORT]`` (a Ray Client server, port 10001) or ``HOST[:PORT]`` (the
+    head's GCS, port 6379); ``auto`` and ``local`` are Ray's to find."""
+    if address in ("auto", "local"):
+        return
+    client = address.startswith("ray://")
+    where = address.removeprefix("ray://")
+    host, colon, port = where.rpartition(":")
+    if not colon:
+        host, port = where, "10001" if client else "6379"
+    host = host.strip("[]")  # an IPv6 address in brackets
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray-address {address!r}: give ray://HOST:PORT, HOST:PORT or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(
+            f"--ray-address {address}: nothing answers at {host}:{port} within "
+            f"{timeout_s:g} s ({e.strerror or e}); is the Ray cluster up?"
+        ) from None
