@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, cast
+from typing import Annotated, Any, NoReturn, TypedDict, cast
 
 import typer
 from rich.markup import escape
@@ -193,6 +193,32 @@ FixedMaxTokensOpt = Annotated[
         "the answer is; vLLM's --sharegpt-output-len).",
     ),
 ]
+
+
+class DrawnShape(TypedDict):
+    """The request shapes `duetime load` and `bench fleet-real` draw, as both their
+    configs name them: :func:`drawn_shape` parses them from the options."""
+
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    class_mix: dict[str, float]
+    deadlines: dict[str, float]
+
+
+def drawn_shape(
+    prompt_len: str, output_len: str, class_mix: str | None, deadline: list[str] | None
+) -> DrawnShape:
+    """``--prompt-len``, ``--output-len``, ``--class-mix`` and ``--deadline`` parsed in
+    that order (their order in `duetime load --help`); a bad one is named."""
+    from duetime.server import load_workload as lw
+
+    return DrawnShape(
+        prompt_len=lw.parse_range(prompt_len, "--prompt-len"),
+        output_len=lw.parse_range(output_len, "--output-len"),
+        class_mix=lw.parse_mix(class_mix),
+        deadlines=lw.parse_deadlines(deadline or []),
+    )
+
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 

@@ -11,6 +11,7 @@ from duetime.bench.limits import MAX_ENGINE_REQUESTS
 from duetime.cli.common import (
     DtypeOpt,
     EvictionOpt,
+    MaxTokensOpt,
     PlotOpt,
     RateOpt,
     ThreadsOpt,
@@ -22,7 +23,7 @@ from duetime.cli.common import (
 )
 from duetime.cli.common import out as console
 from duetime.cli.paths import input_path, output_path
-from duetime.cli.profile_engine import print_misses
+from duetime.cli.profile_engine import EngineLimits, print_misses
 
 
 def _set_threads(threads: int) -> None:
@@ -40,18 +41,10 @@ def profile(
     out: Annotated[
         Path, typer.Option("--out", help="Profile JSON to write.", callback=output_path)
     ] = Path("out/gemma3-270m-cpu.json"),
-    kv_capacity: Annotated[
-        int, typer.Option(min=1, help="KV tokens recorded in the profile.")
-    ] = 32_768,
-    max_num_seqs: Annotated[
-        int, typer.Option(min=1, help="Most requests in one batch, recorded in the profile.")
-    ] = 64,
-    max_batch_tokens: Annotated[
-        int,
-        typer.Option(
-            min=1, help="Most tokens (prefill + decode) in one step, recorded in the profile."
-        ),
-    ] = 2048,
+    # the engine limits the profile records
+    kv_capacity: Annotated[int, typer.Option(min=1, help="KV budget, tokens.")] = 32_768,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Most requests in one batch.")] = 64,
+    max_batch_tokens: Annotated[int, typer.Option(min=1, help="Most tokens in one step.")] = 2048,
     serve_requests: Annotated[
         int,
         typer.Option(
@@ -89,10 +82,15 @@ def profile(
     ] = 120.0,
 ) -> None:
     """Time real engine steps and fit the step-cost models (TimeBill ETE + batch form);
-    with --url, time any OpenAI-compatible server's streamed tokens instead."""
+    with --url, time any OpenAI-compatible server's streamed tokens instead. The profile
+    records the engine limits --kv-capacity, --max-num-seqs and --max-batch-tokens (a
+    step's prefill and decode tokens together)."""
     probe_only = given_options(ctx, "served_model", "timeout")
     if url is None and probe_only:  # they were ignored, and the engine timed instead
         _fail(f"{', '.join(probe_only)}: only with --url (a server to probe)")
+    limits = EngineLimits(
+        kv_capacity_tokens=kv_capacity, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens
+    )
     if url is not None:
         from duetime.cli.profile_url import profile_url
 
@@ -100,9 +98,8 @@ def profile(
             _fail("--samples and --plot show the embedded engine's timed steps; not with --url")
 
         profile_url(
-            url, model=served_model, quick=quick, out=out, json_path=json_path,
-            kv_capacity=kv_capacity, max_num_seqs=max_num_seqs,
-            max_batch_tokens=max_batch_tokens, timeout_s=timeout,
+            url, model=served_model, quick=quick, out=out, json_path=json_path, limits=limits,
+            timeout_s=timeout,
         )  # fmt: skip
         return
     from duetime.cli.profile_engine import profile_engine
@@ -110,9 +107,7 @@ def profile(
     with _user_errors():
         profile_engine(
             dtype=dtype, threads=threads, quick=quick, serve_requests=serve_requests,
-            out=out, json_path=json_path, samples_path=samples_path, plot=plot,
-            kv_capacity=kv_capacity, max_num_seqs=max_num_seqs,
-            max_batch_tokens=max_batch_tokens,
+            out=out, json_path=json_path, samples_path=samples_path, plot=plot, limits=limits,
         )  # fmt: skip
 
 
@@ -142,9 +137,7 @@ def validate(
     max_prompt: Annotated[
         int, typer.Option(min=1, help="Longest prompt, tokens (longer ShareGPT pairs left out).")
     ] = 512,
-    max_output: Annotated[
-        int, typer.Option(min=1, help="Longest answer, tokens (longer ShareGPT pairs left out).")
-    ] = 128,
+    max_output: MaxTokensOpt = 128,
     plot: Annotated[
         Path,
         typer.Option(

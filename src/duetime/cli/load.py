@@ -20,6 +20,7 @@ from duetime.cli.common import (
     _progress,
     _user_errors,
     app,
+    drawn_shape,
     err,
     given_options,
     out,
@@ -65,10 +66,7 @@ def load(
     burst_size: BurstSizeOpt = 1,
     seed: Annotated[
         int,
-        typer.Option(
-            min=0,
-            help="Random seed (lengths, arrivals, classes); a sweep's k-th rate uses seed + k.",
-        ),
+        typer.Option(min=0, help="Seed of lengths, arrivals, classes; sweep rate k uses seed + k."),
     ] = 0,
     prompt_len: Annotated[str, typer.Option(help="Synthetic prompt tokens: N or LO-HI.")] = (
         "16-512"
@@ -97,10 +95,12 @@ def load(
         float, typer.Option(min=0.0, help="Stop launching after this many seconds.")
     ] = 60.0,
     drain_timeout: Annotated[
-        float, typer.Option(min=0.0, help="Then wait this long for requests in flight.")
+        float,
+        typer.Option(min=0.0, help="Then wait this many seconds for the requests still in flight."),
     ] = 30.0,
     request_timeout: Annotated[
-        float, typer.Option(min=0.001, help="Give up on a request silent this many seconds.")
+        float,
+        typer.Option(min=0.001, help="Give up on a request once silent for this many seconds."),
     ] = 120.0,
     concurrency: Annotated[int, typer.Option(min=1, help="Connection pool size.")] = 256,
     allow_remote: Annotated[
@@ -138,13 +138,10 @@ def load(
             cv=cv,
             burst_size=burst_size,
             seed=seed,
-            prompt_len=lw.parse_range(prompt_len, "--prompt-len"),
-            output_len=lw.parse_range(output_len, "--output-len"),
             max_tokens=max_tokens,
             max_context=max_context,
             fixed_max_tokens=fixed_max_tokens,
-            class_mix=lw.parse_mix(class_mix),
-            deadlines=lw.parse_deadlines(deadline or []),
+            **drawn_shape(prompt_len, output_len, class_mix, deadline),
             priorities=lw.parse_class_values(priority or [], "--priority", int),
         )
         if spec.is_trace and Path(workload).exists():  # a missing file: build names it

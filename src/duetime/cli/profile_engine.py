@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from duetime.cli.common import _progress, pct_text
 from duetime.cli.common import out as console
@@ -21,6 +21,15 @@ from duetime.cli.common import out as console
 if TYPE_CHECKING:  # (the engine imports torch: not before a profile runs)
     from duetime.engine.profile import NoiseShape
     from duetime.predict.ete import StepSample
+
+
+class EngineLimits(TypedDict):
+    """The engine limits a profile records (`duetime profile`'s --kv-capacity,
+    --max-num-seqs and --max-batch-tokens), named as ``profile_payload`` takes them."""
+
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    max_batch_tokens: int
 
 
 @dataclass(slots=True)
@@ -49,9 +58,7 @@ def profile_engine(
     json_path: Path | None,
     samples_path: Path | None,
     plot: Path | None,
-    kv_capacity: int,
-    max_num_seqs: int,
-    max_batch_tokens: int,
+    limits: EngineLimits,
 ) -> None:
     """Load the packaged model at ``dtype``, time it, fit both cost forms, write the
     profile to ``out`` (and the steps, plot and JSON report where asked) and print the
@@ -86,9 +93,7 @@ def profile_engine(
         run.samples,
         name=name,
         source=source,
-        kv_capacity_tokens=kv_capacity,
-        max_num_seqs=max_num_seqs,
-        max_batch_tokens=max_batch_tokens,
+        **limits,
         regimes=regimes_of(model),
         noise_floor_pct=noise_floor_pct(noise),
         noise=[dataclasses.asdict(n) for n in noise],

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from duetime.cli.common import _fail, _progress, _user_errors, pct_text
 from duetime.cli.common import out as console
+
+if TYPE_CHECKING:
+    from duetime.cli.profile_engine import EngineLimits
 
 
 def profile_url(
@@ -21,9 +24,7 @@ def profile_url(
     quick: bool,
     out: Path,
     json_path: Path | None,
-    kv_capacity: int,
-    max_num_seqs: int,
-    max_batch_tokens: int,
+    limits: EngineLimits,
     timeout_s: float,
 ) -> None:
     """Probe ``url``, fit, write the profile to ``out`` and print the held-out MAPE."""
@@ -54,9 +55,7 @@ def profile_url(
             run.samples,
             name=f"{info.model}-black-box",
             source=source_line(run, url),
-            kv_capacity_tokens=kv_capacity,
-            max_num_seqs=max_num_seqs,
-            max_batch_tokens=max_batch_tokens,
+            **limits,
             regimes=None,
             noise_floor_pct=run.noise_floor_pct,
             noise=run.noise,

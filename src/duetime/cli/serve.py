@@ -51,7 +51,14 @@ def serve(
     # decode positions (docs/engine.md); falls back to fast without a compiler.
     dtype: DtypeOpt = "q8",
     threads: ThreadsOpt = 2,
-    kv_capacity: Annotated[int, typer.Option(min=64, help="KV budget M in tokens.")] = 32_768,
+    kv_capacity: Annotated[
+        int,
+        typer.Option(
+            min=64,
+            help="KV budget M in tokens (37 KB each on Gemma 3 270M); a request's prompt + "
+            "max_tokens may hold at most M - 1.",
+        ),
+    ] = 32_768,
     max_num_seqs: Annotated[
         str,
         typer.Option(
@@ -79,7 +86,9 @@ def serve(
         int,
         typer.Option(min=1, help="Tokens a running sequence holds, as auto sizing assumes."),
     ] = 512,
-    max_waiting: Annotated[int, typer.Option(min=1, help="Queue limit before 429.")] = 256,
+    max_waiting: Annotated[
+        int, typer.Option(min=1, help="Queue limit: requests waiting before a new one gets a 429.")
+    ] = 256,
     admission: Annotated[
         str,
         typer.Option(

@@ -51,7 +51,7 @@ def plot_sweep(
         raise ValueError("plot_sweep needs at least one metric in y")
     data = list(rows)
     key, legend_title, data = _hue_labels(data, [hue] if isinstance(hue, str) else list(hue))
-    xs = list(dict.fromkeys(r.get(x) for r in data))
+    xs: list[Any] = list(dict.fromkeys(r.get(x) for r in data))
     numbers = all(isinstance(v, int | float) for v in xs)
     # To scale where every x is a finite number; an infinite one (``--rates 2,inf``: all
     # at once) would be dropped from a scaled axis, so then every x is a label, in order.

@@ -7,16 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
+from duetime.cli.bench import options as opt
 from duetime.cli.bench.model import EngineChoice, step_cost_note
-from duetime.cli.bench.options import (
-    EngineClockOpt,
-    EngineDtypeOpt,
-    EngineModelOpt,
-    EngineProfileOpt,
-    EngineThreadsOpt,
-    SeedOpt,
-    WorkersOpt,
-)
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
 from duetime.cli.paths import input_list
@@ -31,9 +23,9 @@ def bench_amin(
     kv_capacity: Annotated[
         int | None, typer.Option(min=1, help="KV memory M, tokens [111000; --engine: 224].")
     ] = None,
-    profile: EngineProfileOpt = None,
-    seed: SeedOpt = 0,
-    workers: WorkersOpt = 2,
+    profile: opt.EngineProfileOpt = None,
+    seed: opt.SeedOpt = 0,
+    workers: opt.WorkersOpt = 2,
     two_point: Annotated[
         bool, typer.Option(help="Also check A_ℓ and Amin on two-point lengths.")
     ] = True,
@@ -49,10 +41,10 @@ def bench_amin(
     engine: Annotated[
         bool, typer.Option("--engine", help="Run H-SF/Amax/Amin on the real engine instead.")
     ] = False,
-    model: EngineModelOpt = None,
-    dtype: EngineDtypeOpt = None,
-    threads: EngineThreadsOpt = None,
-    clock: EngineClockOpt = None,
+    model: opt.EngineModelOpt = None,
+    dtype: opt.EngineDtypeOpt = None,
+    threads: opt.EngineThreadsOpt = None,
+    clock: opt.EngineClockOpt = None,
     max_prompt: Annotated[
         int | None, typer.Option(min=2, help="--engine: prompt cap, tokens [256].")
     ] = None,

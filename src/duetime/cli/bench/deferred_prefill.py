@@ -11,16 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
+from duetime.cli.bench import options as opt
 from duetime.cli.bench.model import EngineChoice, step_cost_note
-from duetime.cli.bench.options import (
-    EngineClockOpt,
-    EngineDtypeOpt,
-    EngineModelOpt,
-    EngineProfileOpt,
-    EngineThreadsOpt,
-    SeedOpt,
-    WorkersOpt,
-)
 from duetime.cli.bench.save import save_figures
 from duetime.cli.common import JsonOpt, PlotOpt, _user_errors, bench_app, out
 from duetime.comma_lists import comma_numbers
@@ -35,17 +27,17 @@ def bench_deferred_prefill(
         int | None,
         typer.Option(min=2, help="Batch capacity C, >= 2 for a curve over K [256; --engine: 16]."),
     ] = None,
-    profile: EngineProfileOpt = None,
-    seed: SeedOpt = 0,
-    workers: WorkersOpt = 2,
+    profile: opt.EngineProfileOpt = None,
+    seed: opt.SeedOpt = 0,
+    workers: opt.WorkersOpt = 2,
     engine: Annotated[
         bool,
         typer.Option("--engine", help="Analytic, simulated and real curves for the real engine."),
     ] = False,
-    model: EngineModelOpt = None,
-    dtype: EngineDtypeOpt = None,
-    threads: EngineThreadsOpt = None,
-    clock: EngineClockOpt = None,
+    model: opt.EngineModelOpt = None,
+    dtype: opt.EngineDtypeOpt = None,
+    threads: opt.EngineThreadsOpt = None,
+    clock: opt.EngineClockOpt = None,
     prompt_len: Annotated[
         int | None, typer.Option(min=2, help="--engine: prompt tokens d0 [16].")
     ] = None,

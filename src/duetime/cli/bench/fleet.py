@@ -18,10 +18,7 @@ def bench_fleet(
     requests: Annotated[int, typer.Option(min=1, help="Requests per run.")] = 1500,
     routers: Annotated[str, typer.Option(help="Comma-separated routers (default: all).")] = "",
     loads: Annotated[
-        str,
-        typer.Option(
-            help="Comma-separated loads, % of the fleet's capacity (85: 85 %), each in [1, 200)."
-        ),
+        str, typer.Option(help="Comma-separated % of the fleet's capacity (85: 85 %), in [1, 200).")
     ] = "50,70,85,95",
     predictor: Annotated[str, typer.Option(help="Length predictor the routers see.")] = (
         "noisy:0.3"
@@ -37,12 +34,11 @@ def bench_fleet(
 
     with _user_errors():
         load_list = [pct / 100 for pct in _percentages(loads)]
-        names = list(dict.fromkeys(comma_list(routers))) or None  # lor,lor: one column
         fig = fleet.run(
             replicas=replicas,
             requests=requests,
             seed=seed,
-            routers=names,
+            routers=list(dict.fromkeys(comma_list(routers))) or None,  # lor,lor: one column
             loads=load_list,
             predictor=predictor,
         )

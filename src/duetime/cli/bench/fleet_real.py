@@ -18,6 +18,7 @@ from duetime.cli.common import (
     _fail,
     _user_errors,
     bench_app,
+    drawn_shape,
     out,
     progress_display,
 )
@@ -87,7 +88,6 @@ def bench_fleet_real(
     published cost model; compare e2e request by request and the deadline hit rates."""
     from duetime.bench.fleet_real import FleetRealConfig, run_fleet_real
     from duetime.bench.fleet_real_procs import FleetStartError
-    from duetime.server import load_workload as lw
 
     with _user_errors():
         cfg = FleetRealConfig(
@@ -100,12 +100,9 @@ def bench_fleet_real(
             load=load,
             requests=requests,
             workload=workload,
-            prompt_len=lw.parse_range(prompt_len, "--prompt-len"),
-            output_len=lw.parse_range(output_len, "--output-len"),
             max_tokens=max_tokens,
             max_context=max_context,
-            class_mix=lw.parse_mix(class_mix),
-            deadlines=lw.parse_deadlines(deadline or []),
+            **drawn_shape(prompt_len, output_len, class_mix, deadline),
             max_num_seqs=max_num_seqs,
             max_batch_tokens=max_batch_tokens,
             seed=seed,

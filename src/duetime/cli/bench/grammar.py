@@ -26,7 +26,8 @@ def bench_grammar(
     ] = 4,
     new_tokens: Annotated[int, typer.Option(min=1, max=512, help="Tokens per answer.")] = 64,
     kinds: Annotated[
-        str, typer.Option(help="Comma-separated grammars: json_schema, json_array, regex, lark.")
+        str,
+        typer.Option(help="Comma-separated grammars to try: json_schema, json_array, regex, lark."),
     ] = "json_schema,json_array,regex,lark",
     repeats: RepeatsOpt = 3,
     whole_rows: Annotated[
@@ -48,7 +49,10 @@ def bench_grammar(
         ),
     ] = 500.0,
     admission_requests: Annotated[
-        int, typer.Option(min=0, help="Commands per admission arm (0: no admission part).")
+        int,
+        typer.Option(
+            min=0, help="Robot commands sent per admission arm (0: skip the admission part)."
+        ),
     ] = 10,
     admission_burst: Annotated[
         int,

@@ -26,11 +26,6 @@ BenchModelOpt = Annotated[
 ]
 PromptSeedOpt = Annotated[int, typer.Option(min=0, help="Prompt sampling seed.")]
 RepeatsOpt = Annotated[int, typer.Option(min=1, help="Interleaved repetitions (medians).")]
-# The prompt-cache benches' (prefix-cache, shared-prefill) requests: a question after a
-# shared prompt, answered greedily.
-SystemLenOpt = Annotated[int, typer.Option(min=16, help="The shared system prompt, tokens.")]
-QuestionLenOpt = Annotated[int, typer.Option(min=1, help="Longest question after it, tokens.")]
-NewTokensOpt = Annotated[int, typer.Option(min=1, help="Greedy tokens per answer.")]
 
 # The benches that run `duetime serve`: the model of `serve` and `serve-load`, the policy
 # of `serve-load` and `admission`, the policies `serve` (and `sensitivity`) compare.

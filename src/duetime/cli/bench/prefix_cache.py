@@ -7,37 +7,34 @@ from typing import Annotated
 import typer
 
 from duetime.cli.bench.model import check_questions_fit, load_with_shared_prompts
-from duetime.cli.bench.options import (
-    BenchModelOpt,
-    NewTokensOpt,
-    PromptSeedOpt,
-    QuestionLenOpt,
-    RepeatsOpt,
-    SystemLenOpt,
-)
+from duetime.cli.bench.options import BenchModelOpt, PromptSeedOpt, RepeatsOpt
 from duetime.cli.bench.save import save_figures
+from duetime.cli.bench.shared_prompt_options import NewTokensOpt, QuestionLenOpt, SystemLenOpt
 from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("prefix-cache")
 def bench_prefix_cache(
     model: BenchModelOpt = "gemma",
-    requests: Annotated[
-        int, typer.Option(min=2, max=200, help="Requests sharing the prompt (the 1st fills).")
-    ] = 8,
+    requests: Annotated[int, typer.Option(min=2, max=200, help="Requests sharing the prompt.")] = 8,
     system_len: SystemLenOpt = 512,
     question_len: QuestionLenOpt = 64,
     new_tokens: NewTokensOpt = 16,
-    cache_tokens: Annotated[int, typer.Option(min=16, help="Prefix cache budget, tokens.")] = 4096,
     repeats: RepeatsOpt = 3,
+    cache_tokens: Annotated[
+        int,
+        typer.Option(
+            min=16, help="The engine's prefix cache budget, tokens (serve --prefix-cache)."
+        ),
+    ] = 4096,
     dtype: DtypeOpt = "q8",
     threads: ThreadsOpt = 2,
     seed: PromptSeedOpt = 0,
     json_path: JsonOpt = None,
 ) -> None:
     """Serve requests that share a long prompt one at a time, without and with the
-    prefix cache (runs interleaved, medians over the repeats), and compare their time
-    to first token and their answers."""
+    prefix cache (the first request fills it; runs interleaved, medians over the
+    repeats), and compare their time to first token and their answers."""
     from duetime.bench import prefix_cache as bench
     from duetime.bench.engine_fit import check_dtype, engine_context
     from duetime.metrics import render_table

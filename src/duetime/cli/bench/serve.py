@@ -8,7 +8,7 @@ import typer
 
 from duetime.cli.bench.options import PoliciesOpt, SeedOpt, ServedModelOpt
 from duetime.cli.bench.save import save_figures
-from duetime.cli.common import JsonOpt, _progress, _user_errors, bench_app, out
+from duetime.cli.common import JsonOpt, MaxTokensOpt, _progress, _user_errors, bench_app, out
 from duetime.comma_lists import comma_list
 
 
@@ -18,14 +18,7 @@ def bench_serve(
     policies: PoliciesOpt = "fcfs,edf,timebill,timelyllm",
     requests: Annotated[int, typer.Option(min=1, help="Requests per policy.")] = 24,
     rate: Annotated[float, typer.Option(min=0.0, help="Poisson arrival rate, req/s.")] = 0.5,
-    max_tokens: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            help="Longest answer: ShareGPT pairs with longer answers are left out; each "
-            "request asks (ignore-EOS) for its recorded answer's length.",
-        ),
-    ] = 32,
+    max_tokens: MaxTokensOpt = 32,
     deadline: Annotated[
         list[str] | None, typer.Option(help="Per-class deadline CLASS=SECONDS (repeatable).")
     ] = None,
@@ -38,7 +31,9 @@ def bench_serve(
     seed: SeedOpt = 0,
     json_path: JsonOpt = None,
 ) -> None:
-    """Policies side by side behind `duetime serve` (same load), plus the server's own overhead."""
+    """Policies side by side behind `duetime serve` (same load), plus the server's own overhead.
+
+    Each request asks (ignore-EOS) for its recorded answer's length."""
     from duetime.bench.serve import ServeBenchConfig, run_serve_bench
     from duetime.metrics import render_table
     from duetime.server.load_workload import parse_deadlines, parse_mix

@@ -7,24 +7,16 @@ from typing import Annotated
 import typer
 
 from duetime.cli.bench.model import check_questions_fit, load_with_shared_prompts
-from duetime.cli.bench.options import (
-    BenchModelOpt,
-    NewTokensOpt,
-    PromptSeedOpt,
-    QuestionLenOpt,
-    RepeatsOpt,
-    SystemLenOpt,
-)
+from duetime.cli.bench.options import BenchModelOpt, PromptSeedOpt, RepeatsOpt
 from duetime.cli.bench.save import save_figures
+from duetime.cli.bench.shared_prompt_options import NewTokensOpt, QuestionLenOpt, SystemLenOpt
 from duetime.cli.common import DtypeOpt, JsonOpt, ThreadsOpt, _user_errors, bench_app, out
 
 
 @bench_app.command("shared-prefill")
 def bench_shared_prefill(
     model: BenchModelOpt = "gemma",
-    copies: Annotated[
-        int, typer.Option(min=2, max=64, help="Copies of one prompt (n > 1 choices).")
-    ] = 4,
+    copies: Annotated[int, typer.Option(min=2, max=64, help="Copies of a prompt (n choices).")] = 4,
     prompt_len: Annotated[int, typer.Option(min=17, help="Their prompt, tokens.")] = 512,
     requests: Annotated[
         int, typer.Option(min=2, max=64, help="Requests behind one system prompt.")

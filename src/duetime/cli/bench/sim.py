@@ -27,13 +27,7 @@ def bench_sim(
     from duetime.bench import sim_speed
 
     with _user_errors():
-        fig = sim_speed.run(
-            requests=requests,
-            seed=seed,
-            target_running=target_running,
-            replicas=replicas,
-            router=router,
-        )
+        fig = sim_speed.run(requests, seed, target_running, replicas, router)
     if replicas > 1:
         out.print(
             f"{fig['requests']:,} requests over {fig['replicas']} replicas ({fig['router']}), "
