@@ -128,7 +128,13 @@ def test_demo_writes_its_files_before_the_table(
 ) -> None:
     _closed_stdout(monkeypatch)
     runner.invoke(app, ["demo", "--requests", "8", "--out", str(tmp_path)])
-    assert set(json.loads((tmp_path / "demo.json").read_text())) == {"fcfs", "edf"}
+    written = json.loads((tmp_path / "demo.json").read_text())
+    assert [r["policy"] for r in written["rows"]] == ["fcfs", "edf"]
+    # what each run was, as `sweep --json` records it
+    assert [(s["policy"], s["rate"], s["deadline_scale"]) for s in written["specs"]] == [
+        ("fcfs", 16.0, 8.0),
+        ("edf", 16.0, 8.0),
+    ]
     assert (tmp_path / "demo.png").stat().st_size > 0
 
 

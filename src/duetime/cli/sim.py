@@ -333,16 +333,21 @@ def demo(
     from duetime.metrics import render_table, write_json
     from duetime.metrics.run_plot import plot_latency_cdf
 
+    specs = [
+        SimSpec(policy=policy, requests=requests, rate=rate, deadline_scale=8.0)
+        for policy in ("fcfs", "edf")
+    ]
     rows = []
     records = {}
     with _user_errors():
-        for policy in ("fcfs", "edf"):
-            spec = SimSpec(policy=policy, requests=requests, rate=rate, deadline_scale=8.0)
+        for spec in specs:
             result, row = run_spec(spec, build_jobs(spec))
-            rows.append((policy, row))
-            records[policy] = result.records
-        # The files first: a closed stdout (`| head -1`) fails the table, not them.
-        write_json(out_dir / "demo.json", dict(rows))
+            rows.append((spec.policy, row))
+            records[spec.policy] = result.records
+        # The files first: a closed stdout (`| head -1`) fails the table, not them. As
+        # `sweep --json` writes them: each run's spec, then its row.
+        demo_json = {"specs": [s.recorded() for s in specs], "rows": [row for _, row in rows]}
+        write_json(out_dir / "demo.json", demo_json)
         plot_latency_cdf(records, out_dir / "demo.png")
     out.print(
         f"[bold]duetime demo[/]: {requests} ShareGPT requests at {rate:g} req/s on the "
