@@ -45,6 +45,7 @@ from duetime.server.build import (
     ServeOptions,
     build_state,
     load_served_model,
+    served_context,
     served_executor,
 )
 from duetime.server.codec import Codec
@@ -96,7 +97,7 @@ class ServeLoadConfig:
             raise ValueError(f"--requests must be >= 1, got {list(self.requests)}")
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError("--prompt-len and --output-len must be >= 1")
-        context = self.kv_capacity - 1  # the served context, as `duetime serve` sets it
+        context = served_context(self.kv_capacity)  # before the model loads: KV bounds it
         if self.prompt_len + self.output_len > context:
             raise ValueError(
                 f"--prompt-len {self.prompt_len} + --output-len {self.output_len} exceeds "

@@ -46,8 +46,18 @@ DEFAULT_CONFIDENCE = 0.95
 ONLINE_FIT_INTERVAL_S = 2.0
 
 
+def served_context(kv_capacity: int, max_position: int | None = None) -> int:
+    """Tokens a request's prompt and answer may take together on a server of
+    ``kv_capacity`` KV tokens: one short of it (a sequence's next token needs a slot),
+    and no more than the model's ``max_position`` where that is known."""
+    room = kv_capacity - 1
+    return room if max_position is None else min(max_position, room)
+
+
 @dataclass(slots=True)
 class ServeOptions:
+    """What `duetime serve` runs: its options, and the limits auto sizing chose."""
+
     model: str = "gemma"
     served_model_name: str | None = None
     policy: str = "edf"
@@ -142,7 +152,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         warm_up()  # load the encoder before the server reports healthy, not on request one
     cfg = ServerConfig(
         model_name=name,
-        max_context=min(model.config.max_position_embeddings, options.kv_capacity - 1),
+        max_context=served_context(options.kv_capacity, model.config.max_position_embeddings),
         vocab_size=model.config.vocab_size,
         stall_after_s=options.stall_after_s,
         request_timeout_s=options.request_timeout_s,
