@@ -59,9 +59,9 @@ class ExecutorCore(Images):
             snap = self._snap = EngineSnapshot(
                 now=self.now,
                 waiting=self.waiting,  # type: ignore[arg-type]
-                running=self.running.values(),  # type: ignore[arg-type]
-                prefilling=self.prefilling.values(),  # type: ignore[arg-type]
-                suspended=self.suspended.values(),  # type: ignore[arg-type]
+                running=self.running.values(),
+                prefilling=self.prefilling.values(),
+                suspended=self.suspended.values(),
                 kv_capacity=self.kv_capacity,
                 kv_free=0,
                 max_num_seqs=self.max_num_seqs,

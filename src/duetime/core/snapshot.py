@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,11 +17,13 @@ class EngineSnapshot:
     """State at one scheduling point. Read-only for policies.
 
     ``waiting`` is ordered by the policy's own ``waiting_key`` (executors keep
-    it sorted), ``running`` and ``suspended`` in admission order;
-    ``prefilling`` is the subset of ``running`` whose prefill is unfinished
-    (chunked prefill in progress). The lists are
-    the executor's live containers, not copies (a copy per step would cost more
-    than the step): never mutate them. For the same reason an executor hands its
+    it sorted; it takes an index or a slice), ``running`` and ``suspended`` in
+    admission order; ``prefilling`` is the subset of ``running`` whose prefill is
+    unfinished (chunked prefill in progress). These three are views of the
+    executor's dicts: iterate them or take their ``len``, not an index
+    (``list(snap.running)[-1]`` is the newest admitted). All four are the executor's
+    live containers, not copies (a copy per step would cost more than the step):
+    never mutate them. For the same reason an executor hands its
     policy one snapshot object, brought up to date at each scheduling point: a
     policy reads it during ``schedule`` and keeps none of it. ``kv_free`` and ``kv_capacity`` count
     tokens. ``cost`` is the executor's step-cost model (the fitted profile on
@@ -38,9 +40,9 @@ class EngineSnapshot:
 
     now: float
     waiting: Sequence[Seq]
-    running: Sequence[Seq]
-    prefilling: Sequence[Seq]
-    suspended: Sequence[Seq]
+    running: Collection[Seq]
+    prefilling: Collection[Seq]
+    suspended: Collection[Seq]
     kv_capacity: int
     kv_free: int
     max_num_seqs: int

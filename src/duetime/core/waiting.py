@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, overload
 
 from duetime.core.sequence import Seq
 
@@ -62,7 +62,14 @@ class WaitingQueue:
         for item in self._items:
             yield item[2]
 
-    def __getitem__(self, i: int) -> Seq:
+    @overload
+    def __getitem__(self, i: int) -> Seq: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Seq]: ...
+    def __getitem__(self, i: int | slice) -> Seq | list[Seq]:
+        """The sequence at ``i`` in queue order, or a list of them for a slice."""
+        if isinstance(i, slice):
+            return [item[2] for item in self._items[i]]
         return self._items[i][2]
 
     def __bool__(self) -> bool:
