@@ -89,10 +89,20 @@ def test_amin_cancels_the_smallest_bound_and_requeues_it_behind() -> None:
     # Two long jobs (bound 1) fill M = 12 after a few steps; one is cancelled, its bound
     # becomes what it made, and the short third job (bound 1) goes before it.
     res = Simulator(pol, unit_cost(), exact_config(12), make_job_predictor("interval:rough:1:9"))
+    bounds_at_end: dict[int, int] = {}  # the executor has the policy forget each as it ends
+    forget = pol.forget  # type: ignore[attr-defined]
+
+    def remember(rid: int) -> None:
+        bounds_at_end[rid] = pol._bound.get(rid, 0)  # type: ignore[attr-defined]
+        forget(rid)
+
+    pol.forget = remember  # type: ignore[attr-defined]
     out = res.run(paper_jobs([9, 9, 1], s=1))
     assert out.counters["restarts"] >= 1
-    raised = [b for b in pol._bound.values() if b > 1]  # type: ignore[attr-defined]
+    assert sorted(bounds_at_end) == [0, 1, 2]
+    raised = [b for b in bounds_at_end.values() if b > 1]
     assert raised
+    assert pol._bound == {}  # type: ignore[attr-defined]
     short = out.records[2]
     assert short.finish is not None
     assert short.finish <= 9

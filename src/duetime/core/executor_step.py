@@ -30,6 +30,7 @@ class StepBooks(KVBooks):
         rec.output_tokens = seq.generated
         self.counters["cancelled"] += 1
         self.n_done += 1
+        self._policy_forgets(seq.rid)
 
     # --- outside the policy: clients that leave, answers that end early -------------
     def abort(self, rid: int) -> bool:
@@ -111,16 +112,14 @@ class StepBooks(KVBooks):
         return True
 
     def forget(self, rid: int) -> None:
-        """Drop every trace of a finished or cancelled request (a long-running server's memory)."""
+        """Drop every trace of a finished or cancelled request (a long-running server's
+        memory); the policy was told when it ended."""
         seq = self.seqs.get(rid)
         if seq is not None and seq.status < SeqStatus.FINISHED:
             raise ExecutorError(f"request {rid} is still {seq.status.name}; abort it first")
         self.seqs.pop(rid, None)
         self.records.pop(rid, None)
         self._jobs.pop(rid, None)
-        forget = getattr(self.policy, "forget", None)  # optional in the Policy protocol
-        if forget is not None:
-            forget(rid)
 
     def _restart(self, seq: Seq) -> None:
         """Discard a released sequence's output: it waits to run again from its prompt."""
@@ -227,6 +226,14 @@ class StepBooks(KVBooks):
         rec.finish = self.now
         rec.output_tokens = seq.generated
         rec.num_preemptions = seq.num_preemptions
+        self._policy_forgets(seq.rid)
+
+    def _policy_forgets(self, rid: int) -> None:
+        """Tell the policy that ``rid`` has ended, when it ends: in the simulator and on
+        the engine alike (a server later drops the executor's own books: :meth:`forget`)."""
+        forget = getattr(self.policy, "forget", None)  # optional in the Policy protocol
+        if forget is not None:
+            forget(rid)
 
     def _after_step(self, chunks: list[tuple[Seq, int]], prefill_only: bool = False) -> None:
         """Book one executed step: decoders took a token (unless they held: a prefill-only

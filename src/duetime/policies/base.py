@@ -83,10 +83,11 @@ class QueuePolicy:
 
     # --- the three choices --------------------------------------------------
     def forget(self, rid: int) -> None:
-        """Drop any state kept for request ``rid`` (it is finished and gone).
+        """Drop any state kept for request ``rid`` (it is finished or cancelled).
 
-        A long-running server calls this for every request it retires, so
-        per-request bookkeeping cannot grow without bound.
+        Both executors call this as each request ends, so per-request bookkeeping
+        cannot grow without bound on a long-running server, and a policy sees the same
+        calls in the simulator as on the engine.
         """
 
     def waiting_key(self, seq: Seq) -> Any:
