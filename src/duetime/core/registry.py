@@ -33,11 +33,22 @@ class Registry(Generic[P]):
             importlib.import_module(module)
 
     def register(self, name: str) -> Callable[[F], F]:
-        """Class decorator: make a factory constructible by ``name``."""
+        """Class decorator: make a factory constructible by ``name``, in this process.
+
+        A factory defined outside the built-in modules loads them first, so a name
+        they hold is refused at its own decorator, not at the next look-up. The same
+        class registered again (a notebook cell run twice) replaces itself."""
 
         def deco(factory: F) -> F:
-            if name in self._factories:
-                raise ValueError(f"{self.kind} {name!r} registered twice")
+            if factory.__module__ not in self._modules:
+                self._load()
+            known = self._factories.get(name)
+            if known is not None and _qualified(known) != _qualified(factory):
+                builtin = " (a built-in)" if known.__module__ in self._modules else ""
+                raise ValueError(
+                    f"{self.kind} {name!r} is registered already{builtin}, by "
+                    f"{_qualified(known)}: give {_qualified(factory)} another name"
+                )
             self._factories[name] = factory
             return factory
 
@@ -61,3 +72,7 @@ class Registry(Generic[P]):
         """The first line of ``name``'s docstring: what the listing commands print."""
         doc = (self.factory(name).__doc__ or "").strip().replace("``", "")
         return doc.splitlines()[0] if doc else ""
+
+
+def _qualified(factory: Callable[..., Any]) -> str:
+    return f"{factory.__module__}.{getattr(factory, '__qualname__', repr(factory))}"

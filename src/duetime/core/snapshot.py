@@ -28,8 +28,10 @@ class EngineSnapshot:
     policy reads it during ``schedule`` and keeps none of it. ``kv_free`` and ``kv_capacity`` count
     tokens. ``cost`` is the executor's step-cost model (the fitted profile on
     the real engine), so a policy can estimate execution times the same way in
-    both executors. ``max_num_seqs`` and ``max_batch_tokens`` are the engine's
-    limits on sequences per step and tokens per step; ``num_decoding`` is how many
+    both executors; None on an engine executor built without one (a server always
+    has one), which a policy that prices steps must allow for. ``max_num_seqs`` and
+    ``max_batch_tokens`` are the engine's limits on sequences per step and tokens per
+    step; ``num_decoding`` is how many
     RUNNING sequences have finished prefill and will decode in the next step.
 
     With automatic prefix caching, admitting a waiting sequence may find the

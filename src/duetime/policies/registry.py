@@ -17,7 +17,8 @@ _POLICIES: Registry[Policy] = Registry("policy", "policies", "duetime.policies",
 
 
 def register(name: str) -> Callable[[T], T]:
-    """Class decorator: make a policy constructible by name (CLI, server, sweeps)."""
+    """Class decorator: make a policy constructible by name in this process (the
+    built-in ones also from the command line and the server)."""
     return _POLICIES.register(name)
 
 

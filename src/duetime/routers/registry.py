@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,17 +18,30 @@ _ROUTERS: Registry[Router] = Registry("router", "routers", "duetime.routers", _B
 
 
 def register(name: str) -> Callable[[T], T]:
-    """Class decorator: make a router constructible by name (CLI, sweeps, benchmarks)."""
+    """Class decorator: make a router constructible by name in this process (the
+    built-in ones also from the command line and the gateway)."""
     return _ROUTERS.register(name)
 
 
 def make_router(name: str, *, seed: int = 0, **kwargs: Any) -> Router:
-    """Build a registered router; every router takes ``seed`` (the random ones use it)."""
-    return _ROUTERS.factory(name)(seed=seed, **kwargs)
+    """Build a registered router, with ``seed`` where its constructor takes one (the
+    random ones draw from it; a router written to the protocol alone need not)."""
+    factory = _ROUTERS.factory(name)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read: pass it, as always
+        params = None
+    takes_seed = (
+        params is None
+        or "seed" in params
+        or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    )
+    return factory(seed=seed, **kwargs) if takes_seed else factory(**kwargs)
 
 
 def available_routers() -> list[str]:
-    """Names of the built-in routers, sorted."""
+    """Names of the registered routers (the built-in ones and any registered in this
+    process), sorted."""
     return _ROUTERS.names()
 
 
