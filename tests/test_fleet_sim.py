@@ -3,8 +3,11 @@ runs repeat, failures re-route, the fleet queue waits."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from typing import Any
 
+import numpy as np
 import pytest
 
 from duetime.core.router import FleetSnapshot, Refuse, Route, RouteDecision, Wait
@@ -175,6 +178,46 @@ def test_a_router_that_names_a_down_replica_is_an_error() -> None:
     )
     with pytest.raises(RuntimeError, match="replica 0, which is down"):
         fleet.run(poisson_jobs(50, rate=40.0, seed=8))
+
+
+@pytest.mark.parametrize(
+    ("replica", "words"),
+    [
+        (2, "chose replica 2, and the fleet has 0..1"),
+        (-1, "chose replica -1, and the fleet has 0..1"),
+        (1.0, "chose replica 1.0: a Route takes a replica's index, an int"),
+        (True, "chose replica True: a Route takes a replica's index"),
+    ],
+)
+def test_a_route_to_no_replica_of_the_fleet_says_so(replica: Any, words: str) -> None:
+    # 2 was "which is down", 1.0 a raw TypeError from indexing the replicas
+    class Off:
+        name = "off"
+
+        def route(self, snap: FleetSnapshot) -> RouteDecision:
+            return Route(replica)
+
+    cfg = SimConfig(kv_capacity=4000, max_num_seqs=16)
+    fleet = Fleet(
+        [ReplicaSpec(SIMPLE_COST, cfg) for _ in range(2)], lambda: make_policy("fcfs"), Off()
+    )
+    with pytest.raises(RuntimeError, match=re.escape(words)):
+        fleet.run(poisson_jobs(5, rate=40.0, seed=8))
+
+
+def test_a_numpy_integer_route_is_a_replica() -> None:
+    class Argmin:
+        name = "argmin"
+
+        def route(self, snap: FleetSnapshot) -> RouteDecision:
+            return Route(np.argmin(snap.running))  # type: ignore[arg-type]
+
+    cfg = SimConfig(kv_capacity=4000, max_num_seqs=16)
+    fleet = Fleet(
+        [ReplicaSpec(SIMPLE_COST, cfg) for _ in range(2)], lambda: make_policy("fcfs"), Argmin()
+    )
+    res = fleet.run(poisson_jobs(20, rate=40.0, seed=8))
+    assert all(rep.records for rep in res.replicas)
 
 
 def test_refusals_carry_the_routers_reason() -> None:

@@ -171,6 +171,8 @@ def assign_deadlines(jobs: list[Job], cost: LinearStepCost, scale: float) -> Non
 
 
 def sim_config(spec: SimSpec) -> tuple[LinearStepCost, SimConfig]:
+    if spec.replicas < 1:  # 0 is not a fleet: it ran one engine
+        raise ValueError(f"--replicas must be >= 1, got {spec.replicas}")
     cost, cfg = load_profile(spec.profile)
     if spec.kv_capacity is not None:
         if spec.kv_capacity < 1:

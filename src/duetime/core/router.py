@@ -16,6 +16,7 @@ requests, every microsecond a decision costs is a second of wall time.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -41,6 +42,16 @@ BoolArray = npt.NDArray[np.bool_]
 
 class RouterError(RuntimeError):
     """A router answered something the fleet cannot carry out (a replica that is down)."""
+
+
+def bad_route(replica: object, n: int) -> str | None:
+    """Why ``Route(replica)`` names none of ``n`` replicas, in words that follow "chose"
+    (None: it names one; whether that one is up is the fleet's to say)."""
+    if isinstance(replica, bool) or not isinstance(replica, numbers.Integral):
+        return f"replica {replica!r}: a Route takes a replica's index, an int"
+    if not 0 <= int(replica) < n:
+        return f"replica {replica}, and the fleet has 0..{n - 1}"
+    return None
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Container, Iterator
 from operator import attrgetter
-from typing import Any, Self
+from typing import Any, Self, get_args
 
 from duetime.core.decision import Decision, PreemptMode
 from duetime.core.sequence import Seq
@@ -40,6 +40,11 @@ class QueuePolicy:
         preempt_mode: PreemptMode = "recompute",
         admit_headroom: int = 0,
     ) -> None:
+        if preempt_mode not in get_args(PreemptMode):
+            raise ValueError(
+                f"preempt_mode must be one of {', '.join(get_args(PreemptMode))}, "
+                f"got {preempt_mode!r}"
+            )
         self.chunked_prefill = chunked_prefill
         self.head_of_line_blocking = head_of_line_blocking
         self.preempt_mode: PreemptMode = preempt_mode

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from duetime.core.router import Refuse, Route, Router, Wait
+from duetime.core.router import Refuse, Route, Router, Wait, bad_route
 from duetime.routers import make_router
 from duetime.server.errors import ApiError
 from duetime.server.gateway_fleet import Ask, Grant, make_offer, refusal
@@ -231,13 +231,17 @@ class Gateway:
         dec = self.router.route(offer.snap)
         if isinstance(dec, Route):
             i = dec.replica
-            if not (0 <= i < len(self.backends) and offer.snap.up[i]):
+            why = bad_route(i, len(self.backends))
+            if why is None and not offer.snap.up[i]:
+                why = f"backend {i}, which was not offered"
+            if why is not None:
                 raise ApiError(
                     500,
-                    f"router {self.router.name!r} chose backend {i}, which was not offered",
+                    f"router {self.router.name!r} chose {why}",
                     type="server_error",
                     code="router_error",
                 )
+            i = int(i)
             w.backend = i
             w.key = math.inf if w.ask.deadline_s is None else w.arrival + w.ask.deadline_s
             w.forecast = (

@@ -30,7 +30,15 @@ import numpy as np
 from duetime.core.policy import Policy
 from duetime.core.record import RequestRecord
 from duetime.core.request import MAX_TIME_S, Job, Request
-from duetime.core.router import FleetSnapshot, Refuse, Route, Router, RouterError, Wait
+from duetime.core.router import (
+    FleetSnapshot,
+    Refuse,
+    Route,
+    Router,
+    RouterError,
+    Wait,
+    bad_route,
+)
 from duetime.predict.oracle import JobPredictor
 from duetime.sim.fleet_result import FleetResult, ReplicaSpec, replica_result
 from duetime.sim.fleet_routes import RouteLog
@@ -197,10 +205,14 @@ class Fleet:
         if type(dec) is Route or isinstance(dec, Route):
             i = dec.replica
             reps = self.replicas
-            # (``rep.up`` is ``self.up[i]``, kept beside it: a plain attribute reads faster)
-            if not (0 <= i < len(reps) and reps[i].up):
-                raise RouterError(f"router {self.router.name!r} chose replica {i}, which is down")
+            if type(i) is not int or not 0 <= i < len(reps):
+                if (why := bad_route(i, len(reps))) is not None:
+                    raise RouterError(f"router {self.router.name!r} chose {why}")
+                i = int(i)  # a numpy integer
             rep = reps[i]
+            # (``rep.up`` is ``self.up[i]``, kept beside it: a plain attribute reads faster)
+            if not rep.up:
+                raise RouterError(f"router {self.router.name!r} chose replica {i}, which is down")
             if self._orphans and rid in self._orphans:
                 self.routes.again(rid, i)
                 self.counters["rerouted"] += 1

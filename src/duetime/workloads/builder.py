@@ -44,6 +44,8 @@ class Deadlines:
     def __post_init__(self) -> None:
         if min(self.slo_scale, self.ttft_s, self.tpot_s) < 0 or self.slo_scale == 0:
             raise ValueError(f"deadline parameters must be >= 0 and slo_scale > 0: {self}")
+        if self.basis not in ("output_len", "max_tokens"):
+            raise ValueError(f"deadline basis must be output_len or max_tokens, got {self.basis!r}")
 
     def budget(self, output_len: int, max_tokens: int) -> float:
         """Seconds from arrival to deadline."""

@@ -1,0 +1,28 @@
+"""Values the Python API took and ran with, where the command line refuses them."""
+
+from __future__ import annotations
+
+import pytest
+
+from duetime.experiment import SimSpec, run_spec
+from duetime.policies import make_policy
+from duetime.workloads.builder import Deadlines
+
+
+def test_an_unknown_preempt_mode_is_refused() -> None:
+    # it ran as "recompute", 1,061 preemptions later
+    with pytest.raises(ValueError, match="preempt_mode must be one of recompute, swap, restart"):
+        make_policy("edf", preempt_mode="teleport")
+    assert make_policy("edf", preempt_mode="swap").preempt_mode == "swap"  # type: ignore[attr-defined]
+
+
+def test_an_unknown_deadline_basis_is_refused() -> None:
+    # it priced every deadline by max_tokens
+    with pytest.raises(ValueError, match="deadline basis must be output_len or max_tokens"):
+        Deadlines(basis="oops")  # type: ignore[arg-type]
+
+
+def test_a_spec_of_no_replicas_is_refused() -> None:
+    # 0 is not a fleet (is_fleet is false for it): it ran one engine
+    with pytest.raises(ValueError, match="--replicas must be >= 1, got 0"):
+        run_spec(SimSpec(replicas=0, requests=10))
