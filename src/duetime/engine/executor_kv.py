@@ -30,6 +30,13 @@ class EngineKV(EngineState):
                 f"request {job.request.rid}: the engine needs prompt_token_ids of length "
                 f"prompt_len={job.request.prompt_len}"
             )
+        vocab = self.model.config.vocab_size
+        if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
+            # an index error deep in the embedding otherwise, mid-step
+            raise ValueError(
+                f"request {job.request.rid}: prompt token id {bad} is not in the model's "
+                f"vocabulary (0..{vocab - 1})"
+            )
         # The core refuses a duplicate id; only then may the ids be stored, or a live
         # request with that id would go on decoding from the newcomer's prompt.
         super().admit_arrival(job)
