@@ -42,3 +42,26 @@ def test_a_policy_slices_the_waiting_queue_and_iterates_the_running_one() -> Non
     assert first_all == list(range(6))
     # once two run, the running view iterates them in admission order
     assert ([2, 3], [0, 1]) in [(head, running) for head, running, _, _ in policy.seen]
+
+
+def test_no_public_field_of_a_waiting_sequence_holds_its_true_length() -> None:
+    # `segment_end` held it: the stop the executor plans from the job's hidden truth
+    jobs = [
+        Job(Request(rid=i, arrival=0.0, prompt_len=50 + i, max_tokens=100), 3 + i) for i in range(6)
+    ]
+    seen: dict[int, set[object]] = {}
+
+    class _Look(FCFS):
+        name = "look"
+
+        def schedule(self, snap: EngineSnapshot) -> Any:
+            for seq in snap.waiting:
+                public = [n for n in type(seq).__slots__ if not n.startswith("_")]
+                values = (getattr(seq, n) for n in public)
+                seen.setdefault(seq.rid, {v for v in values if isinstance(v, int | float)})
+            return super().schedule(snap)
+
+    config = SimConfig(kv_capacity=10_000, max_num_seqs=1, max_batch_tokens=256)
+    simulate(jobs, _Look(), LinearStepCost(c0=1.0), config)
+    assert sorted(seen) == list(range(6))
+    assert all(job.output_len not in seen[job.request.rid] for job in jobs)

@@ -29,7 +29,7 @@ class Admission(StepBooks):
             req.predicted = self.predictor.predict_job(job)
         seq = Seq(req, self.clock, self._order)
         target = min(job.output_len, req.max_tokens)
-        seq.segment_end = min(job.segments[0], target) if job.segments else target
+        seq._segment_end = min(job.segments[0], target) if job.segments else target
         rec = RequestRecord(request=req, target_tokens=target)
         never_fits = req.prompt_len + 1 > self.kv_capacity
         if not never_fits:

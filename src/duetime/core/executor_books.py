@@ -115,7 +115,7 @@ class KVBooks(PrefixBooks):
 
     def _stop_point(self, seq: Seq) -> int:
         """Generated-token count at which the sequence next stops (segment end or done)."""
-        return seq.segment_end
+        return seq._segment_end
 
     def _release(self, seq: Seq) -> None:
         """Take a sequence out of running/suspended and free its device KV."""

@@ -75,7 +75,7 @@ class Images(Admission):
             seq.segment_index = live.segment_index
             seq.ready_at = live.ready_at
             end = live.segment_end if live.segment_end > live.generated else target
-            seq.segment_end = min(end, target)
+            seq._segment_end = min(end, target)
             seq._set_generated(live.generated)
             self._order = max(self._order, live.order + 1)
             self._jobs[req.rid] = job

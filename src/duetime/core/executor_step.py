@@ -48,7 +48,7 @@ class StepBooks(KVBooks):
     def tokens_left(self, seq: Seq) -> int:
         """Answer tokens ``seq`` may still gain before it stops (its segment's end, or
         its answer's)."""
-        return min(self.records[seq.rid].target_tokens, seq.segment_end) - seq.generated
+        return min(self.records[seq.rid].target_tokens, seq._segment_end) - seq.generated
 
     def skip_ahead(self, rid: int, k: int) -> bool:
         """Book ``k`` more tokens of decoding ``rid``'s answer that take no decode steps
@@ -135,7 +135,7 @@ class StepBooks(KVBooks):
         seq.segment_index = 0
         seq.ready_at = seq.req.arrival
         target = rec.target_tokens
-        seq.segment_end = min(job.segments[0], target) if job.segments else target
+        seq._segment_end = min(job.segments[0], target) if job.segments else target
         rec.segment_done.clear()
         rec.segment_ready.clear()
         self.counters["restarts"] = self.counters.get("restarts", 0) + 1
@@ -169,7 +169,7 @@ class StepBooks(KVBooks):
         k = seq.segment_index
         gap = job.gap(k)
         nxt = job.segments[k + 1] if k + 1 < len(job.segments) else target
-        seq.segment_end = min(seq.segment_end + nxt, target)
+        seq._segment_end = min(seq._segment_end + nxt, target)
         self._suspend_at_boundary(seq, gap, job.gap_estimate(k))
 
     def _suspend_at_boundary(self, seq: Seq, gap: float, estimate: float | None = None) -> None:

@@ -56,15 +56,23 @@ class LiveSeq:
 
     @classmethod
     def of(cls, seq: Seq, *, parked: bool, queue_key: Any) -> LiveSeq:
-        """``seq`` as it stands now. Every field but ``request`` and the two given is the
-        sequence's attribute of the same name, so a count the executor adds to both
-        cannot be left out of the image."""
+        """``seq`` as it stands now. Every field but ``request``, ``segment_end`` and the
+        two given is the sequence's attribute of the same name, so a count the executor
+        adds to both cannot be left out of the image."""
         copied = {name: getattr(seq, name) for name in _SEQ_FIELDS}
-        return cls(request=seq.req, parked=parked, queue_key=queue_key, **copied)
+        return cls(
+            request=seq.req,
+            parked=parked,
+            queue_key=queue_key,
+            segment_end=seq._segment_end,  # the executor's own (policies do not read it)
+            **copied,
+        )
 
 
 _SEQ_FIELDS = tuple(
-    f.name for f in fields(LiveSeq) if f.name not in ("request", "parked", "queue_key")
+    f.name
+    for f in fields(LiveSeq)
+    if f.name not in ("request", "parked", "queue_key", "segment_end")
 )
 
 #: The executor limits an image records, named as :class:`~duetime.sim.simulator.SimConfig`

@@ -56,6 +56,7 @@ class Seq:
         "_decoding",
         "_epoch",
         "_gen_base",
+        "_segment_end",
         "_step_base",
         "first_token_time",
         "kv_evicted",
@@ -67,7 +68,6 @@ class Seq:
         "ready_at",
         "req",
         "rid",
-        "segment_end",
         "segment_index",
         "status",
     )
@@ -89,7 +89,9 @@ class Seq:
         self.num_preemptions = 0
         self.first_token_time: float | None = None
         self.segment_index = 0
-        self.segment_end = 0  # generated-token count at which the current segment ends
+        # Generated-token count at which the current segment (or the answer) ends: the
+        # executor's, from the job's hidden truth, so not for policies to read.
+        self._segment_end = 0
         self.ready_at = req.arrival
 
     # --- derived counts -------------------------------------------------
