@@ -36,7 +36,8 @@ class SimSpec:
     when set, each request without a deadline gets
     ``arrival + deadline_scale × (its time alone on the profile)``, the usual
     "slack" definition of a deadline. ``predictor``: ``policy`` (the policy's
-    own default), ``none``, ``oracle``, ``noisy`` or ``noisy:<rel_error>``.
+    own default) or any ``--predictor`` spec: ``none``, ``oracle``, ``noisy[:<rel_error>]``,
+    ``interval:...``, ``learned[:<model>]`` (docs/policies.md lists them).
     ``shared_prefix`` > 0 puts one of ``prefix_groups`` system prompts of that many
     tokens in front of every generated prompt (:class:`~duetime.workloads.SharedPrefix`);
     ``prefix_cache`` is the simulated prefix cache's budget in tokens (0: none).

@@ -97,9 +97,9 @@ def prepare_parent(target: Path, *, create: bool = True) -> Path:
 
 
 def save_png(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:
-    """Write a matplotlib figure atomically (a reader never sees half a file): PNG, or
-    the format the name asks for where matplotlib writes it (``.pdf``, ``.svg``: a
-    ``--plot x.pdf`` held PNG bytes).
+    """Write a matplotlib figure atomically (a reader never sees half a file) in the
+    format its name's suffix asks for where matplotlib writes it (``.pdf``, ``.svg``),
+    else PNG.
 
     Works for pyplot figures and bare ``matplotlib.figure.Figure`` objects, and
     closes pyplot figures afterwards so long sweeps do not accumulate them.

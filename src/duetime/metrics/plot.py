@@ -32,7 +32,9 @@ def plot_sweep(
     title: str | None = None,
     dpi: int = 120,
 ) -> Path:
-    """Write a PNG to ``path`` (atomically, parents created) and return the path.
+    """Write the plot to ``path`` (atomically, parents created) in the format its
+    suffix names where matplotlib writes it (``.pdf``, ``.svg``), else PNG; return
+    the path.
 
     ``x`` values may be numbers (plotted to scale; evenly spaced and in order where
     one is infinite) or labels (plotted evenly spaced, in first-seen order). Rows

@@ -103,7 +103,12 @@ class QueuePolicy:
         return seq.order
 
     def admissible(self, seq: Seq, snap: EngineSnapshot) -> bool:
-        """Extra admission rule (deadline checks, predicted-length checks)."""
+        """Extra admission rule (deadline checks, predicted-length checks). A request it
+        refuses stays waiting and is asked about again at the next scheduling point;
+        under head-of-line blocking the requests behind it wait too. To drop one for
+        good (a deadline that has passed), cancel it in the decision instead: an
+        executor with nothing running and every request refused here has nothing to
+        wait for, and stops the run as a policy error."""
         return True
 
     # --- the generic loop ---------------------------------------------------
