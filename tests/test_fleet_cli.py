@@ -168,3 +168,15 @@ def test_a_fleet_row_has_the_running_sequences_of_all_its_replicas(tmp_path: Pat
     area = sum(r["mean_running"] * r["sim_time_s"] for r in reps)
     assert row["mean_running"] == pytest.approx(area / row["sim_time_s"])
     assert max(r["mean_running"] for r in reps) < row["mean_running"]
+
+
+@pytest.mark.parametrize(
+    ("predictor", "noted"), [([], True), (["--predictor", "noisy:0.3"], False)]
+)
+def test_the_forecast_router_without_a_predictor_says_why_it_refuses(
+    predictor: list[str], noted: bool
+) -> None:
+    args = ["sim", "--replicas", "4", "--router", "forecast", "--deadline-scale", "5"]
+    res = runner.invoke(app, [*args, "--requests", "200", "--rate", "20", *predictor])
+    assert res.exit_code == 0, res.output
+    assert ("without a length predictor the forecast router" in res.output) is noted

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from duetime.cli.common import _progress, out
+from duetime.cli.common import _progress, err, out
 from duetime.cli.paths import input_path
 
 ReplicasOpt = Annotated[int, typer.Option(min=1, help="Replicas behind the router (a fleet).")]
@@ -118,6 +118,12 @@ def run_and_report(
         f"simulated {result.sim_time:,.1f} s in {result.wall_s:.2f} s wall "
         f"({result.engine_steps:,} steps)"
     )
+    if spec.router == "forecast" and plan.predictor_name in (None, "none") and row["refused"]:
+        err.print(
+            "note: without a length predictor the forecast router takes each request to "
+            "need its max_tokens, so it refuses what a length would admit "
+            "(--predictor noisy:0.3, or learned)"
+        )
 
 
 def _short(r: dict[str, Any]) -> str:
