@@ -169,7 +169,10 @@ class EngineExecutor(EngineStep):
             return None
         if not dec.is_empty():
             return -1.0
+        # a wake-up that is not in the future is no event, as in the simulator: asked
+        # again at once, such a policy spun the engine until its wall-time limit
+        wake = dec.wake_at if dec.wake_at is not None and dec.wake_at > self.now else None
         return min(
             min((s.ready_at for s in self.suspended.values()), default=float("inf")),
-            dec.wake_at if dec.wake_at is not None else float("inf"),
+            float("inf") if wake is None else wake,
         )
