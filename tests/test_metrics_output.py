@@ -117,3 +117,9 @@ def test_table_never_hides_digits_in_a_narrow_terminal() -> None:
     assert "…" not in text
     assert "e+" not in text  # large figures as grouped integers, not 2.881e+04
     assert "28,810" in text.replace("\n", "").replace(" ", "").replace("│", "")
+
+
+def test_a_list_of_unlabelled_summaries_is_refused_in_words() -> None:
+    # it was "too many values to unpack (expected 2)"
+    with pytest.raises(TypeError, match="list of \\(label, summary\\) pairs"):
+        render_table([{"requests": 1}, {"requests": 2}])  # type: ignore[list-item]

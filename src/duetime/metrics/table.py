@@ -81,4 +81,10 @@ def _as_columns(
         if values and all(isinstance(v, Mapping) for v in values):
             return [(str(k), v) for k, v in summaries.items()]  # type: ignore[misc]
         return [("value", summaries)]  # type: ignore[list-item]
-    return [(str(label), s) for label, s in summaries]
+    pairs = list(summaries)
+    if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], Mapping) for p in pairs):
+        raise TypeError(
+            "render_table takes one summary, a {label: summary} mapping or a list of "
+            "(label, summary) pairs; a list of bare summaries needs labels"
+        )
+    return [(str(label), s) for label, s in pairs]
