@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 
 from duetime.core.cost import LinearStepCost
-from duetime.core.request import Job, Request
+from duetime.core.request import Job
 from duetime.engine.executor import EngineExecutor
 from duetime.engine.testing import engine_from_hf, tiny_hf_model
 from duetime.policies.fcfs import FCFS
 from duetime.sim import SimConfig, simulate
+from tests.engine_checks import engine_job, random_prompt
 
 
 class _Counting(FCFS):
@@ -37,13 +38,10 @@ class _Counting(FCFS):
 
 def _jobs(n: int) -> list[Job]:
     r = random.Random(3)
-    jobs = []
-    for i in range(n):
-        p, o = r.randint(4, 12), r.randint(2, 10)
-        ids = (2, *(r.randrange(3, 256) for _ in range(p - 1)))
-        req = Request(rid=i, arrival=0.0, prompt_len=p, prompt_token_ids=ids, max_tokens=o)
-        jobs.append(Job(req, o))
-    return jobs
+    return [
+        engine_job(i, (2, *random_prompt(r, r.randint(3, 11))), r.randint(2, 10), max_tokens=10)
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("executor", ["sim", "engine"])
