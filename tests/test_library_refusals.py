@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 
 from duetime.experiment import SimSpec, run_spec
@@ -26,3 +29,24 @@ def test_a_spec_of_no_replicas_is_refused() -> None:
     # 0 is not a fleet (is_fleet is false for it): it ran one engine
     with pytest.raises(ValueError, match="--replicas must be >= 1, got 0"):
         run_spec(SimSpec(replicas=0, requests=10))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("rate", "8", "SimSpec.rate must be a number, got '8' (str)"),
+        ("requests", 10.5, "SimSpec.requests must be an int, got 10.5 (float)"),
+        ("seed", True, "SimSpec.seed must be an int, got True (bool)"),
+        ("deadline_scale", "x", "SimSpec.deadline_scale must be a number or None"),
+        ("policy", 3, "SimSpec.policy must be a str, got 3 (int)"),
+    ],
+)
+def test_a_spec_field_of_the_wrong_type_is_named(field: str, value: object, words: str) -> None:
+    # each failed deep inside a run ("'>' not supported between 'str' and 'int'", ...)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SimSpec(**{field: value})  # type: ignore[arg-type]
+
+
+def test_numpy_numbers_are_numbers_to_a_spec() -> None:
+    spec = SimSpec(requests=np.int64(20), rate=np.float64(4.0), seed=np.int64(1))
+    assert run_spec(spec)[1]["requests"] == 20

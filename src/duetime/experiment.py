@@ -10,7 +10,9 @@ reproducible.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,9 @@ class SimSpec:
     fleet: str | None = None
     failures: tuple[tuple[int, float], ...] = ()
 
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -84,6 +89,32 @@ class SimSpec:
         elif math.isinf(self.rate):
             fields["rate"] = "inf"
         return fields
+
+
+#: What each scalar annotation of :class:`SimSpec` admits (numpy numbers included).
+_KINDS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "int": ("an int", (numbers.Integral,)),
+    "float": ("a number", (numbers.Real,)),
+    "str": ("a str", (str,)),
+}
+
+
+def _check_field_types(spec: SimSpec) -> None:
+    """A value of the wrong type is named here, not by the numpy or comparison error it
+    causes deep in a run (``rate="8"``: "'>' not supported between 'str' and 'int'")."""
+    for f in dataclass_fields(spec):
+        kind, _, optional = str(f.type).partition(" | ")
+        if kind not in _KINDS or (optional not in ("", "None")):
+            continue
+        value = getattr(spec, f.name)
+        words, types = _KINDS[kind]
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise ValueError(
+                f"SimSpec.{f.name} must be {words}{' or None' if optional else ''}, "
+                f"got {value!r} ({type(value).__name__})"
+            )
 
 
 #: ``SimSpec.workload`` names other than these are trace files.
