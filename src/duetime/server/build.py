@@ -54,6 +54,12 @@ def served_context(kv_capacity: int, max_position: int | None = None) -> int:
     return room if max_position is None else min(max_position, room)
 
 
+def served_policy(options: ServeOptions) -> Any:
+    """A fresh instance of the served policy with its arguments: the executor's, each
+    forecast's where there is no fork to run, and the options check's."""
+    return make_policy(options.policy, **dict(options.policy_kwargs or {}))
+
+
 @dataclass(slots=True)
 class ServeOptions:
     """What `duetime serve` runs: its options, and the limits auto sizing chose."""
@@ -130,7 +136,6 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         background=True,
     )
     policy = _checked_settings(options)
-    kwargs = dict(options.policy_kwargs or {})
     confidence = options.deadline_confidence
     forecasts = options.admission == "forecast"
     errors = ForecastErrors(confidence) if forecasts and confidence is not None else None
@@ -170,7 +175,7 @@ def build_state(options: ServeOptions, model: Gemma3, codec: Codec, name: str) -
         admission=Admission(
             timer,
             max_waiting=options.max_waiting,
-            policy=(lambda: make_policy(options.policy, **kwargs)) if forecasts else None,
+            policy=(lambda: served_policy(options)) if forecasts else None,
             errors=errors,
             burst_gap_s=options.burst_gap_s,
         ),
@@ -192,7 +197,7 @@ def served_executor(
     timed at start (:attr:`ServeOptions.measured_cost`); ``telemetry`` overrides the
     options' step log."""
     ex = EngineExecutor(
-        make_policy(options.policy, **dict(options.policy_kwargs or {})),
+        served_policy(options),
         model,
         kv_capacity=options.kv_capacity,
         max_num_seqs=options.max_num_seqs,
@@ -226,7 +231,7 @@ def _check_predicted(policy: Any, options: ServeOptions, predictor: JobPredictor
 
 def _checked_settings(options: ServeOptions) -> Any:
     """The options' policy, once every setting but the predictor is checked."""
-    policy = make_policy(options.policy, **dict(options.policy_kwargs or {}))
+    policy = served_policy(options)
     if options.admission not in ADMISSION_MODES:
         raise ValueError(
             f"admission must be one of {', '.join(ADMISSION_MODES)}, not {options.admission!r}"
