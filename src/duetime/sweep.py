@@ -67,11 +67,10 @@ def _ray_sweep(
             "--ray needs Ray: .venv/bin/pip install -c constraints.txt -e '.[dev]'"
         ) from None
     if not ray.is_initialized():
-        if address is not None:
-            check_reachable(address)
         if address is None:  # a local cluster (RAY_ADDRESS in the environment joins one)
             ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
         else:  # the cluster's own resources: num_cpus belongs to the one that starts it
+            check_reachable(address)
             ray.init(address=address, log_to_driver=False)
     remote = ray.remote(run_row)
     refs = [remote.remote(s) for s in specs]
