@@ -55,9 +55,7 @@ def is_fleet(spec: SimSpec) -> bool:
 
 def make_fleet(plan: PlannedRun) -> Fleet:
     """The fleet a planned spec describes (replicas, router, failures), ready to run."""
-    spec = plan.spec
-    if spec.replicas < 1:
-        raise ValueError(f"--replicas must be >= 1, got {spec.replicas}")
+    spec = plan.spec  # its replicas >= 1: plan_spec checked them (sim_config)
     given = {"kv_capacity": spec.kv_capacity, "max_num_seqs": spec.max_num_seqs}
     limits = {k: v for k, v in given.items() if v is not None}
     specs = build_fleet(
